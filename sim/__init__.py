@@ -1,0 +1,1 @@
+"""Discrete-event simulator: the engine model plus the very same policy objects the live hosts run."""

@@ -1,0 +1,107 @@
+"""Build a simulation from a typed run config and summarise it (shared by the CLI, sweeps, tests)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadgen.registry import make_workload
+from router.clock import ManualClock
+from router.cost_model import CostModel
+from router.policies import make_policy
+from sim.engine import EngineConfig, EngineModel
+from sim.metrics import summarize
+from sim.simulator import Simulation
+
+
+class RunConfig(BaseModel):
+    """One simulator run. Field bounds are checked at the boundary (CLI, sweep, tests)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str
+    policy: str
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    rate: float = Field(4.0, gt=0, description="requests/s (open loop) or sessions/s (agentic)")
+    duration_s: float = Field(300.0, gt=0, description="arrivals stop after this (seconds)")
+    time_scale: float = Field(1.0, gt=0, description="trace time compression factor")
+    concurrency: int | None = Field(None, ge=1, description="fixed-concurrency mode")
+    replicas: int = Field(1, ge=1)
+    profile: str = "h200-llama3-8b"
+    kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks per replica")
+    block_size: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    seed: int = 0
+
+
+def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
+    clock = ManualClock()
+    cost = CostModel.from_profile(cfg.profile)
+    engine_cfg = EngineConfig(
+        block_size=cfg.block_size,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        kv_blocks=cfg.kv_blocks,
+    )
+    replicas = []
+    for j in range(cfg.replicas):
+        policy = make_policy(
+            cfg.policy, clock=clock, cost=cost, block_size=cfg.block_size, **cfg.policy_options
+        )
+        replicas.append(EngineModel(engine_cfg, cost, policy, clock, replica=j))
+    workload = make_workload(
+        cfg.workload,
+        rate=cfg.rate,
+        duration_s=cfg.duration_s,
+        seed=cfg.seed,
+        block_size=cfg.block_size,
+        time_scale=cfg.time_scale,
+        concurrency=cfg.concurrency,
+    )
+    return Simulation(workload, replicas, clock), clock
+
+
+def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
+    """Run one configuration and return the JSON-ready summary (with every finished request's
+    TTFT under ``ttft_samples_s`` if ``keep_samples``)."""
+    sim, _ = build(cfg)
+    res = sim.run()
+    summary = summarize(res.finished)
+    first = min((r.spec.arrival_s for r in res.finished), default=0.0)
+    last = max((r.spec.arrival_s for r in res.finished), default=0.0)
+    n_req = res.n_arrived
+    policies = [e.policy for e in sim.replicas]
+    out: dict[str, Any] = {
+        "workload": cfg.workload,
+        "policy": cfg.policy,
+        "policy_options": cfg.policy_options,
+        "replicas": cfg.replicas,
+        "rate_rps": cfg.rate,
+        "realized_rate_rps": (len(res.finished) - 1) / (last - first) if last > first else 0.0,
+        "concurrency": cfg.concurrency,
+        "seed": cfg.seed,
+        "profile": cfg.profile,
+        "kv_blocks": sim.replicas[0].pool.num_blocks,
+        "n_requests": n_req,
+        "n_finished": len(res.finished),
+        "n_rejected": len(res.rejected),
+        "n_unfinished": res.n_unfinished,
+        **summary,
+        "preemptions": res.preemptions,
+        "evictions": res.evictions,
+        "promotions": sum(getattr(p, "promotions", 0) for p in policies),
+        "busy_fraction": [b / res.end_s if res.end_s else 0.0 for b in res.busy_s],
+        "sim_end_s": res.end_s,
+        "sim_wall_s": res.wall_s,
+    }
+    if keep_samples:
+        out["ttft_samples_s"] = [r.ttft_s for r in res.finished]
+    return out
+
+
+def dump(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=False)

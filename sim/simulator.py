@@ -1,0 +1,156 @@
+"""The discrete-event loop: arrivals and engine step ends on one virtual clock.
+
+Events are ``(time, rank, seq, kind, payload)`` heap entries; ``seq`` comes from a counter the
+simulation owns, so equal-time events resolve deterministically (STYLE.md #5). At one instant,
+step ends (rank 0) go before arrivals (rank 1), and idle replicas start a step only once every
+event of that instant is applied, so simultaneous arrivals share a batch.
+
+Handlers return the events they cause (Vidur's layout): an arrival returns nothing (it kicks its
+replica), a step end returns the follow-up arrivals of a closed-loop workload.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from loadgen.spec import RequestSpec, Workload
+from router.clock import ManualClock
+from sim.engine import EngineModel, EngineRequest
+
+STEP_END = 0  # rank 0: completions free memory before same-instant arrivals are admitted
+ARRIVAL = 1
+INITIAL_ARRIVAL = 2  # an arrival from the workload's initial stream (pulls the next one lazily)
+_RANK = {STEP_END: 0, ARRIVAL: 1, INITIAL_ARRIVAL: 1}
+
+Router = Callable[[RequestSpec, list[EngineModel]], int]
+
+
+def round_robin() -> Router:
+    """The trivial replica choice used until cluster routing lands (issue: cluster routing)."""
+    state = {"i": 0}
+
+    def route(spec: RequestSpec, replicas: list[EngineModel]) -> int:
+        j = state["i"] % len(replicas)
+        state["i"] += 1
+        return j
+
+    return route
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced. Invariant (conservation):
+    ``n_arrived == len(finished) + len(rejected) + n_unfinished``."""
+
+    finished: list[EngineRequest] = field(default_factory=list)
+    rejected: list[EngineRequest] = field(default_factory=list)
+    n_arrived: int = 0
+    n_unfinished: int = 0
+    end_s: float = 0.0
+    wall_s: float = 0.0
+    busy_s: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    evictions: int = 0
+
+
+class Simulation:
+    """Run ``workload`` through ``replicas`` (engine models sharing ``clock``)."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        replicas: list[EngineModel],
+        clock: ManualClock,
+        router: Router | None = None,
+        max_time_s: float | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("need at least one replica")
+        self.workload = workload
+        self.replicas = replicas
+        self.clock = clock
+        self.router = router or round_robin()
+        self.max_time_s = max_time_s
+        self._heap: list[tuple[float, int, int, int, object]] = []
+        self._seq = 0
+        self._busy = [False] * len(replicas)
+        self._initial: Iterator[RequestSpec] = iter(())
+        self.result = SimResult()
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, _RANK[kind], self._seq, kind, payload))
+        self._seq += 1
+
+    def _push_next_initial(self) -> None:
+        spec = next(self._initial, None)
+        if spec is not None:
+            self._push(spec.arrival_s, INITIAL_ARRIVAL, spec)
+
+    def on_arrival(self, spec: RequestSpec) -> int:
+        """Route and enqueue; return the replica index touched."""
+        self.result.n_arrived += 1
+        j = self.router(spec, self.replicas)
+        r = self.replicas[j].add(spec)
+        if r.rejected:
+            self.result.rejected.append(r)
+            for follow in self.workload.on_complete(spec, self.clock.now()):
+                self._push(follow.arrival_s, ARRIVAL, follow)
+        return j
+
+    def on_step_end(self, j: int) -> list[RequestSpec]:
+        self._busy[j] = False
+        done = self.replicas[j].finish_step()
+        follow: list[RequestSpec] = []
+        now = self.clock.now()
+        for r in done:
+            self.result.finished.append(r)
+            follow.extend(self.workload.on_complete(r.spec, now))
+        return follow
+
+    def _kick(self, j: int) -> None:
+        if self._busy[j]:
+            return
+        eng = self.replicas[j]
+        if not eng.has_work():
+            return
+        dt = eng.start_step()
+        if dt is None:
+            return
+        self._busy[j] = True
+        self._push(self.clock.now() + dt, STEP_END, j)
+
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        self._initial = iter(self.workload.initial())
+        self._push_next_initial()
+        heap = self._heap
+        while heap:
+            t = heap[0][0]
+            if self.max_time_s is not None and t > self.max_time_s:
+                break
+            self.clock.set(t)
+            touched: set[int] = set()
+            while heap and heap[0][0] == t:
+                _, _, _, kind, payload = heapq.heappop(heap)
+                if kind != STEP_END:
+                    if kind == INITIAL_ARRIVAL:
+                        self._push_next_initial()
+                    touched.add(self.on_arrival(payload))  # type: ignore[arg-type]
+                else:
+                    j = int(payload)  # type: ignore[arg-type]
+                    for f in self.on_step_end(j):
+                        self._push(max(f.arrival_s, t), ARRIVAL, f)
+                    touched.add(j)
+            for j in sorted(touched):
+                self._kick(j)
+        res = self.result
+        res.end_s = self.clock.now()
+        res.n_unfinished = sum(len(e.reqs) for e in self.replicas)
+        res.wall_s = time.perf_counter() - t0
+        res.busy_s = [e.busy_s for e in self.replicas]
+        res.preemptions = sum(e.preemptions for e in self.replicas)
+        res.evictions = sum(e.pool.evictions for e in self.replicas)
+        return res

@@ -1,0 +1,110 @@
+"""Engine model: step timing, prefix hits, chunked prefill, memory-bound admission, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.clock import ManualClock
+from router.policies import make_policy
+from router.policies.hits import HitTracker
+from sim.engine import EngineConfig, EngineModel
+from sim.simulator import Simulation
+from tests.factories import LinearCost, ListWorkload, chain, spec
+
+
+def engine(kv_blocks=100, policy="fcfs", budget=8192, max_seqs=256, **kw):
+    clock = ManualClock()
+    cost = LinearCost()
+    pol = make_policy(policy, clock=clock, cost=cost, **kw)
+    cfg = EngineConfig(kv_blocks=kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return EngineModel(cfg, cost, pol, clock), clock
+
+
+def run(eng, clock, specs):
+    sim = Simulation(ListWorkload(specs), [eng], clock)
+    return sim.run()
+
+
+def test_single_request_timeline():
+    eng, clock = engine()
+    res = run(eng, clock, [spec(0, 0.0, 100, 3, chain("a", 6))])
+    (r,) = res.finished
+    assert r.first_token_s == pytest.approx(0.11)  # .01 + 100 * .001
+    assert r.finished_s == pytest.approx(0.11 + 2 * 0.015)  # two decode steps
+    assert r.cached_tokens == 0 and r.admitted_s == 0.0
+
+
+def test_prefix_hit_skips_cached_tokens():
+    eng, clock = engine()
+    a = spec(0, 0.0, 100, 2, chain("sys", 4) + chain("a", 2))
+    b = spec(1, 1.0, 100, 2, chain("sys", 4) + chain("b", 2))
+    res = run(eng, clock, [a, b])
+    rb = [r for r in res.finished if r.rid == 1][0]
+    assert rb.cached_tokens == 64
+    assert rb.ttft_s == pytest.approx(0.01 + 36 * 0.001)
+
+
+def test_fully_cached_prompt_still_computes_last_token():
+    eng, clock = engine()
+    a = spec(0, 0.0, 64, 1, chain("s", 4))
+    b = spec(1, 1.0, 64, 1, chain("s", 4))
+    res = run(eng, clock, [a, b])
+    rb = [r for r in res.finished if r.rid == 1][0]
+    assert rb.cached_tokens == 48  # (64 - 1) // 16 blocks at most
+
+
+def test_chunked_prefill_under_token_budget():
+    eng, clock = engine(budget=64)
+    res = run(eng, clock, [spec(0, 0.0, 200, 1, chain("a", 12))])
+    (r,) = res.finished
+    assert eng.steps == 4  # 64 + 64 + 64 + 8
+    assert r.first_token_s == pytest.approx(4 * 0.01 + 0.2)
+
+
+def test_memory_bounds_admission():
+    eng, clock = engine(kv_blocks=10)
+    a = spec(0, 0.0, 100, 20, chain("a", 7))  # 7 prompt blocks, grows to 8
+    b = spec(1, 0.0, 100, 2, chain("b", 6))
+    res = run(eng, clock, [a, b])
+    ra, rb = sorted(res.finished, key=lambda r: r.rid)
+    assert rb.admitted_s >= ra.finished_s
+    assert res.preemptions == 0
+
+
+def test_preemption_recomputes_and_everything_finishes():
+    eng, clock = engine(kv_blocks=10)
+    a = spec(0, 0.0, 64, 60, chain("a", 7))
+    b = spec(1, 0.0, 64, 60, chain("b", 7))
+    res = run(eng, clock, [a, b])
+    assert len(res.finished) == 2 and res.n_unfinished == 0
+    ra, rb = sorted(res.finished, key=lambda r: r.rid)
+    assert rb.preemptions >= 1 and ra.preemptions == 0  # the newest is the victim
+    assert eng.pool.num_free == eng.pool.num_blocks  # nothing leaked
+
+
+def test_too_long_request_is_rejected_not_stuck():
+    eng, clock = engine(kv_blocks=4)
+    res = run(eng, clock, [spec(0, 0.0, 100, 2, chain("a", 6)), spec(1, 0.0, 20, 2, chain("b", 1))])
+    assert [r.rid for r in res.rejected] == [0] and "KV blocks" in res.rejected[0].rejected
+    assert [r.rid for r in res.finished] == [1]
+
+
+def test_policy_hits_equal_the_engine_cache_during_a_run():
+    eng, clock = engine(kv_blocks=40, policy="lpm")
+    specs = [spec(i, 0.01 * i, 96 + 16 * (i % 3), 4, chain("sys", 3) + chain(f"u{i % 4}", 5))
+             for i in range(30)]
+    checked = []
+    orig = eng.start_step
+
+    def checked_step():
+        tracker: HitTracker = eng.policy._tracker  # the policy's live view
+        for rid in list(eng.policy._items):
+            q = eng.policy._items[rid]
+            want = len(eng.pool.longest_hit(eng.policy._cacheable(q)))
+            assert tracker.hit(rid) == want
+            checked.append(rid)
+        return orig()
+
+    eng.start_step = checked_step
+    res = run(eng, clock, specs)
+    assert len(res.finished) == 30 and checked

@@ -1,0 +1,110 @@
+"""Fairway's lanes: promotion, lane orders, and the stride split of capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policies import FAIR, FAST, FairwayConfig
+from tests.factories import chain, policy_with_cache, queued
+
+
+def fairway(**kw):
+    return policy_with_cache("fairway", set(), **kw)
+
+
+def test_promotion_at_theta_times_own_prefill_time_with_floor():
+    p, clock = fairway(theta=2.0, p_floor_s=0.05)
+    p.add(queued(0, 0.0, 1000, chain("big", 62)))  # P = 1.01 s -> due at 2.02 s
+    p.add(queued(1, 0.0, 30, chain("small", 1)))  # P = .04 < floor .05 -> due at 0.1 s
+    clock.set(0.099)
+    p.refresh_lanes()
+    assert p.lane_sizes() == {FAST: 2, FAIR: 0}
+    clock.set(0.1)
+    p.refresh_lanes()
+    assert p.lane_sizes() == {FAST: 1, FAIR: 1}
+    clock.set(2.02)
+    p.refresh_lanes()
+    assert p.lane_sizes() == {FAST: 0, FAIR: 2} and p.promotions == 2
+    assert p.promoted_at[:2].tolist() == pytest.approx([2.02, 0.1])
+
+
+def test_fast_lane_is_least_uncached_work_and_fair_lane_is_highest_ratio():
+    p, clock = fairway(theta=8.0, p_floor_s=0.25)
+    # fast lane at t=10: both arrived at 9.9, not yet due
+    p.add(queued(0, 9.9, 500, chain("f0", 31)))
+    p.add(queued(1, 9.9, 100, chain("f1", 6)))
+    # fair lane: r2 waited 10 s with P=1.01 (ratio ~9.9); r3 waited 5 s with P floor .25 (20)
+    p.add(queued(2, 0.0, 1000, chain("a", 62)))
+    p.add(queued(3, 5.0, 30, chain("b", 1)))
+    clock.set(10.0)
+    p.refresh_lanes()
+    assert p.lane_sizes() == {FAST: 2, FAIR: 2}
+    order = []
+    lanes = []
+    while len(p):
+        r = p.select()
+        adm = p.admit(r.rid)
+        order.append(r.rid)
+        lanes.append(adm.lane)
+    # stride: fair first (tie), then fast (pass 0), then fair again ...
+    assert order == [3, 1, 2, 0]
+    assert lanes == [FAIR, FAST, FAIR, FAST]
+
+
+def test_stride_split_follows_the_shares():
+    p, clock = fairway(fair_share=0.7)  # theta 8, floor .25
+    for i in range(4):  # fair lane: promoted, equal P = 0.1 s, oldest first by ratio
+        p.add(queued(i, 0.1 * i, 90, chain(f"fair{i}", 5)))
+    for i in range(4, 8):  # fast lane: not due (9.9 + 8 * .25 > 10)
+        p.add(queued(i, 9.9, 90, chain(f"fast{i}", 5)))
+    clock.set(10.0)
+    lanes = []
+    while len(p):
+        adm = p.admit(p.select().rid)
+        lanes.append(adm.lane)
+    # passes: fair += .1/.7 (.143, .286, .429, .571), fast += .1/.3 (.333, .667, ...)
+    assert lanes == [FAIR, FAST, FAIR, FAIR, FAST, FAIR, FAST, FAST]
+
+
+def test_a_lane_that_was_empty_banks_no_credit():
+    p, clock = fairway()
+    for i in range(10):
+        p.add(queued(i, 9.9, 90, chain(f"fast{i}", 5)))
+    clock.set(10.0)
+    for _ in range(6):
+        p.admit(p.select().rid)
+    assert p.passes[FAST] == pytest.approx(6 * 0.1 / 0.25)
+    # two requests reach the Fair lane now; it restarts at the Fast lane's pass
+    p.add(queued(100, 0.0, 90, chain("late0", 5)))
+    p.add(queued(101, 0.0, 90, chain("late1", 5)))
+    lanes = [p.admit(p.select().rid).lane for _ in range(4)]
+    # with banked credit (pass 0) the Fair lane would take both first: [FAIR, FAIR, FAST, FAST]
+    assert lanes == [FAIR, FAST, FAIR, FAST]
+
+
+def test_empty_lane_gives_the_other_everything():
+    p, clock = fairway()
+    for i in range(3):
+        p.add(queued(i, 9.9, 90, chain(f"x{i}", 5)))
+    clock.set(10.0)
+    assert [p.admit(p.select().rid).lane for _ in range(3)] == [FAST] * 3
+
+
+def test_hit_changes_reorder_the_fast_lane():
+    cache: set[int] = set()
+    p, clock = policy_with_cache("fairway", cache)
+    p.add(queued(0, 0.0, 300, chain("a", 18)))
+    p.add(queued(1, 0.0, 400, chain("b", 25)))
+    assert p.select().rid == 0
+    cache.update(chain("b", 24))
+    p.on_blocks_stored(chain("b", 24))
+    assert p.select().rid == 1  # now only 16 tokens uncached
+
+
+def test_config_bounds():
+    with pytest.raises(ValueError):
+        FairwayConfig(theta=0)
+    with pytest.raises(ValueError):
+        FairwayConfig(fair_share=1.0)
+    with pytest.raises(ValueError):
+        FairwayConfig(fair_order="oldest")
