@@ -84,7 +84,9 @@ def make_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="policies x rates: table, JSON and plots")
     _common(s)
     s.add_argument("--policies", required=True, help="comma-separated policy specs")
-    s.add_argument("--rates", required=True, help="comma-separated rates")
+    s.add_argument("--rates", default="4", help="comma-separated rates")
+    s.add_argument("--time-scales", default=None,
+                   help="comma-separated trace time scales (x axis instead of --rates)")
     s.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
     s.add_argument("--out", required=True, help="output folder for JSON and PNG plots")
     s.add_argument("--jobs", type=int, default=2, help="parallel processes")

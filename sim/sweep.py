@@ -55,10 +55,16 @@ def median_over_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     policies = split_list(args.policies)
-    rates = [float(x) for x in split_list(args.rates)]
+    by_scale = bool(args.time_scales)
+    rates = [float(x) for x in split_list(args.time_scales if by_scale else args.rates)]
     seeds = [int(x) for x in split_list(args.seeds)] if args.seeds else [args.seed]
+    def cfg_for(spec: str, x: float, seed: int) -> RunConfig:
+        if by_scale:  # trace replays: the x axis is the time compression, not a rate
+            return config_from(args, spec, 1.0, seed).model_copy(update={"time_scale": x})
+        return config_from(args, spec, x, seed)
+
     cfgs = [
-        (spec, rate, config_from(args, spec, rate, seed))
+        (spec, rate, cfg_for(spec, rate, seed))
         for rate in rates
         for spec in policies
         for seed in seeds
@@ -72,7 +78,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         with ProcessPoolExecutor(max_workers=jobs) as ex:
             raw = list(ex.map(_one, payload))
     grouped: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for (spec, rate, _), res in zip(cfgs, raw):
+    for (spec, rate, _), res in zip(cfgs, raw, strict=True):
         res["label"] = spec
         grouped.setdefault((spec, rate), []).append(res)
     rows = []
@@ -82,18 +88,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         for spec in policies:
             res = median_over_seeds(grouped[(spec, rate)])
             res["label"] = spec
+            if by_scale:
+                res["rate_rps"] = rate  # the x value shown: the time scale
             rows.append(res)
             print(format_row(res))
     slim = [{k: v for k, v in r.items() if k != "ttft_samples_s"} for r in rows]
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump({"workload": args.workload, "seeds": seeds, "results": slim}, f, indent=1)
-    plot(rows, policies, rates, args.workload, args.out)
+    plot(rows, policies, rates, args.workload, args.out,
+         "time scale (x faster)" if by_scale else "rate (req/s; agentic: sessions/s)")
     print(f"wrote {os.path.join(args.out, 'sweep.json')} and plots in {args.out}")
     return 0
 
 
 def plot(rows: list[dict[str, Any]], policies: list[str], rates: list[float], workload: str,
-         out: str) -> None:
+         out: str, xlabel: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,8 +114,8 @@ def plot(rows: list[dict[str, Any]], policies: list[str], rates: list[float], wo
         xs = [r["rate_rps"] for r in pts]
         axes[0].plot(xs, [r["ttft_s"]["p50"] for r in pts], marker="o", label=spec)
         axes[1].plot(xs, [r["ttft_s"]["p99"] for r in pts], marker="o", label=spec)
-    for ax, what in zip(axes, ("p50", "p99")):
-        ax.set_xlabel("rate (req/s; agentic: sessions/s)")
+    for ax, what in zip(axes, ("p50", "p99"), strict=True):
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(f"TTFT {what} (s)")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
@@ -127,7 +136,7 @@ def plot(rows: list[dict[str, Any]], policies: list[str], rates: list[float], wo
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{workload}: TTFT CDF at rate {top:g}")
+    ax.set_title(f"{workload}: TTFT CDF at x = {top:g}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

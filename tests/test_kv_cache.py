@@ -9,7 +9,7 @@ from sim.kv_cache import BlockPool, OutOfBlocks
 
 def fill(pool: BlockPool, hashes):
     blocks = pool.allocate(len(hashes))
-    for b, h in zip(blocks, hashes):
+    for b, h in zip(blocks, hashes, strict=True):
         pool.cache_block(b, h)
     return blocks
 

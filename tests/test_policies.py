@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.policies import POLICIES, PolicyError, make_policy
 from router.clock import ManualClock
+from router.policies import POLICIES, PolicyError, make_policy
 from tests.factories import LinearCost, chain, drain_order, policy_with_cache, queued
 
 # Cache: the 4-block "sys" prefix and the 10-block "doc" prefix.

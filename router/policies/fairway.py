@@ -4,8 +4,13 @@
   its current estimated prefill time (uncached tokens on top of cached ones); then it is
   promoted, for good, to the **Fair lane**.
 - Fast lane order: least uncached work first (reuse-first measured as the work reuse leaves).
-- Fair lane order: highest W / max(P, P_floor) first (the response ratio; oldest-first hurt in
-  the prototype), or earliest deadline arrival + theta * max(P, P_floor) with ``fair_order="edf"``.
+- Fair lane order (default ``"edf"``): earliest deadline first, deadline = arrival +
+  theta * max(P, P_floor), i.e. the moment the request was due for promotion. Deadlines are
+  static while hits are, so a Fair-lane request is overtaken in its lane only by requests whose
+  deadline is earlier: at most the requests that arrived before its deadline, under any load.
+  ``"ratio"`` (highest W / max(P, P_floor), the prototype's default) is kept as an option: it
+  lets a stream of cheap promoted requests (ratio growing at 1 / P_floor) starve an expensive
+  one for as long as an overload lasts (tests/test_sim.py shows it; docs/benchmarks.md compares).
 - Capacity split: stride scheduling over estimated prefill work. Each lane has a pass; admit from
   the non-empty lane with the smaller pass, then add P / share to that lane's pass. A lane that
   was empty restarts at the other lane's pass (it banks no credit); an empty lane gives the other
@@ -38,14 +43,14 @@ class FairwayConfig:
     fair_share: the Fair lane's share of admitted prefill work under contention (0 < s < 1);
         the Fast lane gets 1 - fair_share.
     fast_order: "least-work" (least uncached prefill time) or "most-cached" (longest prefix).
-    fair_order: "ratio" (highest W / max(P, floor)) or "edf" (earliest arrival + theta*max(P, floor)).
+    fair_order: "edf" (earliest arrival + theta * max(P, floor)) or "ratio" (highest W / max(P, floor)).
     """
 
     theta: float = 8.0
     p_floor_s: float = 0.25
     fair_share: float = 0.75
     fast_order: str = "least-work"
-    fair_order: str = "ratio"
+    fair_order: str = "edf"
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
