@@ -8,8 +8,13 @@ from router.policies import FAIR, FAST, FairwayConfig
 from tests.factories import chain, policy_with_cache, queued
 
 
+# The design's lane semantics with round numbers: theta 8, floor .25, shares .75 / .25, and the
+# Fast lane picking among requests not yet promoted. Tests of the defaults say so explicitly.
+CLASSIC = {"theta": 8.0, "p_floor_s": 0.25, "fair_share": 0.75, "fast_scope": "unpromoted"}
+
+
 def fairway(**kw):
-    return policy_with_cache("fairway", set(), **kw)
+    return policy_with_cache("fairway", set(), **{**CLASSIC, **kw})
 
 
 def test_promotion_at_theta_times_own_prefill_time_with_floor():
@@ -88,6 +93,41 @@ def test_empty_lane_gives_the_other_everything():
         p.add(queued(i, 9.9, 90, chain(f"x{i}", 5)))
     clock.set(10.0)
     assert [p.admit(p.select().rid).lane for _ in range(3)] == [FAST] * 3
+
+
+def test_fast_lane_sees_promoted_requests_by_default():
+    """Under overload everything is promoted; with fast_scope="all" the Fast lane still admits
+    the least-work request of the whole queue for its share, so cheap requests keep moving."""
+    p, clock = policy_with_cache("fairway", set())  # defaults: fast_scope all, share .6
+    assert FairwayConfig().fast_scope == "all"
+    p.add(queued(0, 0.0, 1000, chain("big", 62)))  # P 1.01, due 12 * 1.01
+    p.add(queued(1, 5.0, 50, chain("small", 3)))  # P .06 -> floor .1, due 6.2
+    clock.set(20.0)
+    p.refresh_lanes()
+    assert p.lane_sizes() == {FAST: 0, FAIR: 2}
+    first = p.admit(p.select().rid)  # Fair lane (tie on pass): earliest deadline is r1
+    assert (first.rid, first.lane) == (1, FAIR)
+    p.add(queued(2, 19.0, 50, chain("small2", 3)))  # not promoted yet, cheap
+    second = p.admit(p.select().rid)  # Fast lane's turn: least work of all waiting
+    assert (second.rid, second.lane) == (2, FAST)
+    third = p.admit(p.select().rid)
+    assert (third.rid, third.lane, third.promoted) == (0, FAIR, True)
+
+
+def test_deadline_never_moves_later_on_eviction():
+    cache: set[int] = set(chain("d", 30))
+    p, clock = policy_with_cache("fairway", cache, **CLASSIC)
+    p.add(queued(0, 0.0, 500, chain("d", 31)))  # 480 of 500 cached
+    due = p.due[0]
+    cache.clear()
+    p.on_blocks_removed(chain("d", 30)[:1])
+    assert p.cached_tokens(0) == 0 and p.due[0] == due
+    cache2: set[int] = set(chain("d", 30))
+    p2, _ = policy_with_cache("fairway", cache2, **CLASSIC, sticky_due=False)
+    p2.add(queued(0, 0.0, 500, chain("d", 31)))
+    cache2.clear()
+    p2.on_blocks_removed(chain("d", 30)[:1])
+    assert p2.due[0] > due  # recomputed from the now-cold P
 
 
 def test_hit_changes_reorder_the_fast_lane():

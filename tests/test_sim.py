@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.clock import ManualClock
-from router.policies import POLICIES, make_policy
+from router.policies import POLICIES, FairwayConfig, make_policy
 from sim.engine import EngineConfig, EngineModel
 from sim.runner import RunConfig, run
 from sim.simulator import Simulation
@@ -85,10 +85,13 @@ def test_fair_lane_request_is_not_overtaken_forever(rate, cold_tokens):
     sim, _ = build("fairway", specs, kv_blocks=400)
     res = sim.run()
     cold = [r for r in res.finished if r.rid == 0][0]
-    deadline = 1.0 + 8 * max(LinearCost().prefill_time(cold_tokens, 0), 0.25)
+    cfg = FairwayConfig()
+    deadline = 1.0 + cfg.theta * max(LinearCost().prefill_time(cold_tokens, 0), cfg.p_floor_s)
     assert cold.lane == "fair" and cold.admitted_s < horizon
     # no Fair-lane request due after the cold one's deadline went before it
-    cheap_due = {r.rid: r.spec.arrival_s + 8 * 0.25 for r in res.finished if r.rid}
+    cheap_p = LinearCost().prefill_time(64, 192)
+    cheap_due = {r.rid: r.spec.arrival_s + cfg.theta * max(cheap_p, cfg.p_floor_s)
+                 for r in res.finished if r.rid}
     overtakers = [r for r in res.finished if r.rid and r.lane == "fair"
                   and r.admitted_s < cold.admitted_s and cheap_due[r.rid] > deadline + 1e-9]
     assert overtakers == []

@@ -44,13 +44,21 @@ class FairwayConfig:
         the Fast lane gets 1 - fair_share.
     fast_order: "least-work" (least uncached prefill time) or "most-cached" (longest prefix).
     fair_order: "edf" (earliest arrival + theta * max(P, floor)) or "ratio" (highest W / max(P, floor)).
+    fast_scope: "unpromoted" (the Fast lane picks among requests not yet promoted) or "all" (the
+        Fast lane's pick is the least-work request of the whole queue, promoted or not, so under
+        overload, when everything has been promoted, cheap requests keep the Fast lane's share).
+    sticky_due: the deadline arrival + theta * max(P, floor) only ever moves earlier (a hit that
+        grows while waiting pulls it in; an eviction does not push it out). Off: recomputed from
+        the current P at every change.
     """
 
-    theta: float = 8.0
-    p_floor_s: float = 0.25
-    fair_share: float = 0.75
+    theta: float = 12.0
+    p_floor_s: float = 0.1
+    fair_share: float = 0.6
     fast_order: str = "least-work"
     fair_order: str = "edf"
+    sticky_due: bool = True
+    fast_scope: str = "all"
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -61,6 +69,8 @@ class FairwayConfig:
             raise ValueError("fair_share must be in (0, 1)")
         if self.fast_order not in ("least-work", "most-cached"):
             raise ValueError(f"unknown fast_order {self.fast_order!r}")
+        if self.fast_scope not in ("unpromoted", "all"):
+            raise ValueError(f"unknown fast_scope {self.fast_scope!r}")
         if self.fair_order not in ("ratio", "edf"):
             raise ValueError(f"unknown fair_order {self.fair_order!r}")
 
@@ -91,20 +101,38 @@ class Fairway(QueuePolicy):
         self.config = base
         self.promoted = np.zeros(len(self.active), dtype=bool)
         self.promoted_at = np.zeros(len(self.active))
+        self.due = np.zeros(len(self.active))  # arrival + theta * max(P, floor), never later
         self.passes = {FAST: 0.0, FAIR: 0.0}
         self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
         self._n_fair = 0
+        self._chosen = (-1, FAST)  # (slot, lane) of the last select()
 
     # -- columns ---------------------------------------------------------------------------
 
     def _grow_extra(self, n: int) -> None:
         self.promoted = grow_column(self.promoted, n)
         self.promoted_at = grow_column(self.promoted_at, n)
+        self.due = grow_column(self.due, n)
+
+    def _due_now(self, slot: int) -> float:
+        return float(self.arrival[slot]) + self.config.theta * max(
+            float(self.prefill_s[slot]), self.config.p_floor_s
+        )
 
     def _on_add(self, slot: int, req: QueuedRequest) -> None:
         self.promoted[slot] = False
+        self.due[slot] = self._due_now(slot)
+
+    def _on_hit_change(self, rid: int, old: int, new: int) -> None:
+        super()._on_hit_change(rid, old, new)
+        slot = self._slot_of[rid]
+        if self.config.sticky_due:
+            # the deadline only moves earlier: eviction while waiting is not the request's doing
+            self.due[slot] = min(float(self.due[slot]), self._due_now(slot))
+        else:
+            self.due[slot] = self._due_now(slot)
 
     def _on_remove(self, slot: int) -> None:
         if self.promoted[slot]:
@@ -112,7 +140,12 @@ class Fairway(QueuePolicy):
             self.promoted[slot] = False
 
     def _lane_of(self, slot: int) -> tuple[str, bool]:
+        """The lane that admits ``slot``: the one whose pick it was (a promoted request can be
+        the Fast lane's pick when ``fast_scope="all"``), else its own lane."""
         p = bool(self.promoted[slot])
+        chosen, lane = self._chosen
+        if chosen == slot:
+            return lane, p
         return (FAIR if p else FAST), p
 
     def lane_sizes(self) -> dict[str, int]:
@@ -128,8 +161,7 @@ class Fairway(QueuePolicy):
         many were promoted now. O(n) vectorised."""
         hi = self._hi
         now = self.clock.now()
-        pe = self._effective_p()
-        due = self.arrival[:hi] + self.config.theta * pe
+        due = self.due[:hi]
         newly = self.active[:hi] & ~self.promoted[:hi] & (now >= due)
         k = int(np.count_nonzero(newly))
         if k:
@@ -141,7 +173,7 @@ class Fairway(QueuePolicy):
 
     def _pick_lane(self) -> str:
         n_fair = self._n_fair
-        n_fast = len(self) - n_fair
+        n_fast = len(self) if self.config.fast_scope == "all" else len(self) - n_fair
         for lane, n, other in ((FAST, n_fast, FAIR), (FAIR, n_fair, FAST)):
             if n and not self._nonempty[lane]:
                 self.passes[lane] = self.passes[other]  # restart: bank no credit
@@ -155,20 +187,25 @@ class Fairway(QueuePolicy):
     def _choose(self, now: float) -> int:
         self.refresh_lanes()
         lane = self._pick_lane()
+        slot = self._choose_in(lane, now)
+        self._chosen = (slot, lane)
+        return slot
+
+    def _choose_in(self, lane: str, now: float) -> int:
         hi = self._hi
         live = self.active[:hi]
         cfg = self.config
         if lane == FAST:
-            mask = live & ~self.promoted[:hi]
+            mask = live if cfg.fast_scope == "all" else live & ~self.promoted[:hi]
             if cfg.fast_order == "least-work":
                 return self._argmin(self.prefill_s[:hi], mask)
             return self._argmin(-self.cached[:hi].astype(float), mask)
         mask = live & self.promoted[:hi]
-        pe = self._effective_p()
         if cfg.fair_order == "ratio":
-            return self._argmin(-(now - self.arrival[:hi]) / pe, mask)
-        return self._argmin(self.arrival[:hi] + cfg.theta * pe, mask)
+            return self._argmin(-(now - self.arrival[:hi]) / self._effective_p(), mask)
+        return self._argmin(self.due[:hi], mask)
 
     def _on_admit(self, slot: int, adm: Admission) -> None:
+        self._chosen = (-1, FAST)
         lane = adm.lane
         self.passes[lane] += adm.est_prefill_s / self.shares[lane]

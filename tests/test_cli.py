@@ -1,0 +1,71 @@
+"""The simulator CLI: bad input exits non-zero with one line naming the problem; a run writes JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sim.cli import main, parse_policy_spec, split_list
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sim", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--workload", "rag", "--policy", "nope"], "unknown policy 'nope'"),
+        (["--workload", "nope", "--policy", "fcfs"], "unknown workload 'nope'"),
+        (["--workload", "trace:missing.jsonl", "--policy", "fcfs"], "missing.jsonl"),
+        (["--workload", "rag", "--policy", "fairway[theta=-1]"], "theta"),
+        (["--workload", "rag", "--policy", "fcfs", "--rate", "-2"], "rate"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, needle, capsys):
+    rc = main(["run", *args, "--duration", "5"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and needle in err and err.startswith("sim: error:")
+
+
+def test_malformed_trace_line_names_the_line(tmp_path, capsys):
+    good = {"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good) + "\n" + "{not json\n")
+    rc = main(["run", "--workload", f"trace:{path}", "--policy", "fcfs"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and ":2" in err
+
+
+def test_run_writes_json_through_the_real_entry_point(tmp_path):
+    out = tmp_path / "r.json"
+    p = cli("run", "--workload", "mixed", "--policy", "fairway", "--rate", "3", "--duration", "20",
+            "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    assert res["policy"] == "fairway" and res["n_finished"] == res["n_requests"] > 0
+    bad = cli("run", "--workload", "mixed", "--policy", "nope")
+    assert bad.returncode != 0 and "unknown policy" in bad.stderr
+
+
+def test_sweep_writes_table_json_and_plots(tmp_path, capsys):
+    rc = main(["sweep", "--workload", "rag", "--policies", "fcfs,fairway[theta=4]", "--rates",
+               "2,4", "--duration", "10", "--out", str(tmp_path), "--jobs", "1"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "fairway[theta=4]" in table and "fcfs" in table
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(data["results"]) == 4
+    assert (tmp_path / "ttft_vs_rate.png").stat().st_size > 1000
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 1000
+
+
+def test_policy_spec_parsing():
+    assert parse_policy_spec("fairway[theta=4;fair_order=ratio]") == (
+        "fairway", {"theta": 4, "fair_order": "ratio"})
+    assert split_list("a,b[x=1;y=2],c") == ["a", "b[x=1;y=2]", "c"]
