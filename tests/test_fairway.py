@@ -7,7 +7,6 @@ import pytest
 from router.policies import FAIR, FAST, FairwayConfig
 from tests.factories import chain, policy_with_cache, queued
 
-
 # The design's lane semantics with round numbers: theta 8, floor .25, shares .75 / .25, and the
 # Fast lane picking among requests not yet promoted. Tests of the defaults say so explicitly.
 CLASSIC = {"theta": 8.0, "p_floor_s": 0.25, "fair_share": 0.75, "fast_scope": "unpromoted"}
