@@ -1,0 +1,87 @@
+"""Fairway's replica choice (DESIGN.md section 3, "Cluster level").
+
+For replica j: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix),
+P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj) the prefill estimate, Q_j the queued prefill seconds
+routed to j and not yet started.
+
+- **Fast lane choice** (``"affinity"``): j* = argmax ĉ_rj, ties to the smaller Q_j, then the id.
+  Route there if Q_j* <= theta * max(P_rj*, p_floor_s): the reuse is worth waiting for as long
+  as the wait stays within the queue level's own promotion budget (theta times the request's
+  prefill time, the same theta as the replica's Fast lane).
+- **Otherwise, the Fair lane choice** (``"fair"``): argmin over j of Q_j + P_rj, the minimum
+  expected TTFT; ties to the larger ĉ_rj, then the id.
+- When no replica holds any of the prompt (``"cold"``), j* carries no reuse, and the choice is
+  the Fair lane's: the minimum expected TTFT.
+
+The ranks are the choice first, then every other replica by expected TTFT Q_j + P_rj.
+``last_scores`` holds each replica's expected TTFT.
+
+Complexity: O(R log R) for R candidates, with one cost-model call (O(1)) per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from router.clock import Clock
+from router.cost_model import CostModel
+from router.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+
+#: The replica queue's default promotion threshold (``router.policies.fairway.FairwayConfig.theta``).
+DEFAULT_THETA = 12.0
+
+
+class FairwayRouter(RouterPolicy):
+    """``fairway``: affinity to the best-cached replica while its queue is short relative to the
+    request's prefill time, else the minimum expected TTFT.
+
+    Options: theta = 12 (the queue level's default), p_floor_s = 0 (DESIGN.md's router rule has
+    no floor; a positive floor lets fully cached requests wait behind a longer queue for their
+    hit, as P_floor does at the queue level).
+    """
+
+    name = "fairway"
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        block_size: int = 16,
+        rng: np.random.Generator | None = None,
+        *,
+        theta: float = DEFAULT_THETA,
+        p_floor_s: float = 0.0,
+    ):
+        super().__init__(clock, cost, block_size, rng)
+        if not theta > 0:
+            raise ValueError("theta must be > 0")
+        if not p_floor_s >= 0:
+            raise ValueError("p_floor_s must be >= 0")
+        self.theta = float(theta)
+        self.p_floor_s = float(p_floor_s)
+
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+        ss = by_id(states)
+        cached = {s.replica: self.cached_tokens(req, s) for s in ss}
+        prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
+                   for s in ss}
+        ttft = {s.replica: s.queued_prefill_s + prefill[s.replica] for s in ss}
+        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], j))
+        star = min(ss, key=lambda s: (-cached[s.replica], s.queued_prefill_s, s.replica))
+        j = star.replica
+        if cached[j] == 0:
+            self.last_reason = "cold"
+            pick = order[0]
+        elif star.queued_prefill_s <= self.theta * max(prefill[j], self.p_floor_s):
+            self.last_reason = "affinity"
+            pick = j
+        else:
+            self.last_reason = "fair"
+            pick = order[0]
+        self.last_scores = ttft
+        return ranks_of([pick], (r for r in order if r != pick))
+
+
+__all__ = ["DEFAULT_THETA", "FairwayRouter"]

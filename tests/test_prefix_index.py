@@ -1,0 +1,230 @@
+"""PrefixIndex: per-replica longest match, exact LRU aging, feedback, and events == BlockPool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from router.prefix_index import PrefixIndex
+from sim.kv_cache import BlockPool
+from tests.factories import chain
+
+A = chain("a", 8)
+B = chain("b", 8)
+
+
+def check_invariants(idx: PrefixIndex) -> None:
+    """Bit j of _where[h] is set iff replica j holds h; no hash without a holder."""
+    seen: dict[int, int] = {}
+    for j in range(idx.num_replicas):
+        for h in idx.blocks(j):
+            seen[h] = seen.get(h, 0) | (1 << j)
+    assert seen == idx._where
+    assert len(idx) == len(seen)
+
+
+# -- match -------------------------------------------------------------------------------------
+
+
+def test_match_stops_at_first_miss_per_replica():
+    idx = PrefixIndex(4)
+    idx.record_routed(0, A[:6])
+    idx.record_routed(1, A[:3] + A[4:6])  # holds A[4], A[5] but not A[3]
+    idx.record_routed(3, B[:5])
+    assert idx.match(A) == [6, 3, 0, 0]
+    assert idx.match(B) == [0, 0, 0, 5]
+    assert idx.match(A[1:]) == [5, 2, 0, 0]  # a chain is looked up from its head only by callers
+    assert idx.match([]) == [0, 0, 0, 0]
+    assert [idx.match_one(j, A) for j in range(4)] == [6, 3, 0, 0]
+    check_invariants(idx)
+
+
+def test_match_full_prompt_and_no_replicas():
+    idx = PrefixIndex(2)
+    idx.record_routed(0, A)
+    idx.record_routed(1, A)
+    assert idx.match(A) == [8, 8]
+    assert PrefixIndex(0).match(A) == []
+
+
+class CountingDict(dict):
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.probes = 0
+
+    def get(self, k, default=None):
+        self.probes += 1
+        return super().get(k, default)
+
+
+def test_match_walk_ends_when_no_replica_matches():
+    idx = PrefixIndex(3)
+    idx.record_routed(0, A[:2])
+    idx.record_routed(1, A[:3])
+    idx._where = CountingDict(idx._where)
+    assert idx.match(A + B) == [2, 3, 0]
+    assert idx._where.probes == 4  # A[0..2] hit, A[3] misses for everyone: stop
+    idx._where.probes = 0
+    assert idx.match(B) == [0, 0, 0]
+    assert idx._where.probes == 1
+
+
+def test_match_does_not_refresh_ages():
+    idx = PrefixIndex(1, capacity_blocks=4)
+    idx.record_routed(0, A[:2])
+    idx.record_routed(0, B[:2])
+    before = list(idx.blocks(0))
+    idx.match(A)
+    assert list(idx.blocks(0)) == before
+
+
+# -- approx mode: LRU aging --------------------------------------------------------------------
+
+
+def test_lru_aging_order_exact():
+    idx = PrefixIndex(2, capacity_blocks=4)
+    a, b, c = A, B, chain("c", 2)
+    # Blocks are touched tail first, so a request's head is its most recent block.
+    assert idx.record_routed(0, a[:3]) == 0
+    assert list(idx.blocks(0)) == [a[2], a[1], a[0]]
+    assert idx.record_routed(0, b[:2]) == 1  # 5 > 4: the oldest, a[2] (a's tail), ages out
+    assert list(idx.blocks(0)) == [a[1], a[0], b[1], b[0]]
+    assert idx.match(a) == [2, 0]
+    assert idx.record_routed(0, a[:1]) == 0  # a routed hit refreshes a[0]
+    assert list(idx.blocks(0)) == [a[1], b[1], b[0], a[0]]
+    assert idx.record_routed(0, c[:2]) == 2  # a[1] then b[1] age out
+    assert list(idx.blocks(0)) == [b[0], a[0], c[1], c[0]]
+    assert idx.match(a) == [1, 0]
+    assert idx.match(b) == [1, 0]
+    assert idx.size(1) == 0
+    check_invariants(idx)
+
+
+def test_a_request_longer_than_capacity_keeps_its_head():
+    idx = PrefixIndex(1, capacity_blocks=3)
+    assert idx.record_routed(0, A) == 5
+    assert list(idx.blocks(0)) == [A[2], A[1], A[0]]
+    assert idx.match(A) == [3]
+
+
+def test_capacity_is_per_replica_and_shared_hashes_survive_elsewhere():
+    idx = PrefixIndex(2, capacity_blocks=[2, None])
+    idx.record_routed(0, A[:2])
+    idx.record_routed(1, A[:2])
+    idx.record_routed(0, B[:2])  # A ages out of replica 0 only
+    assert idx.match(A) == [0, 2]
+    assert idx.match(B) == [2, 0]
+    assert idx.sizes() == [2, 2]
+    check_invariants(idx)
+
+
+def test_unbounded_by_default_and_bad_arguments():
+    idx = PrefixIndex(1)
+    idx.record_routed(0, list(range(10_000)))
+    assert idx.size(0) == 10_000
+    with pytest.raises(ValueError, match="mode"):
+        PrefixIndex(1, mode="exact")
+    with pytest.raises(ValueError, match="capacities"):
+        PrefixIndex(2, capacity_blocks=[1])
+    with pytest.raises(ValueError):
+        PrefixIndex(1, capacity_blocks=0)
+
+
+def test_clear_and_add_replica():
+    idx = PrefixIndex(2)
+    idx.record_routed(0, A[:3])
+    idx.record_routed(1, A[:2])
+    idx.clear_replica(0)
+    assert idx.match(A) == [0, 2]
+    assert idx.add_replica(capacity_blocks=2) == 2
+    idx.record_routed(2, A[:4])
+    assert idx.match(A) == [0, 2, 2]
+    check_invariants(idx)
+
+
+# -- approx mode: feedback ---------------------------------------------------------------------
+
+
+def test_feedback_drops_over_estimated_blocks():
+    idx = PrefixIndex(2)
+    idx.record_routed(0, A[:6])
+    idx.record_routed(1, A[:6])
+    idx.record_routed(0, B[:1])  # B[0] is now the most recent on 0
+    # The engine reports 2 blocks and 5 tokens cached: A[2..5] were not there.
+    assert idx.on_feedback(0, A[:6], cached_tokens=2 * 16 + 5, block_size=16) == 4
+    assert idx.match(A) == [2, 6]  # replica 1 is untouched
+    assert list(idx.blocks(0)) == [B[0], A[1], A[0]]  # the reported hit is refreshed, head last
+    check_invariants(idx)
+
+
+def test_feedback_inserts_reported_hits_the_index_lost():
+    idx = PrefixIndex(1, capacity_blocks=3)
+    idx.record_routed(0, B[:3])
+    assert idx.on_feedback(0, A[:4], cached_tokens=64, block_size=16) == 0
+    assert list(idx.blocks(0)) == [A[2], A[1], A[0]]  # over capacity: B and A's tail age out
+    assert idx.match(A) == [3]
+    assert idx.match(B) == [0]
+    check_invariants(idx)
+
+
+def test_feedback_full_hit_and_zero_hit():
+    idx = PrefixIndex(1)
+    idx.record_routed(0, A[:4])
+    assert idx.on_feedback(0, A[:4], cached_tokens=4 * 16, block_size=16) == 0
+    assert idx.match(A) == [4]
+    assert idx.on_feedback(0, A[:4], cached_tokens=0, block_size=16) == 4
+    assert idx.match(A) == [0]
+    assert len(idx) == 0
+
+
+# -- events mode -------------------------------------------------------------------------------
+
+
+def test_events_mode_ignores_routing_and_feedback():
+    idx = PrefixIndex(1, mode="events")
+    assert idx.record_routed(0, A) == 0
+    assert idx.on_feedback(0, A, 0, 16) == 0
+    assert idx.match(A) == [0]
+    idx.on_kv_events(0, [(True, A[0]), (True, A[1]), (False, A[1]), (False, B[0])])
+    assert idx.match(A) == [1]
+    approx = PrefixIndex(1)
+    approx.on_kv_events(0, [(True, A[0])])  # no-op in approx mode
+    assert approx.match(A) == [0]
+
+
+def _random_pool_run(pool: BlockPool, idx: PrefixIndex, j: int, rng: np.random.Generator, ops: int,
+                     families: list[list[int]]) -> None:
+    held: list[list[int]] = []
+    for _ in range(ops):
+        if held and (rng.random() < 0.45 or pool.num_free < 4):
+            blocks = held.pop(int(rng.integers(len(held))))
+            pool.release(blocks)
+        else:
+            fam = families[int(rng.integers(len(families)))]
+            hashes = fam[: int(rng.integers(1, len(fam) + 1))]
+            hit = pool.longest_hit(hashes)
+            need = len(hashes) - len(hit)
+            if pool.free_after_touch(hit) < need:
+                continue
+            pool.touch(hit)
+            new = pool.allocate(need)
+            for b, h in zip(new, hashes[len(hit):], strict=True):
+                if rng.random() < 0.9:  # some blocks stay unhashed (never completed)
+                    pool.cache_block(b, h)
+            held.append(hit + new)
+        idx.on_kv_events(j, pool.drain_events())
+        assert set(idx.blocks(j)) == set(pool.cached)
+    for fam in families:
+        assert idx.match_one(j, fam) == len(pool.longest_hit(fam))
+
+
+def test_events_mode_equals_block_pool_after_random_operations():
+    rng = np.random.default_rng(1234)
+    families = [chain(f"f{i}", 6) for i in range(5)] + [chain("f0", 3) + chain("g", 3)]
+    idx = PrefixIndex(2, mode="events")
+    pools = [BlockPool(14, block_size=4), BlockPool(9, block_size=4)]
+    for j, pool in enumerate(pools):
+        _random_pool_run(pool, idx, j, rng, 400, families)
+    for fam in families:
+        assert idx.match(fam) == [len(p.longest_hit(fam)) for p in pools]
+    check_invariants(idx)

@@ -1,0 +1,510 @@
+"""Router policies: exact choices on hand-made replica states, the registry, and the load view."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from router.clock import ManualClock
+from router.load_view import LoadView
+from router.prefix_index import PrefixIndex
+from router.routing import (
+    ROUTERS,
+    ReplicaState,
+    RouteRequest,
+    RouterError,
+    RouterPolicy,
+    choice,
+    make_router,
+    make_states,
+    router_class,
+)
+from router.routing.anchors import Pow2
+from tests.factories import LinearCost, chain
+
+BS = 16
+
+
+def st(replica: int, outstanding: int = 0, running: int = 0, q: float = 0.0, kv: float = 0.0, matched: int = 0,
+       tree: int = 0, qtok: int = 0, active: int = 0) -> ReplicaState:
+    """A replica state with readable defaults (idle, empty, nothing matched)."""
+    return ReplicaState(replica=replica, outstanding=outstanding, running=running, queued_prefill_s=q, kv_usage=kv,
+                        matched_blocks=matched, index_blocks=tree, queued_prefill_tokens=qtok, active_blocks=active)
+
+
+def req(prompt: int = 160, hashes=None, rid: int = 0) -> RouteRequest:
+    hs = chain("p", prompt // BS) if hashes is None else list(hashes)
+    return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=hs)
+
+
+def router(name: str, seed: int = 0, **kw) -> RouterPolicy:
+    return make_router(name, clock=ManualClock(), cost=LinearCost(), block_size=BS,  # type: ignore[arg-type]
+                       rng=np.random.default_rng(seed), **kw)
+
+
+def check(ranks: list[list[int]], states) -> None:
+    """Every replica exactly once across the ranks; no empty rank."""
+    assert all(ranks), ranks
+    flat = [j for r in ranks for j in r]
+    assert sorted(flat) == sorted(s.replica for s in states)
+
+
+def ranked(r: RouterPolicy, rq: RouteRequest, states) -> list[list[int]]:
+    ranks = r.rank(rq, states)
+    check(ranks, states)
+    return ranks
+
+
+def picks(r: RouterPolicy, rq: RouteRequest, states, n: int) -> list[int]:
+    return [choice(ranked(r, rq, states)) for _ in range(n)]
+
+
+# -- round-robin, pow2 -------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_in_id_order():
+    r = router("round-robin")
+    states = [st(2), st(0), st(1)]  # order of the states does not matter
+    assert ranked(r, req(), states) == [[0], [1], [2]]
+    assert ranked(r, req(), states) == [[1], [2], [0]]
+    assert ranked(r, req(), states) == [[2], [0], [1]]
+    assert picks(r, req(), states, 3) == [0, 1, 2]
+    assert r.last_reason == "round-robin"
+
+
+def test_pow2_two_replicas_shorter_queue_first_ties_by_id():
+    r = router("pow2")
+    assert picks(r, req(), [st(0, outstanding=3), st(1, outstanding=1)], 10) == [1] * 10
+    assert ranked(r, req(), [st(0, outstanding=3), st(1, outstanding=1)]) == [[1, 0]]
+    assert ranked(r, req(), [st(0, outstanding=2), st(1, outstanding=2)]) == [[0, 1]]
+    assert ranked(r, req(), [st(4)]) == [[4]]
+    assert r.last_reason == "pow2"
+
+
+def test_pow2_never_picks_the_longest_queue_and_is_seeded():
+    states = [st(0, outstanding=5), st(1, outstanding=1), st(2, outstanding=9)]
+    a = picks(router("pow2", seed=7), req(), states, 60)
+    assert a == picks(router("pow2", seed=7), req(), states, 60)
+    assert a != picks(router("pow2", seed=8), req(), states, 60)
+    assert set(a) == {0, 1}  # 0 wins only when drawn with 2; 2 never wins
+    r = router("pow2", seed=3)
+    for _ in range(30):
+        ranks = ranked(r, req(), states)
+        first = ranks[0]
+        assert len(first) == 2 and first[0] == min(first, key=lambda j: (states[j].outstanding, j))
+        assert len(ranks) == 2  # the pair, then the one left
+
+
+# -- consistent-hash ---------------------------------------------------------------------------
+
+
+def test_consistent_hash_keys_on_the_first_k_blocks():
+    r = router("consistent-hash")
+    states = [st(j) for j in range(4)]
+    a = req(160, chain("s", 4) + chain("x", 6))
+    b = req(96, chain("s", 4) + chain("y", 2))
+    assert choice(ranked(r, a, states)) == choice(ranked(r, b, states))
+    assert r.key(a) == r.key(b)
+    short = req(40, chain("s", 2))  # shorter than k: keyed on the blocks it has
+    assert r.key(short) == r.key(req(32, chain("s", 2)))
+    assert r.key(short) != r.key(a)
+    assert r.last_reason == "hash"
+    assert r.key(req(10, [], rid=1)) != r.key(req(10, [], rid=2))  # no block: spread by request id
+    ranked(r, req(10, [], rid=1), states)
+    assert r.last_reason == "no-blocks"
+    assert router("consistent-hash", k=2).key(a) == r.key(short)
+
+
+def test_consistent_hash_spreads_and_is_consistent_when_a_replica_leaves():
+    r = router("consistent-hash")
+    four = [st(j) for j in range(4)]
+    three = four[:3]
+    fams = [req(160, chain(f"fam{i}", 10)) for i in range(200)]
+    before = [ranked(r, f, four) for f in fams]
+    owners = [choice(x) for x in before]
+    assert {j: owners.count(j) > 20 for j in range(4)} == {j: True for j in range(4)}
+    after = [choice(ranked(r, f, three)) for f in fams]
+    for old, new in zip(before, after, strict=True):
+        if old[0][0] != 3:
+            assert new == old[0][0]  # keys owned by a remaining replica do not move
+        else:
+            assert new == old[1][0]  # the departed replica's keys go to the next on the ring
+    fresh = router("consistent-hash")  # a replica joins: only keys it takes move
+    first = [choice(ranked(fresh, f, three)) for f in fams]
+    joined = [choice(ranked(fresh, f, four)) for f in fams]
+    assert first == after
+    assert joined == owners
+
+
+# -- ray-prefix --------------------------------------------------------------------------------
+
+
+def test_ray_prefix_affinity_at_the_match_rate_threshold():
+    r = router("ray-prefix")
+    # 160-token prompt, 1 matched block = 16 tokens: rate 0.1 >= 0.1.
+    states = [st(0, outstanding=3, matched=1, tree=40), st(1, outstanding=2, matched=1, tree=90), st(2, tree=0)]
+    assert ranked(r, req(160), states) == [[1, 0], [2]]  # the best-matched set, shortest queue first
+    assert r.last_reason == "affinity"
+
+
+def test_ray_prefix_smallest_tree_below_the_threshold():
+    r = router("ray-prefix")
+    # 320-token prompt, 1 block matched: rate 0.05 < 0.1 -> the smallest trees, shortest queue first.
+    states = [st(0, outstanding=0, matched=1, tree=50), st(1, outstanding=4, tree=10), st(2, outstanding=1, tree=10)]
+    assert ranked(r, req(320), states) == [[2, 1], [0]]
+    assert r.last_reason == "smallest-tree"
+
+
+def test_ray_prefix_imbalance_switch():
+    states = [st(0, outstanding=5, matched=10), st(1), st(2)]
+    r = router("ray-prefix")  # imbalanced_threshold = inf: never imbalanced
+    assert ranked(r, req(), states) == [[0], [1], [2]]
+    assert r.last_reason == "affinity"
+    r10 = router("ray-prefix", imbalanced_threshold=10)  # the pre-2.60 default: spread 5 is balanced
+    assert choice(ranked(r10, req(), states)) == 0
+    r2 = router("ray-prefix", imbalanced_threshold=2, seed=5)
+    got = picks(r2, req(), states, 30)
+    assert r2.last_reason == "imbalanced"
+    assert set(got) == {1, 2}  # power of two choices never takes the longest queue
+
+
+# -- sglang ------------------------------------------------------------------------------------
+
+
+def test_sglang_imbalance_switch_needs_both_thresholds():
+    r = router("sglang")
+    full = dict(matched=10)
+    # 100 - 30 > 64 and 100 > 1.5 * 30: imbalanced -> least load, despite replica 0's full match.
+    assert ranked(r, req(), [st(0, outstanding=100, **full), st(1, outstanding=30), st(2, outstanding=50)]) == [
+        [1], [2], [0]]
+    assert r.last_reason == "imbalanced"
+    # 100 - 40 = 60: not over the absolute threshold -> cache-aware.
+    assert choice(ranked(r, req(), [st(0, outstanding=100, **full), st(1, outstanding=40)])) == 0
+    assert r.last_reason == "affinity"
+    # 200 - 135 = 65 > 64 but 200 < 1.5 * 135: not over the relative threshold.
+    assert choice(ranked(r, req(), [st(0, outstanding=200, **full), st(1, outstanding=135)])) == 0
+    assert r.last_reason == "affinity"
+
+
+def test_sglang_match_rate_must_exceed_threshold():
+    r = router("sglang")
+    # 160-token prompt: 3 blocks = 0.3, not > 0.3 -> smallest tree; 4 blocks = 0.4 -> matched.
+    states = [st(0, matched=3, tree=30), st(1, tree=5, outstanding=2), st(2, tree=5, outstanding=1)]
+    assert ranked(r, req(160), states) == [[2], [0], [1]]
+    assert r.last_reason == "smallest-tree"
+    states[0] = st(0, matched=4, tree=30)
+    assert choice(ranked(r, req(160), states)) == 0
+    assert r.last_reason == "affinity"
+    # Two best-matched workers: the lower load wins.
+    tie = [st(0, matched=4, outstanding=3), st(1, matched=4, outstanding=1), st(2)]
+    assert choice(ranked(r, req(160), tie)) == 1
+
+
+# -- dynamo, llm-d -----------------------------------------------------------------------------
+
+
+def test_dynamo_cost_arithmetic():
+    r = router("dynamo")
+    states = [
+        st(0, matched=8, qtok=320, active=10),  # (2*16 + 320)/16 + 10 = 32
+        st(1, matched=0, qtok=0, active=25),  # 160/16 + 25 = 35
+        st(2, matched=4, qtok=64, active=20),  # (6*16 + 64)/16 + 20 = 30
+    ]
+    assert ranked(r, req(160), states) == [[2], [0], [1]]
+    assert r.last_scores == pytest.approx({0: 32.0, 1: 35.0, 2: 30.0})
+    assert r.last_reason == "cost"
+    r0 = router("dynamo", overlap_weight=0.0)  # pure decode-load balancing
+    assert ranked(r0, req(160), states) == [[0], [2], [1]]
+    eq = [st(1, active=5), st(0, active=5)]
+    assert ranked(r, req(160), eq) == [[0], [1]]  # ties by id
+
+
+def test_llmd_score_arithmetic():
+    r = router("llmd")
+    states = [
+        st(0, matched=10, outstanding=6, running=2, kv=0.5),  # 3*1 + 2*0 + 2*0.5 = 4.0
+        st(1, matched=0, outstanding=1, running=1, kv=0.2),  # 0 + 2*1 + 2*0.8 = 3.6
+        st(2, matched=5, outstanding=3, running=1, kv=0.9),  # 1.5 + 2*0.5 + 0.2 = 2.7
+    ]
+    assert ranked(r, req(160), states) == [[0], [1], [2]]
+    assert r.last_scores == pytest.approx({0: 4.0, 1: 3.6, 2: 2.7})
+    states[0] = st(0, matched=10, outstanding=6, running=2, kv=1.0)  # 3.0 < 3.6
+    assert choice(ranked(r, req(160), states)) == 1
+    # All queues equal: the queue term is 1 for everyone.
+    same = [st(0, matched=2, kv=0.5), st(1, matched=2, kv=0.5)]
+    ranked(r, req(160), same)
+    assert r.last_scores == pytest.approx({0: 0.6 + 2 + 1, 1: 0.6 + 2 + 1})
+    assert choice(ranked(r, req(160), same)) == 0
+
+
+# -- aibrix ------------------------------------------------------------------------------------
+
+
+def test_aibrix_imbalance_switch():
+    r = router("aibrix")
+    # 10 - 1 = 9 > 8: only the least-loaded pod is considered, whatever the matches.
+    imb = [st(0, running=10, matched=10), st(1, running=1), st(2, running=3, matched=5)]
+    assert ranked(r, req(), imb) == [[1], [2], [0]]
+    assert r.last_reason == "imbalanced"
+    # Ties among the least loaded: the best match among them.
+    assert choice(ranked(r, req(), [st(0, running=10), st(1, running=1), st(2, running=1, matched=4)])) == 2
+    # 8 - 0 = 8 is not over 8: best match with load <= mean + sigma = 4 + 3.27.
+    bal = [st(0, running=8, matched=10), st(1, running=0), st(2, running=4, matched=5)]
+    assert ranked(r, req(), bal) == [[2], [1], [0]]
+    assert r.last_reason == "affinity"
+    bal[0] = st(0, running=7, matched=10)  # 7 <= 3.67 + 2.87 is false: still 2
+    assert choice(ranked(r, req(), bal)) == 2
+    bal[0] = st(0, running=6, matched=10)  # mean 3.33, sigma 2.49: 6 <= 5.83 is false
+    assert choice(ranked(r, req(), bal)) == 2
+    bal[0] = st(0, running=5, matched=10)  # mean 3, sigma 2.16: 5 <= 5.16 -> the best match
+    assert choice(ranked(r, req(), bal)) == 0
+
+
+def test_aibrix_no_match_goes_to_least_loaded():
+    r = router("aibrix")
+    assert ranked(r, req(), [st(0, running=3), st(1, running=1), st(2, running=2)]) == [[1], [2], [0]]
+    assert r.last_reason == "least-loaded"
+
+
+# -- vllm-prefixaware --------------------------------------------------------------------------
+
+
+def test_vllm_prefixaware_random_among_best_matches_without_load():
+    states = [st(0, matched=5, outstanding=100), st(1, matched=5), st(2, matched=2), st(3)]
+    r = router("vllm-prefixaware", seed=11)
+    got = picks(r, req(), states, 40)
+    assert set(got) == {0, 1}
+    assert r.last_reason == "affinity"
+    assert got == picks(router("vllm-prefixaware", seed=11), req(), states, 40)
+    ranks = ranked(r, req(), states)
+    assert ranks[1:] == [[1 - ranks[0][0]], [2], [3]]
+
+
+def test_vllm_prefixaware_random_overall_without_a_match():
+    r = router("vllm-prefixaware", seed=2)
+    assert set(picks(r, req(), [st(j) for j in range(3)], 60)) == {0, 1, 2}
+    assert r.last_reason == "random"
+
+
+# -- fairway -----------------------------------------------------------------------------------
+
+# LinearCost: P = 0.01 + 0.001 * uncached tokens. A 1000-token prompt:
+#   replica 0: 50 blocks = 800 cached -> P = 0.21 (theta * P = 2.52)
+#   replica 1: cold -> P = 1.01;  replica 2: 10 blocks = 160 cached -> P = 0.85
+def fairway_states(q0: float) -> list[ReplicaState]:
+    return [st(0, matched=50, q=q0), st(1, q=0.5), st(2, matched=10, q=1.0)]
+
+
+def test_fairway_affinity_while_the_queue_is_short():
+    r = router("fairway")
+    assert ranked(r, req(1000), fairway_states(2.0)) == [[0], [1], [2]]  # rest by Q + P: 1.51, 1.85
+    assert r.last_reason == "affinity"
+    assert r.last_scores == pytest.approx({0: 2.21, 1: 1.51, 2: 1.85})
+    edge = 12 * LinearCost().prefill_time(200, 800)
+    assert choice(ranked(r, req(1000), fairway_states(edge))) == 0  # Q_j* <= theta * P_rj* (inclusive)
+
+
+def test_fairway_fair_choice_when_the_best_cached_queue_is_long():
+    r = router("fairway")
+    assert ranked(r, req(1000), fairway_states(3.0)) == [[1], [2], [0]]  # argmin Q + P: 1.51
+    assert r.last_reason == "fair"
+    r8 = router("fairway", theta=8)  # 2.0 > 8 * 0.21
+    assert choice(ranked(r8, req(1000), fairway_states(2.0))) == 1
+    assert r8.last_reason == "fair"
+    floor = router("fairway", p_floor_s=0.25)  # 3.0 <= 12 * max(0.21, 0.25)
+    assert choice(ranked(floor, req(1000), fairway_states(3.0))) == 0
+
+
+def test_fairway_ties_cold_and_the_cacheable_cap():
+    r = router("fairway")
+    # Equal best match: the smaller queue is j*.
+    assert choice(ranked(r, req(1000), [st(0, matched=50, q=1.0), st(1, matched=50, q=0.5), st(2)])) == 1
+    assert r.last_reason == "affinity"
+    # Nothing cached anywhere: minimum expected TTFT, reason "cold".
+    assert ranked(r, req(1000), [st(0, q=0.3), st(1, q=0.1), st(2, q=0.2)]) == [[1], [2], [0]]
+    assert r.last_reason == "cold"
+    # Equal expected TTFT: the id decides.
+    assert ranked(r, req(1000), [st(0, q=0.3), st(1, q=0.3)]) == [[0], [1]]
+    # A fully matched 160-token prompt still computes its last block: 144 cached, P = 0.026.
+    r.rank(req(160), [st(0, matched=10, q=0.3), st(1)])
+    assert r.last_reason == "affinity"  # 0.3 <= 12 * 0.026
+    assert r.last_scores[0] == pytest.approx(0.3 + 0.026)
+
+
+# -- every router ------------------------------------------------------------------------------
+
+
+EXPECTED = {"round-robin", "pow2", "consistent-hash", "ray-prefix", "sglang", "dynamo", "llmd", "aibrix",
+            "vllm-prefixaware", "fairway"}
+
+
+def test_registry_names():
+    assert set(ROUTERS) == EXPECTED
+    assert all(cls.name == name for name, cls in ROUTERS.items())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_router_ranks_each_replica_once(name):
+    rng = np.random.default_rng(42)
+    r = router(name, seed=1)
+    for _ in range(50):
+        n = int(rng.integers(1, 7))
+        ids = sorted(rng.choice(20, size=n, replace=False).tolist())
+        states = []
+        for j in ids:
+            run = int(rng.integers(0, 10))
+            states.append(st(j, outstanding=run + int(rng.integers(0, 100)), running=run, q=float(rng.random() * 5),
+                             kv=float(rng.random()), matched=int(rng.integers(0, 12)), tree=int(rng.integers(0, 50)),
+                             qtok=int(rng.integers(0, 4000)), active=int(rng.integers(0, 500))))
+        prompt = int(rng.integers(1, 400))
+        ranks = ranked(r, req(prompt), states)
+        assert ranks[0][0] in ids
+        assert isinstance(r.last_reason, str) and r.last_reason
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_router_rejects_empty_and_duplicate_candidates(name):
+    r = router(name)
+    with pytest.raises(ValueError, match="no replicas"):
+        r.rank(req(), [])
+    with pytest.raises(ValueError, match="twice"):
+        r.rank(req(), [st(1), st(1)])
+
+
+def test_unknown_router_and_bad_options():
+    with pytest.raises(RouterError, match=r"unknown router 'nope'; known: aibrix, consistent-hash, dynamo"):
+        router("nope")
+    with pytest.raises(RouterError, match="bad options for router 'fairway'"):
+        router("fairway", thetta=3)
+    with pytest.raises(RouterError, match="bad options for router 'fairway'"):
+        router("fairway", theta=0)
+    with pytest.raises(RouterError, match="bad options for router 'pow2'"):
+        router("pow2", k=3)
+    with pytest.raises(RouterError, match="not a RouterPolicy"):
+        router("router.clock:ManualClock")
+    with pytest.raises(RouterError, match="cannot import"):
+        router("no.such.module:X")
+
+
+def test_dotted_paths():
+    assert router_class("router.routing.anchors:Pow2") is Pow2
+    assert router_class("router.routing.anchors.Pow2") is Pow2
+    assert isinstance(router("router.routing.anchors.Pow2"), Pow2)
+
+
+def test_options_match_design_defaults():
+    assert router("consistent-hash").k == 4
+    assert math.isinf(router("ray-prefix").imbalanced_threshold)
+    assert router("ray-prefix").match_rate_threshold == 0.1
+    sg = router("sglang")
+    assert (sg.balance_abs_threshold, sg.balance_rel_threshold, sg.cache_threshold) == (64, 1.5, 0.3)
+    assert router("dynamo").overlap_weight == 1.0
+    ll = router("llmd")
+    assert (ll.w_prefix, ll.w_queue, ll.w_kv) == (3, 2, 2)
+    ai = router("aibrix")
+    assert (ai.imbalance_abs_count, ai.std_factor) == (8, 1.0)
+    assert router("fairway").theta == 12.0
+
+
+# -- load view ---------------------------------------------------------------------------------
+
+
+def view(n: int = 2, stale_s: float = 0.0) -> tuple[LoadView, ManualClock]:
+    clock = ManualClock()
+    return LoadView(n, clock, LinearCost(), block_size=BS, stale_s=stale_s), clock  # type: ignore[arg-type]
+
+
+def test_load_view_lifecycle():
+    lv, _ = view()
+    assert lv.on_routed(1, 0, prompt_tokens=1000, cached_tokens=800) == pytest.approx(0.21)
+    assert lv.on_routed(2, 0, prompt_tokens=100) == pytest.approx(0.11)
+    lv.on_routed(3, 1, prompt_tokens=160, cached_tokens=160)  # capped at 159 cached: 1 token to compute
+    s = lv.snapshot()
+    assert s.queued_prefill_s == pytest.approx((0.32, 0.011))
+    assert s.queued_prefill_tokens == (300, 1)
+    assert s.outstanding == (2, 1)
+    assert s.running == (0, 0)
+    assert s.active_blocks == (63 + 7, 10)
+    lv.on_started(1)
+    lv.on_started(1)  # idempotent
+    s = lv.snapshot()
+    assert s.queued_prefill_s == pytest.approx((0.11, 0.011))
+    assert (s.outstanding, s.running, s.waiting) == ((2, 1), (1, 0), (1, 1))
+    lv.on_finished(2)  # rejected before it started: leaves Q too
+    lv.on_finished(1)
+    s = lv.snapshot()
+    assert s.queued_prefill_s[0] == 0.0
+    assert (s.outstanding[0], s.running[0], s.active_blocks[0], s.queued_prefill_tokens[0]) == (0, 0, 0, 0)
+    assert 3 in lv and 1 not in lv
+    with pytest.raises(KeyError):
+        lv.on_finished(1)
+    with pytest.raises(KeyError):
+        lv.on_routed(3, 0, 10)
+
+
+def test_load_view_queue_resets_to_exact_zero():
+    lv, _ = view(1)
+    for rid, p in enumerate((0.1, 0.2, 0.3, 0.7)):
+        lv.on_routed(rid, 0, 100, prefill_s=p)
+    for rid in (2, 0, 3):
+        lv.on_started(rid)
+    assert lv.snapshot().queued_prefill_s[0] == pytest.approx(0.2)
+    lv.on_started(1)
+    assert lv.snapshot().queued_prefill_s[0] == 0.0
+
+
+def test_load_view_preemption_requeues_the_work():
+    lv, _ = view(1)
+    lv.on_routed(1, 0, prompt_tokens=1000)
+    lv.on_started(1)
+    lv.on_preempted(1, cached_tokens=480, prompt_tokens=1040)
+    s = lv.snapshot()
+    assert s.queued_prefill_s[0] == pytest.approx(0.01 + 0.56)
+    assert (s.running[0], s.queued_prefill_tokens[0], s.outstanding[0]) == (0, 560, 1)
+
+
+def test_load_view_staleness():
+    lv, clock = view(2, stale_s=10.0)
+    first = lv.snapshot()
+    lv.on_routed(1, 0, 100)
+    lv.report_kv_usage(1, 0.5)
+    clock.set(9.99)
+    assert lv.snapshot() is first
+    assert lv.live().outstanding == (1, 0)
+    clock.set(10.0)
+    s = lv.snapshot()
+    assert s.taken_s == 10.0 and s.outstanding == (1, 0) and s.kv_usage == (0.0, 0.5)
+    lv.on_finished(1)
+    clock.set(19.0)
+    assert lv.snapshot() is s
+    live, clock = view(1, stale_s=0.0)
+    a = live.snapshot()
+    assert live.snapshot() is a  # nothing changed: the same snapshot
+    live.on_routed(1, 0, 100)
+    assert live.snapshot().outstanding == (1,)
+    with pytest.raises(ValueError):
+        live.report_kv_usage(0, 1.5)
+    with pytest.raises(ValueError):
+        view(1, stale_s=-1.0)
+
+
+def test_states_from_load_view_and_index_feed_a_router():
+    lv, _ = view(3)
+    idx = PrefixIndex(3)
+    prompt = chain("doc", 40)
+    idx.record_routed(2, prompt)
+    lv.on_routed(1, 2, prompt_tokens=640, cached_tokens=0)
+    lv.report_kv_usage(0, 0.25)
+    rq = RouteRequest(rid=2, prompt_tokens=650, block_hashes=prompt)
+    states = make_states(lv.snapshot(), idx.match(prompt), idx.sizes(), replicas=[0, 2])
+    assert [(s.replica, s.matched_blocks, s.index_blocks, s.outstanding, s.kv_usage) for s in states] == [
+        (0, 0, 0, 0, 0.25), (2, 40, 40, 1, 0.0)]
+    assert states[1].queued_prefill_s == pytest.approx(0.65)
+    r = router("fairway")
+    # Replica 2 holds the prefix (P = 0.02) but its queue, 0.65 s, is over 12 * 0.02: the fair choice,
+    # 0 + P(650) = 0.66 against 0.65 + 0.02.
+    assert r.rank(rq, states) == [[0], [2]]
+    assert r.last_reason == "fair"
+    assert r.last_scores == pytest.approx({0: 0.66, 2: 0.67})
