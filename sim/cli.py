@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from loadgen.registry import WorkloadError
 from router.policies import PolicyError
+from router.routing import RouterError
 from sim.runner import RunConfig, dump, run
 
 
@@ -65,6 +66,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="trace time compression")
     p.add_argument("--concurrency", type=int, default=None, help="fixed-concurrency mode")
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--routers", type=int, default=1, help="independent router instances (each sees 1/K)")
+    p.add_argument("--index-mode", default="approx", choices=["approx", "events"],
+                   help="router prefix index: own decisions + feedback, or engine KV events")
+    p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
     p.add_argument("--profile", default="h200-llama3-8b")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
     p.add_argument("--block-size", type=int, default=16)
@@ -79,11 +84,14 @@ def make_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="simulate one policy at one rate")
     _common(r)
     r.add_argument("--policy", required=True, help="name or name[key=value;...]")
+    r.add_argument("--router", default="round-robin", help="router policy with --replicas > 1")
     r.add_argument("--rate", type=float, default=4.0, help="req/s (agentic: sessions/s)")
     r.add_argument("--json", default=None, help="write the summary JSON here")
     s = sub.add_parser("sweep", help="policies x rates: table, JSON and plots")
     _common(s)
     s.add_argument("--policies", required=True, help="comma-separated policy specs")
+    s.add_argument("--router", default="round-robin",
+                   help="comma-separated router specs (with --replicas > 1): one table row each")
     s.add_argument("--rates", default="4", help="comma-separated rates")
     s.add_argument("--time-scales", default=None,
                    help="comma-separated trace time scales (x axis instead of --rates)")
@@ -93,8 +101,10 @@ def make_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: int) -> RunConfig:
+def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: int,
+                router_spec: str | None = None) -> RunConfig:
     name, opts = parse_policy_spec(policy_spec)
+    rname, ropts = parse_policy_spec(router_spec or args.router)
     return RunConfig(
         workload=args.workload,
         policy=name,
@@ -104,6 +114,11 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         time_scale=args.time_scale,
         concurrency=args.concurrency,
         replicas=args.replicas,
+        router=rname,
+        router_options=ropts,
+        routers=args.routers,
+        index_mode=args.index_mode,
+        stale_s=args.stale,
         profile=args.profile,
         kv_blocks=args.kv_blocks,
         block_size=args.block_size,
@@ -137,6 +152,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(HEADER)
     print(format_row(res))
     print(f"sim wall time {res['sim_wall_s']:.2f} s, simulated {res['sim_end_s']:.1f} s")
+    if res.get("per_replica"):
+        busy = [round(p["busy_fraction"], 3) for p in res["per_replica"]]
+        print(f"router {res['router']} x{res['routers']}: hit {res['cache_hit_ratio']:.3f} "
+              f"(ceiling {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, busy {busy}")
     if args.json:
         dump(res, args.json)
     return 0
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         print(f"sim: error: invalid {loc}: {err['msg']}", file=sys.stderr)
-    except (PolicyError, WorkloadError, CLIError, ValueError, OSError) as e:
+    except (PolicyError, RouterError, WorkloadError, CLIError, ValueError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"sim: error: {msg}", file=sys.stderr)
     return 2

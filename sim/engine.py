@@ -25,6 +25,7 @@ replica gate and in the router.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loadgen.spec import RequestSpec
 from router.clock import Clock
@@ -134,6 +135,7 @@ class EngineModel:
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []
         self._seq = 0
+        self.listener: Any = None  # optional lifecycle observer (the cluster router host)
         self.busy_s = 0.0
         self.steps = 0
         self.preemptions = 0
@@ -242,6 +244,8 @@ class EngineModel:
                     r.lane = adm.lane
                     r.promoted = adm.promoted
                 self.running.append(r)
+                if self.listener is not None:
+                    self.listener.on_admitted(self.replica, r)
                 n = min(r.target - r.num_computed, budget)
                 batch.append((r, n))
                 budget -= n
@@ -294,6 +298,8 @@ class EngineModel:
                 pool.release(r.blocks)
                 r.blocks = []
                 del self.reqs[r.rid]
+                if self.listener is not None:
+                    self.listener.on_finished(self.replica, r)
         self._flush_events()
         return done
 
@@ -308,11 +314,15 @@ class EngineModel:
         r.preemptions += 1
         self.preemptions += 1
         self._enqueue(r)
+        if self.listener is not None:
+            self.listener.on_preempted(self.replica, r)
 
     def _flush_events(self) -> None:
         events = self.pool.drain_events()
         if not events:
             return
+        if self.listener is not None:
+            self.listener.on_kv_events(self.replica, events)
         run: list[int] = []
         kind = events[0][0]
         for stored, h in events:

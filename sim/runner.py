@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,6 +11,7 @@ from loadgen.registry import make_workload
 from router.clock import ManualClock
 from router.cost_model import CostModel
 from router.policies import make_policy
+from sim.cluster import ClusterRouter, ceiling_hit_ratio
 from sim.engine import EngineConfig, EngineModel
 from sim.metrics import summarize
 from sim.simulator import Simulation
@@ -29,6 +30,11 @@ class RunConfig(BaseModel):
     time_scale: float = Field(1.0, gt=0, description="trace time compression factor")
     concurrency: int | None = Field(None, ge=1, description="fixed-concurrency mode")
     replicas: int = Field(1, ge=1)
+    router: str = Field("round-robin", description="router policy (used when replicas > 1)")
+    router_options: dict[str, Any] = Field(default_factory=dict)
+    routers: int = Field(1, ge=1, description="independent router instances, each sees 1/K")
+    index_mode: Literal["approx", "events"] = "approx"
+    stale_s: float = Field(0.0, ge=0, description="router load-view staleness (seconds)")
     profile: str = "h200-llama3-8b"
     kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks per replica")
     block_size: int = Field(16, ge=1)
@@ -61,7 +67,22 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
         time_scale=cfg.time_scale,
         concurrency=cfg.concurrency,
     )
-    return Simulation(workload, replicas, clock), clock
+    router = None
+    if cfg.replicas > 1:
+        router = ClusterRouter(
+            cfg.router,
+            cfg.replicas,
+            clock,
+            cost,
+            block_size=cfg.block_size,
+            seed=cfg.seed,
+            routers=cfg.routers,
+            index_mode=cfg.index_mode,
+            capacity_blocks=replicas[0].pool.num_blocks,
+            stale_s=cfg.stale_s,
+            options=cfg.router_options,
+        )
+    return Simulation(workload, replicas, clock, router=router), clock
 
 
 def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
@@ -79,6 +100,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "policy": cfg.policy,
         "policy_options": cfg.policy_options,
         "replicas": cfg.replicas,
+        "router": cfg.router if cfg.replicas > 1 else None,
+        "routers": cfg.routers,
         "rate_rps": cfg.rate,
         "realized_rate_rps": (len(res.finished) - 1) / (last - first) if last > first else 0.0,
         "concurrency": cfg.concurrency,
@@ -97,6 +120,19 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "sim_end_s": res.end_s,
         "sim_wall_s": res.wall_s,
     }
+    if cfg.replicas > 1:
+        per = []
+        for j, e in enumerate(sim.replicas):
+            mine = [r for r in res.finished if r.replica == j]
+            p = sum(r.spec.prompt_tokens for r in mine)
+            c = sum(max(0, r.cached_tokens) for r in mine)
+            per.append({"replica": j, "requests": len(mine), "hit_ratio": c / p if p else 0.0,
+                        "busy_fraction": e.busy_s / res.end_s if res.end_s else 0.0})
+        out["per_replica"] = per
+        specs = [r.spec for r in res.finished]
+        out["ceiling_hit_ratio"] = ceiling_hit_ratio(
+            specs, sum(e.pool.num_blocks for e in sim.replicas), cfg.block_size)
+        out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
     if keep_samples:
         out["ttft_samples_s"] = [r.ttft_s for r in res.finished]
     return out

@@ -32,7 +32,7 @@ def round_robin() -> Router:
     """The trivial replica choice used until cluster routing lands (issue: cluster routing)."""
     state = {"i": 0}
 
-    def route(spec: RequestSpec, replicas: list[EngineModel]) -> int:
+    def route(spec: RequestSpec, replicas: list[EngineModel]) -> int:  # noqa: ARG001
         j = state["i"] % len(replicas)
         state["i"] += 1
         return j
@@ -73,6 +73,8 @@ class Simulation:
         self.replicas = replicas
         self.clock = clock
         self.router = router or round_robin()
+        if hasattr(self.router, "bind"):
+            self.router.bind(replicas)  # type: ignore[union-attr]
         self.max_time_s = max_time_s
         self._heap: list[tuple[float, int, int, int, object]] = []
         self._seq = 0
@@ -96,6 +98,9 @@ class Simulation:
         r = self.replicas[j].add(spec)
         if r.rejected:
             self.result.rejected.append(r)
+            listener = self.replicas[j].listener
+            if listener is not None:
+                listener.on_finished(j, r)
             for follow in self.workload.on_complete(spec, self.clock.now()):
                 self._push(follow.arrival_s, ARRIVAL, follow)
         return j

@@ -54,14 +54,16 @@ def median_over_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    policies = split_list(args.policies)
+    routers = split_list(args.router) if args.replicas > 1 else [args.router]
+    policies = [f"{r}/{p}" if len(routers) > 1 else p for r in routers for p in split_list(args.policies)]
     by_scale = bool(args.time_scales)
     rates = [float(x) for x in split_list(args.time_scales if by_scale else args.rates)]
     seeds = [int(x) for x in split_list(args.seeds)] if args.seeds else [args.seed]
-    def cfg_for(spec: str, x: float, seed: int) -> RunConfig:
+    def cfg_for(label: str, x: float, seed: int) -> RunConfig:
+        router, _, spec = label.rpartition("/") if "/" in label else (None, "", label)
         if by_scale:  # trace replays: the x axis is the time compression, not a rate
-            return config_from(args, spec, 1.0, seed).model_copy(update={"time_scale": x})
-        return config_from(args, spec, x, seed)
+            return config_from(args, spec, 1.0, seed, router).model_copy(update={"time_scale": x})
+        return config_from(args, spec, x, seed, router)
 
     cfgs = [
         (spec, rate, cfg_for(spec, rate, seed))

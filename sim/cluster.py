@@ -1,0 +1,166 @@
+"""Cluster routing in the simulator: router instances that pick a replica for each arrival.
+
+``ClusterRouter`` is the simulator's host for a router policy (``router/routing``), a prefix index
+(``router/prefix_index.py``) and a load view (``router/load_view.py``), the same objects the Ray
+Serve router will host. With ``routers=K`` it runs K independent instances, each seeing the
+requests with ``rid % K == k`` (Ray Serve runs one router per ingress replica, and its proxies
+spread requests over them), each with its own index and load view built from its own decisions.
+
+Lifecycle, as the engines report it (``EngineModel.listener``):
+- routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
+  load view adds the request's estimated prefill time to that replica's queued work;
+- admitted: the work leaves the queue; preempted: it is queued again;
+- finished: the load view forgets it, the index is corrected with the cached-token count the
+  engine reported (approximate mode), and the replica's KV usage reaches every instance;
+- KV events (stored / removed hashes) reach every instance's index in ``"events"`` mode.
+
+Within the first rank, the replica with the fewest outstanding requests is chosen, as Ray Serve
+does within a rank (ties: the policy's order).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loadgen.spec import RequestSpec
+from router.clock import Clock
+from router.cost_model import CostModel
+from router.load_view import LoadView
+from router.prefix_index import PrefixIndex
+from router.routing import RouteRequest, RouterPolicy, make_router, make_states
+from sim.engine import EngineModel, EngineRequest
+
+
+@dataclass
+class _Instance:
+    policy: RouterPolicy
+    index: PrefixIndex
+    load: LoadView
+    reasons: Counter = field(default_factory=Counter)
+
+
+class ClusterRouter:
+    """K router instances over N replicas; callable as the simulator's ``Router``."""
+
+    def __init__(
+        self,
+        name: str,
+        n_replicas: int,
+        clock: Clock,
+        cost: CostModel,
+        *,
+        block_size: int = 16,
+        seed: int = 0,
+        routers: int = 1,
+        index_mode: str = "approx",
+        capacity_blocks: int | None = None,
+        stale_s: float = 0.0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if routers < 1:
+            raise ValueError("routers must be >= 1")
+        self.name = name
+        self.block_size = block_size
+        self.index_mode = index_mode
+        rngs = np.random.default_rng(seed).spawn(routers)
+        self.instances = [
+            _Instance(
+                make_router(name, clock=clock, cost=cost, block_size=block_size, rng=rngs[k],
+                            **(options or {})),
+                PrefixIndex(n_replicas, mode=index_mode, capacity_blocks=capacity_blocks),
+                LoadView(n_replicas, clock, cost, block_size=block_size, stale_s=stale_s),
+            )
+            for k in range(routers)
+        ]
+        self.engines: list[EngineModel] = []
+
+    def bind(self, engines: Sequence[EngineModel]) -> None:
+        """Attach to the engines so their lifecycle reports reach the instances."""
+        self.engines = list(engines)
+        for e in engines:
+            e.listener = self
+
+    def _inst(self, rid: int) -> _Instance:
+        return self.instances[rid % len(self.instances)]
+
+    def _prompt_hashes(self, spec: RequestSpec) -> Sequence[int]:
+        return spec.block_hashes[: spec.prompt_tokens // self.block_size]
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def __call__(self, spec: RequestSpec, replicas: list[EngineModel]) -> int:
+        inst = self._inst(spec.rid)
+        hashes = self._prompt_hashes(spec)
+        matched = inst.index.match(hashes)
+        states = make_states(inst.load.snapshot(), matched, inst.index.sizes())
+        ranks = inst.policy.rank(RouteRequest(spec.rid, spec.prompt_tokens, hashes), states)
+        first = ranks[0]
+        live = inst.load.live()
+        pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
+        inst.reasons[inst.policy.last_reason or "choice"] += 1
+        inst.index.record_routed(pick, hashes)
+        inst.load.on_routed(spec.rid, pick, spec.prompt_tokens, matched[pick] * self.block_size)
+        return pick
+
+    # -- engine reports (EngineModel.listener) ----------------------------------------------
+
+    def on_admitted(self, replica: int, r: EngineRequest) -> None:
+        load = self._inst(r.rid).load
+        if r.rid in load:
+            load.on_started(r.rid)
+
+    def on_preempted(self, replica: int, r: EngineRequest) -> None:
+        load = self._inst(r.rid).load
+        if r.rid in load:
+            load.on_preempted(r.rid, 0, r.target)
+
+    def on_finished(self, replica: int, r: EngineRequest) -> None:
+        inst = self._inst(r.rid)
+        if r.rid in inst.load:
+            inst.load.on_finished(r.rid)
+        if r.cached_tokens >= 0:
+            inst.index.on_feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, self.block_size)
+        if self.engines:
+            usage = self.engines[replica].pool.usage()
+            for i in self.instances:
+                i.load.report_kv_usage(replica, min(1.0, max(0.0, usage)))
+
+    def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
+        if self.index_mode == "events":
+            for i in self.instances:
+                i.index.on_kv_events(replica, events)
+
+    def reasons(self) -> dict[str, int]:
+        total: Counter = Counter()
+        for i in self.instances:
+            total.update(i.reasons)
+        return dict(sorted(total.items()))
+
+
+def ceiling_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> float:
+    """Hit ratio of one shared LRU prefix cache with the cluster's total capacity, replaying the
+    requests in arrival order (each request's prompt is looked up, then its prompt and output
+    blocks are inserted). It ignores concurrency and memory held by running requests, so it is an
+    upper reference for what routing can reach, not an achievable figure. O(total blocks)."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    cached = prompt = 0
+    for s in sorted(specs, key=lambda x: (x.arrival_s, x.rid)):
+        n_cacheable = max(0, (s.prompt_tokens - 1) // block_size)
+        hit = 0
+        for h in s.block_hashes[:n_cacheable]:
+            if h not in lru:
+                break
+            hit += 1
+        cached += hit * block_size
+        prompt += s.prompt_tokens
+        for h in s.block_hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return cached / prompt if prompt else 0.0

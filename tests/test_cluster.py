@@ -1,0 +1,74 @@
+"""Multi-replica simulation: conservation across replicas, KV-event index exactness, reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.clock import ManualClock
+from router.policies import make_policy
+from router.routing import ROUTERS
+from sim.cluster import ClusterRouter, ceiling_hit_ratio
+from sim.engine import EngineConfig, EngineModel
+from sim.runner import RunConfig, run
+from sim.simulator import Simulation
+from tests.factories import LinearCost, ListWorkload, chain, spec
+
+
+def cluster(router: str, specs, n=3, kv_blocks=80, routers=1, index_mode="approx"):
+    clock = ManualClock()
+    cost = LinearCost()
+    engines = [EngineModel(EngineConfig(kv_blocks=kv_blocks, max_num_batched_tokens=256), cost,
+                           make_policy("fairway", clock=clock, cost=cost), clock, replica=j)
+               for j in range(n)]
+    host = ClusterRouter(router, n, clock, cost, routers=routers, index_mode=index_mode,
+                         capacity_blocks=kv_blocks)
+    return Simulation(ListWorkload(specs), engines, clock, router=host), engines, host
+
+
+def family_specs(n=60):
+    return [spec(i, 0.05 * i, 200, 4, chain(f"fam{i % 5}", 10) + chain(f"u{i}", 2)) for i in range(n)]
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+@pytest.mark.parametrize("routers", [1, 2])
+def test_every_request_finishes_on_some_replica(router, routers):
+    specs = family_specs()
+    sim, engines, host = cluster(router, specs, routers=routers)
+    res = sim.run()
+    assert len(res.finished) == len(specs) and res.n_unfinished == 0
+    assert sorted(r.rid for r in res.finished) == list(range(len(specs)))
+    assert sum(sum(i.reasons.values()) for i in host.instances) == len(specs)
+    for i in host.instances:  # every routed request left the load view
+        snap = i.load.live()
+        assert sum(snap.outstanding) == 0 and sum(snap.queued_prefill_s) == 0.0
+    for e in engines:
+        assert e.pool.num_free == e.pool.num_blocks
+
+
+def test_kv_event_index_equals_the_engines_caches():
+    sim, engines, host = cluster("fairway", family_specs(), index_mode="events", kv_blocks=40)
+    sim.run()
+    for j, e in enumerate(engines):
+        assert set(host.instances[0].index.blocks(j)) == set(e.pool.cached)
+
+
+def test_prefix_affinity_sends_a_family_to_one_replica():
+    specs = [spec(i, 1.0 * i, 200, 2, chain("fam", 10) + chain(f"u{i}", 2)) for i in range(10)]
+    res = cluster("fairway", specs)[0].run()
+    assert len({r.replica for r in res.finished}) == 1
+    assert all(r.cached_tokens == 160 for r in res.finished if r.rid > 0)
+
+
+def test_ceiling_hit_ratio_of_a_shared_cache():
+    specs = [spec(0, 0.0, 161, 1, chain("a", 10)), spec(1, 1.0, 161, 1, chain("a", 10))]
+    assert ceiling_hit_ratio(specs, 100, 16) == pytest.approx(160 / 322)
+    assert ceiling_hit_ratio(specs, 5, 16) == 0.0  # too small to keep the prefix
+
+
+def test_run_json_has_cluster_fields():
+    res = run(RunConfig(workload="rag", policy="fairway", rate=8, duration_s=15, replicas=2,
+                        router="fairway"))
+    assert res["router"] == "fairway" and len(res["per_replica"]) == 2
+    assert sum(p["requests"] for p in res["per_replica"]) == res["n_finished"]
+    assert 0 < res["cache_hit_ratio"] <= res["ceiling_hit_ratio"] + 0.05
+    assert sum(res["routing_reasons"].values()) == res["n_requests"]
