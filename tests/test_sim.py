@@ -87,14 +87,18 @@ def test_fair_lane_request_is_not_overtaken_forever(rate, cold_tokens):
     cold = [r for r in res.finished if r.rid == 0][0]
     cfg = FairwayConfig()
     deadline = 1.0 + cfg.theta * max(LinearCost().prefill_time(cold_tokens, 0), cfg.p_floor_s)
-    assert cold.lane == "fair" and cold.admitted_s < horizon
-    # no Fair-lane request due after the cold one's deadline went before it
     cheap_p = LinearCost().prefill_time(64, 192)
     cheap_due = {r.rid: r.spec.arrival_s + cfg.theta * max(cheap_p, cfg.p_floor_s)
                  for r in res.finished if r.rid}
-    overtakers = [r for r in res.finished if r.rid and r.lane == "fair"
-                  and r.admitted_s < cold.admitted_s and cheap_due[r.rid] > deadline + 1e-9]
-    assert overtakers == []
+    assert cold.lane == "fair"
+    # no Fair-lane request due after the cold one's deadline went before it ...
+    before = [r for r in res.finished if r.rid and r.admitted_s < cold.admitted_s]
+    assert [r for r in before if r.lane == "fair" and cheap_due[r.rid] > deadline + 1e-9] == []
+    # ... and the Fast lane's picks are bounded by its share of the (equal-sized) work, so the
+    # requests admitted first are bounded by those due earlier, whatever the arrival rate
+    due_first = sum(1 for d in cheap_due.values() if d <= deadline)
+    assert len(before) <= (due_first + 1) / cfg.fair_share + 1
+    assert len(before) < len(specs) - 1  # LPM admitted every cheap request first
     # the prototype's ratio order lets the cheap stream starve it (the reason EDF is default)
     if rate >= 30 and cold_tokens >= 1000:
         sim, _ = build("fairway", specs, kv_blocks=400, fair_order="ratio")
