@@ -48,7 +48,7 @@ class PrefixIndex:
     ``clear_replica`` empties one (a replica that died, or vLLM's "all blocks cleared" event).
     """
 
-    __slots__ = ("_mode", "_where", "_lru", "_cap", "_all")
+    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all")
 
     def __init__(
         self,
@@ -67,6 +67,7 @@ class PrefixIndex:
         self._where: dict[int, int] = {}
         self._lru: list[OrderedDict[int, None]] = []
         self._cap: list[int | None] = []
+        self._max_cap: list[int | None] = []
         self._all = 0
         if capacity_blocks is None or isinstance(capacity_blocks, int):
             caps: list[int | None] = [capacity_blocks] * num_replicas
@@ -95,6 +96,7 @@ class PrefixIndex:
         j = len(self._lru)
         self._lru.append(OrderedDict())
         self._cap.append(capacity_blocks)
+        self._max_cap.append(capacity_blocks)
         self._all |= 1 << j
         return j
 
@@ -202,43 +204,55 @@ class PrefixIndex:
                 where[h] = where.get(h, 0) | bit
         return self._age(replica)
 
-    def on_feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, block_size: int) -> int:
+    def on_feedback(
+        self,
+        replica: int,
+        hashes: Sequence[int],
+        cached_tokens: int,
+        block_size: int,
+        estimated_blocks: int | None = None,
+    ) -> int:
         """Correct the estimate with the cached-token count the engine reported for a request
-        served on ``replica``. Returns how many blocks were dropped.
+        served on ``replica``; ``estimated_blocks`` is what the index matched for it at routing
+        time. Returns how many blocks aged out.
 
-        Why: the approx index does not see evictions. The engine's reported hit is the truth:
-        blocks ``hashes[:hit]`` were there (refreshed, or inserted if the index had lost them),
-        and the blocks the index held among ``hashes[hit:]`` were not (dropped from that replica
-        only). The hit is ``cached_tokens // block_size`` blocks. No-op (returns 0) in events mode.
+        Why: the approx index does not see evictions. After the request's prefill every block of
+        its prompt is in that engine's cache (the missed ones were just recomputed), so all of
+        ``hashes`` are refreshed as present. What the report reveals is the index holding more
+        than the replica keeps: a hit shorter than estimated means the engine had evicted blocks
+        the index still listed. That replica's capacity estimate then shrinks by the overshoot
+        (not below 1/8 of its configured capacity) and its oldest blocks age out; a hit at least
+        as long as estimated grows the capacity back by 1/8 of the request's blocks, up to the
+        configured capacity (additive decrease by the observed error, slow additive increase).
+        No-op (returns 0) in events mode.
 
-        Note the timing: the engine recomputes the missed blocks for this very request, so right
-        after its prefill they are cached again; the drop is a deliberate under-estimate until
-        the next request routed there re-inserts them.
-
-        Complexity: O(len(hashes)).
+        Complexity: O(len(hashes) + blocks aged out).
         """
         if self._mode != APPROX:
             return 0
         if cached_tokens < 0 or block_size < 1:
             raise ValueError("cached_tokens must be >= 0 and block_size >= 1")
         hit = min(cached_tokens // block_size, len(hashes))
+        cap, top = self._cap[replica], self._max_cap[replica]
+        if cap is not None and top is not None and estimated_blocks is not None:
+            if estimated_blocks > hit:
+                self._cap[replica] = max(max(1, top // 8), cap - (estimated_blocks - hit))
+            else:
+                self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
         lru = self._lru[replica]
-        dropped = 0
-        for h in hashes[hit:]:
-            if h in lru:
-                del lru[h]
-                self._unset(replica, h)
-                dropped += 1
         bit = 1 << replica
         where = self._where
-        for h in reversed(hashes[:hit]):
+        for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
                 where[h] = where.get(h, 0) | bit
-        self._age(replica)
-        return dropped
+        return self._age(replica)
+
+    def capacity(self, replica: int) -> int | None:
+        """The current capacity estimate of ``replica`` in blocks (None: unbounded). O(1)."""
+        return self._cap[replica]
 
     # -- events mode -------------------------------------------------------------------------
 

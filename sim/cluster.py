@@ -78,6 +78,7 @@ class ClusterRouter:
             for k in range(routers)
         ]
         self.engines: list[EngineModel] = []
+        self._estimated: dict[int, int] = {}  # rid -> blocks the index matched when routed
 
     def bind(self, engines: Sequence[EngineModel]) -> None:
         """Attach to the engines so their lifecycle reports reach the instances."""
@@ -105,6 +106,7 @@ class ClusterRouter:
         inst.reasons[inst.policy.last_reason or "choice"] += 1
         inst.index.record_routed(pick, hashes)
         inst.load.on_routed(spec.rid, pick, spec.prompt_tokens, matched[pick] * self.block_size)
+        self._estimated[spec.rid] = matched[pick]
         return pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
@@ -123,8 +125,9 @@ class ClusterRouter:
         inst = self._inst(r.rid)
         if r.rid in inst.load:
             inst.load.on_finished(r.rid)
+        est = self._estimated.pop(r.rid, None)
         if r.cached_tokens >= 0:
-            inst.index.on_feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, self.block_size)
+            inst.index.on_feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, self.block_size, est)
         if self.engines:
             usage = self.engines[replica].pool.usage()
             for i in self.instances:

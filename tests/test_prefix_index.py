@@ -145,36 +145,42 @@ def test_clear_and_add_replica():
 # -- approx mode: feedback ---------------------------------------------------------------------
 
 
-def test_feedback_drops_over_estimated_blocks():
+def test_feedback_refreshes_the_served_prompt_and_keeps_what_it_computed():
     idx = PrefixIndex(2)
     idx.record_routed(0, A[:6])
     idx.record_routed(1, A[:6])
     idx.record_routed(0, B[:1])  # B[0] is now the most recent on 0
-    # The engine reports 2 blocks and 5 tokens cached: A[2..5] were not there.
-    assert idx.on_feedback(0, A[:6], cached_tokens=2 * 16 + 5, block_size=16) == 4
-    assert idx.match(A) == [2, 6]  # replica 1 is untouched
-    assert list(idx.blocks(0)) == [B[0], A[1], A[0]]  # the reported hit is refreshed, head last
+    # The engine hit 2 blocks; it recomputed A[2..5], so all six are cached there now.
+    assert idx.on_feedback(0, A[:6], cached_tokens=2 * 16 + 5, block_size=16, estimated_blocks=6) == 0
+    assert idx.match(A) == [6, 6]
+    assert list(idx.blocks(0)) == [B[0], A[5], A[4], A[3], A[2], A[1], A[0]]  # head newest
+    check_invariants(idx)
+
+
+def test_overestimate_shrinks_capacity_and_a_good_estimate_grows_it_back():
+    idx = PrefixIndex(1, capacity_blocks=16)
+    idx.record_routed(0, B[:6])
+    idx.record_routed(0, A[:8])
+    assert idx.capacity(0) == 16
+    # estimated 8, engine hit 3: it holds less than the index thought; capacity 16 - 5 = 11
+    assert idx.on_feedback(0, A[:8], cached_tokens=3 * 16, block_size=16, estimated_blocks=8) == 3
+    assert idx.capacity(0) == 11 and list(idx.blocks(0))[:3] == [B[2], B[1], B[0]]
+    # a hit as long as estimated: +max(1, 8 // 8) = 1 block
+    assert idx.on_feedback(0, A[:8], cached_tokens=8 * 16, block_size=16, estimated_blocks=8) == 0
+    assert idx.capacity(0) == 12
+    # never below 1/8 of the configured capacity
+    idx.on_feedback(0, A[:8], cached_tokens=0, block_size=16, estimated_blocks=100)
+    assert idx.capacity(0) == 2 and len(idx) == 2
     check_invariants(idx)
 
 
 def test_feedback_inserts_reported_hits_the_index_lost():
     idx = PrefixIndex(1, capacity_blocks=3)
     idx.record_routed(0, B[:3])
-    assert idx.on_feedback(0, A[:4], cached_tokens=64, block_size=16) == 0
-    assert list(idx.blocks(0)) == [A[2], A[1], A[0]]  # over capacity: B and A's tail age out
-    assert idx.match(A) == [3]
-    assert idx.match(B) == [0]
+    assert idx.on_feedback(0, A[:3], cached_tokens=48, block_size=16) == 3
+    assert list(idx.blocks(0)) == [A[2], A[1], A[0]]
+    assert idx.match(A) == [3] and idx.match(B) == [0]
     check_invariants(idx)
-
-
-def test_feedback_full_hit_and_zero_hit():
-    idx = PrefixIndex(1)
-    idx.record_routed(0, A[:4])
-    assert idx.on_feedback(0, A[:4], cached_tokens=4 * 16, block_size=16) == 0
-    assert idx.match(A) == [4]
-    assert idx.on_feedback(0, A[:4], cached_tokens=0, block_size=16) == 4
-    assert idx.match(A) == [0]
-    assert len(idx) == 0
 
 
 # -- events mode -------------------------------------------------------------------------------
