@@ -317,6 +317,15 @@ def test_fairway_fair_choice_when_the_best_cached_queue_is_long():
     assert choice(ranked(floor, req(1000), fairway_states(3.0))) == 0
 
 
+def test_fairway_extra_work_weight_prices_the_prefill_a_placement_adds():
+    # fair case of fairway_states(3.0): expected TTFT 0: 3.21, 1: 1.51, 2: 1.85; P: 0.21, 1.01, 0.85
+    r = router("fairway", extra_work_weight=1.0)  # + (P - 0.21): 0: 3.21, 1: 2.31, 2: 2.49
+    assert ranked(r, req(1000), fairway_states(3.0)) == [[1], [2], [0]]
+    r4 = router("fairway", extra_work_weight=4.0)  # + 4 (P - 0.21): 0: 3.21, 1: 4.71, 2: 4.41
+    assert ranked(r4, req(1000), fairway_states(3.0)) == [[0], [2], [1]]
+    assert r4.last_scores == pytest.approx({0: 3.21, 1: 4.71, 2: 4.41})
+
+
 def test_fairway_ties_cold_and_the_cacheable_cap():
     r = router("fairway")
     # Equal best match: the smaller queue is j*.

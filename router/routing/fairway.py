@@ -39,7 +39,10 @@ class FairwayRouter(RouterPolicy):
 
     Options: theta = 12 (the queue level's default), p_floor_s = 0 (DESIGN.md's router rule has
     no floor; a positive floor lets fully cached requests wait behind a longer queue for their
-    hit, as P_floor does at the queue level).
+    hit, as P_floor does at the queue level), extra_work_weight = 0 (w > 0 adds
+    w * (P_rj - min_j P_rj) to each replica's score: the prefill a placement adds beyond the
+    cheapest one, which the requests queued behind it there also wait for. Measured on one
+    workload only (docs/benchmarks.md), so it is off by default).
     """
 
     name = "fairway"
@@ -53,6 +56,7 @@ class FairwayRouter(RouterPolicy):
         *,
         theta: float = DEFAULT_THETA,
         p_floor_s: float = 0.0,
+        extra_work_weight: float = 0.0,
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -61,13 +65,21 @@ class FairwayRouter(RouterPolicy):
             raise ValueError("p_floor_s must be >= 0")
         self.theta = float(theta)
         self.p_floor_s = float(p_floor_s)
+        if not extra_work_weight >= 0:
+            raise ValueError("extra_work_weight must be >= 0")
+        self.extra_work_weight = float(extra_work_weight)
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
         cached = {s.replica: self.cached_tokens(req, s) for s in ss}
         prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
                    for s in ss}
-        ttft = {s.replica: s.queued_prefill_s + prefill[s.replica] for s in ss}
+        least = min(prefill.values())
+        w = self.extra_work_weight
+        # expected TTFT, plus (optionally) the prefill this placement adds beyond the cheapest
+        # one: work that every request queued behind it on that replica also waits for
+        ttft = {s.replica: s.queued_prefill_s + prefill[s.replica] + w * (prefill[s.replica] - least)
+                for s in ss}
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], j))
         star = min(ss, key=lambda s: (-cached[s.replica], s.queued_prefill_s, s.replica))
         j = star.replica
