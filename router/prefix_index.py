@@ -193,16 +193,7 @@ class PrefixIndex:
         """
         if self._mode != APPROX:
             return 0
-        lru = self._lru[replica]
-        bit = 1 << replica
-        where = self._where
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                where[h] = where.get(h, 0) | bit
-        return self._age(replica)
+        return self._touch(replica, hashes)
 
     def on_feedback(
         self,
@@ -239,16 +230,7 @@ class PrefixIndex:
                 self._cap[replica] = max(max(1, top // 8), cap - (estimated_blocks - hit))
             else:
                 self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
-        lru = self._lru[replica]
-        bit = 1 << replica
-        where = self._where
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                where[h] = where.get(h, 0) | bit
-        return self._age(replica)
+        return self._touch(replica, hashes)
 
     def capacity(self, replica: int) -> int | None:
         """The current capacity estimate of ``replica`` in blocks (None: unbounded). O(1)."""
@@ -288,6 +270,20 @@ class PrefixIndex:
             self._where[h] = m
         else:
             del self._where[h]
+
+    def _touch(self, replica: int, hashes: Sequence[int]) -> int:
+        """Mark ``hashes`` present on ``replica``, tail first (the head ends most recent), then
+        age the replica to its capacity. Returns blocks aged out. O(len(hashes) + aged)."""
+        lru = self._lru[replica]
+        bit = 1 << replica
+        where = self._where
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                where[h] = where.get(h, 0) | bit
+        return self._age(replica)
 
     def _age(self, replica: int) -> int:
         """Drop the least recently touched blocks while over capacity. O(blocks dropped)."""
