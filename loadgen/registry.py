@@ -8,6 +8,7 @@ requests (as ``trace:PATH`` does). Built in:
 | --- | --- |
 | ``rag`` / ``rag-spike`` | open-loop RAG; ``-spike`` adds ``BurstSchedule()`` bursts |
 | ``mixed`` / ``mixed-spike`` | open-loop 80/20 cheap-reuse / cold mix; ``-spike`` adds bursts |
+| ``hotspot`` | ``mixed`` with one shared prefix for 90% of requests (router hot-spotting) |
 | ``agentic`` / ``agentic-spike`` | closed-loop sessions; ``-spike`` adds a ``Swarm()`` of 100 |
 | ``trace:PATH`` | replay: ``.jsonl`` Mooncake, ``.csv`` timing-only (Azure) + ``PrefixModel`` |
 
@@ -29,7 +30,7 @@ import numpy as np
 from loadgen.arrivals import BurstSchedule
 from loadgen.concurrency import ConcurrencyWorkload
 from loadgen.spec import Workload, WorkloadError
-from loadgen.synthetic import AgenticWorkload, MixedWorkload, RagWorkload, Swarm
+from loadgen.synthetic import AgenticWorkload, MixedParams, MixedWorkload, RagWorkload, Swarm
 from loadgen.traces import trace_workload
 from router.hashing import DEFAULT_BLOCK_SIZE
 
@@ -100,7 +101,7 @@ def _rag(a: WorkloadArgs, bursts: BurstSchedule | None = None) -> Workload:
     )
 
 
-def _mixed(a: WorkloadArgs, bursts: BurstSchedule | None = None) -> Workload:
+def _mixed(a: WorkloadArgs, bursts: BurstSchedule | None = None, params: MixedParams | None = None) -> Workload:
     _synthetic_only(a)
     return MixedWorkload(
         a.rng,
@@ -109,7 +110,12 @@ def _mixed(a: WorkloadArgs, bursts: BurstSchedule | None = None) -> Workload:
         block_size=a.block_size,
         keep_tokens=a.keep_tokens,
         bursts=bursts,
+        params=params,
     )
+
+
+#: One very popular prefix (90% of requests share it): the hot-spotting case for routers.
+HOTSPOT = MixedParams(cheap_fraction=0.9, n_prefixes=1)
 
 
 def _agentic(a: WorkloadArgs, swarm: Swarm | None = None) -> Workload:
@@ -140,6 +146,7 @@ register_workload("rag", _rag)
 register_workload("rag-spike", lambda a: _rag(a, BurstSchedule()))
 register_workload("mixed", _mixed)
 register_workload("mixed-spike", lambda a: _mixed(a, BurstSchedule()))
+register_workload("hotspot", lambda a: _mixed(a, None, HOTSPOT))
 register_workload("agentic", _agentic)
 register_workload("agentic-spike", lambda a: _agentic(a, Swarm()))
 register_workload("trace", _trace, arg="PATH")

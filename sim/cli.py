@@ -153,9 +153,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(format_row(res))
     print(f"sim wall time {res['sim_wall_s']:.2f} s, simulated {res['sim_end_s']:.1f} s")
     if res.get("per_replica"):
-        busy = [round(p["busy_fraction"], 3) for p in res["per_replica"]]
+        busy = [round(p["prefill_busy_fraction"], 3) for p in res["per_replica"]]
         print(f"router {res['router']} x{res['routers']}: hit {res['cache_hit_ratio']:.3f} "
-              f"(ceiling {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, busy {busy}")
+              f"(ceiling {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, prefill-busy {busy}")
     if args.json:
         dump(res, args.json)
     return 0

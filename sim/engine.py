@@ -137,6 +137,7 @@ class EngineModel:
         self._seq = 0
         self.listener: Any = None  # optional lifecycle observer (the cluster router host)
         self.busy_s = 0.0
+        self.prefill_busy_s = 0.0  # time in steps that computed prompt tokens
         self.steps = 0
         self.preemptions = 0
         self.last_step: StepStats | None = None
@@ -267,6 +268,8 @@ class EngineModel:
         self.policy.on_step(p_tok)
         self.steps += 1
         self.busy_s += dt
+        if p_tok:
+            self.prefill_busy_s += dt
         self.last_step = StepStats(now, dt, p_tok, d_seqs, admitted, preempted)
         return dt
 

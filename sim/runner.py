@@ -127,7 +127,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
             p = sum(r.spec.prompt_tokens for r in mine)
             c = sum(max(0, r.cached_tokens) for r in mine)
             per.append({"replica": j, "requests": len(mine), "hit_ratio": c / p if p else 0.0,
-                        "busy_fraction": e.busy_s / res.end_s if res.end_s else 0.0})
+                        "busy_fraction": e.busy_s / res.end_s if res.end_s else 0.0,
+                        "prefill_busy_fraction": e.prefill_busy_s / res.end_s if res.end_s else 0.0})
         out["per_replica"] = per
         specs = [r.spec for r in res.finished]
         out["ceiling_hit_ratio"] = ceiling_hit_ratio(

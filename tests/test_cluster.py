@@ -72,3 +72,12 @@ def test_run_json_has_cluster_fields():
     assert sum(p["requests"] for p in res["per_replica"]) == res["n_finished"]
     assert 0 < res["cache_hit_ratio"] <= res["ceiling_hit_ratio"] + 0.05
     assert sum(res["routing_reasons"].values()) == res["n_requests"]
+    assert all(0 <= p["prefill_busy_fraction"] <= p["busy_fraction"] <= 1.0 for p in res["per_replica"])
+
+
+def test_hotspot_workload_shares_one_prefix():
+    from loadgen.registry import make_workload
+
+    specs = list(make_workload("hotspot", rate=20, duration_s=10, seed=1).initial())
+    firsts = [s.block_hashes[0] for s in specs if s.kind == "cheap"]
+    assert len(firsts) > 0.8 * len(specs) and len(set(firsts)) == 1
