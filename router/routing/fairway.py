@@ -9,7 +9,7 @@ routed to j and not yet started.
   as the wait stays within the queue level's own promotion budget (theta times the request's
   prefill time, the same theta as the replica's Fast lane).
 - **Otherwise, the Fair lane choice** (``"fair"``): argmin over j of Q_j + P_rj, the minimum
-  expected TTFT; ties to the larger ĉ_rj, then the id.
+  expected TTFT; ties to the larger ĉ_rj, then fewer outstanding requests, then the id.
 - When no replica holds any of the prompt (``"cold"``), j* carries no reuse, and the choice is
   the Fair lane's: the minimum expected TTFT.
 
@@ -80,7 +80,10 @@ class FairwayRouter(RouterPolicy):
         # one: work that every request queued behind it on that replica also waits for
         ttft = {s.replica: s.queued_prefill_s + prefill[s.replica] + w * (prefill[s.replica] - least)
                 for s in ss}
-        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], j))
+        load = {s.replica: s.outstanding for s in ss}
+        # equal expected TTFT (idle replicas have Q = 0): more cache, then fewer outstanding
+        # requests, then the id, so equal choices spread instead of piling on the lowest id
+        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], j))
         star = min(ss, key=lambda s: (-cached[s.replica], s.queued_prefill_s, s.replica))
         j = star.replica
         if cached[j] == 0:
