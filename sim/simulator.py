@@ -29,7 +29,8 @@ Router = Callable[[RequestSpec, list[EngineModel]], int]
 
 
 def round_robin() -> Router:
-    """The trivial replica choice used until cluster routing lands (issue: cluster routing)."""
+    """The trivial replica choice of a bare ``Simulation``; ``sim.runner`` routes with
+    ``sim.cluster.ClusterRouter`` when there is more than one replica."""
     state = {"i": 0}
 
     def route(spec: RequestSpec, replicas: list[EngineModel]) -> int:  # noqa: ARG001
