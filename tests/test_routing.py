@@ -326,6 +326,15 @@ def test_fairway_extra_work_weight_prices_the_prefill_a_placement_adds():
     assert r4.last_scores == pytest.approx({0: 3.21, 1: 4.71, 2: 4.41})
 
 
+def test_fairway_footprint_term_sends_cold_work_to_the_emptier_cache():
+    states = [st(0, q=0.1, tree=100), st(1, q=0.1, tree=10)]
+    d = router("fairway")  # cold P = 1.01: 0.1 + 1.01 + 1.01 * 100/100 vs 0.1 + 1.01 + 1.01 * 10/100
+    assert ranked(d, req(1000), states) == [[1], [0]] and d.last_reason == "cold"
+    assert d.last_scores == pytest.approx({0: 2.12, 1: 1.211})
+    off = router("fairway", footprint_weight=0.0)  # equal expected TTFT: the id decides
+    assert ranked(off, req(1000), states) == [[0], [1]]
+
+
 def test_fairway_ties_cold_and_the_cacheable_cap():
     r = router("fairway")
     # Equal best match: the smaller queue is j*.
@@ -511,9 +520,14 @@ def test_states_from_load_view_and_index_feed_a_router():
     assert [(s.replica, s.matched_blocks, s.index_blocks, s.outstanding, s.kv_usage) for s in states] == [
         (0, 0, 0, 0, 0.25), (2, 40, 40, 1, 0.0)]
     assert states[1].queued_prefill_s == pytest.approx(0.65)
-    r = router("fairway")
+    r = router("fairway", footprint_weight=0.0)
     # Replica 2 holds the prefix (P = 0.02) but its queue, 0.65 s, is over 12 * 0.02: the fair choice,
     # 0 + P(650) = 0.66 against 0.65 + 0.02.
     assert r.rank(rq, states) == [[0], [2]]
     assert r.last_reason == "fair"
     assert r.last_scores == pytest.approx({0: 0.66, 2: 0.67})
+    # The default footprint term adds P * (index blocks / the fullest's): replica 2 is the fullest,
+    # + 0.02 * 40 / 40; replica 0 holds nothing, + 0.
+    d = router("fairway")
+    assert d.rank(rq, states) == [[0], [2]]
+    assert d.last_scores == pytest.approx({0: 0.66, 2: 0.69})
