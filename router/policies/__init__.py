@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from router.clock import Clock
@@ -23,6 +22,7 @@ from router.policies.baselines import (
     SRPTOracle,
 )
 from router.policies.fairway import Fairway, FairwayConfig
+from router.registry import resolve_class
 
 POLICIES: dict[str, type[QueuePolicy]] = {}
 
@@ -42,19 +42,8 @@ class PolicyError(ValueError):
 
 
 def policy_class(name: str) -> type[QueuePolicy]:
-    if name in POLICIES:
-        return POLICIES[name]
-    if ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise PolicyError(f"cannot import policy class {name!r}: {e}") from e
-        if not (isinstance(cls, type) and issubclass(cls, QueuePolicy)):
-            raise PolicyError(f"{name!r} is not a QueuePolicy subclass")
-        return cls
-    known = ", ".join(sorted(POLICIES))
-    raise PolicyError(f"unknown policy {name!r}; known: {known}")
+    """The class registered as ``name``, or imported from ``module:Class`` / ``module.Class``."""
+    return resolve_class(name, POLICIES, QueuePolicy, "policy", PolicyError)
 
 
 def make_policy(

@@ -8,13 +8,13 @@ a ``RouterPolicy`` subclass by dotted path (Ray's ``request_router_class`` +
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import numpy as np
 
 from router.clock import Clock
 from router.cost_model import CostModel
+from router.registry import resolve_class
 from router.routing.anchors import (
     LLMD,
     AIBrix,
@@ -49,19 +49,7 @@ class RouterError(ValueError):
 
 def router_class(name: str) -> type[RouterPolicy]:
     """The class registered as ``name``, or imported from ``module:Class`` / ``module.Class``."""
-    if name in ROUTERS:
-        return ROUTERS[name]
-    if ":" in name or "." in name:
-        mod, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise RouterError(f"cannot import router class {name!r}: {e}") from e
-        if not (isinstance(cls, type) and issubclass(cls, RouterPolicy)):
-            raise RouterError(f"{name!r} is not a RouterPolicy subclass")
-        return cls
-    known = ", ".join(sorted(ROUTERS))
-    raise RouterError(f"unknown router {name!r}; known: {known}")
+    return resolve_class(name, ROUTERS, RouterPolicy, "router", RouterError)
 
 
 def make_router(
