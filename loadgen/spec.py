@@ -34,10 +34,6 @@ class RequestSpec:
     kind: str = ""  # workload-specific label, e.g. "cheap" / "cold" / "agent"
     tokens: np.ndarray | None = field(default=None, repr=False)  # prompt token ids, if kept
 
-    def prompt_blocks(self, block_size: int) -> int:
-        """Number of full prompt blocks (the ones a prefix cache can serve)."""
-        return self.prompt_tokens // block_size
-
 
 class Workload(ABC):
     """A source of requests.

@@ -97,18 +97,6 @@ class EngineRequest:
         return self.first_token_s - self.spec.arrival_s
 
 
-@dataclass(slots=True)
-class StepStats:
-    """What one step did. Invariant: prefill_tokens + decode_seqs <= max_num_batched_tokens."""
-
-    start_s: float
-    duration_s: float
-    prefill_tokens: int
-    decode_seqs: int
-    admitted: int
-    preempted: int
-
-
 class EngineModel:
     """One replica's engine. Host protocol: ``add`` arrivals; when idle and ``has_work()``,
     ``start_step()`` returns the step duration; at its end, ``finish_step()`` returns the requests
@@ -140,7 +128,6 @@ class EngineModel:
         self.prefill_busy_s = 0.0  # time in steps that computed prompt tokens
         self.steps = 0
         self.preemptions = 0
-        self.last_step: StepStats | None = None
 
     # -- arrivals ----------------------------------------------------------------------------
 
@@ -153,6 +140,8 @@ class EngineModel:
         need = -(-(spec.prompt_tokens + spec.output_tokens) // bs)
         if need > self.pool.num_blocks:
             r.rejected = f"needs {need} KV blocks, engine has {self.pool.num_blocks}"
+            if self.listener is not None:
+                self.listener.on_finished(self.replica, r)
             return r
         hit = len(self.pool.longest_hit(self._cacheable(r)))
         c = hit * bs
@@ -222,7 +211,6 @@ class EngineModel:
             batch.append((r, n))
             budget -= n
             i += 1
-        admitted = 0
         if not preempted:
             while budget > 0 and len(self.running) < cfg.max_num_seqs:
                 q = self.policy.select()
@@ -250,7 +238,6 @@ class EngineModel:
                 n = min(r.target - r.num_computed, budget)
                 batch.append((r, n))
                 budget -= n
-                admitted += 1
         if not batch:
             self._batch = []
             return None
@@ -270,7 +257,6 @@ class EngineModel:
         self.busy_s += dt
         if p_tok:
             self.prefill_busy_s += dt
-        self.last_step = StepStats(now, dt, p_tok, d_seqs, admitted, preempted)
         return dt
 
     def finish_step(self) -> list[EngineRequest]:

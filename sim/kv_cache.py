@@ -29,10 +29,9 @@ class OutOfBlocks(RuntimeError):
 class BlockPool:
     """Ref-counted KV blocks with a hash-keyed prefix cache and LRU eviction of free blocks."""
 
-    __slots__ = ("num_blocks", "block_size", "ref", "block_hash", "free", "cached", "events",
-                 "evictions", "emit_events")
+    __slots__ = ("num_blocks", "block_size", "ref", "block_hash", "free", "cached", "events", "evictions")
 
-    def __init__(self, num_blocks: int, block_size: int = 16, emit_events: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
@@ -43,7 +42,6 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.events: list[tuple[bool, int]] = []
         self.evictions = 0
-        self.emit_events = emit_events
 
     @property
     def num_free(self) -> int:
@@ -90,8 +88,7 @@ class BlockPool:
                 self.block_hash[b] = None
                 del self.cached[h]
                 self.evictions += 1
-                if self.emit_events:
-                    self.events.append((False, h))
+                self.events.append((False, h))
             self.ref[b] = 1
             out.append(b)
         return out
@@ -102,8 +99,7 @@ class BlockPool:
             return
         self.block_hash[b] = h
         self.cached[h] = b
-        if self.emit_events:
-            self.events.append((True, h))
+        self.events.append((True, h))
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop a request's references, tail block first, so its tail is evicted first."""

@@ -99,9 +99,6 @@ class Simulation:
         r = self.replicas[j].add(spec)
         if r.rejected:
             self.result.rejected.append(r)
-            listener = self.replicas[j].listener
-            if listener is not None:
-                listener.on_finished(j, r)
             for follow in self.workload.on_complete(spec, self.clock.now()):
                 self._push(follow.arrival_s, ARRIVAL, follow)
         return j

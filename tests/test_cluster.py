@@ -45,6 +45,15 @@ def test_every_request_finishes_on_some_replica(router, routers):
         assert e.pool.num_free == e.pool.num_blocks
 
 
+def test_a_rejected_request_leaves_the_routers_load_view():
+    specs = family_specs(10) + [spec(10, 0.2, 2000, 4, chain("huge", 125))]  # 126 blocks > 80
+    sim, engines, host = cluster("fairway", specs)
+    res = sim.run()
+    assert [r.rid for r in res.rejected] == [10] and len(res.finished) == 10
+    snap = host.instances[0].load.live()
+    assert sum(snap.outstanding) == 0 and sum(snap.queued_prefill_s) == 0.0
+
+
 def test_kv_event_index_equals_the_engines_caches():
     sim, engines, host = cluster("fairway", family_specs(), index_mode="events", kv_blocks=40)
     sim.run()

@@ -96,7 +96,6 @@ class QueuePolicy(ABC):
         self._slot_of: dict[int, int] = {}
         self._items: dict[int, QueuedRequest] = {}
         self._tracker: HitTracker | None = None
-        self._contains: Callable[[int], bool] = lambda _h: False
         self.processed_tokens = 0  # prefill tokens the engine has run (token clock)
         self.steps = 0
 
@@ -106,7 +105,6 @@ class QueuePolicy(ABC):
         """Give the policy a read-only view of the prefix cache. Call before ``add``."""
         if self._items:
             raise RuntimeError("attach_cache must be called on an empty queue")
-        self._contains = contains
         self._tracker = HitTracker(contains, self._on_hit_change)
 
     def __len__(self) -> int:
