@@ -89,29 +89,18 @@ def _synthetic_only(a: WorkloadArgs) -> None:
         raise WorkloadError(f"{a.name!r} needs a finite duration_s")
 
 
-def _rag(a: WorkloadArgs, bursts: BurstSchedule | None = None) -> Workload:
+def _synthetic(a: WorkloadArgs) -> dict[str, object]:
+    """The keyword arguments every synthetic workload takes, after checking they apply."""
     _synthetic_only(a)
-    return RagWorkload(
-        a.rng,
-        rate=a.rate,
-        duration_s=a.duration_s,
-        block_size=a.block_size,
-        keep_tokens=a.keep_tokens,
-        bursts=bursts,
-    )
+    return {"rate": a.rate, "duration_s": a.duration_s, "block_size": a.block_size, "keep_tokens": a.keep_tokens}
+
+
+def _rag(a: WorkloadArgs, bursts: BurstSchedule | None = None) -> Workload:
+    return RagWorkload(a.rng, bursts=bursts, **_synthetic(a))  # type: ignore[arg-type]
 
 
 def _mixed(a: WorkloadArgs, bursts: BurstSchedule | None = None, params: MixedParams | None = None) -> Workload:
-    _synthetic_only(a)
-    return MixedWorkload(
-        a.rng,
-        rate=a.rate,
-        duration_s=a.duration_s,
-        block_size=a.block_size,
-        keep_tokens=a.keep_tokens,
-        bursts=bursts,
-        params=params,
-    )
+    return MixedWorkload(a.rng, bursts=bursts, params=params, **_synthetic(a))  # type: ignore[arg-type]
 
 
 #: One very popular prefix (90% of requests share it): the hot-spotting case for routers.
@@ -119,15 +108,7 @@ HOTSPOT = MixedParams(cheap_fraction=0.9, n_prefixes=1)
 
 
 def _agentic(a: WorkloadArgs, swarm: Swarm | None = None) -> Workload:
-    _synthetic_only(a)
-    return AgenticWorkload(
-        a.rng,
-        rate=a.rate,
-        duration_s=a.duration_s,
-        block_size=a.block_size,
-        keep_tokens=a.keep_tokens,
-        swarm=swarm,
-    )
+    return AgenticWorkload(a.rng, swarm=swarm, **_synthetic(a))  # type: ignore[arg-type]
 
 
 def _trace(a: WorkloadArgs) -> Workload:

@@ -16,9 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from sim.cli import parse_policy_spec, split_list
+from sim.report import BASELINES
 from sim.runner import RunConfig, run
 
-BASELINES = ("fcfs", "lpm", "hrrn", "k-lpm")
 TRACE = os.path.join("..", "shared", "traces", "mooncake_synthetic_trace.jsonl")
 
 #: (label, RunConfig fields): light-to-overload points of every workload family.
