@@ -121,12 +121,17 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "sim_wall_s": res.wall_s,
     }
     if cfg.replicas > 1:
+        n = [0] * cfg.replicas
+        prompt = [0] * cfg.replicas
+        cached = [0] * cfg.replicas
+        for r in res.finished:  # one pass, not one per replica
+            n[r.replica] += 1
+            prompt[r.replica] += r.spec.prompt_tokens
+            cached[r.replica] += max(0, r.cached_tokens)
         per = []
         for j, e in enumerate(sim.replicas):
-            mine = [r for r in res.finished if r.replica == j]
-            p = sum(r.spec.prompt_tokens for r in mine)
-            c = sum(max(0, r.cached_tokens) for r in mine)
-            per.append({"replica": j, "requests": len(mine), "hit_ratio": c / p if p else 0.0,
+            p, c = prompt[j], cached[j]
+            per.append({"replica": j, "requests": n[j], "hit_ratio": c / p if p else 0.0,
                         "busy_fraction": e.busy_s / res.end_s if res.end_s else 0.0,
                         "prefill_busy_fraction": e.prefill_busy_s / res.end_s if res.end_s else 0.0})
         out["per_replica"] = per
