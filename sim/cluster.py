@@ -10,8 +10,9 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 - routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
   load view adds the request's estimated prefill time to that replica's queued work;
 - admitted: the work leaves the queue; preempted: it is queued again;
-- finished: the load view forgets it, the index is corrected with the cached-token count the
-  engine reported (approximate mode), and the replica's KV usage reaches every instance;
+- finished (or rejected by the engine): the load view forgets it, the index is corrected with
+  the cached-token count the engine reported (approximate mode, finished requests only), and the
+  replica's KV usage reaches every instance;
 - KV events (stored / removed hashes) reach every instance's index in ``"events"`` mode.
 
 Within the first rank, the replica with the fewest outstanding requests is chosen, as Ray Serve
