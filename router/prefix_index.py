@@ -232,6 +232,17 @@ class PrefixIndex:
                 self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
         return self._touch(replica, hashes)
 
+    def set_capacity(self, replica: int, capacity_blocks: int) -> None:
+        """Set a replica's configured capacity once it becomes known (a live replica reports
+        its KV blocks after the router first sees it). O(1) plus the aging it causes."""
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        if self._max_cap[replica] == capacity_blocks:
+            return
+        self._max_cap[replica] = capacity_blocks
+        self._cap[replica] = capacity_blocks
+        self._age(replica)
+
     def capacity(self, replica: int) -> int | None:
         """The current capacity estimate of ``replica`` in blocks (None: unbounded). O(1)."""
         return self._cap[replica]

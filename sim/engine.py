@@ -177,6 +177,12 @@ class EngineModel:
     def num_waiting(self) -> int:
         return len(self.policy)
 
+    @property
+    def scheduled(self) -> list[EngineRequest]:
+        """The requests in the step ``start_step`` scheduled and ``finish_step`` will apply
+        (real-time hosts read it to know whose tokens a step produced)."""
+        return [r for r, _ in self._batch]
+
     def start_step(self) -> float | None:
         """Schedule one step at the current time; return its duration, or None if nothing
         could be scheduled."""

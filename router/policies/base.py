@@ -187,6 +187,11 @@ class QueuePolicy(ABC):
         """Waiting requests per lane (empty for policies without lanes)."""
         return {}
 
+    def queued_prefill_s(self) -> float:
+        """Estimated prefill seconds of every waiting request at its current hit. O(n)."""
+        hi = self._hi
+        return float(self.prefill_s[:hi][self.active[:hi]].sum())
+
     def preempt_victim(self, running: Sequence[int]) -> int:
         """Index into ``running`` (admission order) of the request to preempt: the newest, as
         vLLM does for FCFS."""

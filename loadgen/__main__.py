@@ -1,0 +1,7 @@
+"""``python -m loadgen run ...``: see ``loadgen.cli``."""
+
+import sys
+
+from loadgen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,318 @@
+"""``loadgen run``: replay a workload against an OpenAI-compatible server and summarise it.
+
+The workload is the simulator's (``make_workload`` with the same arguments ``sim.runner``
+passes), so a live run and a simulated one offer the same requests:
+
+- Open loop: spec ``i`` is sent at ``start + spec.arrival_s`` (never clipped or reordered; a
+  late send is recorded in ``send_lag_s``).
+- Closed loop (agentic sessions, ``--concurrency``): when a request ends (finished, rejected or
+  timed out, as the simulator also completes rejected requests), ``workload.on_complete(spec,
+  finish_s)`` gives its follow-ups, ``finish_s`` in seconds since the start, and each is sent at
+  its own ``arrival_s``.
+- As in the simulator, ``duration_s`` ends the workload's arrivals and started sessions (and
+  fixed-concurrency runs) drain. ``max_requests`` caps what is sent and ``stop_after_s`` stops
+  sending after that many seconds; in-flight requests are always awaited, each bounded by
+  ``timeout_s``.
+- Prompts are token ids from ``loadgen.prompts`` (shared block hashes -> shared prefixes); a
+  session's next turn starts with the previous turn's real prompt + returned output ids.
+
+The summary has every key of ``sim run --json`` (those only a simulator knows are null) plus
+``HTTP_ONLY_KEYS``. Counts: ``n_requests`` (sent) = ``n_finished`` + ``n_rejected`` (non-2xx
+answers) + ``n_unfinished`` (timeouts, connection errors, broken streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import aiohttp
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadgen.http_client import ServerError, StreamResult, first_model, stream_completion
+from loadgen.progress import ProgressLine
+from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
+from loadgen.registry import make_workload
+from loadgen.spec import RequestSpec, Workload
+from loadgen.summary import RequestSample, pct, realized_rate, summarize_samples
+from router.clock import Clock, MonotonicClock
+
+#: Keys ``loadgen run`` writes that ``sim run`` does not.
+HTTP_ONLY_KEYS = frozenset(
+    {"itl_s", "e2e_s", "send_lag_s", "errors_by_status", "n_retries", "url", "model", "wall_s"}
+)
+
+#: Keys of ``sim run`` that only a simulator knows: null over HTTP.
+SIM_ONLY_KEYS = (
+    "policy_options", "router", "routers", "profile", "kv_blocks", "preempted_requests", "preemptions",
+    "evictions", "promotions", "busy_fraction", "sim_end_s", "sim_wall_s", "ceiling_hit_ratio",
+    "routing_reasons",
+)
+
+
+class HttpRunConfig(BaseModel):
+    """One load-generator run. Field bounds are checked at the boundary (CLI, tests)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="server base URL, e.g. http://127.0.0.1:8000")
+    workload: str
+    rate: float = Field(4.0, gt=0, description="requests/s (open loop) or sessions/s (agentic)")
+    duration_s: float = Field(300.0, gt=0, description="arrivals stop after this (seconds)")
+    time_scale: float = Field(1.0, gt=0, description="trace time compression factor")
+    concurrency: int | None = Field(None, ge=1, description="fixed-concurrency mode")
+    seed: int = Field(0, ge=0)
+    block_size: int = Field(16, ge=1, description="tokens per hashed block (the server's)")
+    model: str | None = Field(None, description="model name; None asks GET /v1/models")
+    vocab_size: int = Field(DEFAULT_VOCAB_SIZE, ge=32, description="token ids are < this")
+    max_requests: int | None = Field(None, ge=1, description="send at most this many")
+    stop_after_s: float | None = Field(None, gt=0, description="send nothing after this (s)")
+    timeout_s: float = Field(600.0, gt=0, description="total time limit per request (s)")
+    retries: int = Field(0, ge=0, description="retries of a 429/503 after its Retry-After")
+    connect_timeout_s: float = Field(10.0, gt=0, description="limit of the GET /v1/models probe")
+
+
+def build_workload(cfg: HttpRunConfig) -> Workload:
+    """The workload exactly as ``sim.runner.build`` makes it. Raises ``WorkloadError``."""
+    return make_workload(
+        cfg.workload,
+        rate=cfg.rate,
+        duration_s=cfg.duration_s,
+        seed=cfg.seed,
+        block_size=cfg.block_size,
+        time_scale=cfg.time_scale,
+        concurrency=cfg.concurrency,
+    )
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One sent request: what the workload asked, when it went out, what came back.
+    ``sent_s`` and ``finish_s`` are seconds since the run's start; ``reused_context`` says
+    the prompt began with the session's previous prompt + returned output ids. ``result.output_ids``
+    is cleared once handed to the session contexts (a long run keeps no per-token lists)."""
+
+    rid: int
+    kind: str
+    session: int
+    turn: int
+    arrival_s: float
+    sent_s: float
+    finish_s: float
+    spec_prompt_tokens: int
+    reused_context: bool
+    result: StreamResult
+
+
+class HttpLoadRun:
+    """Drive ``workload`` against ``cfg.url``; ``await run()`` returns the JSON summary.
+
+    ``clock`` must be monotonic wall time (sleeps are real); ``progress`` is where the progress
+    line goes (None: nowhere). Not reusable: one instance, one run.
+    """
+
+    def __init__(
+        self,
+        cfg: HttpRunConfig,
+        workload: Workload | None = None,
+        *,
+        clock: Clock | None = None,
+        progress: TextIO | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.workload = workload if workload is not None else build_workload(cfg)
+        self.clock = clock or MonotonicClock()
+        self.prompts = PromptBuilder(vocab_size=cfg.vocab_size, block_size=cfg.block_size)
+        self.contexts = SessionContexts()
+        self.progress = ProgressLine(self.clock, progress, total=cfg.max_requests)
+        self.records: list[RequestRecord] = []
+        self.model: str | None = cfg.model
+        self.n_issued = 0
+        self._start = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failure: BaseException | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------------------ driving
+
+    def _elapsed(self) -> float:
+        return self.clock.now() - self._start
+
+    def _may_issue(self) -> bool:
+        cfg = self.cfg
+        if cfg.max_requests is not None and self.n_issued >= cfg.max_requests:
+            return False
+        return cfg.stop_after_s is None or self._elapsed() < cfg.stop_after_s
+
+    async def _sleep_until(self, at_s: float) -> None:
+        dt = at_s - self._elapsed()
+        if dt > 0:
+            await asyncio.sleep(dt)
+
+    def _launch(self, spec: RequestSpec) -> None:
+        task = asyncio.get_running_loop().create_task(self._one(spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def payload(self, spec: RequestSpec, ids: np.ndarray) -> dict[str, Any]:
+        """The request body for ``spec`` (see the module docstring of ``http_client``)."""
+        return {
+            "model": self.model,
+            "prompt": ids.tolist(),
+            "max_tokens": spec.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "temperature": 0,
+        }
+
+    async def _one(self, spec: RequestSpec) -> None:
+        await self._sleep_until(spec.arrival_s)
+        if not self._may_issue():
+            return
+        self.n_issued += 1
+        prefix = self.contexts.prefix_for(spec)
+        ids = self.prompts.token_ids(spec, prefix)
+        body = self.payload(spec, ids)
+        sent_s = self._elapsed()
+        self.progress.on_sent()
+        assert self._http is not None
+        res = await stream_completion(
+            self._http, self.cfg.url, body, clock=self.clock, timeout_s=self.cfg.timeout_s,
+            retries=self.cfg.retries,
+        )
+        finish_s = max(self._elapsed(), spec.arrival_s)
+        self.records.append(RequestRecord(
+            rid=spec.rid, kind=spec.kind, session=spec.session, turn=spec.turn, arrival_s=spec.arrival_s,
+            sent_s=sent_s, finish_s=finish_s, spec_prompt_tokens=spec.prompt_tokens,
+            reused_context=prefix is not None, result=res,
+        ))
+        self.progress.on_done(res.ok)
+        if res.ok and res.output_ids is not None:
+            self.contexts.remember(spec, ids, np.asarray(res.output_ids, dtype=np.int64))
+        res.output_ids = None  # handed on; a long run keeps no per-token lists
+        if self.workload.closed_loop:
+            for follow in self.workload.on_complete(spec, finish_s):
+                self._launch(follow)
+
+    async def run(self) -> dict[str, Any]:
+        """Send the workload, wait for every request, return the summary. Raises
+        ``ServerError`` if the server cannot be reached (before anything is sent)."""
+        connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on open connections
+        timeout = aiohttp.ClientTimeout(total=None)  # each request is bounded by timeout_s instead
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            self._http = http
+            listed = await first_model(http, self.cfg.url, timeout_s=self.cfg.connect_timeout_s)
+            if self.model is None:
+                if listed is None:
+                    raise ServerError(f"{self.cfg.url}/v1/models lists no model; pass --model")
+                self.model = listed
+            self._start = self.clock.now()
+            self.progress.start()
+            try:
+                for spec in self.workload.initial():
+                    await self._sleep_until(spec.arrival_s)
+                    self._check()
+                    if not self._may_issue():
+                        break
+                    self._launch(spec)
+                while self._tasks:
+                    await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_EXCEPTION)
+                    self._check()
+            finally:
+                for task in list(self._tasks):
+                    task.cancel()
+                if self._tasks:
+                    await asyncio.gather(*self._tasks, return_exceptions=True)
+                self.progress.close()
+            wall_s = self._elapsed()
+        return self.summary(wall_s)
+
+    # ------------------------------------------------------------------------------ summary
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        """The JSON-ready summary (module docstring) of ``self.records``."""
+        cfg = self.cfg
+        done = [r for r in self.records if r.result.ok]
+        samples = [_sample(r) for r in done]
+        rejected = sum(1 for r in self.records if not r.result.ok and r.result.rejected)
+        errors = Counter(r.result.status for r in self.records if not r.result.ok)
+        replicas: dict[str, list[int]] = {}
+        for r, s in zip(done, samples, strict=True):
+            if r.result.replica:
+                acc = replicas.setdefault(r.result.replica, [0, 0, 0])
+                acc[0] += 1
+                acc[1] += s.prompt_tokens
+                acc[2] += s.cached_tokens
+        policy = next((r.result.policy for r in done if r.result.policy), None)
+        out: dict[str, Any] = {
+            "workload": cfg.workload,
+            "policy": policy,
+            "policy_options": None,
+            "replicas": len(replicas) or None,
+            "router": None,
+            "routers": None,
+            "rate_rps": cfg.rate,
+            "realized_rate_rps": realized_rate([r.sent_s for r in done]),
+            "concurrency": cfg.concurrency,
+            "seed": cfg.seed,
+            "profile": None,
+            "kv_blocks": None,
+            "n_requests": len(self.records),
+            "n_finished": len(done),
+            "n_rejected": rejected,
+            "n_unfinished": len(self.records) - len(done) - rejected,
+            **summarize_samples(samples),
+            "preempted_requests": None,
+            "preemptions": None,
+            "evictions": None,
+            "promotions": None,
+            "busy_fraction": None,
+            "sim_end_s": None,
+            "sim_wall_s": None,
+            "per_replica": [
+                {"replica": name, "requests": n, "hit_ratio": c / p if p else 0.0,
+                 "busy_fraction": None, "prefill_busy_fraction": None}
+                for name, (n, p, c) in sorted(replicas.items())
+            ],
+            "ceiling_hit_ratio": None,
+            "routing_reasons": None,
+            "itl_s": pct(np.concatenate([np.asarray(r.result.itl_s, dtype=float) for r in done] or [np.empty(0)])),
+            "e2e_s": pct([r.result.e2e_s for r in done if r.result.e2e_s is not None]),
+            "send_lag_s": pct([r.sent_s - r.arrival_s for r in self.records]),
+            "errors_by_status": dict(sorted(errors.items())),
+            "n_retries": sum(r.result.retries for r in self.records),
+            "url": cfg.url,
+            "model": self.model,
+            "wall_s": wall_s,
+        }
+        return out
+
+
+def _sample(r: RequestRecord) -> RequestSample:
+    res = r.result
+    prompt = res.prompt_tokens if res.prompt_tokens is not None else r.spec_prompt_tokens
+    cached = min(max(0, res.cached_tokens or 0), prompt)
+    ttft = res.ttft_s if res.ttft_s is not None else (res.e2e_s or 0.0)  # no token at all: the whole wait
+    return RequestSample(ttft_s=ttft, queue_wait_s=res.queue_wait_s, lane=res.lane, prompt_tokens=prompt,
+                         cached_tokens=cached, work=float(prompt - cached))
+
+
+def run_http(cfg: HttpRunConfig, *, progress: TextIO | None = None, clock: Clock | None = None) -> dict[str, Any]:
+    """Build the workload, run it against the server, return the summary (blocking)."""
+    runner = HttpLoadRun(cfg, clock=clock, progress=progress)
+    return asyncio.run(runner.run())
+

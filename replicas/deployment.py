@@ -1,0 +1,114 @@
+"""The replica deployment: one engine behind one admission gate, as a Ray Serve replica.
+
+The class is plain Python (``router/app.py`` wraps it with ``serve.deployment``), so tests can
+drive it without Ray. Methods Ray Serve calls:
+
+- ``generate(call)``: an async generator of ``TokenChunk``s (the ingress calls it through a
+  streaming handle); errors the client must see as HTTP statuses are ``ReplicaError``s;
+- ``record_routing_stats()``: the ``ReplicaRoutingStats`` the request routers read (Ray polls it
+  every ``request_routing_stats_period_s``);
+- ``check_health()``: raises if the engine died, so Ray replaces the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.engines import make_engine
+from replicas.gate import AdmissionGate, GateConfig
+from replicas.protocol import GenerateCall, TokenChunk
+from router.clock import MonotonicClock
+from router.cost_model import CostModel
+from router.policies import make_policy
+
+logger = logging.getLogger("ray.serve")
+
+
+class ReplicaArgs(BaseModel):
+    """A replica's configuration (the ``replica`` and ``engine*`` keys of the app args)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: str = Field("sim", description="engine kind: sim | vllm | module:Class")
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    policy: str = Field("fairway", description="local queue policy (router/policies)")
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
+    prefill_budget_tokens: int | None = Field(None, ge=1)
+    profile: str = Field("h200-llama3-8b", description="cost profile for the policy's prefill estimates")
+    metrics: bool = Field(True, description="serve /metrics for this replica")
+
+
+def replica_name() -> str:
+    """This replica's id in Ray Serve, or "replica" outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica
+        return "replica"
+
+
+class FairwayReplica:
+    """Engine + gate (see the module docstring)."""
+
+    async def __init__(self, args: dict[str, Any] | ReplicaArgs) -> None:
+        a = args if isinstance(args, ReplicaArgs) else ReplicaArgs(**args)
+        self.args = a
+        self.name = replica_name()
+        self.engine = make_engine(a.engine, **a.engine_args)
+        clock = MonotonicClock()
+        block_size = getattr(self.engine, "block_size", 16)
+        policy = make_policy(a.policy, clock=clock, cost=CostModel.from_profile(a.profile), block_size=block_size,
+                             **a.policy_options)
+        self.stats = None
+        self.exporter = None
+        if a.metrics:
+            from router.exporter import MetricsExporter
+            from router.stats import FairwayStats
+
+            self.stats = FairwayStats(level="replica", component=self.name, policy=a.policy)
+            try:
+                self.exporter = MetricsExporter([self.stats], component=self.name, level="replica")
+                self.exporter.start()
+            except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
+                logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
+                self.exporter = None
+        self.gate = AdmissionGate(self.engine, policy, clock,
+                                  GateConfig(a.max_queue, a.prefill_budget_tokens), replica=self.name,
+                                  stats=self.stats)
+        await self.gate.start()
+        logger.info("replica %s: engine %s, policy %s, max_queue %d", self.name, a.engine, a.policy, a.max_queue)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
+        async for chunk in self.gate.submit(call):
+            yield chunk
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return asdict(self.gate.routing_stats())
+
+    async def check_health(self) -> None:
+        healthy = getattr(self.engine, "healthy", True)
+        if not healthy:
+            raise RuntimeError(f"replica {self.name}: engine is not running")
+
+    async def info(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "replica": self.name,
+            "engine": self.args.engine,
+            "policy": self.args.policy,
+            "block_size": e.block_size,
+            "max_model_len": e.max_model_len,
+            "max_num_batched_tokens": e.max_num_batched_tokens,
+            "max_num_seqs": e.max_num_seqs,
+        }
+
+    def __del__(self) -> None:
+        if self.__dict__.get("exporter") is not None:
+            self.exporter.stop()

@@ -1,0 +1,42 @@
+"""Engines behind the replica gate: an open registry of names (STYLE.md #1).
+
+``make_engine("vllm", model=..., block_size=16, ...)`` builds a registered engine; a dotted path
+(``my.module:MyEngine``) imports any class. Entries are dotted paths resolved on first use, so
+importing this package never imports an engine's heavy dependencies (vLLM, torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.registry import resolve_class
+
+# name -> "module:Class"; one line per engine.
+ENGINES: dict[str, str] = {
+    "sim": "replicas.engines.sim_engine:SimEngine",
+    "vllm": "replicas.engines.vllm_engine:VllmEngine",
+}
+
+
+class EngineError(ValueError):
+    """An unknown engine kind, a failed import, or bad engine options."""
+
+
+def engine_class(kind: str) -> type:
+    """The class registered as ``kind``, or imported from ``module:Class`` / ``module.Class``."""
+    path = ENGINES.get(kind, kind)
+    if ":" not in path and "." not in path:
+        raise EngineError(f"unknown engine {kind!r}; known: {', '.join(sorted(ENGINES))}")
+    return resolve_class(path, {}, object, "engine", EngineError)
+
+
+def make_engine(kind: str, **kwargs: Any) -> Any:
+    """Build an engine (it implements ``replicas.protocol.Engine``); ``start()`` is the caller's."""
+    cls = engine_class(kind)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise EngineError(f"bad options for engine {kind!r}: {e}") from e
+
+
+__all__ = ["ENGINES", "EngineError", "engine_class", "make_engine"]

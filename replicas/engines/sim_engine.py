@@ -1,0 +1,266 @@
+"""The ``sim`` engine: the simulator's engine model (``sim/engine.py``) running in real time.
+
+Why: the cluster must run on a laptop or a CI box with no GPU, yet behave like a vLLM replica:
+same block hashing (``router/hashing.py``), the same prefix cache with LRU eviction of free
+blocks, the same per-step token budget, memory-bound admission and preemption, and step times
+from the H200-calibrated cost model. This host drives ``EngineModel`` with the wall clock: it
+schedules a step, sleeps for the modelled step time (divided by ``speed``), applies the step and
+streams each request's new tokens. It is the engine model, not a stub: every number it reports
+(cached tokens, TTFT, KV usage) comes from the model's state.
+
+The gate in front (``replicas/gate.py``) orders admission with the Fairway queue; inside, the
+engine serves what it was given first-come-first-served, as vLLM's own waiting queue does.
+
+Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
+and their blocks are hashed into the prefix cache like any other, so a follow-up turn that sends
+the previous output back hits it. Complexity per step: O(batch) plus the engine model's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loadgen.spec import RequestSpec
+from replicas.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
+from router.clock import Clock, MonotonicClock
+from router.cost_model import CostModel
+from router.hashing import HashState
+from router.policies import make_policy
+from sim.engine import EngineConfig, EngineModel, EngineRequest
+
+
+@dataclass(slots=True)
+class _Live:
+    """One request in the engine: its output ids and the queue its tokens go to."""
+
+    rid: int
+    output_ids: list[int]
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = 0
+    cached_sent: bool = False
+
+
+class SimEngine:
+    """``Engine`` protocol over ``EngineModel`` in real time (see the module docstring)."""
+
+    def __init__(
+        self,
+        profile: str = "h200-llama3-8b",
+        block_size: int = 16,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        kv_blocks: int | None = None,
+        max_model_len: int = 32768,
+        speed: float = 1.0,
+        vocab_size: int = 4096,
+        seed: int = 0,
+        clock: Clock | None = None,
+    ) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        if vocab_size <= 16:
+            raise ValueError("vocab_size must be > 16")
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.speed = speed
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.clock = clock or MonotonicClock()
+        self.cost = CostModel.from_profile(profile)
+        cfg = EngineConfig(block_size, max_num_batched_tokens, max_num_seqs, kv_blocks)
+        fcfs = make_policy("fcfs", clock=self.clock, cost=self.cost, block_size=block_size)
+        self.model = EngineModel(cfg, self.cost, fcfs, self.clock)
+        self.model.listener = self
+        self._live: dict[int, _Live] = {}
+        self._next_rid = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._failed: BaseException | None = None
+        self._on_stored: Callable[[Iterable[int]], None] | None = None
+        self._on_removed: Callable[[Iterable[int]], None] | None = None
+        self.on_step: Callable[[], None] | None = None  # the gate's pump, after every step
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._failed is None and self._task is not None and not self._task.done()
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if not self.model.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                dt = self.model.start_step()
+                if dt is None:  # memory-bound with nothing runnable: wait for a change
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                batch = [(r, r.generated) for r in self.model.scheduled]
+                await asyncio.sleep(dt / self.speed)
+                self.model.finish_step()
+                for r, before in batch:
+                    self._emit(r, before)
+                if self.on_step is not None:
+                    self.on_step()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug in the model must fail requests, not hang them
+            self._failed = e
+            for live in self._live.values():
+                live.out.put_nowait(EngineFailed(f"sim engine failed: {e!r}"))
+            raise
+
+    def _emit(self, r: EngineRequest, before: int) -> None:
+        live = self._live.get(r.rid)
+        if live is None or r.generated <= before:
+            return
+        new = live.output_ids[live.sent : r.generated]
+        live.sent = r.generated
+        done = r.finished_s >= 0
+        cached = None
+        if not live.cached_sent:
+            cached = max(0, r.cached_tokens)
+            live.cached_sent = True
+        live.out.put_nowait(EngineOutput(new, finished=done, finish_reason="length" if done else None,
+                                         cached_tokens=cached))
+
+    # -- EngineModel.listener ----------------------------------------------------------------
+
+    def on_admitted(self, replica: int, r: EngineRequest) -> None:
+        pass
+
+    def on_preempted(self, replica: int, r: EngineRequest) -> None:
+        pass
+
+    def on_finished(self, replica: int, r: EngineRequest) -> None:
+        pass
+
+    def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
+        stored = [h for s, h in events if s]
+        removed = [h for s, h in events if not s]
+        if removed and self._on_removed is not None:
+            self._on_removed(removed)
+        if stored and self._on_stored is not None:
+            self._on_stored(stored)
+
+    # -- Engine protocol ---------------------------------------------------------------------
+
+    def _spec(self, call: GenerateCall, rid: int, output_ids: list[int], salt: str | None) -> RequestSpec:
+        state = HashState.start(self.block_size, salt)
+        state.extend(np.asarray(call.prompt_token_ids, dtype=np.int64))
+        state.extend(np.asarray(output_ids, dtype=np.int64))
+        n_prompt_blocks = len(call.prompt_token_ids) // self.block_size
+        if tuple(state.hashes[:n_prompt_blocks]) != tuple(call.block_hashes[:n_prompt_blocks]):
+            # The ingress hashed with a tenant salt we cannot see: keep its prompt hashes and
+            # chain the output blocks after them.
+            hashes = list(call.block_hashes[:n_prompt_blocks])
+            tail = HashState(self.block_size, hashes[-1] if hashes else 0, np.empty(0, dtype=np.uint32), [])
+            rest = list(call.prompt_token_ids[n_prompt_blocks * self.block_size :]) + output_ids
+            tail.extend(np.asarray(rest, dtype=np.int64))
+            state_hashes = hashes + tail.hashes
+        else:
+            state_hashes = state.hashes
+        return RequestSpec(
+            rid=rid,
+            arrival_s=self.clock.now(),
+            prompt_tokens=len(call.prompt_token_ids),
+            output_tokens=call.max_tokens,
+            block_hashes=tuple(state_hashes),
+        )
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
+        if self._failed is not None:
+            raise EngineFailed(f"sim engine failed: {self._failed!r}")
+        n = len(call.prompt_token_ids)
+        if n < 1:
+            raise RequestTooLarge("empty prompt")
+        if n + call.max_tokens > self.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds the model's context "
+                f"length {self.max_model_len}")
+        rid = self._next_rid
+        self._next_rid += 1
+        rng = np.random.default_rng([self.seed, rid])
+        output_ids = rng.integers(16, self.vocab_size, size=call.max_tokens).tolist()
+        spec = self._spec(call, rid, output_ids, call.cache_salt)
+        live = _Live(rid, output_ids)
+        self._live[rid] = live
+        r = self.model.add(spec)
+        if r.rejected:
+            del self._live[rid]
+            raise RequestTooLarge(f"request cannot fit this engine: {r.rejected}")
+        self._wake.set()
+        try:
+            while True:
+                item = await live.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._live.pop(rid, None)
+
+    def stats(self) -> EngineStats:
+        m = self.model
+        prefilling = 0
+        pending = 0
+        for r in m.reqs.values():  # waiting in the engine or running
+            if r.generated == 0:
+                prefilling += 1
+                pending += max(0, r.spec.prompt_tokens - r.num_computed)
+        pool = m.pool
+        return EngineStats(
+            running=len(m.reqs),
+            prefilling=prefilling,
+            pending_prefill_tokens=pending,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_free=pool.num_free,
+        )
+
+    def can_fit(self, prompt_tokens: int, block_hashes: Sequence[int]) -> bool:
+        pool = self.model.pool
+        n_cacheable = max(0, (prompt_tokens - 1) // self.block_size)
+        hit = pool.longest_hit(block_hashes[:n_cacheable])
+        need = -(-(prompt_tokens + 1) // self.block_size) - len(hit)
+        return pool.free_after_touch(hit) >= need
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        return len(self.model.pool.longest_hit(block_hashes))
+
+    def set_cache_listener(
+        self,
+        on_stored: Callable[[Iterable[int]], None],
+        on_removed: Callable[[Iterable[int]], None],
+    ) -> None:
+        self._on_stored = on_stored
+        self._on_removed = on_removed
+
+    @property
+    def preemptions(self) -> int:
+        return self.model.preemptions

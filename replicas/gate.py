@@ -1,0 +1,289 @@
+"""The replica's admission gate: a local Fairway queue in front of an engine.
+
+Why: an engine serves its own waiting queue first-come-first-served (vLLM) and admits whatever
+fits. To make the *order* Fairway's, requests wait here, in the same ``QueuePolicy`` object the
+simulator runs, and enter the engine only when it has room; the engine's own waiting queue stays
+near empty. "Room" is, in order:
+
+1. fewer than ``max_num_seqs`` requests in the engine;
+2. less than one step's token budget (``max_num_batched_tokens``, or ``prefill_budget_tokens``)
+   of admitted prompt tokens still to prefill, so the engine always has a full step of prefill
+   work and at most about one step of backlog that the gate no longer orders;
+3. the head request's KV blocks fit (``engine.can_fit``); if not, the head waits and nothing
+   behind it jumps ahead (vLLM's head-of-line rule), so a large request is never starved by
+   small ones slipping into freed memory.
+
+The queue is bounded: beyond ``max_queue`` waiting requests a new one is refused at once with
+``Overloaded`` (HTTP 429 with a Retry-After estimated from the queued prefill work), never
+parked. A client that goes away while waiting is removed from the queue.
+
+The policy's view of the cache is the engine's (exact for ``sim``, the engine's estimate for
+``vllm``), kept current by the engine's stored/removed events (``QueuePolicy`` hit tracking).
+
+Complexity: a pump is O(admitted) policy decisions, each O(waiting) vectorised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from replicas.protocol import (
+    Engine,
+    GenerateCall,
+    Overloaded,
+    ReplicaError,
+    ReplicaRoutingStats,
+    RequestTooLarge,
+    TokenChunk,
+)
+from router.clock import Clock
+from router.policies.base import Admission, QueuedRequest, QueuePolicy
+
+RECENT_FEEDBACK = 512  # finished requests whose cached tokens the routing stats carry
+PUMP_TICK_S = 0.02  # safety re-check while requests wait (engines without step callbacks)
+
+
+@dataclass(slots=True)
+class GateConfig:
+    """Gate limits. ``max_queue``: waiting requests beyond which new ones get 429.
+    ``prefill_budget_tokens``: admitted-but-unprefilled tokens allowed in the engine (None: the
+    engine's ``max_num_batched_tokens``)."""
+
+    max_queue: int = 512
+    prefill_budget_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
+            raise ValueError("prefill_budget_tokens must be >= 1")
+
+
+class AdmissionGate:
+    """Fairway queue + admission into ``engine`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: QueuePolicy,
+        clock: Clock,
+        config: GateConfig | None = None,
+        replica: str = "replica",
+        stats: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.clock = clock
+        self.config = config or GateConfig()
+        self.replica = replica
+        self.stats = stats  # a router.stats.FairwayStats, or None
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._request_ids: dict[int, str] = {}
+        self._seq = 0
+        self._promotions_seen = 0
+        self.recent_cached: OrderedDict[str, int] = OrderedDict()
+        self._in_engine = 0  # admitted and not finished
+        self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
+        self.admitted = 0
+        self.finished = 0
+        self.rejected = 0
+        self._ticker: asyncio.Task | None = None
+        policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
+        engine.set_cache_listener(policy.on_blocks_stored, policy.on_blocks_removed)
+        if hasattr(engine, "on_step"):
+            engine.on_step = self.pump
+
+    async def start(self) -> None:
+        await self.engine.start()
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def shutdown(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(ReplicaError("replica shutting down"))
+        await self.engine.shutdown()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(PUMP_TICK_S)
+            if self._waiting:
+                self.pump()
+            self._publish()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _has_room(self) -> bool:
+        # Counted here, not read from the engine: an admitted request reaches the engine only
+        # when its coroutine next runs, so the engine's own figures lag this loop.
+        if self._in_engine >= self.engine.max_num_seqs:
+            return False
+        budget = self.config.prefill_budget_tokens or self.engine.max_num_batched_tokens
+        return self._pending_prefill < budget
+
+    def pump(self) -> int:
+        """Admit waiting requests while the engine has room; return how many."""
+        n = 0
+        while self._waiting and self._has_room():
+            q = self.policy.select()
+            if q is None:
+                break
+            if not self.engine.can_fit(q.prompt_tokens, q.block_hashes):
+                break  # head-of-line: wait for memory, let nobody overtake
+            adm = self.policy.admit(q.rid)
+            self._request_ids.pop(q.rid, None)
+            self._in_engine += 1
+            self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
+            fut = self._waiting.pop(q.rid)
+            if not fut.done():
+                fut.set_result(adm)
+            n += 1
+        return n
+
+    def _retry_after_s(self) -> float:
+        return max(1.0, round(self.policy.queued_prefill_s(), 1))
+
+    async def submit(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
+        """Queue ``call``, wait for admission, stream its tokens. Raises ``Overloaded`` at once
+        when the queue is full and ``RequestTooLarge`` for a request the engine can never hold."""
+        n = len(call.prompt_token_ids)
+        if n < 1:
+            self._reject("bad_request")
+            raise RequestTooLarge("empty prompt")
+        if n + call.max_tokens > self.engine.max_model_len:
+            self._reject("too_long")
+            raise RequestTooLarge(
+                f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds the model's context "
+                f"length {self.engine.max_model_len}")
+        if len(self._waiting) >= self.config.max_queue:
+            self._reject("queue_full")
+            raise Overloaded(
+                f"replica {self.replica} queue is full ({self.config.max_queue} waiting)",
+                retry_after_s=self._retry_after_s())
+        rid = self._seq
+        self._seq += 1
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        self._request_ids[rid] = call.request_id
+        self.policy.add(QueuedRequest(rid=rid, arrival_s=self.clock.now(), prompt_tokens=n,
+                                      block_hashes=call.block_hashes, seq=rid))
+        self.pump()
+        try:
+            adm: Admission = await fut
+        except BaseException:
+            if rid in self._waiting:
+                del self._waiting[rid]
+                self._request_ids.pop(rid, None)
+                self.policy.remove(rid)
+            elif fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(fut.result(), prefilled=False)  # admitted, then cancelled
+            raise
+        self.admitted += 1
+        self._count_promotions()
+        if self.stats is not None:
+            self.stats.observe_queue_wait(adm.lane, adm.waited_s, replica=self.replica)
+        status = "error"
+        progress = {"prefilled": False}
+        try:
+            async for chunk in self._stream(call, adm, progress):
+                yield chunk
+            status = "ok"
+        finally:
+            self._release(adm, progress["prefilled"])
+            self.finished += 1
+            if self.stats is not None:
+                self.stats.inc_requests(adm.lane, status, replica=self.replica)
+            self.pump()
+
+    def _release(self, adm: Admission, prefilled: bool) -> None:
+        self._in_engine -= 1
+        if not prefilled:
+            self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
+
+    async def _stream(self, call: GenerateCall, adm: Admission, progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
+        n = len(call.prompt_token_ids)
+        first = True
+        cached = 0
+        ttft = 0.0
+        produced = 0
+        async for out in self.engine.generate(call):
+            produced += len(out.token_ids)
+            if out.cached_tokens is not None:
+                cached = out.cached_tokens
+            chunk = TokenChunk(token_ids=list(out.token_ids), finished=out.finished,
+                               finish_reason=out.finish_reason, completion_tokens=produced)
+            if first and out.token_ids:
+                first = False
+                ttft = max(0.0, time.time() - call.arrival_s)
+                if self.stats is not None:
+                    self.stats.observe_ttft(adm.lane, ttft, replica=self.replica)
+                self._fill(chunk, n, cached, adm, ttft)
+                progress["prefilled"] = True
+                self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
+                self.pump()  # its prefill is done: room for the next one
+            if out.finished:
+                self._fill(chunk, n, cached, adm, ttft)
+                self.recent_cached[call.request_id] = cached
+                while len(self.recent_cached) > RECENT_FEEDBACK:
+                    self.recent_cached.popitem(last=False)
+            yield chunk
+            if out.finished:
+                return
+        raise ReplicaError(f"engine ended request {call.request_id} without finishing it")
+
+    def _fill(self, chunk: TokenChunk, n: int, cached: int, adm: Admission, ttft: float) -> None:
+        chunk.prompt_tokens = n
+        chunk.cached_tokens = cached
+        chunk.lane = adm.lane
+        chunk.promoted = adm.promoted
+        chunk.queue_wait_s = adm.waited_s
+        chunk.ttft_s = ttft
+        chunk.replica = self.replica
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def _reject(self, reason: str) -> None:
+        self.rejected += 1
+        if self.stats is not None:
+            self.stats.inc_reject(reason, replica=self.replica)
+
+    def _count_promotions(self) -> None:
+        total = getattr(self.policy, "promotions", 0)
+        if total > self._promotions_seen and self.stats is not None:
+            self.stats.inc_promotions(total - self._promotions_seen, replica=self.replica)
+        self._promotions_seen = total
+
+    def _publish(self) -> None:
+        if self.stats is None:
+            return
+        self._count_promotions()
+        lanes = self.policy.lane_sizes() or {"": len(self.policy)}
+        for lane, k in lanes.items():
+            self.stats.set_queue_depth(lane, k, replica=self.replica)
+        self.stats.set_queued_prefill(self.policy.queued_prefill_s(), replica=self.replica)
+        st = self.engine.stats()
+        self.stats.set_engine(self.replica, running=st.running, waiting=len(self.policy),
+                              kv_usage=st.kv_usage, preemptions_total=getattr(self.engine, "preemptions", 0))
+
+    def routing_stats(self) -> ReplicaRoutingStats:
+        st = self.engine.stats()
+        return ReplicaRoutingStats(
+            replica=self.replica,
+            taken_at=time.time(),
+            waiting=len(self.policy),
+            running=st.running,
+            queued_prefill_s=self.policy.queued_prefill_s(),
+            kv_usage=st.kv_usage,
+            kv_blocks_total=st.kv_blocks_total,
+            lanes=dict(self.policy.lane_sizes()),
+            recent_cached=dict(self.recent_cached),
+            waiting_ids=list(self._request_ids.values()),
+        )

@@ -1,0 +1,386 @@
+"""The HTTP ingress: an OpenAI-compatible API in front of the Fairway replicas.
+
+Per request: validate the body (pydantic; 400 on bad JSON or fields, 404 on an unknown model),
+tokenize (the chat template for chat), check the context length (400), hash the prompt's full
+blocks (``router/hashing.py``), and call the replicas through a streaming Ray Serve handle whose
+request router (``router/serve_router.py``) picks the replica from those hashes. Tokens stream
+back as SSE (``stream: true``) or are collected into one response.
+
+Errors are mapped, never swallowed: a full replica queue is 429 with Retry-After, Ray's own
+back-pressure or a dead/unavailable replica is 503 with Retry-After, a request the engine can
+never hold is 400. A failure after the stream started ends the stream with an error event and
+``[DONE]``, so a client never hangs.
+
+Metrics (level "router"): TTFT as the client sees it, per lane; requests by status; rejects by
+reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from replicas.protocol import GenerateCall, ReplicaError, TokenChunk
+from router.hashing import block_hashes
+from router.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    now_s,
+)
+
+logger = logging.getLogger("ray.serve")
+
+app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
+
+
+@app.exception_handler(RequestValidationError)
+async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    if first.get("type") == "json_invalid":
+        msg = f"invalid JSON body: {first.get('msg', '')} at character {first.get('loc', ('', '?'))[-1]}"
+        loc = ""
+    else:
+        msg = f"invalid request: {loc + ': ' if loc else ''}{first.get('msg', 'bad value')}"
+    return JSONResponse(error_body(msg, 400, loc or None), status_code=400)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, int(round(self.retry_after_s))))
+        return JSONResponse(error_body(self.message, self.status), status_code=self.status, headers=headers)
+
+
+def map_error(e: BaseException) -> HTTPError:
+    """A replica or Ray failure as the HTTP error the client gets."""
+    cause = getattr(e, "cause", None)
+    for x in (e, cause):
+        if isinstance(x, ReplicaError):
+            reason = {429: "queue_full", 400: "too_long"}.get(x.status, "engine_failed")
+            return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason)
+    name = type(e).__name__
+    if name == "BackPressureError":
+        return HTTPError(503, "the cluster is overloaded: too many requests queued; retry later", 1.0, "overloaded")
+    if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "DeploymentUnavailableError"):
+        return HTTPError(503, f"replica unavailable ({name}); retry", 1.0, "replica_dead")
+    if isinstance(e, TimeoutError):
+        return HTTPError(503, "request timed out in the cluster; retry", 1.0, "timeout")
+    logger.exception("ingress: unexpected error", exc_info=e)
+    return HTTPError(500, f"internal error: {name}: {e}", None, "internal")
+
+
+class FairwayIngress:
+    """The ingress deployment's class (``router/app.py`` applies ``serve.ingress(app)``)."""
+
+    def __init__(self, replicas: Any, args: dict[str, Any]) -> None:
+        from router.app import ClusterArgs
+        from router.tokenizer import Tokenizer
+
+        self.args = a = ClusterArgs(**args)
+        self.handle = replicas.options(stream=True)
+        self.tokenizer = Tokenizer(a.tokenizer)
+        self.block_size = a.block_size
+        self.stats = None
+        self.exporter = None
+        if a.metrics:
+            self._start_metrics()
+
+    def _start_metrics(self) -> None:
+        from router.exporter import MetricsExporter
+        from router.stats import FairwayStats
+
+        try:
+            from ray import serve
+
+            name = "ingress-" + serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001
+            name = "ingress"
+        self.stats = FairwayStats(level="router", component=name, policy=self.args.router.policy)
+        try:
+            self.exporter = MetricsExporter([self.stats], component=name, level="router")
+            self.exporter.start()
+        except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
+            logger.warning("ingress: metrics endpoint not started: %s", e)
+
+    # -- plain endpoints ---------------------------------------------------------------------
+
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.args.model, "object": "model", "created": 0, "owned_by": "fairway",
+             "max_model_len": self.args.max_model_len}]})
+
+    async def metrics_targets(self) -> JSONResponse:
+        from router.exporter import metrics_targets
+
+        return JSONResponse(metrics_targets())
+
+    # -- generation --------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.args.model:
+            raise HTTPError(404, f"the model `{model}` does not exist; this server serves `{self.args.model}`",
+                            reason="unknown_model")
+
+    def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int) -> GenerateCall:
+        n = len(ids)
+        if n == 0:
+            raise HTTPError(400, "prompt must not be empty", reason="bad_request")
+        limit = self.args.max_model_len
+        if n + max_tokens > limit:
+            raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                 f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                                 f"Please reduce the length of the prompt or max_tokens.", reason="too_long")
+        if max(ids) >= self.tokenizer.vocab_size:
+            raise HTTPError(400, f"token id {max(ids)} is out of the vocabulary (size {self.tokenizer.vocab_size})",
+                            reason="bad_request")
+        return GenerateCall(
+            request_id=new_id("req"),
+            prompt_token_ids=ids,
+            block_hashes=tuple(block_hashes(ids, self.block_size, body.cache_salt)),
+            max_tokens=max_tokens,
+            arrival_s=time.time(),
+            model=body.model,
+            temperature=body.temperature,
+            ignore_eos=body.ignore_eos,
+            cache_salt=body.cache_salt,
+        )
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        try:
+            self._check_model(body.model)
+            ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+            call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS)
+        except HTTPError as e:
+            return self._rejected(e)
+        return await self._respond(call, body, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        try:
+            self._check_model(body.model)
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, min(DEFAULT_MAX_TOKENS * 16, self.args.max_model_len - len(ids)))
+            call = self._call(body, ids, max_tokens)
+        except HTTPError as e:
+            return self._rejected(e)
+        return await self._respond(call, body, chat=True)
+
+    def _rejected(self, e: HTTPError) -> JSONResponse:
+        if self.stats is not None:
+            self.stats.inc_reject(e.reason or str(e.status))
+            self.stats.inc_requests("", "rejected")
+        return e.response()
+
+    async def _respond(self, call: GenerateCall, body: Any, chat: bool) -> Any:
+        gen = self.handle.generate.remote(call)
+        stream = _Stream(self, call, gen)
+        try:
+            first = await stream.first()
+        except HTTPError as e:
+            return self._rejected(e)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(stream, first, body, chat, include_usage),
+                                     media_type="text/event-stream")
+        chunks = [first]
+        try:
+            async for c in stream.rest():
+                chunks.append(c)
+        except HTTPError as e:
+            return self._rejected(e)
+        return JSONResponse(self._full(call, body, chat, chunks, stream))
+
+    # -- response shapes ---------------------------------------------------------------------
+
+    def _usage(self, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
+        return {
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        }
+
+    def _fairway(self, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
+        return {"lane": last.lane, "promoted": last.promoted, "replica": last.replica, "queue_wait_s": last.queue_wait_s,
+                "ttft_s": stream.ttft_s, "replica_ttft_s": last.ttft_s}
+
+    def _full(self, call: GenerateCall, body: Any, chat: bool, chunks: list[TokenChunk], stream: _Stream) -> dict:
+        ids = [t for c in chunks for t in c.token_ids]
+        last = chunks[-1]
+        text = self.tokenizer.decode(ids)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": last.finish_reason or "length"}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason or "length"}
+        if body.return_token_ids:
+            choice["token_ids"] = ids
+            choice["prompt_token_ids"] = call.prompt_token_ids
+        return {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now_s(),
+            "model": call.model,
+            "choices": [choice],
+            "usage": self._usage(last, stream),
+            "fairway": self._fairway(last, stream),
+        }
+
+    async def _sse(self, stream: _Stream, first: TokenChunk, body: Any, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = now_s()
+        model = body.model
+
+        def frame(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                          "choices": choices, **extra}) + "\n\n"
+
+        def choice(c: TokenChunk, role: bool) -> dict[str, Any]:
+            text = self.tokenizer.decode(c.token_ids)
+            if chat:
+                delta: dict[str, Any] = {"content": text}
+                if role:
+                    delta["role"] = "assistant"
+                ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": c.finish_reason}
+            else:
+                ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+            if body.return_token_ids:
+                ch["token_ids"] = c.token_ids
+            return ch
+
+        last = first
+        try:
+            yield frame([choice(first, True)])
+            async for c in stream.rest():
+                last = c
+                yield frame([choice(c, False)])
+        except HTTPError as e:
+            self._rejected(e)
+            yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield frame([], usage=self._usage(last, stream), fairway=self._fairway(last, stream))
+        yield "data: [DONE]\n\n"
+
+
+class _Stream:
+    """One request's token stream from its replica, with error mapping and router metrics."""
+
+    def __init__(self, ingress: FairwayIngress, call: GenerateCall, gen: Any) -> None:
+        self.ingress = ingress
+        self.call = call
+        self.gen = gen
+        self.ttft_s = 0.0
+        self.lane = ""
+        self.done = False
+
+    async def _next(self) -> TokenChunk:
+        try:
+            return await self.gen.__anext__()
+        except StopAsyncIteration:
+            raise HTTPError(503, "replica ended the stream without finishing the request", 1.0,
+                            "engine_failed") from None
+        except HTTPError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP status
+            raise map_error(e) from e
+
+    async def first(self) -> TokenChunk:
+        c = await self._next()
+        self.ttft_s = max(0.0, time.time() - self.call.arrival_s)
+        self.lane = c.lane
+        st = self.ingress.stats
+        if st is not None:
+            st.observe_ttft(c.lane, self.ttft_s, replica=c.replica)
+            st.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
+        if c.finished:
+            self._finish("ok")
+        return c
+
+    async def rest(self) -> AsyncIterator[TokenChunk]:
+        if self.done:
+            return
+        try:
+            while True:
+                c = await self._next()
+                yield c
+                if c.finished:
+                    self._finish("ok")
+                    return
+        except HTTPError:
+            self._finish("error")
+            raise
+
+    def _finish(self, status: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.ingress.stats is not None:
+            self.ingress.stats.inc_requests(self.lane, status)
+
+
+# -- routes ------------------------------------------------------------------------------------
+# Module-level functions with the ingress instance injected, rather than FastAPI class-based
+# views: with FastAPI >= 0.137 Ray Serve's class-view rewrite is lost when routes are resolved
+# lazily in the replica process ("query.self: Field required").
+
+
+def current_ingress() -> FairwayIngress:
+    from ray import serve
+
+    return serve.get_replica_context().servable_object
+
+
+Ingress = Annotated[FairwayIngress, Depends(current_ingress)]
+
+
+@app.get("/health")
+async def health(ingress: Ingress) -> JSONResponse:
+    return await ingress.health()
+
+
+@app.get("/v1/models")
+async def models(ingress: Ingress) -> JSONResponse:
+    return await ingress.models()
+
+
+@app.get("/metrics/targets")
+async def metrics_targets(ingress: Ingress) -> JSONResponse:
+    return await ingress.metrics_targets()
+
+
+@app.post("/v1/completions")
+async def completions(body: CompletionRequest, ingress: Ingress) -> Any:
+    return await ingress.completions(body)
+
+
+@app.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, ingress: Ingress) -> Any:
+    return await ingress.chat_completions(body)

@@ -1,0 +1,207 @@
+"""Fairway's replica choice inside Ray Serve: a ``RequestRouter`` subclass.
+
+Ray Serve runs one request router per deployment handle, i.e. one per ingress replica
+(DESIGN.md section 6). This one hosts the same objects the simulator's ``ClusterRouter`` hosts:
+a router policy (``router/routing``: ``fairway`` or any anchor, by name or dotted path), a
+prefix index (``router/prefix_index.py``) and a load view (``router/load_view.py``):
+
+- ``choose_replicas`` reads the ``GenerateCall`` the ingress passed (token count and chained
+  block hashes), matches it against the index, builds the ``ReplicaState`` list for the live
+  candidates and returns the policy's ranks (Ray then picks the shortest queue within a rank);
+- ``on_request_routed``: the index records the prompt's blocks on the chosen replica, the load
+  view adds its estimated prefill time to that replica's queued work;
+- ``on_request_completed``: the request leaves the load view;
+- the replicas' periodic ``record_routing_stats`` (``replicas/protocol.py:ReplicaRoutingStats``)
+  bring KV usage and capacity, the requests still waiting in each gate (the others routed before
+  the report have started: their work leaves the queued figure) and the cached tokens each
+  finished request got, which corrects the index (feedback mode).
+
+Why a host class and not logic here: the policy stays the pure object the simulator measures.
+Complexity per decision: O(prompt blocks) index match + O(replicas) states + the policy's rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from replicas.protocol import GenerateCall
+from router.clock import MonotonicClock
+from router.cost_model import CostModel
+from router.load_view import LoadView
+from router.prefix_index import PrefixIndex
+from router.routing import RouteRequest, make_router, make_states
+
+logger = logging.getLogger("ray.serve")
+MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
+
+
+@dataclass(slots=True)
+class _Routed:
+    rid: int
+    request_id: str
+    replica: int
+    hashes: tuple[int, ...]
+    estimated_blocks: int
+    prompt_tokens: int
+    routed_at: float  # wall clock, to compare with a replica's stats time
+    started: bool = False
+
+
+def find_call(pending: PendingRequest | None) -> GenerateCall | None:
+    """The ``GenerateCall`` among a pending request's arguments, if any. O(args)."""
+    if pending is None:
+        return None
+    for a in list(pending.args) + list(pending.kwargs.values()):
+        if isinstance(a, GenerateCall):
+            return a
+    return None
+
+
+class FairwayRequestRouter(RequestRouter):
+    """Ray Serve request router hosting a ``router/routing`` policy (see the module docstring).
+
+    ``request_router_kwargs`` (YAML ``request_router_config``): ``policy`` (default "fairway"),
+    ``policy_options`` (dict), ``profile`` (cost profile), ``block_size`` (16), ``seed``.
+    """
+
+    def initialize_state(
+        self,
+        policy: str = "fairway",
+        policy_options: dict[str, Any] | None = None,
+        profile: str = "h200-llama3-8b",
+        block_size: int = 16,
+        seed: int = 0,
+        **unused: Any,
+    ) -> None:
+        if unused:
+            raise TypeError(f"FairwayRequestRouter got unknown options: {', '.join(sorted(unused))}")
+        self.clock = MonotonicClock()
+        self.cost = CostModel.from_profile(profile)
+        self.block_size = block_size
+        self.policy_name = policy
+        self.policy = make_router(policy, clock=self.clock, cost=self.cost, block_size=block_size,
+                                  rng=np.random.default_rng(seed), **(policy_options or {}))
+        self.index = PrefixIndex(0)
+        self.load = LoadView(0, self.clock, self.cost, block_size=block_size)
+        self._ids: dict[ReplicaID, int] = {}
+        self._names: list[str] = []
+        self._routed: dict[str, _Routed] = {}  # internal_request_id -> record
+        self._done: OrderedDict[str, _Routed] = OrderedDict()  # finished, awaiting feedback
+        self._seen_stats: dict[int, float] = {}
+        self._next_rid = 0
+        self.reasons: Counter = Counter()
+        self.stats = None  # a router.stats.FairwayStats once the host attaches one
+        self.decision_s: list[float] = []
+
+    # -- replica ids -------------------------------------------------------------------------
+
+    def _index_of(self, rid: ReplicaID) -> int:
+        j = self._ids.get(rid)
+        if j is None:
+            j = self.index.add_replica()
+            self.load.add_replica()
+            self._ids[rid] = j
+            self._names.append(rid.unique_id)
+        return j
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        j = self._ids.get(replica_id)
+        if j is not None:
+            self.index.clear_replica(j)
+
+    # -- stats from the replicas ---------------------------------------------------------------
+
+    def _apply_stats(self, j: int, stats: dict[str, Any]) -> None:
+        taken = float(stats.get("taken_at", 0.0))
+        if not taken or self._seen_stats.get(j) == taken:
+            return
+        self._seen_stats[j] = taken
+        total = int(stats.get("kv_blocks_total", 0))
+        if total > 0:
+            self.index.set_capacity(j, total)
+        usage = float(stats.get("kv_usage", 0.0))
+        self.load.report_kv_usage(j, min(1.0, max(0.0, usage)))
+        waiting = set(stats.get("waiting_ids", ()))
+        for r in self._routed.values():
+            if r.replica == j and not r.started and r.routed_at < taken and r.request_id not in waiting:
+                r.started = True
+                if r.rid in self.load:
+                    self.load.on_started(r.rid)
+        for request_id, got in stats.get("recent_cached", {}).items():
+            r = self._done.pop(request_id, None)
+            if r is not None and r.replica == j:
+                self._feedback(r, int(got))
+
+    def _feedback(self, r: _Routed, cached: int) -> None:
+        self.index.on_feedback(r.replica, r.hashes, cached, self.block_size, r.estimated_blocks)
+        if self.stats is not None:
+            self.stats.observe_cached_tokens(r.estimated_blocks * self.block_size, cached, r.prompt_tokens,
+                                             replica=self._names[r.replica])
+
+    # -- the decision --------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        t0 = time.perf_counter()
+        by_idx: dict[int, RunningReplica] = {}
+        for rep in candidate_replicas:
+            j = self._index_of(rep.replica_id)
+            by_idx[j] = rep
+            stats = rep.routing_stats
+            if stats:
+                self._apply_stats(j, stats)
+        call = find_call(pending_request)
+        if call is None:  # not a generation call (health, models): any replica
+            return [candidate_replicas]
+        n_hash = len(call.prompt_token_ids) // self.block_size
+        hashes = tuple(call.block_hashes[:n_hash])
+        matched = self.index.match(hashes)
+        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=sorted(by_idx))
+        req = RouteRequest(rid=self._next_rid, prompt_tokens=len(call.prompt_token_ids), block_hashes=hashes)
+        ranks = self.policy.rank(req, states)
+        reason = self.policy.last_reason or "choice"
+        self.reasons[reason] += 1
+        if self.stats is not None:
+            self.stats.inc_routing_decision(reason)
+        self.decision_s.append(time.perf_counter() - t0)
+        if len(self.decision_s) > 4096:
+            del self.decision_s[:2048]
+        return [[by_idx[j] for j in rank if j in by_idx] for rank in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        call = find_call(pending_request)
+        if call is None:
+            return
+        j = self._index_of(replica_id)
+        n_hash = len(call.prompt_token_ids) // self.block_size
+        hashes = tuple(call.block_hashes[:n_hash])
+        est = self.index.match_one(j, hashes)
+        iid = pending_request.metadata.internal_request_id
+        rid = self._next_rid
+        self._next_rid += 1
+        self.index.record_routed(j, hashes)
+        self.load.on_routed(rid, j, len(call.prompt_token_ids), est * self.block_size)
+        self._routed[iid] = _Routed(rid, call.request_id, j, hashes, est, len(call.prompt_token_ids), time.time())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        r = self._routed.pop(internal_request_id, None)
+        if r is None:
+            return
+        if r.rid in self.load:
+            self.load.on_finished(r.rid)
+        self._done[r.request_id] = r
+        while len(self._done) > MAX_AWAITING_FEEDBACK:
+            self._done.popitem(last=False)

@@ -1,0 +1,102 @@
+"""Start the real cluster for end-to-end tests: ``serve run`` on a YAML, real HTTP.
+
+``running_cluster(config, **overrides)`` writes a copy of ``config`` with ``overrides`` deep-merged
+into the application's ``args``, runs ``serve run`` on it in a subprocess (it joins the Ray
+instance at ``RAY_ADDRESS`` when CI started one, else starts a local one), waits until the API
+answers a real generation request, yields the base URL, and stops the app afterwards (SIGINT,
+which makes ``serve run`` shut the application down; then SIGKILL if it hangs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PORT = 8000
+BASE_URL = f"http://127.0.0.1:{PORT}"
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+def _ready(model: str) -> bool:
+    try:
+        status, body, _ = post_json(f"{BASE_URL}/v1/completions",
+                                    {"model": model, "prompt": [20] * 40, "max_tokens": 2}, timeout=10)
+    except (OSError, ValueError):
+        return False
+    return status == 200 and body.get("usage", {}).get("completion_tokens") == 2
+
+
+@contextlib.contextmanager
+def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, **overrides: Any) -> Iterator[str]:
+    """The base URL of a running cluster built from ``config`` with ``overrides`` in its args."""
+    cfg = yaml.safe_load((REPO / config).read_text())
+    app = cfg["applications"][0]
+    app["args"] = merge(app.get("args", {}), overrides)
+    model = app["args"].get("model", "fairway-tiny")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, dir=tempfile.gettempdir()) as f:
+        yaml.safe_dump(cfg, f)
+        path = f.name
+    log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
+    serve = Path(sys.executable).with_name("serve")
+    env = dict(os.environ)
+    env.setdefault("RAY_AUTH_MODE", env.get("RAY_AUTH_MODE", ""))
+    if not env["RAY_AUTH_MODE"]:
+        env.pop("RAY_AUTH_MODE")
+    proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _ready(model):
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {proc.returncode}; see {log.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ready after {timeout_s} s; see {log.name}")
+            time.sleep(1.0)
+        yield BASE_URL
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        log.close()
+        os.unlink(path)
+        # the next cluster must not see this one's HTTP server still answering
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            try:
+                urllib.request.urlopen(f"{BASE_URL}/health", timeout=1)
+            except (OSError, urllib.error.URLError):
+                break
+            time.sleep(0.5)
