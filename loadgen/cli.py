@@ -75,6 +75,21 @@ def format_summary(res: dict[str, Any]) -> str:
     )
 
 
+def format_lane_table(res: dict[str, Any]) -> str:
+    """TTFT per Fairway lane (as the replicas report each request's lane) and per replica."""
+    rows = [("lane", "requests", "ttft p50 s", "ttft p99 s")]
+    for lane, v in sorted((res.get("ttft_by_lane_s") or {}).items()):
+        rows.append((lane or "-", str(v["n"]), f"{v['p50']:.3f}", f"{v['p99']:.3f}"))
+    t = res["ttft_s"]
+    rows.append(("all", str(t["n"]), f"{t['p50']:.3f}", f"{t['p99']:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    for rep in res.get("per_replica") or []:
+        lines.append(f"replica {rep['replica']}: {rep['requests']} requests, hit ratio {rep['hit_ratio']:.3f}")
+    return "\n".join(lines)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from(args)
     workload = build_workload(cfg)  # bad workload names fail here, before the server is contacted
@@ -82,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = HttpLoadRun(cfg, workload, progress=sys.stderr if show else None)
     res = asyncio.run(runner.run())
     print(format_summary(res))
+    print(format_lane_table(res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from router.tokenizer import resolve_path
+
 RAY_DEFAULT_ROUTER = "ray-default"
 
 
@@ -59,6 +61,7 @@ class ClusterArgs(BaseModel):
     ingress_replicas: int = Field(1, ge=1)
     replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
     router: RouterArgs = Field(default_factory=RouterArgs)
+    max_replicas_per_node: int | None = Field(None, ge=1, description="spread replicas over nodes")
     replica_num_cpus: float = Field(0.5, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(4096, ge=1, description="per replica, Ray level; the gate bounds the queue")
@@ -67,6 +70,9 @@ class ClusterArgs(BaseModel):
 
     def replica_args(self) -> dict[str, Any]:
         engine_args = dict(self.engine_args)
+        for key in ("model", "tokenizer"):  # repo-relative paths, so replicas find them from any cwd
+            if isinstance(engine_args.get(key), str):
+                engine_args[key] = resolve_path(engine_args[key])
         engine_args.setdefault("block_size", self.block_size)
         engine_args.setdefault("max_model_len", self.max_model_len)
         if self.engine == "sim":
@@ -100,6 +106,8 @@ def build_app(args: dict[str, Any]) -> Any:
         "ray_actor_options": {"num_cpus": a.replica_num_cpus, "num_gpus": a.replica_num_gpus},
         "health_check_period_s": 5,
     }
+    if a.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = a.max_replicas_per_node
     if a.router.policy != RAY_DEFAULT_ROUTER:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="router.serve_router:FairwayRequestRouter",
@@ -109,6 +117,7 @@ def build_app(args: dict[str, Any]) -> Any:
                 "profile": a.profile,
                 "block_size": a.block_size,
                 "seed": a.router.seed,
+                "metrics": a.metrics,
             },
             request_routing_stats_period_s=a.router.stats_period_s,
         )

@@ -225,8 +225,8 @@ class FairwayIngress:
         }
 
     def _fairway(self, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
-        return {"lane": last.lane, "promoted": last.promoted, "replica": last.replica, "queue_wait_s": last.queue_wait_s,
-                "ttft_s": stream.ttft_s, "replica_ttft_s": last.ttft_s}
+        return {"lane": last.lane, "promoted": last.promoted, "replica": last.replica,
+                "queue_wait_s": last.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": last.ttft_s}
 
     def _full(self, call: GenerateCall, body: Any, chat: bool, chunks: list[TokenChunk], stream: _Stream) -> dict:
         ids = [t for c in chunks for t in c.token_ids]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from router.routing import RouteRequest, make_router, make_states
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
+MAX_TRACKED = 65536  # outstanding requests tracked per router
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class _Routed:
     prompt_tokens: int
     routed_at: float  # wall clock, to compare with a replica's stats time
     started: bool = False
+    reason: str = "choice"
 
 
 def find_call(pending: PendingRequest | None) -> GenerateCall | None:
@@ -78,6 +81,7 @@ class FairwayRequestRouter(RequestRouter):
         profile: str = "h200-llama3-8b",
         block_size: int = 16,
         seed: int = 0,
+        metrics: bool = True,
         **unused: Any,
     ) -> None:
         if unused:
@@ -92,13 +96,28 @@ class FairwayRequestRouter(RequestRouter):
         self.load = LoadView(0, self.clock, self.cost, block_size=block_size)
         self._ids: dict[ReplicaID, int] = {}
         self._names: list[str] = []
-        self._routed: dict[str, _Routed] = {}  # internal_request_id -> record
+        self._routed: OrderedDict[str, _Routed] = OrderedDict()  # internal_request_id -> record
         self._done: OrderedDict[str, _Routed] = OrderedDict()  # finished, awaiting feedback
         self._seen_stats: dict[int, float] = {}
         self._next_rid = 0
         self.reasons: Counter = Counter()
-        self.stats = None  # a router.stats.FairwayStats once the host attaches one
         self.decision_s: list[float] = []
+        self.stats = None
+        self.exporter = None
+        if metrics:
+            self._start_metrics()
+
+    def _start_metrics(self) -> None:
+        from router.exporter import MetricsExporter
+        from router.stats import FairwayStats
+
+        name = f"router-{uuid.uuid4().hex[:8]}"
+        self.stats = FairwayStats(level="router", component=name, policy=self.policy_name)
+        try:
+            self.exporter = MetricsExporter([self.stats], component=name, level="router")
+            self.exporter.start()
+        except Exception as e:  # noqa: BLE001 - routing must not depend on metrics
+            logger.warning("fairway router: metrics endpoint not started: %s", e)
 
     # -- replica ids -------------------------------------------------------------------------
 
@@ -168,33 +187,58 @@ class FairwayRequestRouter(RequestRouter):
             return [candidate_replicas]
         n_hash = len(call.prompt_token_ids) // self.block_size
         hashes = tuple(call.block_hashes[:n_hash])
+        iid = pending_request.metadata.internal_request_id
+        self._unbook(iid)  # a retry of the same request: forget its previous provisional booking
         matched = self.index.match(hashes)
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=sorted(by_idx))
         req = RouteRequest(rid=self._next_rid, prompt_tokens=len(call.prompt_token_ids), block_hashes=hashes)
         ranks = self.policy.rank(req, states)
-        reason = self.policy.last_reason or "choice"
-        self.reasons[reason] += 1
-        if self.stats is not None:
-            self.stats.inc_routing_decision(reason)
+        # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
+        # the same load would herd onto one replica before the first on_request_routed.
+        first = ranks[0]
+        live = self.load.live()
+        pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
+        self._book(iid, call, hashes, pick, matched[pick], self.policy.last_reason or "choice")
         self.decision_s.append(time.perf_counter() - t0)
         if len(self.decision_s) > 4096:
             del self.decision_s[:2048]
         return [[by_idx[j] for j in rank if j in by_idx] for rank in ranks]
+
+    def _book(self, iid: str, call: GenerateCall, hashes: tuple[int, ...], j: int, est: int, reason: str) -> None:
+        rid = self._next_rid
+        self._next_rid += 1
+        n = len(call.prompt_token_ids)
+        self.load.on_routed(rid, j, n, est * self.block_size)
+        self._routed[iid] = _Routed(rid, call.request_id, j, hashes, est, n, time.time(), reason=reason)
+        while len(self._routed) > MAX_TRACKED:  # ranked but never routed nor completed
+            _, old = self._routed.popitem(last=False)
+            if old.rid in self.load:
+                self.load.on_finished(old.rid)
+
+    def _unbook(self, iid: str) -> None:
+        r = self._routed.pop(iid, None)
+        if r is not None and r.rid in self.load:
+            self.load.on_finished(r.rid)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         call = find_call(pending_request)
         if call is None:
             return
         j = self._index_of(replica_id)
-        n_hash = len(call.prompt_token_ids) // self.block_size
-        hashes = tuple(call.block_hashes[:n_hash])
-        est = self.index.match_one(j, hashes)
         iid = pending_request.metadata.internal_request_id
-        rid = self._next_rid
-        self._next_rid += 1
-        self.index.record_routed(j, hashes)
-        self.load.on_routed(rid, j, len(call.prompt_token_ids), est * self.block_size)
-        self._routed[iid] = _Routed(rid, call.request_id, j, hashes, est, len(call.prompt_token_ids), time.time())
+        r = self._routed.get(iid)
+        if r is None or r.replica != j:  # Ray picked another replica of the rank than booked
+            n_hash = len(call.prompt_token_ids) // self.block_size
+            hashes = tuple(call.block_hashes[:n_hash])
+            reason = r.reason if r is not None else "choice"
+            self._unbook(iid)
+            self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason)
+            r = self._routed[iid]
+        r.routed_at = time.time()
+        self.index.record_routed(j, r.hashes)
+        self.reasons[r.reason] += 1
+        if self.stats is not None:
+            self.stats.inc_routing_decision(r.reason, replica=self._names[j])
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         r = self._routed.pop(internal_request_id, None)

@@ -1,10 +1,14 @@
 """Start the real cluster for end-to-end tests: ``serve run`` on a YAML, real HTTP.
 
 ``running_cluster(config, **overrides)`` writes a copy of ``config`` with ``overrides`` deep-merged
-into the application's ``args``, runs ``serve run`` on it in a subprocess (it joins the Ray
-instance at ``RAY_ADDRESS`` when CI started one, else starts a local one), waits until the API
+into the application's ``args``, runs ``serve run`` on it in a subprocess, waits until the API
 answers a real generation request, yields the base URL, and stops the app afterwards (SIGINT,
 which makes ``serve run`` shut the application down; then SIGKILL if it hangs).
+
+Ray: ``serve run`` joins the instance at ``RAY_ADDRESS`` when one is set (CI starts one, see
+``scripts/test.sh``), else it starts a private local instance (``RAY_ADDRESS=local``), so two
+sessions on one machine never deploy over each other. The HTTP port is ``port``, default
+``FAIRWAY_TEST_PORT`` or 8000.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-PORT = 8000
-BASE_URL = f"http://127.0.0.1:{PORT}"
+DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -46,9 +49,9 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[in
         return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
 
-def _ready(model: str) -> bool:
+def _ready(url: str, model: str) -> bool:
     try:
-        status, body, _ = post_json(f"{BASE_URL}/v1/completions",
+        status, body, _ = post_json(f"{url}/v1/completions",
                                     {"model": model, "prompt": [20] * 40, "max_tokens": 2}, timeout=10)
     except (OSError, ValueError):
         return False
@@ -56,9 +59,13 @@ def _ready(model: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, **overrides: Any) -> Iterator[str]:
+def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
+                    **overrides: Any) -> Iterator[str]:
     """The base URL of a running cluster built from ``config`` with ``overrides`` in its args."""
+    port = port or DEFAULT_PORT
+    url = f"http://127.0.0.1:{port}"
     cfg = yaml.safe_load((REPO / config).read_text())
+    cfg.setdefault("http_options", {})["port"] = port
     app = cfg["applications"][0]
     app["args"] = merge(app.get("args", {}), overrides)
     model = app["args"].get("model", "fairway-tiny")
@@ -68,20 +75,18 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
     log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
     serve = Path(sys.executable).with_name("serve")
     env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", env.get("RAY_AUTH_MODE", ""))
-    if not env["RAY_AUTH_MODE"]:
-        env.pop("RAY_AUTH_MODE")
+    env.setdefault("RAY_ADDRESS", "local")
     proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while not _ready(model):
+        while not _ready(url, model):
             if proc.poll() is not None:
                 raise RuntimeError(f"serve run exited with {proc.returncode}; see {log.name}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cluster not ready after {timeout_s} s; see {log.name}")
             time.sleep(1.0)
-        yield BASE_URL
+        yield url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -96,7 +101,7 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
         end = time.monotonic() + 30
         while time.monotonic() < end:
             try:
-                urllib.request.urlopen(f"{BASE_URL}/health", timeout=1)
+                urllib.request.urlopen(f"{url}/health", timeout=1)
             except (OSError, urllib.error.URLError):
                 break
             time.sleep(0.5)

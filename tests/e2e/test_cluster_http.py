@@ -173,3 +173,20 @@ def test_concurrent_requests_all_complete(url):
             return await asyncio.gather(*(one(i) for i in range(60)))
 
     assert asyncio.run(run()) == [200] * 60
+
+
+def test_cold_burst_spreads_over_replicas(url):
+    """16 cold prompts at once: the router books each decision when it ranks (Ray routes
+    requests concurrently), so the burst does not herd onto one replica."""
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> str:
+                payload = {"model": MODEL, "prompt": prompt_ids(3000 + i, 3000), "max_tokens": 2}
+                async with s.post(f"{url}/v1/completions", json=payload,
+                                  timeout=aiohttp.ClientTimeout(total=120)) as r:
+                    return (await r.json())["fairway"]["replica"]
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+    replicas = asyncio.run(run())
+    counts = sorted(replicas.count(r) for r in set(replicas))
+    assert len(counts) == 2 and counts[0] >= 5, counts

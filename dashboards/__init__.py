@@ -1,0 +1,1 @@
+"""Grafana dashboards as code (queries.py, build.py), PNG rendering (render.py), a synthetic demo."""

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Main job: bring the Fairway cluster up (Ray Serve, 2 replicas of the H200-calibrated sim
+# engine, Fairway routing and gating), drive a short load through its OpenAI-compatible API,
+# and print the per-lane TTFT table. The cluster stays up afterwards for curl / the openai
+# client; `scripts/run.sh stop` stops it.
+#
+#   scripts/run.sh                 # up + load + table (about 1.5 min on 2 cores)
+#   scripts/run.sh up              # only bring the cluster up
+#   scripts/run.sh stop            # stop it
+#   FAIRWAY_CONFIG=deploy/cluster-vllm-cpu.yaml scripts/run.sh up   # another deployment
+#
+# Environment: FAIRWAY_CONFIG (deploy/cluster.yaml), FAIRWAY_PORT (8000), LOAD_WORKLOAD
+# (mixed-spike), LOAD_RATE (6), LOAD_DURATION (30 s).
+source "$(dirname "$0")/_venv.sh"
+CONFIG="${FAIRWAY_CONFIG:-deploy/cluster.yaml}"
+PORT="${FAIRWAY_PORT:-8000}"
+URL="http://127.0.0.1:$PORT"
+OUT=out/cluster
+PIDFILE="$OUT/serve.pid"
+mkdir -p "$OUT"
+
+stop() {
+  if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+    pid="$(cat "$PIDFILE")"
+    kill -INT "$pid"
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
+    echo "cluster stopped"
+  else
+    echo "no cluster started by this script is running"
+  fi
+  rm -f "$PIDFILE"
+}
+
+ready() {
+  python - "$URL" <<'PY'
+import json, sys, urllib.request
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", headers={"content-type": "application/json"},
+                             data=json.dumps({"model": json.load(urllib.request.urlopen(sys.argv[1] + "/v1/models",
+                                 timeout=5))["data"][0]["id"], "prompt": [20] * 40, "max_tokens": 2}).encode())
+sys.exit(0 if json.load(urllib.request.urlopen(req, timeout=10))["usage"]["completion_tokens"] == 2 else 1)
+PY
+}
+
+up() {
+  if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+    echo "cluster already running (pid $(cat "$PIDFILE")) at $URL"
+    return
+  fi
+  cfg="$OUT/cluster.yaml"
+  python - "$CONFIG" "$PORT" "$cfg" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+cfg.setdefault("http_options", {})["port"] = int(sys.argv[2])
+yaml.safe_dump(cfg, open(sys.argv[3], "w"))
+PY
+  start=$(date +%s)
+  # a private local Ray instance unless RAY_ADDRESS points at a cluster
+  RAY_ADDRESS="${RAY_ADDRESS:-local}" setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1 &
+  echo $! > "$PIDFILE"
+  echo "starting the cluster ($CONFIG), log: $OUT/serve.log"
+  for _ in $(seq 1 180); do
+    if ready 2>/dev/null; then
+      echo "cluster up at $URL after $(( $(date +%s) - start )) s"
+      return
+    fi
+    if ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+      echo "serve run exited; last lines of $OUT/serve.log:" >&2
+      tail -20 "$OUT/serve.log" >&2
+      exit 1
+    fi
+    sleep 1
+  done
+  echo "cluster not ready after 180 s; see $OUT/serve.log" >&2
+  exit 1
+}
+
+case "${1:-all}" in
+  stop) stop ;;
+  up) up ;;
+  all)
+    up
+    python -m loadgen run --url "$URL" --workload "${LOAD_WORKLOAD:-mixed-spike}" --rate "${LOAD_RATE:-6}" \
+      --duration "${LOAD_DURATION:-30}" --seed 0 --json "$OUT/loadgen.json"
+    echo
+    echo "results: $OUT/loadgen.json. The cluster is still up at $URL, e.g.:"
+    echo "  curl $URL/v1/completions -H 'content-type: application/json' \\"
+    echo "    -d '{\"model\": \"fairway-tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'"
+    echo "stop it with: scripts/run.sh stop"
+    ;;
+  *) echo "usage: scripts/run.sh [all|up|stop]" >&2; exit 2 ;;
+esac
