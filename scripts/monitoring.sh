@@ -34,7 +34,11 @@ install_prometheus() {
     local dl
     dl="$(mktemp -d)"
     echo "fetching Debian's prometheus package (apt-get download) ..." >&2
-    (cd "$dl" && apt-get download -q prometheus >&2)
+    if ! (cd "$dl" && apt-get download -q prometheus >&2); then
+      echo "apt-get download failed; refreshing the package lists (apt-get update) and retrying" >&2
+      apt-get update -qq >&2 || true
+      (cd "$dl" && apt-get download -q prometheus >&2)
+    fi
     mkdir -p "$TOOLS"
     dpkg-deb -x "$dl"/prometheus_*.deb "$TOOLS"
     rm -rf "$dl"

@@ -1,0 +1,45 @@
+"""Every shipped deployment config parses as Ray Serve's schema and as Fairway's ClusterArgs
+(extra keys are errors, so a typo in a YAML fails here, not at ``serve run``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from router.app import ClusterArgs
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def serve_configs() -> list[tuple[str, dict]]:
+    out = []
+    for name in ("cluster.yaml", "cluster-vllm-cpu.yaml", "cluster-gpu.yaml"):
+        out.append((name, yaml.safe_load((DEPLOY / name).read_text())))
+    kuberay = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+    assert kuberay["kind"] == "RayService"
+    out.append(("kuberay-rayservice.yaml", yaml.safe_load(kuberay["spec"]["serveConfigV2"])))
+    return out
+
+
+@pytest.mark.parametrize(("name", "cfg"), serve_configs(), ids=lambda x: x if isinstance(x, str) else "")
+def test_config_is_valid(name, cfg):
+    ServeDeploySchema(**cfg)
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "router.app:build_app"
+    args = ClusterArgs(**app["args"])
+    assert args.engine in ("sim", "vllm")
+
+
+def test_default_cluster_is_the_sim_engine_with_fairway():
+    cfg = dict(serve_configs())["cluster.yaml"]
+    args = ClusterArgs(**cfg["applications"][0]["args"])
+    assert (args.engine, args.router.policy, args.replica.policy, args.num_replicas) == ("sim", "fairway", "fairway", 2)
+
+
+def test_unknown_key_is_rejected():
+    with pytest.raises(ValidationError, match="replicaz"):
+        ClusterArgs(replicaz=3)
