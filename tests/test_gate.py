@@ -1,0 +1,219 @@
+"""The replica gate: admission order is the policy's, the queue is bounded, cancelled waiters
+leave, memory blocks the head, and the routing stats carry what routers need.
+
+A scripted engine (implements ``replicas.protocol.Engine``) lets each test release first
+tokens exactly when it wants, so orders are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+
+import pytest
+
+from replicas.gate import AdmissionGate, GateConfig
+from replicas.protocol import EngineOutput, EngineStats, GenerateCall, Overloaded, RequestTooLarge
+from router.clock import ManualClock
+from router.policies import make_policy
+from tests.factories import LinearCost, chain
+
+pytestmark = pytest.mark.asyncio
+
+
+class ScriptedEngine:
+    """An engine whose requests produce their first token only when the test says so."""
+
+    block_size = 16
+    max_num_batched_tokens = 100
+    max_num_seqs = 8
+    max_model_len = 4096
+
+    def __init__(self, cached: set[int] | None = None) -> None:
+        self.cached = cached or set()
+        self.started: list[str] = []  # request ids in the order they entered the engine
+        self.go: dict[str, asyncio.Event] = {}
+        self.fits = True
+        self.on_stored: Callable[[Iterable[int]], None] | None = None
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
+        self.started.append(call.request_id)
+        ev = self.go.setdefault(call.request_id, asyncio.Event())
+        await ev.wait()
+        n = len(call.prompt_token_ids)
+        hit = 0
+        for h in call.block_hashes[: (n - 1) // 16]:
+            if h not in self.cached:
+                break
+            hit += 1
+        yield EngineOutput([7], cached_tokens=hit * 16)
+        yield EngineOutput([8], finished=True, finish_reason="length")
+
+    def release(self, request_id: str) -> None:
+        self.go.setdefault(request_id, asyncio.Event()).set()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.started), prefilling=0, pending_prefill_tokens=0,
+                           kv_blocks_total=100, kv_blocks_free=50)
+
+    def can_fit(self, prompt_tokens: int, block_hashes: Sequence[int]) -> bool:
+        return self.fits
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        n = 0
+        for h in block_hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def set_cache_listener(self, on_stored, on_removed) -> None:
+        self.on_stored = on_stored
+
+
+def call(rid: str, tokens: int, hashes: Sequence[int] = ()) -> GenerateCall:
+    return GenerateCall(request_id=rid, prompt_token_ids=[20] * tokens, block_hashes=tuple(hashes),
+                        max_tokens=2, arrival_s=0.0)
+
+
+def make_gate(policy: str = "fcfs", cached: set[int] | None = None, **cfg) -> tuple[AdmissionGate, ScriptedEngine,
+                                                                                    ManualClock]:
+    clock = ManualClock()
+    engine = ScriptedEngine(cached)
+    pol = make_policy(policy, clock=clock, cost=LinearCost(), block_size=16)
+    gate = AdmissionGate(engine, pol, clock, GateConfig(**cfg), replica="r0")
+    return gate, engine, clock
+
+
+async def consume(gate: AdmissionGate, c: GenerateCall, out: list) -> None:
+    async for chunk in gate.submit(c):
+        out.append((c.request_id, chunk))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_admission_order_is_the_policys():
+    """lpm: once the engine frees room, the waiter with the longest cached prefix goes next; the
+    prefill budget (100 tokens) keeps the rest waiting in the gate, not in the engine."""
+    fam = chain("doc", 8)
+    gate, engine, clock = make_gate("lpm", cached=set(fam[:6]), prefill_budget_tokens=100)
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call("a", 120), out))]  # fills the budget alone
+    await settle()
+    for rid, hashes in (("b", []), ("c", fam[:3] + chain("x", 5)), ("d", fam)):
+        clock.advance(1.0)
+        tasks.append(asyncio.create_task(consume(gate, call(rid, 128, hashes), out)))
+    await settle()
+    assert engine.started == ["a"]
+    assert len(gate.policy) == 3
+    for rid in ("a", "d", "c"):
+        engine.release(rid)
+        await settle()
+    assert engine.started == ["a", "d", "c", "b"]  # d: 6 cached blocks, c: 3, b: 0
+    engine.release("b")
+    await asyncio.gather(*tasks)
+    firsts = {rid: ch for rid, ch in out if ch.prompt_tokens}
+    assert firsts["d"].cached_tokens == 96 and firsts["c"].cached_tokens == 48 and firsts["b"].cached_tokens == 0
+    assert {ch.lane for _, ch in out} == {""}  # lpm has no lanes
+
+
+async def test_fcfs_order_and_queue_waits():
+    gate, engine, clock = make_gate("fcfs", prefill_budget_tokens=1)
+    out: list = []
+    tasks = []
+    for i, rid in enumerate("abc"):
+        tasks.append(asyncio.create_task(consume(gate, call(rid, 64), out)))
+        await settle()
+        clock.advance(0.5 * (i + 1))
+    for rid in "abc":
+        engine.release(rid)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["a", "b", "c"]
+    waits = {rid: ch.queue_wait_s for rid, ch in out if ch.prompt_tokens and ch.token_ids == [7]}
+    assert waits == {"a": 0.0, "b": 2.5, "c": 1.5}  # b arrived at 0.5, c at 1.5; both admitted at 3.0
+
+
+async def test_full_queue_refuses_at_once_with_retry_after():
+    gate, engine, _ = make_gate("fcfs", max_queue=2, prefill_budget_tokens=1)
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(r, 64), out)) for r in "abc"]
+    await settle()
+    assert engine.started == ["a"] and len(gate.policy) == 2
+    with pytest.raises(Overloaded) as e:
+        async for _ in gate.submit(call("d", 64)):
+            pass
+    assert e.value.status == 429 and e.value.retry_after_s >= 1.0
+    for r in "abc":
+        engine.release(r)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["a", "b", "c"] and gate.rejected == 1
+
+
+async def test_cancelled_waiter_leaves_the_queue():
+    gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1)
+    out: list = []
+    a = asyncio.create_task(consume(gate, call("a", 64), out))
+    b = asyncio.create_task(consume(gate, call("b", 64), out))
+    c = asyncio.create_task(consume(gate, call("c", 64), out))
+    await settle()
+    b.cancel()
+    await settle()
+    assert len(gate.policy) == 1 and "b" not in gate.routing_stats().waiting_ids
+    engine.release("a")
+    await settle()
+    engine.release("c")
+    await asyncio.gather(a, c)
+    assert engine.started == ["a", "c"]
+
+
+async def test_head_that_does_not_fit_blocks_everyone_until_memory_frees():
+    gate, engine, _ = make_gate("fcfs")
+    engine.fits = False
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(r, 64), out)) for r in "ab"]
+    await settle()
+    assert engine.started == [] and len(gate.policy) == 2
+    engine.fits = True
+    gate.pump()
+    await settle()
+    assert engine.started == ["a", "b"]
+    for r in "ab":
+        engine.release(r)
+    await asyncio.gather(*tasks)
+
+
+async def test_too_long_and_empty_prompts_are_refused():
+    gate, _, _ = make_gate("fcfs")
+    with pytest.raises(RequestTooLarge, match="context length 4096"):
+        async for _ in gate.submit(call("a", 4095)):
+            pass
+    with pytest.raises(RequestTooLarge, match="empty"):
+        async for _ in gate.submit(call("b", 0)):
+            pass
+    assert gate.rejected == 2
+
+
+async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
+    fam = chain("doc", 4)
+    gate, engine, _ = make_gate("fairway", cached=set(fam), prefill_budget_tokens=1)
+    out: list = []
+    t1 = asyncio.create_task(consume(gate, call("a", 80, fam), out))
+    t2 = asyncio.create_task(consume(gate, call("b", 80, fam), out))
+    await settle()
+    st = gate.routing_stats()
+    assert st.waiting_ids == ["b"] and st.recent_cached == {} and st.lanes == {"fast": 1, "fair": 0}
+    engine.release("a")
+    engine.release("b")
+    await asyncio.gather(t1, t2)
+    st = gate.routing_stats()
+    assert st.waiting_ids == [] and st.recent_cached == {"a": 64, "b": 64}  # 4 blocks, capped below 80
+    assert {ch.lane for _, ch in out if ch.prompt_tokens} == {"fast"}

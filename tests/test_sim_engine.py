@@ -1,0 +1,81 @@
+"""The ``sim`` engine in real time: the engine model's prefix cache, token counts and limits,
+seen through the ``Engine`` protocol the gate uses (run 1000x faster than real time)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from replicas.engines import make_engine
+from replicas.protocol import GenerateCall, RequestTooLarge
+from router.hashing import block_hashes
+
+pytestmark = pytest.mark.asyncio
+
+
+def call(rid: str, ids: list[int], max_tokens: int = 3) -> GenerateCall:
+    return GenerateCall(request_id=rid, prompt_token_ids=ids, block_hashes=tuple(block_hashes(ids)),
+                        max_tokens=max_tokens, arrival_s=0.0)
+
+
+async def run(engine, c: GenerateCall) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    cached = -1
+    async for out in engine.generate(c):
+        tokens += out.token_ids
+        if out.cached_tokens is not None:
+            cached = out.cached_tokens
+        if out.finished:
+            assert out.finish_reason == "length"
+    return tokens, cached
+
+
+@pytest_asyncio.fixture
+async def engine():
+    e = make_engine("sim", speed=1000.0, kv_blocks=64, max_model_len=2048)
+    stored: list[int] = []
+    removed: list[int] = []
+    e.set_cache_listener(stored.extend, removed.extend)
+    e.events = (stored, removed)
+    await e.start()
+    yield e
+    await e.shutdown()
+
+
+async def test_tokens_and_prefix_hits(engine):
+    shared = list(range(100, 100 + 320))  # 20 full blocks
+    tokens, cached = await run(engine, call("a", shared + [5] * 8, max_tokens=5))
+    assert len(tokens) == 5 and all(16 <= t < 4096 for t in tokens) and cached == 0
+    _, cached = await run(engine, call("b", shared + [6] * 8))
+    assert cached == 320  # every shared full block, from the engine model's cache
+    stored, _ = engine.events
+    assert set(block_hashes(shared)) <= set(stored)
+
+
+async def test_generated_blocks_are_cached_for_the_next_turn(engine):
+    prompt = list(range(200, 200 + 32))
+    out, _ = await run(engine, call("t1", prompt, max_tokens=40))
+    follow = prompt + out + [9] * 10  # the next turn sends the previous output back
+    _, cached = await run(engine, call("t2", follow))
+    assert cached == (len(prompt) + len(out) - 1) // 16 * 16
+
+
+async def test_limits_raise_clear_errors(engine):
+    with pytest.raises(RequestTooLarge, match="context length 2048"):
+        await run(engine, call("long", [20] * 2040, max_tokens=16))
+    with pytest.raises(RequestTooLarge, match="KV blocks"):
+        await run(engine, call("kv", [20] * 1100, max_tokens=16))  # 70 blocks > 64
+
+
+async def test_memory_bound_can_fit_and_concurrent_requests_finish(engine):
+    a = list(range(300, 300 + 640))  # 40 blocks of 64
+    assert engine.can_fit(len(a), block_hashes(a))
+    t = asyncio.create_task(run(engine, call("a", a, max_tokens=200)))
+    await asyncio.sleep(0.002)
+    b = list(range(1000, 1000 + 640))
+    assert not engine.can_fit(len(b), block_hashes(b))  # a holds 41 of 64 blocks
+    results = await asyncio.gather(t, run(engine, call("b", b, max_tokens=5)))
+    assert [len(r[0]) for r in results] == [200, 5]
+    assert engine.stats().running == 0
