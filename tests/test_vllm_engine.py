@@ -1,0 +1,528 @@
+"""The ``vllm`` engine: the hash-space cache estimate (always), and the adapter on real vLLM (CPU).
+
+The estimate tests need nothing but this repo. The vLLM tests run only where ``vllm`` imports and
+the tiny model exists (``scripts/vllm_cpu_setup.sh`` makes both), i.e. from ``.venv-vllm``:
+
+    .venv-vllm/bin/python -m pytest tests/test_vllm_engine.py
+
+They start one engine for the module (~30 s on 2 cores) and run one scenario against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from replicas.engines import EngineError, engine_class, make_engine
+from replicas.engines.cache_estimate import CacheEstimate
+from replicas.engines.kv_events import KvEventMirror
+from replicas.protocol import EngineFailed, GenerateCall, RequestTooLarge
+from router.hashing import block_hashes
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ROOT / "deploy" / "models" / "fairway-tiny-llama"
+
+
+class Events:
+    def __init__(self) -> None:
+        self.stored: list[int] = []
+        self.removed: list[int] = []
+
+    def attach(self, est: CacheEstimate) -> Events:
+        est.set_listener(self.stored.extend, self.removed.extend)
+        return self
+
+
+def assert_prefix_closed(est: CacheEstimate) -> None:
+    """Every held block's parent is held and more recently touched (so the oldest is a leaf)."""
+    pos = {h: i for i, h in enumerate(est.blocks())}
+    for h, parent in est._lru.items():
+        if parent is not None:
+            assert parent in pos, f"block {h} held without its parent {parent}"
+            assert pos[parent] > pos[h], f"parent {parent} older than its child {h}"
+
+
+# -- the estimate, without vLLM ----------------------------------------------------------------
+
+
+def test_lru_eviction_order_tail_first():
+    est = CacheEstimate(capacity_blocks=6, block_size=16)
+    ev = Events().attach(est)
+    est.observe([1, 2, 3, 4], 64, 0)
+    assert est.blocks() == [4, 3, 2, 1]  # the head is the most recent
+    assert ev.stored == [1, 2, 3, 4] and ev.removed == []
+    upd = est.observe([1, 2, 5, 6], 64, 32)  # shares 2 blocks, and the engine said so
+    assert upd.predicted_blocks == 2 and upd.reported_blocks == 2
+    assert est.blocks() == [4, 3, 6, 5, 2, 1]
+    assert upd.stored == [5, 6] and upd.removed == []
+    upd = est.observe([7, 8], 32, 0)  # 8 blocks > 6: the two oldest age out, tail first
+    assert est.blocks() == [6, 5, 2, 1, 8, 7]
+    assert upd.removed == [4, 3] and upd.stored == [7, 8]
+    assert ev.removed == [4, 3] and ev.stored == [1, 2, 3, 4, 5, 6, 7, 8]
+    est.touch([1, 2, 5])  # a request finished: its held prefix becomes the most recent
+    assert est.blocks() == [6, 8, 7, 5, 2, 1]
+    upd = est.observe([9], 16, 0)
+    assert upd.removed == [6] and est.blocks() == [8, 7, 5, 2, 1, 9]
+    assert_prefix_closed(est)
+
+
+def test_whole_engine_blocks_only():
+    est = CacheEstimate(capacity_blocks=100, block_size=16, engine_block_size=128)
+    assert est.stored_blocks(300) == 16 and est.max_hit_blocks(300) == 16
+    assert est.stored_blocks(256) == 16 and est.max_hit_blocks(256) == 8  # the last token is computed
+    assert est.stored_blocks(127) == 0 and est.max_hit_blocks(129) == 8
+    hashes = list(range(100, 118))  # 300 tokens -> 18 of our blocks
+    upd = est.observe(hashes, 300, 0)
+    assert upd.stored == hashes[:16] and len(est) == 16
+    assert est.cached_prefix_blocks(hashes) == 16
+    # An identical 300-token prompt: the prediction is capped like the engine's hit.
+    assert est.predicted_hit_blocks(hashes, 300) == 16
+    assert est.predicted_hit_blocks(hashes[:16], 256) == 8
+
+
+def test_report_shorter_than_predicted_drops_the_stale_subtree():
+    est = CacheEstimate(capacity_blocks=100, block_size=16)
+    ev = Events().attach(est)
+    est.observe([1, 2, 3, 4], 64, 0)
+    est.observe([1, 2, 3, 9], 64, 48)
+    assert est.blocks() == [4, 9, 3, 2, 1]
+    # The engine hit only 1 block of [1, 2, 3, 4, 10]: it had evicted block 2, hence (tail-first
+    # eviction) all below it. The other branch (9) goes; this request's own blocks were just
+    # recomputed and stay; 10 is new.
+    upd = est.observe([1, 2, 3, 4, 10], 80, 16)
+    assert upd.predicted_blocks == 4 and upd.reported_blocks == 1
+    assert upd.removed == [9] and upd.stored == [10]
+    assert est.blocks() == [10, 4, 3, 2, 1]
+    assert ev.removed == [9]
+    assert_prefix_closed(est)
+
+
+def test_stale_report_on_a_deep_tree_and_unknown_reports():
+    est = CacheEstimate(capacity_blocks=100, block_size=16)
+    est.observe([1, 2, 3], 48, 0)
+    est.observe([1, 2, 4, 5], 64, 32)
+    est.observe([1, 6], 32, 16)
+    # Hit 0 on a prompt [1, 7]: block 1 was gone, so everything was; only this prompt remains.
+    upd = est.observe([1, 7], 32, 0)
+    assert sorted(upd.removed) == [2, 3, 4, 5, 6] and upd.stored == [7]
+    assert est.blocks() == [7, 1]
+    upd = est.observe([1, 7, 8], 48, None)  # no report: store, never drop
+    assert upd.removed == [] and upd.stored == [8] and upd.reported_blocks is None
+    assert est.clear() == [8, 7, 1] and len(est) == 0
+
+
+def test_chain_longer_than_capacity_keeps_its_head_and_nets_events():
+    est = CacheEstimate(capacity_blocks=3, block_size=16)
+    ev = Events().attach(est)
+    upd = est.observe([1, 2, 3, 4, 5], 80, 0)
+    assert est.blocks() == [3, 2, 1]
+    assert upd.stored == [1, 2, 3] and upd.removed == []  # 4, 5 came and went in one call
+    assert ev.stored == [1, 2, 3] and ev.removed == []
+    assert est.set_capacity(2) == [3] and ev.removed == [3]
+
+
+def test_random_traffic_keeps_invariants():
+    rng = random.Random(7)
+    est = CacheEstimate(capacity_blocks=40, block_size=16, engine_block_size=32)
+    docs = [[rng.randrange(5, 4096) for _ in range(rng.randrange(16, 200))] for _ in range(6)]
+    for _ in range(300):
+        toks = rng.choice(docs)[: rng.randrange(16, 200)] + [rng.randrange(5, 4096) for _ in range(rng.randrange(40))]
+        hs = block_hashes(toks)
+        pred = est.predicted_hit_blocks(hs, len(toks))
+        # reports: unknown, as predicted, or one engine block short (a stale estimate)
+        report = rng.choice([None, pred * 16, max(0, pred * 16 - 32)])
+        est.observe(hs, len(toks), report)
+        assert len(est) <= est.capacity_blocks
+        assert_prefix_closed(est)
+        # its whole engine blocks are held now (maybe more, from a longer prompt seen before)
+        assert est.cached_prefix_blocks(hs) >= min(est.stored_blocks(len(toks)), len(hs))
+
+
+def test_events_replay_equals_estimate():
+    rng = random.Random(3)
+    est = CacheEstimate(capacity_blocks=25, block_size=16, engine_block_size=64)
+    mirror: set[int] = set()
+    est.set_listener(mirror.update, mirror.difference_update)
+    base = [rng.randrange(5, 4096) for _ in range(400)]
+    for _ in range(200):
+        toks = base[: rng.randrange(16, 400)] + [rng.randrange(5, 4096) for _ in range(rng.randrange(0, 100))]
+        hs = block_hashes(toks)
+        hit = est.predicted_hit_blocks(hs, len(toks))
+        est.observe(hs, len(toks), 64 * (hit * 16 // 64 // rng.choice([1, 1, 2])))
+        assert mirror == set(est.blocks())
+
+
+# -- the KV-event mirror, without vLLM ----------------------------------------------------------
+
+
+@dataclass
+class BlockStored:  # vLLM's event shapes (the mirror reads them by class name and field)
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+    block_size: int
+    extra_keys: list | None = None
+    lora_name: str | None = None
+    medium: str | None = "GPU"
+    group_idx: int | None = 0
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list
+    medium: str | None = "GPU"
+    group_idx: int | None = 0
+
+
+class AllBlocksCleared:
+    pass
+
+
+def _stored(vhs: list, parent, toks: list[int], vbs: int, salt: str | None = None) -> BlockStored:
+    return BlockStored(vhs, parent, toks, vbs, extra_keys=[(salt,)] + [None] * (len(vhs) - 1) if salt else None)
+
+
+def test_kv_event_mirror_rebuilds_our_hashes():
+    rng = random.Random(5)
+    toks = [rng.randrange(5, 4096) for _ in range(256)]
+    m = KvEventMirror(block_size=16, engine_block_size=64)
+    mirror: set[int] = set()
+    m.set_listener(mirror.update, mirror.difference_update)
+    ours = block_hashes(toks)
+    # two vLLM blocks of 64 tokens, then two more chained to the second: our 16 hashes, exactly
+    st, rm = m.apply([_stored(["v0", "v1"], None, toks[:128], 64)])
+    assert st == ours[:8] and rm == [] and m.cached_prefix_blocks(ours) == 8
+    m.apply([_stored(["v2", "v3"], "v1", toks[128:], 64)])
+    assert m.blocks() == ours and mirror == set(ours) and m.engine_blocks == 4
+    assert m.predicted_hit_blocks(ours, 256) == 12  # the last token is always computed
+    # re-announced (vLLM reports reused blocks as stored again): no double count
+    assert m.apply([_stored(["v0"], None, toks[:64], 64)]) == ([], [])
+    # a removed vLLM block removes the hashes it completed; its children's stay until removed
+    st, rm = m.apply([BlockRemoved(["v1"])])
+    assert rm == ours[4:8] and m.cached_prefix_blocks(ours) == 4
+    # a tenant's salt (extra keys of the first block) gives the salted chain
+    m.apply([_stored(["s0"], None, toks[:64], 64, salt="tenant-x")])
+    assert m.cached_prefix_blocks(block_hashes(toks, salt="tenant-x")) == 4
+    # unknown parent: skipped and counted; other media and KV groups: ignored
+    m.apply([_stored(["w"], "nope", toks[:64], 64), BlockRemoved(["v0"], medium="CPU"),
+             BlockRemoved(["v0"], group_idx=1)])
+    assert m.orphans == 1 and m.cached_prefix_blocks(ours) == 4
+    before = set(m.blocks())
+    assert before == set(ours[:4] + ours[8:] + block_hashes(toks, salt="tenant-x")[:4]) == mirror
+    st, rm = m.apply([AllBlocksCleared()])
+    assert st == [] and set(rm) == before and len(m) == 0 and mirror == set()
+
+
+def test_kv_event_mirror_unaligned_blocks_and_net_events():
+    rng = random.Random(6)
+    toks = [rng.randrange(5, 4096) for _ in range(120)]
+    m = KvEventMirror(block_size=16, engine_block_size=24)  # our blocks straddle vLLM's
+    m.apply([_stored([f"v{i}" for i in range(5)], None, toks, 24)])
+    assert m.blocks() == block_hashes(toks)  # 7 of ours in 5 x 24 tokens
+    # stored and removed in one batch: no event either way
+    m2 = KvEventMirror(block_size=16, engine_block_size=32)
+    seen: list = []
+    m2.set_listener(lambda h: seen.append(("+", list(h))), lambda h: seen.append(("-", list(h))))
+    assert m2.apply([_stored(["a"], None, toks[:32], 32), BlockRemoved(["a"])]) == ([], [])
+    assert seen == [] and len(m2) == 0
+
+
+# -- the registry and the adapter's own checks, without vLLM -----------------------------------
+
+
+def test_registry_resolves_lazily():
+    had_vllm = "vllm" in sys.modules
+    cls = engine_class("vllm")
+    assert cls.__name__ == "VllmEngine"
+    assert ("vllm" in sys.modules) == had_vllm  # resolving the class imports no vLLM
+    eng = make_engine("vllm", model="some/model", max_model_len=1024)
+    assert eng.block_size == 16 and eng.max_model_len == 1024
+    with pytest.raises(EngineError, match="unknown engine"):
+        make_engine("nope")
+    with pytest.raises(EngineError, match="bad options"):
+        make_engine("vllm", model="m", bogus=1)
+    with pytest.raises(EngineError, match="cannot import"):
+        engine_class("replicas.engines.nothing_here:Engine")
+
+
+def test_engine_args_and_checks_before_start():
+    eng = make_engine(
+        "vllm", model="m", tokenizer="t", max_model_len=1000, kv_cache_space_gb=0.5, engine_args={"max_num_seqs": 3}
+    )
+    cpu = eng.build_engine_args(is_cpu=True)
+    assert cpu["enable_prefix_caching"] is True and cpu["kv_cache_memory_bytes"] == 1 << 29
+    assert cpu["max_num_seqs"] == 3 and cpu["tokenizer"] == "t" and "gpu_memory_utilization" not in cpu
+    gpu = make_engine("vllm", model="m", gpu_memory_utilization=0.8).build_engine_args(is_cpu=False)
+    assert gpu["gpu_memory_utilization"] == 0.8 and "kv_cache_memory_bytes" not in gpu
+    assert "kv_events_config" not in cpu
+    ev = make_engine("vllm", model="m", kv_events=True).build_engine_args(is_cpu=True)["kv_events_config"]
+    assert ev["enable_kv_cache_events"] and ev["endpoint"].startswith("ipc://") and ev["replay_endpoint"]
+    call = GenerateCall("r", [5] * 995, (), 10, time.time())
+    with pytest.raises(RequestTooLarge):
+        eng._check(call)
+
+    async def gen():
+        async for _ in eng.generate(call):
+            pass
+
+    with pytest.raises(EngineFailed, match="not started"):
+        asyncio.run(gen())
+    assert eng.cached_prefix_blocks([1, 2]) == 0 and eng.can_fit(10, []) is False
+
+
+# -- the adapter on vLLM (CPU) -----------------------------------------------------------------
+
+
+def _vllm_skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed here (run scripts/vllm_cpu_setup.sh, then use .venv-vllm/bin/python)"
+    if not (TINY_MODEL / "config.json").exists():
+        return f"tiny model missing: {TINY_MODEL} (run scripts/vllm_cpu_setup.sh)"
+    return None
+
+
+needs_vllm = pytest.mark.skipif(_vllm_skip_reason() is not None, reason=str(_vllm_skip_reason()))
+
+MAX_MODEL_LEN = 4096
+PREFIX = 2100  # shared tokens: 16 whole CPU blocks (2,048 tokens) can hit
+
+
+def _call(rid: str, ids: list[int], max_tokens: int, salt: str | None = None) -> GenerateCall:
+    return GenerateCall(rid, ids, tuple(block_hashes(ids, salt=salt)), max_tokens, time.time(), cache_salt=salt)
+
+
+async def _collect(eng, call: GenerateCall) -> dict:
+    t0 = time.perf_counter()
+    outs = []
+    ttft = None
+    async for out in eng.generate(call):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        outs.append(out)
+    return {"outs": outs, "ttft": ttft, "tokens": sum(len(o.token_ids) for o in outs), "last": outs[-1]}
+
+
+async def _scenario() -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+        pytest.skip(f"vllm does not import: {e}")
+    res: dict = {}
+    eng = make_engine(
+        "vllm",
+        model=str(TINY_MODEL),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        enforce_eager=True,
+        kv_cache_space_gb=0.25,
+        dtype="bfloat16",
+    )
+    events = {"stored": [], "removed": []}
+    eng.set_cache_listener(events["stored"].extend, events["removed"].extend)
+    t0 = time.perf_counter()
+    await eng.start()
+    res["startup_s"] = time.perf_counter() - t0
+    try:
+        res["idle_stats"] = eng.stats()
+        rng = random.Random(0)
+        prefix = [rng.randrange(5, 4096) for _ in range(PREFIX)]
+        a_ids = prefix + [rng.randrange(5, 4096) for _ in range(50)]
+        b_ids = prefix + [rng.randrange(5, 4096) for _ in range(70)]
+        res["a"] = await _collect(eng, _call("a", a_ids, 12))
+        res["after_a_blocks"] = eng.cached_prefix_blocks(block_hashes(a_ids))
+        res["b_predicted"] = eng.cache_estimate.predicted_hit_blocks(block_hashes(b_ids), len(b_ids))
+        res["b"] = await _collect(eng, _call("b", b_ids, 7))
+        res["b_hashes_held"] = eng.cached_prefix_blocks(block_hashes(b_ids))
+        res["events"] = {k: list(v) for k, v in events.items()}
+        # Another tenant (cache_salt) with the same prefix: no hit, in vLLM and in the estimate.
+        s_ids = prefix + [rng.randrange(5, 4096) for _ in range(30)]
+        res["salted"] = [(await _collect(eng, _call(f"s{i}", s_ids, 2, "tenant-x")))["last"] for i in range(2)]
+        res["feedback"] = list(eng.feedback)
+        res["vllm_block_size"] = eng.vllm_block_size
+
+        # Stats while a request streams, then cancellation aborts it inside vLLM.
+        c_ids = [rng.randrange(5, 4096) for _ in range(300)]
+        gen = eng.generate(_call("c", c_ids, 2000))
+        first = await gen.__anext__()
+        res["mid_stats"] = eng.stats()
+        res["mid_source"] = eng.kv_stats_source
+        res["first_chunk"] = first
+        await gen.aclose()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if eng._llm.get_num_unfinished_requests() == 0:
+                break
+        res["after_cancel_unfinished"] = eng._llm.get_num_unfinished_requests()
+        res["after_cancel_stats"] = eng.stats()
+
+        # Too large: caught before vLLM, and vLLM's own 4xx (a token id out of the vocab) too.
+        for name, call in {
+            "too_long": _call("d", [7] * MAX_MODEL_LEN, 1),
+            "too_long_with_output": _call("e", [7] * (MAX_MODEL_LEN - 10), 20),
+            "bad_token": _call("f", [7, 10**6, 8], 2),
+        }.items():
+            try:
+                await _collect(eng, call)
+                res[name] = None
+            except Exception as e:  # noqa: BLE001 - the test inspects the type
+                res[name] = e
+        res["ok_after_errors"] = await _collect(eng, _call("g", [9] * 40, 3))
+        res["can_fit_small"] = eng.can_fit(100, [])
+        res["end_stats"] = eng.stats()
+    finally:
+        await eng.shutdown()
+    return res
+
+
+@pytest.fixture(scope="module")
+def scenario() -> dict:
+    return asyncio.run(_scenario())
+
+
+@needs_vllm
+def test_vllm_outputs_and_startup(scenario):
+    assert scenario["startup_s"] < 300
+    for key, n in (("a", 12), ("b", 7), ("ok_after_errors", 3)):
+        r = scenario[key]
+        assert r["tokens"] == n, key  # ignore_eos: exactly max_tokens
+        assert r["last"].finished and r["last"].finish_reason == "length"
+        assert all(not o.finished for o in r["outs"][:-1])
+
+
+@needs_vllm
+def test_vllm_prefix_hit_reported_and_estimated(scenario):
+    vbs = scenario["vllm_block_size"]
+    a, b = scenario["a"]["last"], scenario["b"]["last"]
+    assert a.cached_tokens == 0
+    assert b.cached_tokens > 0 and b.cached_tokens == (PREFIX // vbs) * vbs
+    # The hash-space estimate predicted exactly what vLLM reported, in whole vLLM blocks.
+    assert scenario["b_predicted"] * 16 == b.cached_tokens
+    fb = scenario["feedback"]
+    assert [(f.predicted_cached, f.reported_cached) for f in fb[:2]] == [(0, 0), (b.cached_tokens, b.cached_tokens)]
+    assert scenario["after_a_blocks"] == (PREFIX + 50) // vbs * vbs // 16
+    assert scenario["b_hashes_held"] == (PREFIX + 70) // vbs * vbs // 16
+    s1, s2 = scenario["salted"]
+    assert s1.cached_tokens == 0 and s2.cached_tokens == (PREFIX // vbs) * vbs
+    assert [(f.predicted_cached, f.reported_cached) for f in fb[2:4]] == [(0, 0), (s2.cached_tokens,) * 2]
+    ev = scenario["events"]
+    assert len(ev["stored"]) == scenario["after_a_blocks"] + (scenario["b_hashes_held"] - b.cached_tokens // 16)
+    assert ev["removed"] == []
+
+
+@needs_vllm
+def test_vllm_stats_and_cancellation(scenario):
+    idle = scenario["idle_stats"]
+    assert idle.kv_blocks_total > 0 and idle.kv_blocks_free == idle.kv_blocks_total and idle.running == 0
+    mid = scenario["mid_stats"]
+    assert mid.running == 1 and mid.prefilling == 0 and mid.pending_prefill_tokens == 0
+    assert 0 <= mid.kv_blocks_free < mid.kv_blocks_total
+    assert scenario["mid_source"] in ("scheduler_stats", "estimate")
+    assert scenario["first_chunk"].cached_tokens == 0
+    assert scenario["after_cancel_unfinished"] == 0
+    end = scenario["after_cancel_stats"]
+    assert end.running == 0 and end.prefilling == 0 and end.kv_blocks_free == end.kv_blocks_total
+    assert scenario["can_fit_small"] is True
+
+
+@needs_vllm
+def test_vllm_too_large(scenario):
+    assert isinstance(scenario["too_long"], RequestTooLarge)
+    assert isinstance(scenario["too_long_with_output"], RequestTooLarge)
+    assert isinstance(scenario["bad_token"], RequestTooLarge), repr(scenario["bad_token"])
+    assert scenario["too_long"].status == 400
+
+
+# -- the exact prefix view from vLLM's KV events (CPU) -------------------------------------------
+
+EVENTS_KV_GB = 0.01  # ~10k tokens = 81 vLLM blocks: a few 3k-token prompts force evictions
+
+
+async def _settled(eng) -> None:
+    """Wait until the KV-event subscriber has been quiet for 0.3 s (events arrive a step late)."""
+    sub, last, quiet = eng.kv_events_subscriber, -1, 0
+    while quiet < 3:
+        await asyncio.sleep(0.1)
+        quiet, last = (quiet + 1, last) if sub.batches == last else (0, sub.batches)
+
+
+async def _events_scenario() -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+        pytest.skip(f"vllm does not import: {e}")
+    eng = make_engine("vllm", model=str(TINY_MODEL), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                      max_num_batched_tokens=2048, enforce_eager=True, kv_cache_space_gb=EVENTS_KV_GB,
+                      dtype="bfloat16", kv_events=True)
+    listened: set[int] = set()
+    removed: list[int] = []
+    eng.set_cache_listener(listened.update, lambda hs: (removed.extend(hs), listened.difference_update(hs)))
+    await eng.start()
+    res: dict = {"kv_blocks_total": eng.stats().kv_blocks_total, "vllm_block_size": eng.vllm_block_size}
+    try:
+        rng = random.Random(1)
+        prefix = [rng.randrange(5, 4096) for _ in range(PREFIX)]
+        calls = [_call("a", prefix + [rng.randrange(5, 4096) for _ in range(50)], 4),
+                 _call("b", prefix + [rng.randrange(5, 4096) for _ in range(70)], 4)]
+        salted = prefix + [rng.randrange(5, 4096) for _ in range(30)]
+        calls += [_call("s1", salted, 2, "tenant-x"), _call("s2", salted, 2, "tenant-x")]
+        # distinct 3k-token prompts: more than the cache holds, so vLLM evicts (BlockRemoved)
+        calls += [_call(f"f{i}", [rng.randrange(5, 4096) for _ in range(3000)], 2) for i in range(4)]
+        calls += [_call("a2", calls[0].prompt_token_ids, 2), _call("f3again", calls[7].prompt_token_ids, 2)]
+        res["held_after_a"] = None
+        for call in calls:
+            await _collect(eng, call)
+            await _settled(eng)
+            if call.request_id == "a":
+                res["held_after_a"] = eng.cached_prefix_blocks(call.block_hashes)
+        res["feedback"] = [(f.request_id.split("#")[0], f.predicted_cached, f.reported_cached) for f in eng.feedback]
+        res["mirror"] = set(eng.cache_estimate.blocks())
+        res["listened"] = set(listened)
+        res["removed"] = len(removed)
+        sub = eng.kv_events_subscriber
+        res["sub"] = {"running": sub.running, "gaps": sub.gaps, "errors": sub.errors,
+                      "orphans": eng.cache_estimate.orphans}
+    finally:
+        await eng.shutdown()
+    return res
+
+
+@pytest.fixture(scope="module")
+def events_scenario() -> dict:
+    return asyncio.run(_events_scenario())
+
+
+@needs_vllm
+def test_vllm_kv_events_exact_view(events_scenario):
+    r = events_scenario
+    vbs = r["vllm_block_size"]
+    assert r["sub"] == {"running": True, "gaps": 0, "errors": 0, "orphans": 0}
+    assert r["held_after_a"] == (PREFIX + 50 + 4) // vbs * vbs // 16  # prompt + output, whole vLLM blocks
+    fb = {rid: (pred, rep) for rid, pred, rep in r["feedback"]}
+    # the view predicted every hit vLLM then reported, exactly, evictions included
+    assert all(pred == rep for pred, rep in fb.values()), r["feedback"]
+    assert fb["a"] == (0, 0) and fb["b"][1] == PREFIX // vbs * vbs
+    assert fb["s1"] == (0, 0) and fb["s2"][1] == PREFIX // vbs * vbs
+    assert fb["f3again"][1] == 3000 // vbs * vbs and fb["a2"][1] < PREFIX // vbs * vbs  # a's prefix was evicted
+    assert r["removed"] > 0 and r["listened"] == r["mirror"]
+    assert len(r["mirror"]) <= r["kv_blocks_total"]
+
+
+def test_cluster_args_resolve_engine_paths_against_the_repo(tmp_path, monkeypatch):
+    from router.app import ClusterArgs
+
+    monkeypatch.chdir(tmp_path)  # a replica's cwd need not be the repo
+    a = ClusterArgs(engine="vllm", engine_args={"model": "deploy/models/fairway-tiny", "tokenizer": "org/hub-name"})
+    ea = a.replica_args()["engine_args"]
+    assert ea["model"] == str(ROOT / "deploy" / "models" / "fairway-tiny")
+    assert ea["tokenizer"] == "org/hub-name"  # not a local path: left for the hub
