@@ -30,6 +30,7 @@ SCENARIOS: list[tuple[str, dict[str, Any]]] = [
     ("mixed@12", {"workload": "mixed", "rate": 12}),
     ("mixed-spike@6", {"workload": "mixed-spike", "rate": 6}),
     ("mixed-spike@9", {"workload": "mixed-spike", "rate": 9}),
+    ("mixed-spike@12", {"workload": "mixed-spike", "rate": 12}),
     ("agentic@0.2", {"workload": "agentic", "rate": 0.2}),
     ("agentic-spike@0.1", {"workload": "agentic-spike", "rate": 0.1}),
     ("agentic-c100", {"workload": "agentic", "rate": 0.5, "concurrency": 100}),
