@@ -351,6 +351,36 @@ def test_fairway_ties_cold_and_the_cacheable_cap():
     assert r.last_scores[0] == pytest.approx(0.3 + 0.026)
 
 
+def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
+    # A preamble every replica holds, empty queues: by default (DESIGN.md) the lowest id is j*;
+    # with affinity_ties="ttft" the replica with the lower expected TTFT including the
+    # footprint term (the emptier cache), then the fewer outstanding requests.
+    states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
+    d = router("fairway")
+    assert choice(ranked(d, req(1000), states)) == 0 and d.last_reason == "affinity"
+    r = router("fairway", affinity_ties="ttft")
+    states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
+    assert ranked(r, req(1000), states) == [[1], [0], [2]] and r.last_reason == "affinity"
+    states = [st(0, matched=50, tree=10, outstanding=3), st(1, matched=50, tree=10, outstanding=1)]
+    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "affinity"
+    # the smaller queue still comes first among equal matches
+    states = [st(0, matched=50, tree=10, q=0.2), st(1, matched=50, tree=100, q=0.1)]
+    assert choice(ranked(r, req(1000), states)) == 1
+
+
+def test_fairway_kv_footprint_prices_placement_by_kv_usage():
+    # cold P = 1.01; fullness = kv_usage / the highest kv_usage: 0.8/0.8 and 0.2/0.8
+    states = [st(0, q=0.1, kv=0.8, tree=10), st(1, q=0.1, kv=0.2, tree=100)]
+    r = router("fairway", footprint="kv")
+    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "cold"
+    assert r.last_scores == pytest.approx({0: 0.1 + 2 * 1.01, 1: 0.1 + 1.01 * 1.25})
+    assert ranked(router("fairway"), req(1000), states) == [[0], [1]]  # index footprint: 10 < 100
+    with pytest.raises(ValueError):
+        router("fairway", footprint="nope")
+    with pytest.raises(ValueError):
+        router("fairway", affinity_ties="nope")
+
+
 # -- every router ------------------------------------------------------------------------------
 
 

@@ -46,7 +46,13 @@ class FairwayRouter(RouterPolicy):
     f * P_rj * (index blocks of j / index blocks of the fullest replica): a placement displaces
     cached work in proportion to its own prefill and to how full that replica's cache is; with
     f = 1 the displaced work is counted at par with the request's own. Measured across Mooncake,
-    rag-spike, agentic and hotspot on 8 replicas in docs/benchmarks.md).
+    rag-spike, agentic and hotspot on 8 replicas in docs/benchmarks.md), footprint = "index"
+    (the fullness in that term: index blocks / the fullest replica's; "kv": KV usage / the
+    highest replica's, the memory running requests hold, which shrinks the evictable cache),
+    affinity_ties = "id" (equal best match and equal Q_j: the lowest id, DESIGN.md's rule;
+    "ttft": the better expected TTFT, footprint included, then fewer outstanding). The last two
+    are opt-in: on agentic (8 replicas, 3 sessions/s) both together cut p99 from 9.2 s to 1.7 s,
+    but on Mooncake x3 they raised it from 12.0 s to 21.5 s (docs/benchmarks.md, issue 3).
     """
 
     name = "fairway"
@@ -62,6 +68,8 @@ class FairwayRouter(RouterPolicy):
         p_floor_s: float = 0.0,
         extra_work_weight: float = 0.0,
         footprint_weight: float = 1.0,
+        footprint: str = "index",
+        affinity_ties: str = "id",
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -76,6 +84,12 @@ class FairwayRouter(RouterPolicy):
         if not footprint_weight >= 0:
             raise ValueError("footprint_weight must be >= 0")
         self.footprint_weight = float(footprint_weight)
+        if footprint not in ("index", "kv"):
+            raise ValueError("footprint must be 'index' or 'kv'")
+        self.footprint = footprint
+        if affinity_ties not in ("id", "ttft"):
+            raise ValueError("affinity_ties must be 'id' or 'ttft'")
+        self.affinity_ties = affinity_ties
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
@@ -88,22 +102,35 @@ class FairwayRouter(RouterPolicy):
         # one: work that every request queued behind it on that replica also waits for
         biggest = max(s.index_blocks for s in ss) or 1
         f = self.footprint_weight
+        if self.footprint == "kv":
+            kmax = max(s.kv_usage for s in ss) or 1.0
+            fullness = {s.replica: s.kv_usage / kmax for s in ss}
+        else:
+            fullness = {s.replica: s.index_blocks / biggest for s in ss}
         # optional terms: the prefill this placement adds beyond the cheapest one (work every
         # request queued behind it there also waits for), and its prefill scaled by how full
         # that replica's cache is relative to the fullest (blocks it will displace)
         ttft = {s.replica: s.queued_prefill_s + prefill[s.replica] + w * (prefill[s.replica] - least)
-                + f * prefill[s.replica] * s.index_blocks / biggest
+                + f * prefill[s.replica] * fullness[s.replica]
                 for s in ss}
         load = {s.replica: s.outstanding for s in ss}
+        ss_q = {s.replica: s.queued_prefill_s for s in ss}
         # equal expected TTFT (idle replicas have Q = 0): more cache, then fewer outstanding
         # requests, then the id, so equal choices spread instead of piling on the lowest id
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], j))
-        star = min(ss, key=lambda s: (-cached[s.replica], s.queued_prefill_s, s.replica))
-        j = star.replica
+        # j*: the best-cached replica, ties to the smaller Q_j, then the id (DESIGN.md), or with
+        # affinity_ties="ttft" to the better expected TTFT (footprint term included), then fewer
+        # outstanding: with id ties, a prefix every replica holds (agentic's shared preamble)
+        # sends every new session to the lowest id while the queues are empty.
+        if self.affinity_ties == "ttft":
+            pos = {r: i for i, r in enumerate(order)}
+            j = min(cached, key=lambda r: (-cached[r], ss_q[r], pos[r]))
+        else:
+            j = min(cached, key=lambda r: (-cached[r], ss_q[r], r))
         if cached[j] == 0:
             self.last_reason = "cold"
             pick = order[0]
-        elif star.queued_prefill_s <= self.theta * max(prefill[j], self.p_floor_s):
+        elif ss_q[j] <= self.theta * max(prefill[j], self.p_floor_s):
             self.last_reason = "affinity"
             pick = j
         else:
