@@ -328,10 +328,10 @@ def test_fairway_extra_work_weight_prices_the_prefill_a_placement_adds():
 
 def test_fairway_footprint_term_sends_cold_work_to_the_emptier_cache():
     states = [st(0, q=0.1, tree=100), st(1, q=0.1, tree=10)]
-    d = router("fairway")  # cold P = 1.01: 0.1 + 1.01 + 1.01 * 100/100 vs 0.1 + 1.01 + 1.01 * 10/100
+    d = router("fairway", footprint="index")  # cold P = 1.01: 0.1 + 1.01 + 1.01 * 100/100 vs 0.1 + 1.01 + 1.01 * 10/100
     assert ranked(d, req(1000), states) == [[1], [0]] and d.last_reason == "cold"
     assert d.last_scores == pytest.approx({0: 2.12, 1: 1.211})
-    off = router("fairway", footprint_weight=0.0)  # equal expected TTFT: the id decides
+    off = router("fairway", footprint="index", footprint_weight=0.0)  # equal expected TTFT: the id decides
     assert ranked(off, req(1000), states) == [[0], [1]]
 
 
@@ -352,13 +352,17 @@ def test_fairway_ties_cold_and_the_cacheable_cap():
 
 
 def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
-    # A preamble every replica holds, empty queues: by default (DESIGN.md) the lowest id is j*;
-    # with affinity_ties="ttft" the replica with the lower expected TTFT including the
-    # footprint term (the emptier cache), then the fewer outstanding requests.
+    # A preamble every replica holds, empty queues: with affinity_ties="id" (DESIGN.md's first
+    # rule) the lowest id is j*; with "ttft" (the default) the replica with the lower expected
+    # TTFT including the footprint term (the emptier cache), then the fewer outstanding requests.
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
-    d = router("fairway")
+    d = router("fairway", affinity_ties="id", footprint="index")
     assert choice(ranked(d, req(1000), states)) == 0 and d.last_reason == "affinity"
-    r = router("fairway", affinity_ties="ttft")
+    # the default (ttft ties, KV-usage footprint): the lowest KV usage wins the tie
+    dflt = router("fairway")
+    kv_states = [st(0, matched=50, kv=0.6, tree=10), st(1, matched=50, kv=0.3, tree=100), st(2, matched=50, kv=0.6)]
+    assert ranked(dflt, req(1000), kv_states) == [[1], [0], [2]] and dflt.last_reason == "affinity"
+    r = router("fairway", affinity_ties="ttft", footprint="index")
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
     assert ranked(r, req(1000), states) == [[1], [0], [2]] and r.last_reason == "affinity"
     states = [st(0, matched=50, tree=10, outstanding=3), st(1, matched=50, tree=10, outstanding=1)]
@@ -368,13 +372,62 @@ def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
     assert choice(ranked(r, req(1000), states)) == 1
 
 
+def test_fairway_affinity_ties_hash_keys_on_the_first_block_after_the_match():
+    # 1000-token prompts of 62 blocks; every replica holds the first 50 (a shared preamble), so
+    # j* is the rendezvous-hash winner for block 50, the first one after the match.
+    def session(k: int, tail: int = 2000) -> RouteRequest:
+        return req(1000, list(range(1000, 1050)) + [5000 + k] + list(range(tail, tail + 11)))
+
+    four = [st(j, matched=50) for j in range(4)]
+    r = router("fairway", affinity_ties="hash")
+    # exact choices (xxh3_64 of block 50's hash, seeded by the replica id; the highest wins)
+    assert [choice(ranked(r, session(k), four)) for k in range(6)] == [1, 0, 1, 2, 2, 0]
+    assert r.last_reason == "affinity"
+    assert ranked(r, session(0), four) == [[1], [0], [2], [3]]  # the rest by expected TTFT, then id
+    # the same block 50 (a deeper shared prefix), different later blocks: the same replica
+    assert choice(ranked(r, session(3, tail=9000), four)) == 2
+    # rendezvous: dropping a replica that did not win leaves the choice unchanged
+    assert choice(ranked(r, session(3), [s for s in four if s.replica != 0])) == 2
+    # distinct sessions behind the shared preamble spread over every tied replica
+    spread = [choice(ranked(r, session(k), four)) for k in range(40)]
+    assert set(spread) == {0, 1, 2, 3} and max(spread.count(j) for j in range(4)) <= 16
+    # affinity_ties="id" breaks the same tie by the lowest id
+    assert choice(ranked(router("fairway", affinity_ties="id"), session(0), four)) == 0
+    # only equal best matches with the smallest Q_j tie: a deeper match or a shorter queue wins
+    assert choice(ranked(r, session(0), [st(0, matched=50), st(1, matched=49), st(2, matched=50)])) == 0
+    assert choice(ranked(r, session(0), [st(0, matched=50), st(1, matched=50, q=0.1), st(2, matched=50)])) == 0
+    assert choice(ranked(r, session(0), [st(0, matched=40), st(1, matched=50, q=0.1)])) == 1
+    # a match capped at the cacheable prefix (61 blocks of a 1000-token prompt) keys on the last
+    # block, so prompts that differ only before it land together
+    full = [st(j, matched=62) for j in range(4)]
+    assert [choice(ranked(r, session(k), full)) for k in range(4)] == [3, 3, 3, 3]
+
+
+def test_fairway_affinity_ties_kv_sends_an_equal_best_match_to_the_freest_memory():
+    # A preamble every replica holds: with affinity_ties="kv", j* is the replica with the lowest
+    # KV usage among the equal best matches with the smallest Q_j, then the better expected TTFT
+    # (footprint by index blocks here, as measured), then the id.
+    r = router("fairway", affinity_ties="kv", footprint="index")
+    states = [st(0, matched=50, kv=0.5), st(1, matched=50, kv=0.2, tree=100), st(2, matched=50, kv=0.2, tree=10)]
+    assert ranked(r, req(1000), states) == [[2], [0], [1]] and r.last_reason == "affinity"
+    # equal KV usage and equal expected TTFT: the lower id
+    assert choice(ranked(r, req(1000), [st(0, matched=50, kv=0.3), st(1, matched=50, kv=0.3)])) == 0
+    # a shorter queue still beats freer memory; a deeper match beats both
+    assert choice(ranked(r, req(1000), [st(0, matched=50, kv=0.9), st(1, matched=50, kv=0.1, q=0.1)])) == 0
+    assert choice(ranked(r, req(1000), [st(0, matched=50, kv=0.9, q=0.1), st(1, matched=49, kv=0.1)])) == 0
+    # scores and the cold choice are those of the same footprint with other ties
+    cold = [st(0, q=0.1, kv=0.1, tree=100), st(1, q=0.1, kv=0.9, tree=10)]
+    assert ranked(r, req(1000), cold) == ranked(router("fairway", footprint="index"), req(1000), cold) == [[1], [0]]
+
+
 def test_fairway_kv_footprint_prices_placement_by_kv_usage():
     # cold P = 1.01; fullness = kv_usage / the highest kv_usage: 0.8/0.8 and 0.2/0.8
     states = [st(0, q=0.1, kv=0.8, tree=10), st(1, q=0.1, kv=0.2, tree=100)]
     r = router("fairway", footprint="kv")
     assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "cold"
     assert r.last_scores == pytest.approx({0: 0.1 + 2 * 1.01, 1: 0.1 + 1.01 * 1.25})
-    assert ranked(router("fairway"), req(1000), states) == [[0], [1]]  # index footprint: 10 < 100
+    assert ranked(router("fairway", footprint="index"), req(1000), states) == [[0], [1]]  # 10 < 100 blocks
+    assert ranked(router("fairway"), req(1000), states) == [[1], [0]]  # the default is footprint="kv"
     with pytest.raises(ValueError):
         router("fairway", footprint="nope")
     with pytest.raises(ValueError):
@@ -556,8 +609,13 @@ def test_states_from_load_view_and_index_feed_a_router():
     assert r.rank(rq, states) == [[0], [2]]
     assert r.last_reason == "fair"
     assert r.last_scores == pytest.approx({0: 0.66, 2: 0.67})
-    # The default footprint term adds P * (index blocks / the fullest's): replica 2 is the fullest,
+    # The index footprint term adds P * (index blocks / the fullest's): replica 2 is the fullest,
     # + 0.02 * 40 / 40; replica 0 holds nothing, + 0.
-    d = router("fairway")
+    d = router("fairway", footprint="index")
     assert d.rank(rq, states) == [[0], [2]]
     assert d.last_scores == pytest.approx({0: 0.66, 2: 0.69})
+    # The default (footprint="kv") adds P * (KV usage / the highest): replica 0 reports 0.25, the
+    # highest, + 0.66 * 1; replica 2 reports 0, + 0. Replica 2 wins by expected TTFT.
+    k = router("fairway")
+    assert k.rank(rq, states) == [[2], [0]] and k.last_reason == "fair"
+    assert k.last_scores == pytest.approx({0: 1.32, 2: 0.67})

@@ -4,7 +4,8 @@ For replica j: ĉ_rj the estimated cached tokens (matched blocks, capped at the 
 P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj) the prefill estimate, Q_j the queued prefill seconds
 routed to j and not yet started.
 
-- **Fast lane choice** (``"affinity"``): j* = argmax ĉ_rj, ties to the smaller Q_j, then the id.
+- **Fast lane choice** (``"affinity"``): j* = argmax ĉ_rj, ties to the smaller Q_j, then the
+  better expected TTFT (below, footprint term included), then fewer outstanding requests.
   Route there if Q_j* <= theta * max(P_rj*, p_floor_s): the reuse is worth waiting for as long
   as the wait stays within the queue level's own promotion budget (theta times the request's
   prefill time, the same theta as the replica's Fast lane).
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import xxhash
 
 from router.clock import Clock
 from router.cost_model import CostModel
@@ -43,16 +45,23 @@ class FairwayRouter(RouterPolicy):
     w * (P_rj - min_j P_rj) to each replica's score: the prefill a placement adds beyond the
     cheapest one, which the requests queued behind it there also wait for. Measured on one
     workload only (docs/benchmarks.md), so it is off by default), footprint_weight = 1 (adds
-    f * P_rj * (index blocks of j / index blocks of the fullest replica): a placement displaces
+    f * P_rj * (j's fullness relative to the fullest replica's, see footprint): a placement displaces
     cached work in proportion to its own prefill and to how full that replica's cache is; with
     f = 1 the displaced work is counted at par with the request's own. Measured across Mooncake,
-    rag-spike, agentic and hotspot on 8 replicas in docs/benchmarks.md), footprint = "index"
-    (the fullness in that term: index blocks / the fullest replica's; "kv": KV usage / the
-    highest replica's, the memory running requests hold, which shrinks the evictable cache),
-    affinity_ties = "id" (equal best match and equal Q_j: the lowest id, DESIGN.md's rule;
-    "ttft": the better expected TTFT, footprint included, then fewer outstanding). The last two
-    are opt-in: on agentic (8 replicas, 3 sessions/s) both together cut p99 from 9.2 s to 1.7 s,
-    but on Mooncake x3 they raised it from 12.0 s to 21.5 s (docs/benchmarks.md, issue 3).
+    rag-spike, agentic and hotspot on 8 replicas in docs/benchmarks.md), footprint = "kv" (the
+    fullness in that term: KV usage / the highest replica's, the memory running requests hold,
+    which shrinks the evictable cache; "index": index blocks / the fullest replica's),
+    affinity_ties = "ttft" (equal best match and equal Q_j: the better expected TTFT, footprint
+    included, then fewer outstanding; "id": the lowest id, DESIGN.md's first rule; "hash": the
+    rendezvous-hash winner for the prompt's first block after the match, so prompts sharing a
+    deeper prefix land together and prompts sharing only the matched part spread; "kv": the
+    lowest KV usage, then the better expected TTFT: a new session goes where memory is freest,
+    whatever the footprint). The defaults of the last two were chosen by the
+    worst case over agentic, hotspot, rag-spike and Mooncake on 8 replicas, against the best
+    anchor at each load (docs/benchmarks.md, issue 3): "ttft" + "kv" is at most 2.1x the best
+    anchor's p99 (Mooncake x3: 21.5 s against DESIGN.md's id ties' 12.0 s, its one regression),
+    where "id" + "index" is 6.2x (agentic 3 sessions/s: 9.2 s, now 1.7 s) and leaves hotspot's
+    busiest replica +81% over the mean (now +12%).
     """
 
     name = "fairway"
@@ -68,8 +77,8 @@ class FairwayRouter(RouterPolicy):
         p_floor_s: float = 0.0,
         extra_work_weight: float = 0.0,
         footprint_weight: float = 1.0,
-        footprint: str = "index",
-        affinity_ties: str = "id",
+        footprint: str = "kv",
+        affinity_ties: str = "ttft",
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -87,8 +96,8 @@ class FairwayRouter(RouterPolicy):
         if footprint not in ("index", "kv"):
             raise ValueError("footprint must be 'index' or 'kv'")
         self.footprint = footprint
-        if affinity_ties not in ("id", "ttft"):
-            raise ValueError("affinity_ties must be 'id' or 'ttft'")
+        if affinity_ties not in ("id", "ttft", "hash", "kv"):
+            raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
         self.affinity_ties = affinity_ties
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
@@ -118,13 +127,21 @@ class FairwayRouter(RouterPolicy):
         # equal expected TTFT (idle replicas have Q = 0): more cache, then fewer outstanding
         # requests, then the id, so equal choices spread instead of piling on the lowest id
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], j))
-        # j*: the best-cached replica, ties to the smaller Q_j, then the id (DESIGN.md), or with
-        # affinity_ties="ttft" to the better expected TTFT (footprint term included), then fewer
-        # outstanding: with id ties, a prefix every replica holds (agentic's shared preamble)
-        # sends every new session to the lowest id while the queues are empty.
+        # j*: the best-cached replica, ties to the smaller Q_j, then (affinity_ties="ttft", the
+        # default) the better expected TTFT (footprint term included), then fewer outstanding;
+        # "id": the id (DESIGN.md's first rule). With id ties, a prefix every replica holds
+        # (agentic's shared preamble) sends every new session to the lowest id while the queues
+        # are empty. "kv": to the lowest KV usage, then the better expected TTFT; "hash": see
+        # _hash_tie.
         if self.affinity_ties == "ttft":
             pos = {r: i for i, r in enumerate(order)}
             j = min(cached, key=lambda r: (-cached[r], ss_q[r], pos[r]))
+        elif self.affinity_ties == "kv":
+            pos = {r: i for i, r in enumerate(order)}
+            kv = {s.replica: s.kv_usage for s in ss}
+            j = min(cached, key=lambda r: (-cached[r], ss_q[r], kv[r], pos[r]))
+        elif self.affinity_ties == "hash":
+            j = self._hash_tie(req, cached, ss_q)
         else:
             j = min(cached, key=lambda r: (-cached[r], ss_q[r], r))
         if cached[j] == 0:
@@ -138,6 +155,23 @@ class FairwayRouter(RouterPolicy):
             pick = order[0]
         self.last_scores = ttft
         return ranks_of([pick], (r for r in order if r != pick))
+
+    def _hash_tie(self, req: RouteRequest, cached: dict[int, int], q: dict[int, float]) -> int:
+        """j* with affinity_ties="hash": among the replicas with the best match and, among those,
+        the smallest Q_j, the rendezvous-hash winner for the prompt's first block after the
+        match (its chained hash names the prompt up to that block; the last block when the match
+        is capped at the cacheable prefix). Requests that share that deeper prefix land
+        together, as consistent hashing places them; requests that share only the matched part
+        (a preamble every replica holds) spread evenly. O(R)."""
+        best = max(cached.values())
+        tied = [r for r in cached if cached[r] == best]
+        qmin = min(q[r] for r in tied)
+        tied = [r for r in tied if q[r] == qmin]
+        if len(tied) == 1 or not req.block_hashes:
+            return min(tied)
+        key = int(req.block_hashes[min(best // self.block_size, len(req.block_hashes) - 1)])
+        data = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+        return max(tied, key=lambda r: (xxhash.xxh3_64_intdigest(data, seed=r), -r))
 
 
 __all__ = ["DEFAULT_THETA", "FairwayRouter"]
