@@ -107,6 +107,7 @@ class FairwayReplica:
             "max_model_len": e.max_model_len,
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs,
+            "timing": e.timing() if hasattr(e, "timing") else None,  # the sim engine's real-time pacing
         }
 
     def __del__(self) -> None:

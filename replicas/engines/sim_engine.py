@@ -8,6 +8,16 @@ schedules a step, sleeps for the modelled step time (divided by ``speed``), appl
 streams each request's new tokens. It is the engine model, not a stub: every number it reports
 (cached tokens, TTFT, KV usage) comes from the model's state.
 
+Pacing (``pacing``): ``"deadline"`` (default) ends each step at an absolute deadline, the previous
+step's deadline + the modelled step time (from now after an idle period), so the time spent
+emitting tokens, pumping the gate and the event loop's sleep overshoot (~1 ms a step on a busy
+box, against 5-6 ms decode steps) is absorbed instead of added to every step; a step that starts
+late sleeps less, down to zero, and a deficit beyond ``max_catchup_s`` is written off (counted in
+``timing()["written_off_s"]``) rather than repaid in a burst. ``"sleep"`` is the plain
+``sleep(step time)`` of earlier versions, which runs slow by that overhead. ``timing()`` reports
+modelled vs wall busy time and the per-step lateness, so a run can show how far the real-time
+loop kept up.
+
 The gate in front (``replicas/gate.py``) orders admission with the Fairway queue; inside, the
 engine serves what it was given first-come-first-served, as vLLM's own waiting queue does.
 
@@ -19,6 +29,8 @@ the previous output back hits it. Complexity per step: O(batch) plus the engine 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -59,9 +71,15 @@ class SimEngine:
         vocab_size: int = 4096,
         seed: int = 0,
         clock: Clock | None = None,
+        pacing: str = "deadline",
+        max_catchup_s: float = 0.1,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
+        if pacing not in ("deadline", "sleep"):
+            raise ValueError("pacing must be 'deadline' or 'sleep'")
+        if max_catchup_s < 0:
+            raise ValueError("max_catchup_s must be >= 0")
         if vocab_size <= 16:
             raise ValueError("vocab_size must be > 16")
         self.block_size = block_size
@@ -85,6 +103,14 @@ class SimEngine:
         self._on_stored: Callable[[Iterable[int]], None] | None = None
         self._on_removed: Callable[[Iterable[int]], None] | None = None
         self.on_step: Callable[[], None] | None = None  # the gate's pump, after every step
+        self.pacing = pacing
+        self.max_catchup_s = max_catchup_s
+        self._deadline: float | None = None  # wall (monotonic) end of the current busy run's last step
+        self._busy_since: float | None = None
+        self.modelled_busy_s = 0.0  # sum of modelled step times (wall seconds, after speed)
+        self.wall_busy_s = 0.0  # wall time of busy runs (first step start -> last step end)
+        self.written_off_s = 0.0  # lateness beyond max_catchup_s, never repaid
+        self.late_s: deque[float] = deque(maxlen=20_000)  # per step: wall end - deadline
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,15 +131,63 @@ class SimEngine:
     def healthy(self) -> bool:
         return self._failed is None and self._task is not None and not self._task.done()
 
+    def _idle(self) -> None:
+        """A busy run ended: its wall time counts, and the next step starts a fresh deadline."""
+        if self._busy_since is not None and self._deadline is not None:
+            self.wall_busy_s += max(self._deadline, time.monotonic()) - self._busy_since
+        self._busy_since = None
+        self._deadline = None
+
+    async def _pace(self, dt: float) -> None:
+        """Sleep until this step's end (see the module docstring, "Pacing")."""
+        now = time.monotonic()
+        self.modelled_busy_s += dt
+        if self._deadline is None:
+            self._deadline = self._busy_since = now
+        elif now - self._deadline > self.max_catchup_s:  # too far behind: write the excess off
+            self.written_off_s += now - self._deadline - self.max_catchup_s
+            self._deadline = now - self.max_catchup_s
+        self._deadline += dt
+        if self.pacing == "sleep":
+            await asyncio.sleep(dt)
+        else:
+            await asyncio.sleep(max(0.0, self._deadline - time.monotonic()))
+        end = time.monotonic()
+        self.late_s.append(end - self._deadline)
+        if self.pacing == "sleep":
+            self._deadline = max(self._deadline, end)  # the plain loop never catches up
+
+    def timing(self) -> dict[str, float | str]:
+        """How the real-time loop kept up: modelled vs wall busy seconds (their ratio > 1 means
+        steps ran long), per-step lateness percentiles (ms) and the written-off deficit."""
+        late = np.asarray(self.late_s, dtype=float)
+        wall = self.wall_busy_s
+        if self._busy_since is not None:
+            wall += time.monotonic() - self._busy_since
+        q = np.percentile(late, [50, 90, 99]) * 1e3 if late.size else np.zeros(3)
+        return {
+            "pacing": self.pacing,
+            "steps": float(self.model.steps),
+            "modelled_busy_s": self.modelled_busy_s,
+            "wall_busy_s": wall,
+            "slowdown": wall / self.modelled_busy_s if self.modelled_busy_s else 1.0,
+            "late_ms_p50": float(q[0]),
+            "late_ms_p90": float(q[1]),
+            "late_ms_p99": float(q[2]),
+            "written_off_s": self.written_off_s,
+        }
+
     async def _loop(self) -> None:
         try:
             while True:
                 if not self.model.has_work():
+                    self._idle()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 dt = self.model.start_step()
                 if dt is None:  # memory-bound with nothing runnable: wait for a change
+                    self._idle()
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), 0.05)
@@ -121,12 +195,15 @@ class SimEngine:
                         pass
                     continue
                 batch = [(r, r.generated) for r in self.model.scheduled]
-                await asyncio.sleep(dt / self.speed)
+                await self._pace(dt / self.speed)
                 self.model.finish_step()
                 for r, before in batch:
                     self._emit(r, before)
                 if self.on_step is not None:
                     self.on_step()
+                # let the requests the gate just admitted reach the model before the next step
+                # is scheduled (as in the simulator, where they join the very next step)
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a bug in the model must fail requests, not hang them
