@@ -331,8 +331,8 @@ def test_fairway_footprint_term_sends_cold_work_to_the_emptier_cache():
     d = router("fairway", footprint="index")  # cold P = 1.01: 0.1 + 1.01 + 1.01 * 100/100 vs 0.1 + 1.01 + 1.01 * 10/100
     assert ranked(d, req(1000), states) == [[1], [0]] and d.last_reason == "cold"
     assert d.last_scores == pytest.approx({0: 2.12, 1: 1.211})
-    off = router("fairway", footprint="index", footprint_weight=0.0)  # equal expected TTFT: the id decides
-    assert ranked(off, req(1000), states) == [[0], [1]]
+    off = router("fairway", footprint="index", footprint_weight=0.0)  # equal expected TTFT: the emptier index
+    assert ranked(off, req(1000), states) == [[1], [0]]
 
 
 def test_fairway_ties_cold_and_the_cacheable_cap():
@@ -361,7 +361,8 @@ def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
     # the default (ttft ties, KV-usage footprint): the lowest KV usage wins the tie
     dflt = router("fairway")
     kv_states = [st(0, matched=50, kv=0.6, tree=10), st(1, matched=50, kv=0.3, tree=100), st(2, matched=50, kv=0.6)]
-    assert ranked(dflt, req(1000), kv_states) == [[1], [0], [2]] and dflt.last_reason == "affinity"
+    # after the pick, 0 and 2 tie on expected TTFT: the emptier index (2 holds none) ranks first
+    assert ranked(dflt, req(1000), kv_states) == [[1], [2], [0]] and dflt.last_reason == "affinity"
     r = router("fairway", affinity_ties="ttft", footprint="index")
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
     assert ranked(r, req(1000), states) == [[1], [0], [2]] and r.last_reason == "affinity"

@@ -126,7 +126,10 @@ class FairwayRouter(RouterPolicy):
         ss_q = {s.replica: s.queued_prefill_s for s in ss}
         # equal expected TTFT (idle replicas have Q = 0): more cache, then fewer outstanding
         # requests, then the id, so equal choices spread instead of piling on the lowest id
-        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], j))
+        size = {s.replica: s.index_blocks for s in ss}
+        # exact ties (idle replicas): the emptier cache (SGLang's smallest tree for new prefixes),
+        # so sequential cold prompts spread over the cluster's memory instead of one replica
+        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
         # j*: the best-cached replica, ties to the smaller Q_j, then (affinity_ties="ttft", the
         # default) the better expected TTFT (footprint term included), then fewer outstanding;
         # "id": the id (DESIGN.md's first rule). With id ties, a prefix every replica holds

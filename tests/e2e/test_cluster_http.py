@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.request
 
 import aiohttp
@@ -19,6 +20,7 @@ from tests.e2e.cluster import post_json, running_cluster
 pytestmark = pytest.mark.e2e
 
 MODEL = "fairway-tiny"
+STATS_SETTLE_S = 1.2  # see tests/e2e/test_two_nodes.py: one stats period between affinity probes
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
@@ -81,6 +83,7 @@ def test_prefix_affinity_and_cached_tokens(url):
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         replicas = {first["fairway"]["replica"]}
         for k in range(3):
+            time.sleep(STATS_SETTLE_S)
             status, body, _ = complete(url, shared + prompt_ids(200 + 10 * family + k, 24))
             assert status == 200
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4000  # 250 full blocks
