@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadgen.http_client import ServerError, StreamResult, first_model, stream_completion
 from loadgen.progress import ProgressLine
 from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
-from loadgen.registry import make_workload
+from loadgen.registry import make_workload_from
 from loadgen.spec import RequestSpec, Workload
 from loadgen.summary import RequestSample, pct, realized_rate, summarize_samples
 from router.clock import Clock, MonotonicClock
@@ -77,15 +77,7 @@ class HttpRunConfig(BaseModel):
 
 def build_workload(cfg: HttpRunConfig) -> Workload:
     """The workload exactly as ``sim.runner.build`` makes it. Raises ``WorkloadError``."""
-    return make_workload(
-        cfg.workload,
-        rate=cfg.rate,
-        duration_s=cfg.duration_s,
-        seed=cfg.seed,
-        block_size=cfg.block_size,
-        time_scale=cfg.time_scale,
-        concurrency=cfg.concurrency,
-    )
+    return make_workload_from(cfg)
 
 
 @dataclass(slots=True)

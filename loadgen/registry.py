@@ -180,3 +180,18 @@ def make_workload(
     if concurrency is not None:
         workload = ConcurrencyWorkload(workload, concurrency)
     return workload
+
+
+def make_workload_from(cfg: object) -> Workload:
+    """``make_workload`` from a run config with the usual fields (``workload``, ``rate``,
+    ``duration_s``, ``seed``, ``block_size``, ``time_scale``, ``concurrency``): the one place the
+    simulator and the HTTP load generator build a workload, so both replay the same requests."""
+    return make_workload(
+        cfg.workload,  # type: ignore[attr-defined]
+        rate=cfg.rate,  # type: ignore[attr-defined]
+        duration_s=cfg.duration_s,  # type: ignore[attr-defined]
+        seed=cfg.seed,  # type: ignore[attr-defined]
+        block_size=cfg.block_size,  # type: ignore[attr-defined]
+        time_scale=cfg.time_scale,  # type: ignore[attr-defined]
+        concurrency=cfg.concurrency,  # type: ignore[attr-defined]
+    )

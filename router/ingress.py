@@ -216,7 +216,7 @@ class FairwayIngress:
 
     # -- response shapes ---------------------------------------------------------------------
 
-    def _usage(self, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
+    def _usage(self, last: TokenChunk) -> dict[str, Any]:
         return {
             "prompt_tokens": last.prompt_tokens,
             "completion_tokens": last.completion_tokens,
@@ -246,7 +246,7 @@ class FairwayIngress:
             "created": now_s(),
             "model": call.model,
             "choices": [choice],
-            "usage": self._usage(last, stream),
+            "usage": self._usage(last),
             "fairway": self._fairway(last, stream),
         }
 
@@ -286,7 +286,7 @@ class FairwayIngress:
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            yield frame([], usage=self._usage(last, stream), fairway=self._fairway(last, stream))
+            yield frame([], usage=self._usage(last), fairway=self._fairway(last, stream))
         yield "data: [DONE]\n\n"
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadgen.registry import make_workload
+from loadgen.registry import make_workload_from
 from router.clock import ManualClock
 from router.cost_model import CostModel
 from router.policies import make_policy
@@ -58,15 +58,7 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
             cfg.policy, clock=clock, cost=cost, block_size=cfg.block_size, **cfg.policy_options
         )
         replicas.append(EngineModel(engine_cfg, cost, policy, clock, replica=j))
-    workload = make_workload(
-        cfg.workload,
-        rate=cfg.rate,
-        duration_s=cfg.duration_s,
-        seed=cfg.seed,
-        block_size=cfg.block_size,
-        time_scale=cfg.time_scale,
-        concurrency=cfg.concurrency,
-    )
+    workload = make_workload_from(cfg)
     router = None
     if cfg.replicas > 1:
         router = ClusterRouter(

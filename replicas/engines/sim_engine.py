@@ -40,7 +40,7 @@ from loadgen.spec import RequestSpec
 from replicas.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
 from router.clock import Clock, MonotonicClock
 from router.cost_model import CostModel
-from router.hashing import HashState
+from router.hashing import HashState, salt_seed
 from router.policies import make_policy
 from sim.engine import EngineConfig, EngineModel, EngineRequest
 
@@ -247,27 +247,22 @@ class SimEngine:
 
     # -- Engine protocol ---------------------------------------------------------------------
 
-    def _spec(self, call: GenerateCall, rid: int, output_ids: list[int], salt: str | None) -> RequestSpec:
-        state = HashState.start(self.block_size, salt)
-        state.extend(np.asarray(call.prompt_token_ids, dtype=np.int64))
-        state.extend(np.asarray(output_ids, dtype=np.int64))
-        n_prompt_blocks = len(call.prompt_token_ids) // self.block_size
-        if tuple(state.hashes[:n_prompt_blocks]) != tuple(call.block_hashes[:n_prompt_blocks]):
-            # The ingress hashed with a tenant salt we cannot see: keep its prompt hashes and
-            # chain the output blocks after them.
-            hashes = list(call.block_hashes[:n_prompt_blocks])
-            tail = HashState(self.block_size, hashes[-1] if hashes else 0, np.empty(0, dtype=np.uint32), [])
-            rest = list(call.prompt_token_ids[n_prompt_blocks * self.block_size :]) + output_ids
-            tail.extend(np.asarray(rest, dtype=np.int64))
-            state_hashes = hashes + tail.hashes
-        else:
-            state_hashes = state.hashes
+    def _spec(self, call: GenerateCall, rid: int, output_ids: list[int]) -> RequestSpec:
+        """The engine model's request: the ingress's prompt hashes, with the blocks that the
+        prompt's partial tail and the output complete chained after them (the chain property:
+        continuing from the last prompt hash equals hashing the whole sequence). O(tail + output)."""
+        bs = self.block_size
+        n_full = len(call.prompt_token_ids) // bs
+        hashes = list(call.block_hashes[:n_full])
+        parent = hashes[-1] if hashes else salt_seed(call.cache_salt)
+        tail = HashState(bs, parent, np.empty(0, dtype=np.uint32), [])
+        tail.extend(np.asarray(list(call.prompt_token_ids[n_full * bs :]) + output_ids, dtype=np.int64))
         return RequestSpec(
             rid=rid,
             arrival_s=self.clock.now(),
             prompt_tokens=len(call.prompt_token_ids),
             output_tokens=call.max_tokens,
-            block_hashes=tuple(state_hashes),
+            block_hashes=tuple(hashes + tail.hashes),
         )
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
@@ -284,7 +279,7 @@ class SimEngine:
         self._next_rid += 1
         rng = np.random.default_rng([self.seed, rid])
         output_ids = rng.integers(16, self.vocab_size, size=call.max_tokens).tolist()
-        spec = self._spec(call, rid, output_ids, call.cache_salt)
+        spec = self._spec(call, rid, output_ids)
         live = _Live(rid, output_ids)
         self._live[rid] = live
         r = self.model.add(spec)
