@@ -283,6 +283,7 @@ class AdmissionGate:
             queued_prefill_s=self.policy.queued_prefill_s(),
             kv_usage=st.kv_usage,
             kv_blocks_total=st.kv_blocks_total,
+            max_num_seqs=self.engine.max_num_seqs,
             lanes=dict(self.policy.lane_sizes()),
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),

@@ -176,5 +176,6 @@ class ReplicaRoutingStats:
     kv_usage: float
     kv_blocks_total: int
     lanes: dict[str, int] = field(default_factory=dict)
+    max_num_seqs: int = 0
     recent_cached: dict[str, int] = field(default_factory=dict)
     waiting_ids: list[str] = field(default_factory=list)

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from router.routing.fairway import queue_model_options
 from router.tokenizer import resolve_path
 
 RAY_DEFAULT_ROUTER = "ray-default"
@@ -68,6 +69,15 @@ class ClusterArgs(BaseModel):
     max_queued_requests: int = Field(-1, description="Ray-level queue at each handle (-1 unbounded) -> 503")
     metrics: bool = True
 
+    def router_policy_options(self) -> dict[str, Any]:
+        """The router policy's options: the YAML's, plus (for ``fairway``, where the YAML leaves
+        them out) the wait model that matches the replicas' queue policy."""
+        opts = dict(self.router.policy_options)
+        if self.router.policy == "fairway":
+            for k, v in queue_model_options(self.replica.policy, self.replica.policy_options).items():
+                opts.setdefault(k, v)
+        return opts
+
     def replica_args(self) -> dict[str, Any]:
         engine_args = dict(self.engine_args)
         for key in ("model", "tokenizer"):  # repo-relative paths, so replicas find them from any cwd
@@ -113,7 +123,7 @@ def build_app(args: dict[str, Any]) -> Any:
             request_router_class="router.serve_router:FairwayRequestRouter",
             request_router_kwargs={
                 "policy": a.router.policy,
-                "policy_options": a.router.policy_options,
+                "policy_options": a.router_policy_options(),
                 "profile": a.profile,
                 "block_size": a.block_size,
                 "seed": a.router.seed,

@@ -8,19 +8,25 @@ tracks them from its own decisions (``on_routed``) and the replicas' lifecycle r
 (``on_started``, ``on_finished``); the replicas' KV usage comes from their periodic stats
 (``report_kv_usage``).
 
+For the Fairway router's queue-order wait model, the snapshot also lists, per replica, the
+prefill estimates of the requests waiting to start, sorted (``queued_prefills``), and the
+replica's sequence capacity when known (``max_running``, its engine's ``max_num_seqs``).
+
 Staleness: in Ray Serve the replicas' stats reach the router only every so often
 (``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
 part of the load. ``stale_s`` mimics that: readers get a ``LoadSnapshot`` refreshed at most every
 ``stale_s`` seconds of the injected clock (0 = live). The refresh is lazy: the first read at or
 after ``taken_s + stale_s`` takes a new snapshot of the current counters.
 
-Complexity: every lifecycle hook is O(1); a snapshot costs O(replicas) when it is refreshed and
-O(1) otherwise.
+Complexity: every lifecycle hook is O(1) plus O(log n + n) for the sorted list of the n requests
+waiting on that replica (a bisect insort / delete, a memmove in C); a snapshot costs O(replicas +
+waiting requests) when it is refreshed and O(1) otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 from router.clock import Clock
 from router.cost_model import CostModel
@@ -32,7 +38,10 @@ class LoadSnapshot:
 
     Invariants: every tuple has one entry per replica; ``0 <= running[j] <= outstanding[j]``;
     ``queued_prefill_s[j] >= 0``, and exactly 0.0 when no routed request on j is waiting to
-    start; ``queued_prefill_tokens[j] >= 0``; ``0 <= kv_usage[j] <= 1``.
+    start; ``queued_prefill_tokens[j] >= 0``; ``0 <= kv_usage[j] <= 1``;
+    ``queued_prefills[j]`` holds the prefill estimates of j's waiting requests in ascending order
+    (their sum is ``queued_prefill_s[j]`` up to float drift); ``max_running[j]`` is j's sequence
+    capacity, 0 when unknown. Both are empty tuples for snapshots built by hand.
     """
 
     taken_s: float
@@ -42,6 +51,8 @@ class LoadSnapshot:
     running: tuple[int, ...]
     active_blocks: tuple[int, ...]
     kv_usage: tuple[float, ...]
+    queued_prefills: tuple[tuple[float, ...], ...] = field(default=())
+    max_running: tuple[int, ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -51,6 +62,7 @@ class LoadSnapshot:
 
 @dataclass(slots=True)
 class _Tracked:
+    rid: int
     replica: int
     prompt_tokens: int
     prefill_s: float
@@ -69,7 +81,7 @@ class LoadView:
     """
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
-                 "_req", "_snap", "_version", "_snap_version")
+                 "_qp", "_cap", "_req", "_snap", "_version", "_snap_version")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -91,6 +103,8 @@ class LoadView:
         self._run: list[int] = []
         self._blocks: list[int] = []
         self._kv: list[float] = []
+        self._qp: list[list[tuple[float, int]]] = []  # per replica: (P, rid) of waiting requests, sorted
+        self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
         self._req: dict[int, _Tracked] = {}
         self._snap: LoadSnapshot | None = None
         self._version = 0
@@ -106,6 +120,8 @@ class LoadView:
         """Append an idle replica; return its id. O(1)."""
         for fcol in (self._q, self._kv):
             fcol.append(0.0)
+        self._qp.append([])
+        self._cap.append(0)
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks):
             icol.append(0)
         self._version += 1
@@ -132,9 +148,10 @@ class LoadView:
         c = max(0, min(cached_tokens, prompt_tokens - 1))
         p = self.cost.prefill_time(prompt_tokens - c, c) if prefill_s is None else float(prefill_s)
         blocks = -(-prompt_tokens // self.block_size)
-        t = _Tracked(replica, prompt_tokens, p, prompt_tokens - c, blocks)
+        t = _Tracked(rid, replica, prompt_tokens, p, prompt_tokens - c, blocks)
         self._req[rid] = t
         self._q[replica] += p
+        bisect.insort(self._qp[replica], (p, rid))
         self._qtok[replica] += t.uncached_tokens
         self._nq[replica] += 1
         self._out[replica] += 1
@@ -169,6 +186,7 @@ class LoadView:
         t.started = False
         self._run[t.replica] -= 1
         self._q[t.replica] += t.prefill_s
+        bisect.insort(self._qp[t.replica], (t.prefill_s, rid))
         self._qtok[t.replica] += t.uncached_tokens
         self._nq[t.replica] += 1
         self._version += 1
@@ -183,6 +201,14 @@ class LoadView:
         self._out[t.replica] -= 1
         self._blocks[t.replica] -= t.blocks
         self._version += 1
+
+    def report_max_running(self, replica: int, max_running: int) -> None:
+        """A replica's sequence capacity (its engine's ``max_num_seqs``; 0 = unknown). O(1)."""
+        if max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {max_running}")
+        if self._cap[replica] != max_running:
+            self._cap[replica] = int(max_running)
+            self._version += 1
 
     def report_kv_usage(self, replica: int, usage: float) -> None:
         """A replica's periodic stats: the fraction of its KV blocks in use (0..1). O(1)."""
@@ -221,6 +247,8 @@ class LoadView:
             running=tuple(self._run),
             active_blocks=tuple(self._blocks),
             kv_usage=tuple(self._kv),
+            queued_prefills=tuple(tuple(p for p, _ in q) for q in self._qp),
+            max_running=tuple(self._cap),
         )
         if keep:
             self._snap = snap
@@ -231,6 +259,10 @@ class LoadView:
         j = t.replica
         self._nq[j] -= 1
         self._qtok[j] -= t.uncached_tokens
+        qp = self._qp[j]
+        i = bisect.bisect_left(qp, (t.prefill_s, t.rid))
+        if i < len(qp) and qp[i][1] == t.rid:
+            del qp[i]
         # Sums of floats drift: reset to exactly 0 when nothing waits, and never go negative.
         self._q[j] = 0.0 if self._nq[j] == 0 else max(0.0, self._q[j] - t.prefill_s)
 

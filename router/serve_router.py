@@ -146,6 +146,7 @@ class FairwayRequestRouter(RequestRouter):
         total = int(stats.get("kv_blocks_total", 0))
         if total > 0:
             self.index.set_capacity(j, total)
+        self.load.report_max_running(j, max(0, int(stats.get("max_num_seqs", 0))))
         usage = float(stats.get("kv_usage", 0.0))
         self.load.report_kv_usage(j, min(1.0, max(0.0, usage)))
         waiting = set(stats.get("waiting_ids", ()))

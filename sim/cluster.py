@@ -84,8 +84,10 @@ class ClusterRouter:
     def bind(self, engines: Sequence[EngineModel]) -> None:
         """Attach to the engines so their lifecycle reports reach the instances."""
         self.engines = list(engines)
-        for e in engines:
+        for j, e in enumerate(engines):
             e.listener = self
+            for i in self.instances:
+                i.load.report_max_running(j, e.config.max_num_seqs)
 
     def _inst(self, rid: int) -> _Instance:
         return self.instances[rid % len(self.instances)]

@@ -11,6 +11,7 @@ from loadgen.registry import make_workload_from
 from router.clock import ManualClock
 from router.cost_model import CostModel
 from router.policies import make_policy
+from router.routing.fairway import queue_model_options
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
 from sim.engine import EngineConfig, EngineModel
 from sim.metrics import summarize
@@ -43,6 +44,16 @@ class RunConfig(BaseModel):
     seed: int = 0
 
 
+def router_options(cfg: RunConfig) -> dict[str, Any]:
+    """The router policy's options: the run's, plus (for ``fairway``, where the run leaves them
+    out) the wait model that matches the replicas' queue policy."""
+    opts = dict(cfg.router_options)
+    if cfg.router == "fairway":
+        for k, v in queue_model_options(cfg.policy, cfg.policy_options).items():
+            opts.setdefault(k, v)
+    return opts
+
+
 def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
     clock = ManualClock()
     cost = CostModel.from_profile(cfg.profile)
@@ -72,7 +83,7 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
             index_mode=cfg.index_mode,
             capacity_blocks=replicas[0].pool.num_blocks,
             stale_s=cfg.stale_s,
-            options=cfg.router_options,
+            options=router_options(cfg),
         )
     return Simulation(workload, replicas, clock, router=router), clock
 

@@ -41,6 +41,8 @@ def test_every_request_finishes_on_some_replica(router, routers):
     for i in host.instances:  # every routed request left the load view
         snap = i.load.live()
         assert sum(snap.outstanding) == 0 and sum(snap.queued_prefill_s) == 0.0
+        assert snap.queued_prefills == ((),) * len(engines)
+        assert snap.max_running == tuple(e.config.max_num_seqs for e in engines)  # reported at bind
     for e in engines:
         assert e.pool.num_free == e.pool.num_blocks
 
@@ -90,3 +92,15 @@ def test_hotspot_workload_shares_one_prefix():
     specs = list(make_workload("hotspot", rate=20, duration_s=10, seed=1).initial())
     firsts = [s.block_hashes[0] for s in specs if s.kind == "cheap"]
     assert len(firsts) > 0.8 * len(specs) and len(set(firsts)) == 1
+
+
+def test_runner_gives_the_fairway_router_the_replicas_wait_model():
+    from sim.runner import router_options
+
+    base = dict(workload="rag", replicas=2, router="fairway")
+    assert router_options(RunConfig(policy="fairway", **base)) == {"wait_model": "queue",
+                                                                   "fast_share": pytest.approx(0.4)}
+    assert router_options(RunConfig(policy="fcfs", **base)) == {"wait_model": "fcfs"}
+    mine = RunConfig(policy="fcfs", router_options={"wait_model": "queue", "fast_share": 1.0}, **base)
+    assert router_options(mine) == {"wait_model": "queue", "fast_share": 1.0}
+    assert router_options(RunConfig(policy="fairway", workload="rag", replicas=2, router="pow2")) == {}

@@ -43,3 +43,15 @@ def test_default_cluster_is_the_sim_engine_with_fairway():
 def test_unknown_key_is_rejected():
     with pytest.raises(ValidationError, match="replicaz"):
         ClusterArgs(replicaz=3)
+
+
+def test_fairway_router_gets_the_wait_model_of_the_replica_policy():
+    # Fairway replicas (the default): the queue wait model with their Fast-lane share
+    assert ClusterArgs().router_policy_options() == {"wait_model": "queue", "fast_share": pytest.approx(0.4)}
+    args = ClusterArgs(replica={"policy": "fairway", "policy_options": {"fair_share": 0.5}})
+    assert args.router_policy_options()["fast_share"] == pytest.approx(0.5)
+    # FCFS replicas: W = Q; an operator's explicit choice wins; other routers get theirs as given
+    assert ClusterArgs(replica={"policy": "fcfs"}).router_policy_options() == {"wait_model": "fcfs"}
+    mine = ClusterArgs(router={"policy": "fairway", "policy_options": {"wait_model": "fcfs", "theta": 8}})
+    assert mine.router_policy_options() == {"wait_model": "fcfs", "fast_share": pytest.approx(0.4), "theta": 8}
+    assert ClusterArgs(router={"policy": "pow2"}).router_policy_options() == {}

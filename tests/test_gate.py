@@ -211,6 +211,7 @@ async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
     await settle()
     st = gate.routing_stats()
     assert st.waiting_ids == ["b"] and st.recent_cached == {} and st.lanes == {"fast": 1, "fair": 0}
+    assert st.max_num_seqs == 8  # the engine's sequence capacity, for the router's wait model
     engine.release("a")
     engine.release("b")
     await asyncio.gather(t1, t2)

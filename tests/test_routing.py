@@ -28,10 +28,13 @@ BS = 16
 
 
 def st(replica: int, outstanding: int = 0, running: int = 0, q: float = 0.0, kv: float = 0.0, matched: int = 0,
-       tree: int = 0, qtok: int = 0, active: int = 0) -> ReplicaState:
-    """A replica state with readable defaults (idle, empty, nothing matched)."""
-    return ReplicaState(replica=replica, outstanding=outstanding, running=running, queued_prefill_s=q, kv_usage=kv,
-                        matched_blocks=matched, index_blocks=tree, queued_prefill_tokens=qtok, active_blocks=active)
+       tree: int = 0, qtok: int = 0, active: int = 0, qp: tuple[float, ...] = (), cap: int = 0) -> ReplicaState:
+    """A replica state with readable defaults (idle, empty, nothing matched). ``qp``: the waiting
+    requests' prefill estimates (their sum becomes Q unless ``q`` is given); ``cap``: max_num_seqs."""
+    qp = tuple(sorted(qp))
+    return ReplicaState(replica=replica, outstanding=outstanding, running=running, queued_prefill_s=q or sum(qp),
+                        kv_usage=kv, matched_blocks=matched, index_blocks=tree, queued_prefill_tokens=qtok,
+                        active_blocks=active, queued_prefills=qp, max_running=cap)
 
 
 def req(prompt: int = 160, hashes=None, rid: int = 0) -> RouteRequest:
@@ -298,7 +301,7 @@ def fairway_states(q0: float) -> list[ReplicaState]:
 
 
 def test_fairway_affinity_while_the_queue_is_short():
-    r = router("fairway")
+    r = router("fairway", rule="affinity")
     assert ranked(r, req(1000), fairway_states(2.0)) == [[0], [1], [2]]  # rest by Q + P: 1.51, 1.85
     assert r.last_reason == "affinity"
     assert r.last_scores == pytest.approx({0: 2.21, 1: 1.51, 2: 1.85})
@@ -307,13 +310,13 @@ def test_fairway_affinity_while_the_queue_is_short():
 
 
 def test_fairway_fair_choice_when_the_best_cached_queue_is_long():
-    r = router("fairway")
+    r = router("fairway", rule="affinity")
     assert ranked(r, req(1000), fairway_states(3.0)) == [[1], [2], [0]]  # argmin Q + P: 1.51
     assert r.last_reason == "fair"
-    r8 = router("fairway", theta=8)  # 2.0 > 8 * 0.21
+    r8 = router("fairway", rule="affinity", theta=8)  # 2.0 > 8 * 0.21
     assert choice(ranked(r8, req(1000), fairway_states(2.0))) == 1
     assert r8.last_reason == "fair"
-    floor = router("fairway", p_floor_s=0.25)  # 3.0 <= 12 * max(0.21, 0.25)
+    floor = router("fairway", rule="affinity", p_floor_s=0.25)  # 3.0 <= 12 * max(0.21, 0.25)
     assert choice(ranked(floor, req(1000), fairway_states(3.0))) == 0
 
 
@@ -336,7 +339,7 @@ def test_fairway_footprint_term_sends_cold_work_to_the_emptier_cache():
 
 
 def test_fairway_ties_cold_and_the_cacheable_cap():
-    r = router("fairway")
+    r = router("fairway", rule="affinity")
     # Equal best match: the smaller queue is j*.
     assert choice(ranked(r, req(1000), [st(0, matched=50, q=1.0), st(1, matched=50, q=0.5), st(2)])) == 1
     assert r.last_reason == "affinity"
@@ -356,14 +359,14 @@ def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
     # rule) the lowest id is j*; with "ttft" (the default) the replica with the lower expected
     # TTFT including the footprint term (the emptier cache), then the fewer outstanding requests.
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
-    d = router("fairway", affinity_ties="id", footprint="index")
+    d = router("fairway", rule="affinity", affinity_ties="id", footprint="index")
     assert choice(ranked(d, req(1000), states)) == 0 and d.last_reason == "affinity"
-    # the default (ttft ties, KV-usage footprint): the lowest KV usage wins the tie
-    dflt = router("fairway")
+    # ttft ties with the KV-usage footprint: the lowest KV usage wins the tie
+    dflt = router("fairway", rule="affinity")
     kv_states = [st(0, matched=50, kv=0.6, tree=10), st(1, matched=50, kv=0.3, tree=100), st(2, matched=50, kv=0.6)]
     # after the pick, 0 and 2 tie on expected TTFT: the emptier index (2 holds none) ranks first
     assert ranked(dflt, req(1000), kv_states) == [[1], [2], [0]] and dflt.last_reason == "affinity"
-    r = router("fairway", affinity_ties="ttft", footprint="index")
+    r = router("fairway", rule="affinity", affinity_ties="ttft", footprint="index")
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
     assert ranked(r, req(1000), states) == [[1], [0], [2]] and r.last_reason == "affinity"
     states = [st(0, matched=50, tree=10, outstanding=3), st(1, matched=50, tree=10, outstanding=1)]
@@ -380,7 +383,7 @@ def test_fairway_affinity_ties_hash_keys_on_the_first_block_after_the_match():
         return req(1000, list(range(1000, 1050)) + [5000 + k] + list(range(tail, tail + 11)))
 
     four = [st(j, matched=50) for j in range(4)]
-    r = router("fairway", affinity_ties="hash")
+    r = router("fairway", rule="affinity", affinity_ties="hash")
     # exact choices (xxh3_64 of block 50's hash, seeded by the replica id; the highest wins)
     assert [choice(ranked(r, session(k), four)) for k in range(6)] == [1, 0, 1, 2, 2, 0]
     assert r.last_reason == "affinity"
@@ -393,7 +396,7 @@ def test_fairway_affinity_ties_hash_keys_on_the_first_block_after_the_match():
     spread = [choice(ranked(r, session(k), four)) for k in range(40)]
     assert set(spread) == {0, 1, 2, 3} and max(spread.count(j) for j in range(4)) <= 16
     # affinity_ties="id" breaks the same tie by the lowest id
-    assert choice(ranked(router("fairway", affinity_ties="id"), session(0), four)) == 0
+    assert choice(ranked(router("fairway", rule="affinity", affinity_ties="id"), session(0), four)) == 0
     # only equal best matches with the smallest Q_j tie: a deeper match or a shorter queue wins
     assert choice(ranked(r, session(0), [st(0, matched=50), st(1, matched=49), st(2, matched=50)])) == 0
     assert choice(ranked(r, session(0), [st(0, matched=50), st(1, matched=50, q=0.1), st(2, matched=50)])) == 0
@@ -408,7 +411,7 @@ def test_fairway_affinity_ties_kv_sends_an_equal_best_match_to_the_freest_memory
     # A preamble every replica holds: with affinity_ties="kv", j* is the replica with the lowest
     # KV usage among the equal best matches with the smallest Q_j, then the better expected TTFT
     # (footprint by index blocks here, as measured), then the id.
-    r = router("fairway", affinity_ties="kv", footprint="index")
+    r = router("fairway", rule="affinity", affinity_ties="kv", footprint="index")
     states = [st(0, matched=50, kv=0.5), st(1, matched=50, kv=0.2, tree=100), st(2, matched=50, kv=0.2, tree=10)]
     assert ranked(r, req(1000), states) == [[2], [0], [1]] and r.last_reason == "affinity"
     # equal KV usage and equal expected TTFT: the lower id
@@ -418,7 +421,8 @@ def test_fairway_affinity_ties_kv_sends_an_equal_best_match_to_the_freest_memory
     assert choice(ranked(r, req(1000), [st(0, matched=50, kv=0.9, q=0.1), st(1, matched=49, kv=0.1)])) == 0
     # scores and the cold choice are those of the same footprint with other ties
     cold = [st(0, q=0.1, kv=0.1, tree=100), st(1, q=0.1, kv=0.9, tree=10)]
-    assert ranked(r, req(1000), cold) == ranked(router("fairway", footprint="index"), req(1000), cold) == [[1], [0]]
+    same = router("fairway", rule="affinity", footprint="index")
+    assert ranked(r, req(1000), cold) == ranked(same, req(1000), cold) == [[1], [0]]
 
 
 def test_fairway_kv_footprint_prices_placement_by_kv_usage():
@@ -433,6 +437,68 @@ def test_fairway_kv_footprint_prices_placement_by_kv_usage():
         router("fairway", footprint="nope")
     with pytest.raises(ValueError):
         router("fairway", affinity_ties="nope")
+
+
+def test_fairway_queue_wait_model_counts_only_the_work_ahead_in_the_fast_lane():
+    # LinearCost: a 1000-token prompt with 800 cached on replica 0 has P = 0.21; cold P = 1.01;
+    # with 160 cached (replica 2) P = 0.85. Replica 0's 3.0 s queue holds two requests lighter
+    # than 0.21 s (0.1 + 0.2) and two heavier ones.
+    states = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5)), st(1, qp=(0.5,)), st(2, matched=10, qp=(0.5, 0.5))]
+    r = router("fairway")
+    # W_0 = min(3.0, 0.3 / 0.4) = 0.75; replica 1 is cold there: W = Q = 0.5; replica 2: the
+    # queued 0.5 + 0.5 are lighter than 0.85: W = min(1.0, 2.5) = 1.0.
+    assert ranked(r, req(1000), states) == [[0], [1], [2]] and r.last_reason == "affinity"
+    assert r.last_wait == pytest.approx({0: 0.75, 1: 0.5, 2: 1.0})
+    assert r.last_scores == pytest.approx({0: 0.96, 1: 1.51, 2: 1.85})
+    # W = Q for FCFS replicas: replica 0 waits 3.0 s, so the minimum T is replica 1's.
+    f = router("fairway", wait_model="fcfs")
+    assert ranked(f, req(1000), states) == [[1], [2], [0]] and f.last_reason == "fair"
+    assert f.last_scores == pytest.approx({0: 3.21, 1: 1.51, 2: 1.85})
+    # The Fast lane's share: with the whole capacity (fast_share = 1), W_0 = 0.3.
+    assert router("fairway", fast_share=1.0).rank(req(1000), states) == [[0], [1], [2]]
+    # A replica with every sequence slot taken admits on a finish, not by prefill order: W = Q.
+    full = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), outstanding=8, running=4, cap=8)] + states[1:]
+    assert ranked(r, req(1000), full) == [[1], [2], [0]] and r.last_reason == "fair"
+    assert r.last_wait[0] == pytest.approx(3.0)
+    # one free slot: the queue order applies again
+    free = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), outstanding=7, running=3, cap=8)] + states[1:]
+    assert choice(ranked(r, req(1000), free)) == 0
+    # a host that does not list the waiting requests (empty qp) gets W = Q
+    assert router("fairway").expected_wait(st(0, q=2.0), 0.21, 800) == 2.0
+    with pytest.raises(ValueError):
+        router("fairway", wait_model="nope")
+    with pytest.raises(ValueError):
+        router("fairway", rule="nope")
+    with pytest.raises(ValueError):
+        router("fairway", fast_share=0.0)
+
+
+def test_fairway_score_rule_has_no_separate_affinity_test():
+    # A shared preamble on replicas 0 and 1 (P = 0.21 there), replica 2 empty (P = 1.01), all
+    # queued work on 0 and 1 lighter than 0.21 s: W_0 = min(0.6, 0.6 / 0.4) = 0.6, W_1 = 0.7.
+    # Under rule="affinity", j* = 0 (the equal match with the smaller W) passes the test
+    # (0.6 <= 12 * 0.21). Under the default the KV footprint prices 0 and 1, nearly full, above
+    # the empty replica 2, so the new session seeds replica 2: T = 1.01 + 0 against
+    # 0.6 + 0.21 + 0.21 * 1 = 1.02 and 0.7 + 0.42 = 1.12.
+    states = [st(0, matched=50, kv=0.9, qp=(0.2, 0.2, 0.2)), st(1, matched=50, kv=0.9, qp=(0.1, 0.2, 0.2, 0.2)),
+              st(2)]
+    aff = router("fairway", rule="affinity")
+    assert choice(ranked(aff, req(1000), states)) == 0 and aff.last_reason == "affinity"
+    r = router("fairway")
+    assert ranked(r, req(1000), states) == [[2], [0], [1]] and r.last_reason == "fair"
+    assert r.last_scores == pytest.approx({0: 1.02, 1: 1.12, 2: 1.01})
+    # nothing cached anywhere: "cold", the minimum T
+    assert ranked(r, req(1000), [st(0, qp=(0.2,)), st(1)]) == [[1], [0]] and r.last_reason == "cold"
+
+
+def test_queue_model_options_follow_the_replica_policy():
+    from router.routing.fairway import queue_model_options
+
+    assert queue_model_options("fairway") == {"wait_model": "queue", "fast_share": pytest.approx(0.4)}
+    assert queue_model_options("fairway", {"fair_share": 0.75}) == {"wait_model": "queue",
+                                                                     "fast_share": pytest.approx(0.25)}
+    assert queue_model_options("fcfs") == {"wait_model": "fcfs"}
+    assert queue_model_options("lpm", {"x": 1}) == {"wait_model": "fcfs"}
 
 
 # -- every router ------------------------------------------------------------------------------
@@ -567,6 +633,27 @@ def test_load_view_preemption_requeues_the_work():
     assert (s.running[0], s.queued_prefill_tokens[0], s.outstanding[0]) == (0, 560, 1)
 
 
+def test_load_view_lists_the_waiting_work_sorted_and_the_capacity():
+    lv, _ = view(2)
+    for rid, p in ((1, 0.5), (2, 0.1), (3, 0.3), (4, 0.1)):
+        lv.on_routed(rid, 0, 100, prefill_s=p)
+    lv.on_routed(5, 1, 100, prefill_s=0.2)
+    assert lv.snapshot().queued_prefills == ((0.1, 0.1, 0.3, 0.5), (0.2,))
+    lv.on_started(4)  # one of two equal estimates leaves: the other stays
+    lv.on_finished(3)  # cancelled before it started
+    assert lv.snapshot().queued_prefills == ((0.1, 0.5), (0.2,))
+    lv.on_preempted(4, cached_tokens=0, prompt_tokens=100)  # back in the queue, re-priced: 0.11
+    qp = lv.snapshot().queued_prefills
+    assert qp[0] == pytest.approx((0.1, 0.11, 0.5)) and qp[1] == (0.2,)
+    assert lv.snapshot().max_running == (0, 0)
+    lv.report_max_running(1, 256)
+    snap = lv.snapshot()
+    assert snap.max_running == (0, 256)
+    assert make_states(snap, [0, 0], [0, 0])[1].max_running == 256
+    with pytest.raises(ValueError):
+        lv.report_max_running(0, -1)
+
+
 def test_load_view_staleness():
     lv, clock = view(2, stale_s=10.0)
     first = lv.snapshot()
@@ -604,19 +691,28 @@ def test_states_from_load_view_and_index_feed_a_router():
     assert [(s.replica, s.matched_blocks, s.index_blocks, s.outstanding, s.kv_usage) for s in states] == [
         (0, 0, 0, 0, 0.25), (2, 40, 40, 1, 0.0)]
     assert states[1].queued_prefill_s == pytest.approx(0.65)
-    r = router("fairway", footprint_weight=0.0)
-    # Replica 2 holds the prefix (P = 0.02) but its queue, 0.65 s, is over 12 * 0.02: the fair choice,
-    # 0 + P(650) = 0.66 against 0.65 + 0.02.
+    assert states[1].queued_prefills == pytest.approx((0.65,))
+    # With W = Q (wait_model="fcfs", DESIGN.md's affinity rule): replica 2 holds the prefix
+    # (P = 0.02) but its queue, 0.65 s, is over 12 * 0.02: the fair choice, 0 + P(650) = 0.66
+    # against 0.65 + 0.02.
+    r = router("fairway", rule="affinity", wait_model="fcfs", footprint_weight=0.0)
     assert r.rank(rq, states) == [[0], [2]]
     assert r.last_reason == "fair"
     assert r.last_scores == pytest.approx({0: 0.66, 2: 0.67})
     # The index footprint term adds P * (index blocks / the fullest's): replica 2 is the fullest,
     # + 0.02 * 40 / 40; replica 0 holds nothing, + 0.
-    d = router("fairway", footprint="index")
+    d = router("fairway", rule="affinity", wait_model="fcfs", footprint="index")
     assert d.rank(rq, states) == [[0], [2]]
     assert d.last_scores == pytest.approx({0: 0.66, 2: 0.69})
-    # The default (footprint="kv") adds P * (KV usage / the highest): replica 0 reports 0.25, the
-    # highest, + 0.66 * 1; replica 2 reports 0, + 0. Replica 2 wins by expected TTFT.
-    k = router("fairway")
-    assert k.rank(rq, states) == [[2], [0]] and k.last_reason == "fair"
+    # The KV footprint adds P * (KV usage / the highest): replica 0 reports 0.25, the highest,
+    # + 0.66 * 1; replica 2 reports 0, + 0. Replica 2 wins by expected TTFT.
+    k = router("fairway", rule="affinity", wait_model="fcfs")
+    assert k.rank(rq, states) == [[2], [0]] and k.last_reason == "affinity"
     assert k.last_scores == pytest.approx({0: 1.32, 2: 0.67})
+    # The default (queue wait model, minimum T): the one request queued on replica 2 is heavier
+    # (0.65 s) than this one there (0.02 s), so the Fast lane puts this one first: W = 0, and
+    # replica 2 wins with T = 0.02.
+    dflt = router("fairway")
+    assert dflt.rank(rq, states) == [[2], [0]] and dflt.last_reason == "affinity"
+    assert dflt.last_wait == pytest.approx({0: 0.0, 2: 0.0})
+    assert dflt.last_scores == pytest.approx({0: 1.32, 2: 0.02})

@@ -64,6 +64,9 @@ class ReplicaState:
     index_blocks: blocks the prefix index holds for it (the "tree size" of Ray and SGLang).
     queued_prefill_tokens: uncached prompt tokens routed there and not yet started (Dynamo).
     active_blocks: KV blocks of its outstanding requests (Dynamo's decode blocks).
+    queued_prefills: the prefill estimates of its requests waiting to start, ascending (the
+        Fairway router's queue-order wait model; empty when the host does not track them).
+    max_running: its sequence capacity (the engine's max_num_seqs), 0 when unknown.
     """
 
     replica: int
@@ -75,6 +78,8 @@ class ReplicaState:
     index_blocks: int
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
+    queued_prefills: tuple[float, ...] = ()
+    max_running: int = 0
 
 
 class RouterPolicy(ABC):
@@ -178,6 +183,8 @@ def make_states(
             index_blocks=index_blocks[j],
             queued_prefill_tokens=snap.queued_prefill_tokens[j],
             active_blocks=snap.active_blocks[j],
+            queued_prefills=snap.queued_prefills[j] if snap.queued_prefills else (),
+            max_running=snap.max_running[j] if snap.max_running else 0,
         )
         for j in ids
     ]

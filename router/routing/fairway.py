@@ -2,26 +2,42 @@
 
 For replica j: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix),
 P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj) the prefill estimate, Q_j the queued prefill seconds
-routed to j and not yet started.
+routed to j and not yet started, and W_rj the wait the request can expect at j:
 
-- **Fast lane choice** (``"affinity"``): j* = argmax ĉ_rj, ties to the smaller Q_j, then the
-  better expected TTFT (below, footprint term included), then fewer outstanding requests.
-  Route there if Q_j* <= theta * max(P_rj*, p_floor_s): the reuse is worth waiting for as long
-  as the wait stays within the queue level's own promotion budget (theta times the request's
-  prefill time, the same theta as the replica's Fast lane).
-- **Otherwise, the Fair lane choice** (``"fair"``): argmin over j of Q_j + P_rj, the minimum
-  expected TTFT; ties to the larger ĉ_rj, then fewer outstanding requests, then the id.
-- When no replica holds any of the prompt (``"cold"``), j* carries no reuse, and the choice is
-  the Fair lane's: the minimum expected TTFT.
+- ``wait_model="queue"`` (default): the wait follows the replica's Fairway queue. Its Fast lane
+  serves the least uncached work first, so a request that reuses a cache on j (ĉ_rj > 0) waits
+  only for the queued work no heavier than its own, A_rj = sum of the P_q <= P_rj queued on j,
+  served at the Fast lane's guaranteed share s of prefill (1 - the replica's fair_share):
+  W_rj = min(Q_j, A_rj / s). Where the request is cold (ĉ_rj = 0: its whole prompt is new there,
+  and later cheaper arrivals keep overtaking it until its promotion), and where j has no free
+  sequence slot (routed and unfinished >= max_num_seqs: admission waits for a finish, not for
+  prefill), W_rj = Q_j.
+- ``wait_model="fcfs"``: W_rj = Q_j, the whole queue (the model for FCFS replicas).
 
-The ranks are the choice first, then every other replica by expected TTFT Q_j + P_rj.
-``last_scores`` holds each replica's expected TTFT.
+Expected TTFT with the cache footprint: T_rj = W_rj + P_rj + f * P_rj * fullness_j, where
+fullness_j is j's KV usage over the highest replica's (footprint="kv") or its index size over
+the largest (footprint="index"): a placement displaces cached work in proportion to its own
+prefill and to how full that replica's memory is.
 
-Complexity: O(R log R) for R candidates, with one cost-model call (O(1)) per replica.
+- ``rule="score"`` (default): the minimum T_rj. Affinity is not a separate test: with the queue
+  wait model, the replica holding the prompt's prefix wins while the work queued ahead of the
+  request there (in that replica's order) costs less than recomputing the prefix elsewhere.
+- ``rule="affinity"`` (DESIGN.md's rule as first written): j* = the best-cached replica (ties
+  per ``affinity_ties``); route there if W_rj* <= theta * max(P_rj*, p_floor_s), else the
+  minimum T_rj; a prompt no replica holds goes to the minimum T_rj.
+
+Reasons (``last_reason``): ``"cold"`` when no replica holds any of the prompt, ``"affinity"``
+when the pick is the best-cached replica, ``"fair"`` otherwise. ``last_scores`` holds each
+replica's T_rj and ``last_wait`` its W_rj. The ranks are the pick, then every other replica by
+T_rj (ties: more cache, fewer outstanding, smaller index, lower id).
+
+Complexity: O(R log R + n) for R candidates and n requests waiting across them (one bisect and
+one C-level sum over each replica's sorted waiting list), with one cost-model call per replica.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,39 +45,41 @@ import xxhash
 
 from router.clock import Clock
 from router.cost_model import CostModel
+from router.policies.fairway import FairwayConfig
 from router.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
-#: The replica queue's default promotion threshold (``router.policies.fairway.FairwayConfig.theta``).
-DEFAULT_THETA = 12.0
+#: The replica queue's default promotion threshold.
+DEFAULT_THETA = FairwayConfig().theta
+#: The Fast lane's guaranteed share of prefill at a Fairway replica under contention.
+DEFAULT_FAST_SHARE = 1.0 - FairwayConfig().fair_share
 
 
 class FairwayRouter(RouterPolicy):
-    """``fairway``: affinity to the best-cached replica while its queue is short relative to the
-    request's prefill time, else the minimum expected TTFT.
+    """``fairway``: the minimum expected TTFT, with the wait modelled on the replica's own queue
+    order (see the module docstring).
 
-    Options: theta = 12 (the queue level's default), p_floor_s = 0 (DESIGN.md's router rule has
-    no floor; a positive floor lets fully cached requests wait behind a longer queue for their
-    hit, as P_floor does at the queue level), extra_work_weight = 0 (w > 0 adds
-    w * (P_rj - min_j P_rj) to each replica's score: the prefill a placement adds beyond the
-    cheapest one, which the requests queued behind it there also wait for. Measured on one
-    workload only (docs/benchmarks.md), so it is off by default), footprint_weight = 1 (adds
-    f * P_rj * (j's fullness relative to the fullest replica's, see footprint): a placement displaces
-    cached work in proportion to its own prefill and to how full that replica's cache is; with
-    f = 1 the displaced work is counted at par with the request's own. Measured across Mooncake,
-    rag-spike, agentic and hotspot on 8 replicas in docs/benchmarks.md), footprint = "kv" (the
-    fullness in that term: KV usage / the highest replica's, the memory running requests hold,
-    which shrinks the evictable cache; "index": index blocks / the fullest replica's),
-    affinity_ties = "ttft" (equal best match and equal Q_j: the better expected TTFT, footprint
-    included, then fewer outstanding; "id": the lowest id, DESIGN.md's first rule; "hash": the
-    rendezvous-hash winner for the prompt's first block after the match, so prompts sharing a
-    deeper prefix land together and prompts sharing only the matched part spread; "kv": the
-    lowest KV usage, then the better expected TTFT: a new session goes where memory is freest,
-    whatever the footprint). The defaults of the last two were chosen by the
-    worst case over agentic, hotspot, rag-spike and Mooncake on 8 replicas, against the best
-    anchor at each load (docs/benchmarks.md, issue 3): "ttft" + "kv" is at most 2.1x the best
-    anchor's p99 (Mooncake x3: 21.5 s against DESIGN.md's id ties' 12.0 s, its one regression),
-    where "id" + "index" is 6.2x (agentic 3 sessions/s: 9.2 s, now 1.7 s) and leaves hotspot's
-    busiest replica +81% over the mean (now +12%).
+    Options:
+    - wait_model = "queue" (the replicas run Fairway queues; "fcfs": W = Q_j, for FCFS replicas;
+      hosts set it from the replica policy). fast_share = 0.4 (the Fast lane's share, 1 - the
+      replicas' fair_share).
+    - rule = "score" (the minimum T_rj); "affinity": DESIGN.md's test, route to the best-cached
+      replica j* while W_rj* <= theta * max(P_rj*, p_floor_s), else the minimum T_rj. theta = 12
+      (the queue level's default) and p_floor_s = 0 apply to "affinity" only.
+    - footprint_weight = 1 and footprint = "kv" (the cache-footprint term, see the module
+      docstring; "index": index blocks over the largest index).
+    - affinity_ties = "ttft" (rule="affinity" only: equal best match and equal W: the better T,
+      then fewer outstanding; "id": the lowest id; "hash": the rendezvous-hash winner for the
+      prompt's first block after the match; "kv": the lowest KV usage, then the better T).
+    - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
+      adds beyond the cheapest one).
+
+    The defaults were chosen by the worst case against the best anchor router over Mooncake
+    (x2-x4 and four router instances), agentic, hotspot and rag-spike on 8 replicas
+    (docs/benchmarks.md, issue 3). Against the previous default (rule "affinity" with W = Q_j),
+    the queue wait model keeps mostly cached requests on their replica when its queue is long
+    but heavier than them (Mooncake x3: hit ratio 0.408 -> 0.499 of a 0.513 ceiling, p99 22.4 ->
+    14.6 s), and dropping the separate affinity test lets the footprint term seed new sessions
+    on replicas without the shared preamble (agentic 3 sessions/s: p99 1.73 -> 1.28 s).
     """
 
     name = "fairway"
@@ -79,6 +97,9 @@ class FairwayRouter(RouterPolicy):
         footprint_weight: float = 1.0,
         footprint: str = "kv",
         affinity_ties: str = "ttft",
+        wait_model: str = "queue",
+        fast_share: float = DEFAULT_FAST_SHARE,
+        rule: str = "score",
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -99,64 +120,76 @@ class FairwayRouter(RouterPolicy):
         if affinity_ties not in ("id", "ttft", "hash", "kv"):
             raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
         self.affinity_ties = affinity_ties
+        if wait_model not in ("queue", "fcfs"):
+            raise ValueError("wait_model must be 'queue' or 'fcfs'")
+        self.wait_model = wait_model
+        if not 0.0 < fast_share <= 1.0:
+            raise ValueError("fast_share must be in (0, 1]")
+        self.fast_share = float(fast_share)
+        if rule not in ("score", "affinity"):
+            raise ValueError("rule must be 'score' or 'affinity'")
+        self.rule = rule
+        self.last_wait: dict[int, float] = {}
+
+    def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
+        """W_rj for a request with prefill estimate ``prefill_s`` and ``cached_tokens`` on
+        replica ``s`` (see the module docstring). O(log n) plus a C-level sum over the n
+        requests waiting there."""
+        q = s.queued_prefill_s
+        if self.wait_model == "fcfs" or cached_tokens <= 0 or not s.queued_prefills:
+            return q
+        if s.max_running and s.outstanding >= s.max_running:
+            return q
+        qp = s.queued_prefills
+        ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
+        return min(q, ahead / self.fast_share)
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
         cached = {s.replica: self.cached_tokens(req, s) for s in ss}
         prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
                    for s in ss}
+        wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
         least = min(prefill.values())
         w = self.extra_work_weight
-        # expected TTFT, plus (optionally) the prefill this placement adds beyond the cheapest
-        # one: work that every request queued behind it on that replica also waits for
-        biggest = max(s.index_blocks for s in ss) or 1
         f = self.footprint_weight
         if self.footprint == "kv":
             kmax = max(s.kv_usage for s in ss) or 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
         else:
+            biggest = max(s.index_blocks for s in ss) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
-        # optional terms: the prefill this placement adds beyond the cheapest one (work every
-        # request queued behind it there also waits for), and its prefill scaled by how full
-        # that replica's cache is relative to the fullest (blocks it will displace)
-        ttft = {s.replica: s.queued_prefill_s + prefill[s.replica] + w * (prefill[s.replica] - least)
-                + f * prefill[s.replica] * fullness[s.replica]
-                for s in ss}
+        ttft = {j: wait[j] + prefill[j] + w * (prefill[j] - least) + f * prefill[j] * fullness[j]
+                for j in wait}
         load = {s.replica: s.outstanding for s in ss}
-        ss_q = {s.replica: s.queued_prefill_s for s in ss}
-        # equal expected TTFT (idle replicas have Q = 0): more cache, then fewer outstanding
-        # requests, then the id, so equal choices spread instead of piling on the lowest id
         size = {s.replica: s.index_blocks for s in ss}
-        # exact ties (idle replicas): the emptier cache (SGLang's smallest tree for new prefixes),
-        # so sequential cold prompts spread over the cluster's memory instead of one replica
+        # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
+        # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
+        # cluster's memory), then the id
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
-        # j*: the best-cached replica, ties to the smaller Q_j, then (affinity_ties="ttft", the
-        # default) the better expected TTFT (footprint term included), then fewer outstanding;
-        # "id": the id (DESIGN.md's first rule). With id ties, a prefix every replica holds
-        # (agentic's shared preamble) sends every new session to the lowest id while the queues
-        # are empty. "kv": to the lowest KV usage, then the better expected TTFT; "hash": see
-        # _hash_tie.
+        pos = {r: i for i, r in enumerate(order)}
+        # j*: the best-cached replica, ties to the smaller W, then per affinity_ties
         if self.affinity_ties == "ttft":
-            pos = {r: i for i, r in enumerate(order)}
-            j = min(cached, key=lambda r: (-cached[r], ss_q[r], pos[r]))
+            j = min(cached, key=lambda r: (-cached[r], wait[r], pos[r]))
         elif self.affinity_ties == "kv":
-            pos = {r: i for i, r in enumerate(order)}
             kv = {s.replica: s.kv_usage for s in ss}
-            j = min(cached, key=lambda r: (-cached[r], ss_q[r], kv[r], pos[r]))
+            j = min(cached, key=lambda r: (-cached[r], wait[r], kv[r], pos[r]))
         elif self.affinity_ties == "hash":
-            j = self._hash_tie(req, cached, ss_q)
+            j = self._hash_tie(req, cached, wait)
         else:
-            j = min(cached, key=lambda r: (-cached[r], ss_q[r], r))
+            j = min(cached, key=lambda r: (-cached[r], wait[r], r))
         if cached[j] == 0:
-            self.last_reason = "cold"
             pick = order[0]
-        elif ss_q[j] <= self.theta * max(prefill[j], self.p_floor_s):
-            self.last_reason = "affinity"
+        elif self.rule == "affinity" and wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
             pick = j
         else:
-            self.last_reason = "fair"
             pick = order[0]
+        if cached[j] == 0:
+            self.last_reason = "cold"
+        else:
+            self.last_reason = "affinity" if cached[pick] == cached[j] else "fair"
         self.last_scores = ttft
+        self.last_wait = wait
         return ranks_of([pick], (r for r in order if r != pick))
 
     def _hash_tie(self, req: RouteRequest, cached: dict[int, int], q: dict[int, float]) -> int:
@@ -177,4 +210,15 @@ class FairwayRouter(RouterPolicy):
         return max(tied, key=lambda r: (xxhash.xxh3_64_intdigest(data, seed=r), -r))
 
 
-__all__ = ["DEFAULT_THETA", "FairwayRouter"]
+
+def queue_model_options(policy: str, policy_options: dict | None = None) -> dict[str, object]:
+    """The Fairway router's wait-model options for replicas running queue policy ``policy``
+    (hosts pass these unless the operator set them): the queue model with the replicas' Fast-lane
+    share for ``fairway`` replicas, W = Q_j for any other policy. O(1)."""
+    if policy != "fairway":
+        return {"wait_model": "fcfs"}
+    share = (policy_options or {}).get("fair_share", FairwayConfig().fair_share)
+    return {"wait_model": "queue", "fast_share": 1.0 - float(share)}
+
+
+__all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "queue_model_options"]
