@@ -374,23 +374,46 @@ def cmd_sim_vs_real(args: argparse.Namespace) -> None:
                                   "runs": [t for _, t in runs]})
 
 
+def router_specs(arg: str) -> dict[str, str]:
+    """``--policies``: comma-separated router specs, each optionally named ``tag=spec``
+    (``fairway,prev=fairway[rule=affinity;wait_model=fcfs]``); the tag names files and rows.
+    Returns tag -> spec, in order."""
+    from sim.cli import split_list
+
+    out: dict[str, str] = {}
+    for item in split_list(arg):
+        head = item.split("[", 1)[0]
+        tag, spec = item.split("=", 1) if "=" in head else (item, item)
+        out[tag.strip()] = spec.strip()
+    return out
+
+
+def _sim_router(spec: str) -> tuple[str, dict[str, Any]]:
+    from sim.cli import parse_policy_spec
+
+    return parse_policy_spec(spec)
+
+
 def cmd_routers(args: argparse.Namespace) -> None:
     r = Runner(Path(args.out))
     w, rate, dur, seed = args.workload, args.rate, args.duration, args.seed
-    policies = args.policies.split(",")
+    specs = router_specs(args.policies)
+    policies = list(specs)
     for p in policies:
-        if p in SIM_ROUTERS:
-            sim_run(r, sim_argv(w, rate, dur, seed, p, r.out / f"routers-sim-{p}.json"), f"routers-sim-{p}.json")
+        if _sim_router(specs[p])[0] in SIM_ROUTERS:
+            sim_run(r, sim_argv(w, rate, dur, seed, specs[p], r.out / f"routers-sim-{p}.json"),
+                    f"routers-sim-{p}.json")
     runs = run_order(policies, args.repeats)
     for p, tag in runs:
         code = Snapshot()
-        with cluster(router={"policy": p}) as (url, addr):
+        name, opts = _sim_router(specs[p])
+        with cluster(router={"policy": name, "policy_options": opts}) as (url, addr):
             r.run(loadgen_argv(url, w, rate, dur, seed, r.out / f"routers-{tag}.json"),
-                  note=f"inside `running_cluster(router={{'policy': '{p}'}})`")
+                  note=f"inside `running_cluster(router={{'policy': '{name}', 'policy_options': {opts}}})`")
             engine_info(r, addr, r.out / f"routers-{tag}-engine.json")
         check_clean(r, f"routers-{tag}.json", f"routers-{tag}-engine.json", code)
     r.write("routers-meta.json", {"workload": w, "rate": rate, "duration_s": dur, "seed": seed,
-                                  "policies": policies, "runs": [t for _, t in runs]})
+                                  "policies": policies, "specs": specs, "runs": [t for _, t in runs]})
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -537,12 +560,14 @@ def routers_table(reals: dict[str, dict[str, Any]], sims: dict[str, dict[str, An
 
 
 def sim_requests(workload: str, rate: float, duration: float, seed: int, router: str = "fairway",
-                 replicas: int = 2, kv_blocks: int = 20000) -> dict[int, dict[str, Any]]:
+                 replicas: int = 2, kv_blocks: int = 20000,
+                 router_options: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
     """The simulator's finished requests of that run, by rid: TTFT, kind, prompt and cached tokens."""
     from sim.runner import RunConfig, build
 
     sim, _ = build(RunConfig(workload=workload, policy="fairway", rate=rate, duration_s=duration, seed=seed,
-                             replicas=replicas, router=router, kv_blocks=kv_blocks))
+                             replicas=replicas, router=router, router_options=router_options or {},
+                             kv_blocks=kv_blocks))
     res = sim.run()
     return {r.spec.rid: {"ttft_s": r.ttft_s, "kind": r.spec.kind, "prompt_tokens": r.spec.prompt_tokens,
                          "cached_tokens": max(0, r.cached_tokens), "replica": r.replica} for r in res.finished}
@@ -663,11 +688,13 @@ def report(out: Path) -> str:
         if len(rmeta.get("runs") or []) > len(rmeta["policies"]):  # repeated runs: their medians
             parts.append(routers_median_table(rr, rmeta["policies"]))
         if "workload" in rmeta:
+            specs = rmeta.get("specs") or {}
             for p in rmeta["policies"]:
                 mine = {k: v for k, v in rr.items() if (k == p or k.rsplit("-r", 1)[0] == p) and v.get("requests")}
-                if p in SIM_ROUTERS and mine:
+                name, opts = _sim_router(specs.get(p, p))
+                if name in SIM_ROUTERS and mine:
                     by_rid = sim_requests(rmeta["workload"], rmeta["rate"], rmeta["duration_s"], rmeta["seed"],
-                                          router=p)
+                                          router=name, router_options=opts)
                     parts.append(pairs_table(mine, by_rid))
     parts.append(code_versions(out))
     text = "\n\n".join(parts) + "\n"
@@ -698,7 +725,8 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=1, help="passes over the modes, alternating order")
     r = sub.add_parser("routers", help="router policies on the cluster")
     common(r, "rag-spike", 2.0, 120.0)
-    r.add_argument("--policies", default="fairway,pow2,ray-prefix,ray-default")
+    r.add_argument("--policies", default="fairway,pow2,ray-prefix,ray-default",
+                   help="router specs, comma-separated, each optionally tag=spec: prev=fairway[rule=affinity]")
     r.add_argument("--repeats", type=int, default=1, help="passes over the policies, alternating order")
     ld = sub.add_parser("load", help="python -m loadgen run + the client/server TTFT split")
     ld.add_argument("--url", required=True)

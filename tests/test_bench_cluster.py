@@ -22,6 +22,7 @@ from loadgen.bench_cluster import (
     port_listening,
     ratio,
     report,
+    router_specs,
     routers_table,
     run_order,
     sim_vs_real_table,
@@ -130,6 +131,11 @@ def test_report_assembles_tables_from_a_folder(tmp_path):
 def test_run_order_alternates_direction():
     assert run_order(["a", "b", "c"], 1) == [("a", "a"), ("b", "b"), ("c", "c")]
     assert [t for _, t in run_order(["a", "b"], 3)] == ["a-r1", "b-r1", "b-r2", "a-r2", "a-r3", "b-r3"]
+
+
+def test_router_specs_take_optional_tags():
+    assert router_specs("fairway,prev=fairway[rule=affinity;wait_model=fcfs],llmd[w_kv=1]") == {
+        "fairway": "fairway", "prev": "fairway[rule=affinity;wait_model=fcfs]", "llmd[w_kv=1]": "llmd[w_kv=1]"}
 
 
 def test_foreign_replicas_are_named():
