@@ -433,6 +433,17 @@ def test_fairway_kv_footprint_prices_placement_by_kv_usage():
     assert r.last_scores == pytest.approx({0: 0.1 + 2 * 1.01, 1: 0.1 + 1.01 * 1.25})
     assert ranked(router("fairway", footprint="index"), req(1000), states) == [[0], [1]]  # 10 < 100 blocks
     assert ranked(router("fairway"), req(1000), states) == [[1], [0]]  # the default is footprint="kv"
+    # "kv-abs": the usage itself, so low usages barely count: 0.1 + 1.01 * 1.8 against 0.1 + 1.01 * 1.2
+    a = router("fairway", footprint="kv-abs")
+    assert ranked(a, req(1000), states) == [[1], [0]]
+    assert a.last_scores == pytest.approx({0: 0.1 + 1.01 * 1.8, 1: 0.1 + 1.01 * 1.2})
+    # Nearly idle memory (2% and 1% in use), replica 0 holding 80 of the 1000 tokens (P 0.93 vs
+    # 1.01): the relative fullness (1 against 0.5) moves the request off its cache, 0.93 * 2 >
+    # 1.01 * 1.5; the absolute one keeps it, 0.93 * 1.02 < 1.01 * 1.01.
+    idle = [st(0, kv=0.02, matched=5), st(1, kv=0.01)]
+    assert ranked(router("fairway"), req(1000), idle) == [[1], [0]]
+    assert ranked(a, req(1000), idle) == [[0], [1]] and a.last_reason == "affinity"
+    assert a.last_scores == pytest.approx({0: 0.93 * 1.02, 1: 1.01 * 1.01})
     with pytest.raises(ValueError):
         router("fairway", footprint="nope")
     with pytest.raises(ValueError):

@@ -15,9 +15,9 @@ routed to j and not yet started, and W_rj the wait the request can expect at j:
 - ``wait_model="fcfs"``: W_rj = Q_j, the whole queue (the model for FCFS replicas).
 
 Expected TTFT with the cache footprint: T_rj = W_rj + P_rj + f * P_rj * fullness_j, where
-fullness_j is j's KV usage over the highest replica's (footprint="kv") or its index size over
-the largest (footprint="index"): a placement displaces cached work in proportion to its own
-prefill and to how full that replica's memory is.
+fullness_j is j's KV usage over the highest replica's (footprint="kv"), its KV usage itself
+(footprint="kv-abs"), or its index size over the largest (footprint="index"): a placement
+displaces cached work in proportion to its own prefill and to how full that replica's memory is.
 
 - ``rule="score"`` (default): the minimum T_rj. Affinity is not a separate test: with the queue
   wait model, the replica holding the prompt's prefix wins while the work queued ahead of the
@@ -66,7 +66,9 @@ class FairwayRouter(RouterPolicy):
       replica j* while W_rj* <= theta * max(P_rj*, p_floor_s), else the minimum T_rj. theta = 12
       (the queue level's default) and p_floor_s = 0 apply to "affinity" only.
     - footprint_weight = 1 and footprint = "kv" (the cache-footprint term, see the module
-      docstring; "index": index blocks over the largest index).
+      docstring; "index": index blocks over the largest index; "kv-abs": the KV usage itself, so
+      the term fades when memory is idle: measured better on short-prompt conversations, worse
+      on Mooncake x3, docs/benchmarks.md).
     - affinity_ties = "ttft" (rule="affinity" only: equal best match and equal W: the better T,
       then fewer outstanding; "id": the lowest id; "hash": the rendezvous-hash winner for the
       prompt's first block after the match; "kv": the lowest KV usage, then the better T).
@@ -114,7 +116,7 @@ class FairwayRouter(RouterPolicy):
         if not footprint_weight >= 0:
             raise ValueError("footprint_weight must be >= 0")
         self.footprint_weight = float(footprint_weight)
-        if footprint not in ("index", "kv"):
+        if footprint not in ("index", "kv", "kv-abs"):
             raise ValueError("footprint must be 'index' or 'kv'")
         self.footprint = footprint
         if affinity_ties not in ("id", "ttft", "hash", "kv"):
@@ -156,6 +158,8 @@ class FairwayRouter(RouterPolicy):
         if self.footprint == "kv":
             kmax = max(s.kv_usage for s in ss) or 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
+        elif self.footprint == "kv-abs":
+            fullness = {s.replica: s.kv_usage for s in ss}
         else:
             biggest = max(s.index_blocks for s in ss) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
