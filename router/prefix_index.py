@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, KeysView, Sequence
 
+from router.hashing import longest_cached_prefix
+
 APPROX = "approx"
 EVENTS = "events"
 MODES = (APPROX, EVENTS)
@@ -148,13 +150,7 @@ class PrefixIndex:
 
     def match_one(self, replica: int, hashes: Sequence[int]) -> int:
         """Longest cached prefix of ``hashes`` on one replica, in blocks. O(matched + 1)."""
-        lru = self._lru[replica]
-        n = 0
-        for h in hashes:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        return longest_cached_prefix(hashes, self._lru[replica])
 
     def holds(self, replica: int, h: int) -> bool:
         """Whether ``replica`` is thought to hold block ``h``. O(1)."""

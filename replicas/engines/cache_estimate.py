@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from router.hashing import longest_cached_prefix
+
 Listener = Callable[[Iterable[int]], None]
 
 
@@ -102,13 +104,7 @@ class CacheEstimate:
 
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """Leading blocks of ``hashes`` held; stops at the first miss. Read-only. O(matched + 1)."""
-        lru = self._lru
-        n = 0
-        for h in hashes:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        return longest_cached_prefix(hashes, self._lru)
 
     def stored_blocks(self, prompt_tokens: int) -> int:
         """Our blocks of a prompt that the engine keeps after prefill: its whole engine blocks."""
