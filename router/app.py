@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.routing.fairway import queue_model_options
+from router.routing.fairway import router_options_for
 from router.tokenizer import resolve_path
 
 RAY_DEFAULT_ROUTER = "ray-default"
@@ -72,11 +72,8 @@ class ClusterArgs(BaseModel):
     def router_policy_options(self) -> dict[str, Any]:
         """The router policy's options: the YAML's, plus (for ``fairway``, where the YAML leaves
         them out) the wait model that matches the replicas' queue policy."""
-        opts = dict(self.router.policy_options)
-        if self.router.policy == "fairway":
-            for k, v in queue_model_options(self.replica.policy, self.replica.policy_options).items():
-                opts.setdefault(k, v)
-        return opts
+        return router_options_for(self.router.policy, self.router.policy_options, self.replica.policy,
+                                  self.replica.policy_options)
 
     def replica_args(self) -> dict[str, Any]:
         engine_args = dict(self.engine_args)

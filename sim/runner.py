@@ -11,7 +11,7 @@ from loadgen.registry import make_workload_from
 from router.clock import ManualClock
 from router.cost_model import CostModel
 from router.policies import make_policy
-from router.routing.fairway import queue_model_options
+from router.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
 from sim.engine import EngineConfig, EngineModel
 from sim.metrics import summarize
@@ -47,11 +47,7 @@ class RunConfig(BaseModel):
 def router_options(cfg: RunConfig) -> dict[str, Any]:
     """The router policy's options: the run's, plus (for ``fairway``, where the run leaves them
     out) the wait model that matches the replicas' queue policy."""
-    opts = dict(cfg.router_options)
-    if cfg.router == "fairway":
-        for k, v in queue_model_options(cfg.policy, cfg.policy_options).items():
-            opts.setdefault(k, v)
-    return opts
+    return router_options_for(cfg.router, cfg.router_options, cfg.policy, cfg.policy_options)
 
 
 def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:

@@ -215,6 +215,17 @@ class FairwayRouter(RouterPolicy):
 
 
 
+def router_options_for(router: str, options: dict, replica_policy: str,
+                       replica_options: dict | None = None) -> dict[str, object]:
+    """A router policy's options as hosts pass them: ``options``, plus, for ``fairway`` and
+    where ``options`` leave them out, the wait model matching the replicas' queue policy."""
+    out = dict(options)
+    if router == "fairway":
+        for k, v in queue_model_options(replica_policy, replica_options).items():
+            out.setdefault(k, v)
+    return out
+
+
 def queue_model_options(policy: str, policy_options: dict | None = None) -> dict[str, object]:
     """The Fairway router's wait-model options for replicas running queue policy ``policy``
     (hosts pass these unless the operator set them): the queue model with the replicas' Fast-lane
@@ -225,4 +236,4 @@ def queue_model_options(policy: str, policy_options: dict | None = None) -> dict
     return {"wait_model": "queue", "fast_share": 1.0 - float(share)}
 
 
-__all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "queue_model_options"]
+__all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "queue_model_options", "router_options_for"]
