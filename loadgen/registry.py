@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -182,16 +183,28 @@ def make_workload(
     return workload
 
 
-def make_workload_from(cfg: object) -> Workload:
-    """``make_workload`` from a run config with the usual fields (``workload``, ``rate``,
-    ``duration_s``, ``seed``, ``block_size``, ``time_scale``, ``concurrency``): the one place the
-    simulator and the HTTP load generator build a workload, so both replay the same requests."""
+class RunWorkloadFields(Protocol):
+    """The fields a run config needs to name its workload (``sim.runner.RunConfig`` and
+    ``loadgen.http_run.HttpRunConfig`` both have them)."""
+
+    workload: str
+    rate: float
+    duration_s: float
+    seed: int
+    block_size: int
+    time_scale: float
+    concurrency: int | None
+
+
+def make_workload_from(cfg: RunWorkloadFields) -> Workload:
+    """``make_workload`` from a run config: the one place the simulator and the HTTP load
+    generator build a workload, so both replay the same requests."""
     return make_workload(
-        cfg.workload,  # type: ignore[attr-defined]
-        rate=cfg.rate,  # type: ignore[attr-defined]
-        duration_s=cfg.duration_s,  # type: ignore[attr-defined]
-        seed=cfg.seed,  # type: ignore[attr-defined]
-        block_size=cfg.block_size,  # type: ignore[attr-defined]
-        time_scale=cfg.time_scale,  # type: ignore[attr-defined]
-        concurrency=cfg.concurrency,  # type: ignore[attr-defined]
+        cfg.workload,
+        rate=cfg.rate,
+        duration_s=cfg.duration_s,
+        seed=cfg.seed,
+        block_size=cfg.block_size,
+        time_scale=cfg.time_scale,
+        concurrency=cfg.concurrency,
     )

@@ -20,7 +20,8 @@ after ``taken_s + stale_s`` takes a new snapshot of the current counters.
 
 Complexity: every lifecycle hook is O(1) plus O(log n + n) for the sorted list of the n requests
 waiting on that replica (a bisect insort / delete, a memmove in C); a snapshot costs O(replicas +
-waiting requests) when it is refreshed and O(1) otherwise.
+waiting requests on the replicas whose queue changed since the last one) when it is refreshed and
+O(1) otherwise.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class LoadView:
     """
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
-                 "_qp", "_cap", "_req", "_snap", "_version", "_snap_version")
+                 "_qp", "_qp_frozen", "_cap", "_req", "_snap", "_version", "_snap_version")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -104,6 +105,7 @@ class LoadView:
         self._blocks: list[int] = []
         self._kv: list[float] = []
         self._qp: list[list[tuple[float, int]]] = []  # per replica: (P, rid) of waiting requests, sorted
+        self._qp_frozen: list[tuple[float, ...] | None] = []  # its P's as a tuple; None when stale
         self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
         self._req: dict[int, _Tracked] = {}
         self._snap: LoadSnapshot | None = None
@@ -121,6 +123,7 @@ class LoadView:
         for fcol in (self._q, self._kv):
             fcol.append(0.0)
         self._qp.append([])
+        self._qp_frozen.append(())
         self._cap.append(0)
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks):
             icol.append(0)
@@ -152,6 +155,7 @@ class LoadView:
         self._req[rid] = t
         self._q[replica] += p
         bisect.insort(self._qp[replica], (p, rid))
+        self._qp_frozen[replica] = None
         self._qtok[replica] += t.uncached_tokens
         self._nq[replica] += 1
         self._out[replica] += 1
@@ -187,6 +191,7 @@ class LoadView:
         self._run[t.replica] -= 1
         self._q[t.replica] += t.prefill_s
         bisect.insort(self._qp[t.replica], (t.prefill_s, rid))
+        self._qp_frozen[t.replica] = None
         self._qtok[t.replica] += t.uncached_tokens
         self._nq[t.replica] += 1
         self._version += 1
@@ -247,7 +252,7 @@ class LoadView:
             running=tuple(self._run),
             active_blocks=tuple(self._blocks),
             kv_usage=tuple(self._kv),
-            queued_prefills=tuple(tuple(p for p, _ in q) for q in self._qp),
+            queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
             max_running=tuple(self._cap),
         )
         if keep:
@@ -255,11 +260,20 @@ class LoadView:
             self._snap_version = self._version
         return snap
 
+    def _frozen_queue(self, j: int) -> tuple[float, ...]:
+        """Replica j's waiting prefill estimates as a tuple, rebuilt only after its queue
+        changed, so a snapshot copies only the queues that moved since the last one."""
+        frozen = self._qp_frozen[j]
+        if frozen is None:
+            frozen = self._qp_frozen[j] = tuple(p for p, _ in self._qp[j])
+        return frozen
+
     def _unqueue(self, t: _Tracked) -> None:
         j = t.replica
         self._nq[j] -= 1
         self._qtok[j] -= t.uncached_tokens
         qp = self._qp[j]
+        self._qp_frozen[j] = None
         i = bisect.bisect_left(qp, (t.prefill_s, t.rid))
         if i < len(qp) and qp[i][1] == t.rid:
             del qp[i]

@@ -117,7 +117,7 @@ class FairwayRouter(RouterPolicy):
             raise ValueError("footprint_weight must be >= 0")
         self.footprint_weight = float(footprint_weight)
         if footprint not in ("index", "kv", "kv-abs"):
-            raise ValueError("footprint must be 'index' or 'kv'")
+            raise ValueError("footprint must be 'index', 'kv' or 'kv-abs'")
         self.footprint = footprint
         if affinity_ties not in ("id", "ttft", "hash", "kv"):
             raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
@@ -171,30 +171,33 @@ class FairwayRouter(RouterPolicy):
         # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
         # cluster's memory), then the id
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
-        pos = {r: i for i, r in enumerate(order)}
-        # j*: the best-cached replica, ties to the smaller W, then per affinity_ties
-        if self.affinity_ties == "ttft":
-            j = min(cached, key=lambda r: (-cached[r], wait[r], pos[r]))
-        elif self.affinity_ties == "kv":
-            kv = {s.replica: s.kv_usage for s in ss}
-            j = min(cached, key=lambda r: (-cached[r], wait[r], kv[r], pos[r]))
-        elif self.affinity_ties == "hash":
-            j = self._hash_tie(req, cached, wait)
-        else:
-            j = min(cached, key=lambda r: (-cached[r], wait[r], r))
-        if cached[j] == 0:
-            pick = order[0]
-        elif self.rule == "affinity" and wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
-            pick = j
-        else:
-            pick = order[0]
-        if cached[j] == 0:
+        best = max(cached.values())
+        pick = order[0]
+        if self.rule == "affinity" and best > 0:
+            j = self._affinity_target(req, ss, cached, wait, order)
+            if wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
+                pick = j
+        if best == 0:
             self.last_reason = "cold"
         else:
-            self.last_reason = "affinity" if cached[pick] == cached[j] else "fair"
+            self.last_reason = "affinity" if cached[pick] == best else "fair"
         self.last_scores = ttft
         self.last_wait = wait
         return ranks_of([pick], (r for r in order if r != pick))
+
+    def _affinity_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int],
+                         wait: dict[int, float], order: list[int]) -> int:
+        """j* for rule="affinity": the best-cached replica, ties to the smaller W, then per
+        ``affinity_ties`` (``order`` is the ranking by T). O(R)."""
+        if self.affinity_ties == "hash":
+            return self._hash_tie(req, cached, wait)
+        if self.affinity_ties == "id":
+            return min(cached, key=lambda r: (-cached[r], wait[r], r))
+        pos = {r: i for i, r in enumerate(order)}
+        if self.affinity_ties == "kv":
+            kv = {s.replica: s.kv_usage for s in ss}
+            return min(cached, key=lambda r: (-cached[r], wait[r], kv[r], pos[r]))
+        return min(cached, key=lambda r: (-cached[r], wait[r], pos[r]))
 
     def _hash_tie(self, req: RouteRequest, cached: dict[int, int], q: dict[int, float]) -> int:
         """j* with affinity_ties="hash": among the replicas with the best match and, among those,
