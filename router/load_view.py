@@ -9,8 +9,9 @@ tracks them from its own decisions (``on_routed``) and the replicas' lifecycle r
 (``report_kv_usage``).
 
 For the Fairway router's queue-order wait model, the snapshot also lists, per replica, the
-prefill estimates of the requests waiting to start, sorted (``queued_prefills``), and the
-replica's sequence capacity when known (``max_running``, its engine's ``max_num_seqs``).
+prefill estimates of the requests waiting to start, sorted (``queued_prefills``), the
+replica's sequence capacity when known (``max_running``, its engine's ``max_num_seqs``), and the
+estimated prefill ends of its started requests still prefilling (``prefill_ends``: start + P).
 
 Staleness: in Ray Serve the replicas' stats reach the router only every so often
 (``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
@@ -42,7 +43,9 @@ class LoadSnapshot:
     start; ``queued_prefill_tokens[j] >= 0``; ``0 <= kv_usage[j] <= 1``;
     ``queued_prefills[j]`` holds the prefill estimates of j's waiting requests in ascending order
     (their sum is ``queued_prefill_s[j]`` up to float drift); ``max_running[j]`` is j's sequence
-    capacity, 0 when unknown. Both are empty tuples for snapshots built by hand.
+    capacity, 0 when unknown; ``prefill_ends[j]`` the estimated prefill end times (start + its
+    prefill estimate) of j's started requests whose end was still ahead at ``taken_s``. The last
+    three are empty tuples for snapshots built by hand.
     """
 
     taken_s: float
@@ -54,6 +57,7 @@ class LoadSnapshot:
     kv_usage: tuple[float, ...]
     queued_prefills: tuple[tuple[float, ...], ...] = field(default=())
     max_running: tuple[int, ...] = field(default=())
+    prefill_ends: tuple[tuple[float, ...], ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -82,7 +86,7 @@ class LoadView:
     """
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
-                 "_qp", "_qp_frozen", "_cap", "_req", "_snap", "_version", "_snap_version")
+                 "_qp", "_qp_frozen", "_cap", "_pf", "_req", "_snap", "_version", "_snap_version")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -107,6 +111,7 @@ class LoadView:
         self._qp: list[list[tuple[float, int]]] = []  # per replica: (P, rid) of waiting requests, sorted
         self._qp_frozen: list[tuple[float, ...] | None] = []  # its P's as a tuple; None when stale
         self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
+        self._pf: list[dict[int, float]] = []  # per replica: rid -> estimated prefill end, started requests
         self._req: dict[int, _Tracked] = {}
         self._snap: LoadSnapshot | None = None
         self._version = 0
@@ -125,6 +130,7 @@ class LoadView:
         self._qp.append([])
         self._qp_frozen.append(())
         self._cap.append(0)
+        self._pf.append({})
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks):
             icol.append(0)
         self._version += 1
@@ -163,15 +169,19 @@ class LoadView:
         self._version += 1
         return p
 
-    def on_started(self, rid: int) -> None:
-        """``rid`` was admitted into its engine (prefill starts): its work leaves Q_j and it
-        counts as running. Idempotent for a request already started. O(1)."""
+    def on_started(self, rid: int, started_at: float | None = None) -> None:
+        """``rid`` was admitted into its engine (prefill starts): its work leaves Q_j, it counts
+        as running, and its prefill is expected to end at ``started_at`` (default now) + its
+        estimate. A host that learns of starts late (from periodic stats) passes the latest
+        time the start can have happened. Idempotent for a request already started. O(1)."""
         t = self._req[rid]
         if t.started:
             return
         self._unqueue(t)
         t.started = True
         self._run[t.replica] += 1
+        start = self.clock.now() if started_at is None else min(float(started_at), self.clock.now())
+        self._pf[t.replica][rid] = start + t.prefill_s
         self._version += 1
 
     def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
@@ -189,6 +199,7 @@ class LoadView:
         t.uncached_tokens = prompt - c
         t.started = False
         self._run[t.replica] -= 1
+        self._pf[t.replica].pop(rid, None)
         self._q[t.replica] += t.prefill_s
         bisect.insort(self._qp[t.replica], (t.prefill_s, rid))
         self._qp_frozen[t.replica] = None
@@ -201,6 +212,7 @@ class LoadView:
         t = self._req.pop(rid)
         if t.started:
             self._run[t.replica] -= 1
+            self._pf[t.replica].pop(rid, None)
         else:
             self._unqueue(t)
         self._out[t.replica] -= 1
@@ -254,6 +266,7 @@ class LoadView:
             kv_usage=tuple(self._kv),
             queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
             max_running=tuple(self._cap),
+            prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
         )
         if keep:
             self._snap = snap
@@ -267,6 +280,19 @@ class LoadView:
         if frozen is None:
             frozen = self._qp_frozen[j] = tuple(p for p, _ in self._qp[j])
         return frozen
+
+    def _prefill_ends(self, j: int, now: float) -> tuple[float, ...]:
+        """Replica j's started requests' estimated prefill ends still ahead of ``now``; ends
+        already past are dropped for good (those requests count as decoding). O(k) for the k
+        requests started on j within their own prefill estimate (a handful: prefill is
+        token-budgeted)."""
+        pf = self._pf[j]
+        if not pf:
+            return ()
+        done = [rid for rid, end in pf.items() if end <= now]
+        for rid in done:
+            del pf[rid]
+        return tuple(pf.values())
 
     def _unqueue(self, t: _Tracked) -> None:
         j = t.replica

@@ -150,11 +150,14 @@ class FairwayRequestRouter(RequestRouter):
         usage = float(stats.get("kv_usage", 0.0))
         self.load.report_kv_usage(j, min(1.0, max(0.0, usage)))
         waiting = set(stats.get("waiting_ids", ()))
+        # a request missing from the waiting list started before ``taken`` (wall clock): that
+        # is the latest its prefill can have begun, on the load view's clock
+        started_by = self.clock.now() - max(0.0, time.time() - taken)
         for r in self._routed.values():
             if r.replica == j and not r.started and r.routed_at < taken and r.request_id not in waiting:
                 r.started = True
                 if r.rid in self.load:
-                    self.load.on_started(r.rid)
+                    self.load.on_started(r.rid, started_at=started_by)
         for request_id, got in stats.get("recent_cached", {}).items():
             r = self._done.pop(request_id, None)
             if r is not None and r.replica == j:

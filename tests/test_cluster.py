@@ -41,7 +41,7 @@ def test_every_request_finishes_on_some_replica(router, routers):
     for i in host.instances:  # every routed request left the load view
         snap = i.load.live()
         assert sum(snap.outstanding) == 0 and sum(snap.queued_prefill_s) == 0.0
-        assert snap.queued_prefills == ((),) * len(engines)
+        assert snap.queued_prefills == ((),) * len(engines) and snap.prefill_ends == ((),) * len(engines)
         assert snap.max_running == tuple(e.config.max_num_seqs for e in engines)  # reported at bind
     for e in engines:
         assert e.pool.num_free == e.pool.num_blocks

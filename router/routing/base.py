@@ -67,6 +67,8 @@ class ReplicaState:
     queued_prefills: the prefill estimates of its requests waiting to start, ascending (the
         Fairway router's queue-order wait model; empty when the host does not track them).
     max_running: its sequence capacity (the engine's max_num_seqs), 0 when unknown.
+    prefill_ends: estimated prefill end times (clock seconds) of its started requests still
+        prefilling when the load was read (empty when the host does not track them).
     """
 
     replica: int
@@ -80,6 +82,7 @@ class ReplicaState:
     active_blocks: int = 0
     queued_prefills: tuple[float, ...] = ()
     max_running: int = 0
+    prefill_ends: tuple[float, ...] = ()
 
 
 class RouterPolicy(ABC):
@@ -185,6 +188,7 @@ def make_states(
             active_blocks=snap.active_blocks[j],
             queued_prefills=snap.queued_prefills[j] if snap.queued_prefills else (),
             max_running=snap.max_running[j] if snap.max_running else 0,
+            prefill_ends=snap.prefill_ends[j] if snap.prefill_ends else (),
         )
         for j in ids
     ]
