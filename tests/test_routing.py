@@ -28,13 +28,15 @@ BS = 16
 
 
 def st(replica: int, outstanding: int = 0, running: int = 0, q: float = 0.0, kv: float = 0.0, matched: int = 0,
-       tree: int = 0, qtok: int = 0, active: int = 0, qp: tuple[float, ...] = (), cap: int = 0) -> ReplicaState:
+       tree: int = 0, qtok: int = 0, active: int = 0, qp: tuple[float, ...] = (), cap: int = 0,
+       ends: tuple[float, ...] = ()) -> ReplicaState:
     """A replica state with readable defaults (idle, empty, nothing matched). ``qp``: the waiting
-    requests' prefill estimates (their sum becomes Q unless ``q`` is given); ``cap``: max_num_seqs."""
+    requests' prefill estimates (their sum becomes Q unless ``q`` is given); ``cap``: max_num_seqs;
+    ``ends``: the estimated prefill ends of its started requests."""
     qp = tuple(sorted(qp))
     return ReplicaState(replica=replica, outstanding=outstanding, running=running, queued_prefill_s=q or sum(qp),
                         kv_usage=kv, matched_blocks=matched, index_blocks=tree, queued_prefill_tokens=qtok,
-                        active_blocks=active, queued_prefills=qp, max_running=cap)
+                        active_blocks=active, queued_prefills=qp, max_running=cap, prefill_ends=ends)
 
 
 def req(prompt: int = 160, hashes=None, rid: int = 0) -> RouteRequest:
@@ -502,6 +504,41 @@ def test_fairway_score_rule_has_no_separate_affinity_test():
     assert ranked(r, req(1000), [st(0, qp=(0.2,)), st(1)]) == [[1], [0]] and r.last_reason == "cold"
 
 
+def test_fairway_running_prefill_counts_the_started_work_still_to_run():
+    # At t = 10, replica 0 holds 800 of the 1000 tokens (P = 0.21) but started two cold prompts
+    # whose prefills end at 10.5 and 10.9 (one ended at 9.0: done). R_0 = 0.5 + 0.9 = 1.4, so
+    # T_0 = 1.4 + 0.21 = 1.61 against the idle replica 1's cold 1.01.
+    r = router("fairway")
+    r.clock.set(10.0)
+    states = [st(0, matched=50, running=3, outstanding=3, ends=(9.0, 10.5, 10.9)), st(1)]
+    assert r.running_prefill_s(states[0]) == pytest.approx(1.4)
+    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "fair"
+    assert r.last_wait == pytest.approx({0: 1.4, 1: 0.0})
+    # R adds to the queue-order wait as well: one lighter request queued (0.1 / 0.4 = 0.25)
+    queued = [st(0, matched=50, ends=(10.5,), qp=(0.1, 2.0)), st(1, qp=(0.3,))]
+    assert ranked(r, req(1000), queued) == [[0], [1]]
+    assert r.last_wait == pytest.approx({0: 0.5 + 0.25, 1: 0.3})
+    # Off (the third pass's model): replica 0 looks idle and keeps the request.
+    off = router("fairway", running_prefill=False, decode_batch=False)
+    off.clock.set(10.0)
+    assert ranked(off, req(1000), states) == [[0], [1]] and off.last_reason == "affinity"
+    assert off.last_wait == pytest.approx({0: 0.0, 1: 0.0})
+
+
+def test_fairway_decode_batch_prices_the_first_token_step_with_the_running_decodes():
+    # LinearCost's step adds 0.005 s when the batch decodes. Replicas 0 and 1 both hold the whole
+    # cacheable prompt (62 blocks: 8 new tokens of 1000, P = 0.018). Replica 0 is decoding two
+    # sequences, replica 1 has five requests waiting and none running: S_0 = 0.023, S_1 = 0.018.
+    states = [st(0, matched=62, running=2, outstanding=2, active=20), st(1, matched=62, outstanding=5)]
+    r = router("fairway")
+    assert ranked(r, req(1000), states) == [[1], [0]]
+    assert r.last_scores == pytest.approx({0: 0.023, 1: 0.018})
+    # without it the two tie on T = P, and the tie goes to fewer outstanding requests
+    plain = router("fairway", decode_batch=False)
+    assert ranked(plain, req(1000), states) == [[0], [1]]
+    assert plain.last_scores == pytest.approx({0: 0.018, 1: 0.018})
+
+
 def test_queue_model_options_follow_the_replica_policy():
     from router.routing.fairway import queue_model_options
 
@@ -663,6 +700,29 @@ def test_load_view_lists_the_waiting_work_sorted_and_the_capacity():
     assert make_states(snap, [0, 0], [0, 0])[1].max_running == 256
     with pytest.raises(ValueError):
         lv.report_max_running(0, -1)
+
+
+def test_load_view_lists_the_started_prefills_until_their_estimated_end():
+    lv, clock = view(2)
+    for rid, p in ((1, 0.5), (2, 0.2), (3, 0.4)):
+        lv.on_routed(rid, 0, 100, prefill_s=p)
+    lv.on_routed(4, 1, 100, prefill_s=1.0)
+    clock.set(1.0)
+    lv.on_started(1)  # ends at 1.5
+    lv.on_started(2, started_at=0.9)  # the host learned of it late: ends at 1.1
+    lv.on_started(4, started_at=5.0)  # never later than now: ends at 2.0
+    assert lv.snapshot().prefill_ends == ((1.5, pytest.approx(1.1)), (2.0,))
+    clock.set(1.2)
+    lv.on_started(3)  # ends at 1.6
+    snap = lv.snapshot()
+    assert snap.prefill_ends == ((1.5, 1.6), (2.0,))  # 1.1 has passed: decoding
+    assert make_states(snap, [0, 0], [0, 0])[0].prefill_ends == (1.5, 1.6)
+    lv.on_finished(1)  # finished (or cancelled) early
+    lv.on_preempted(4, cached_tokens=0, prompt_tokens=100)  # back in the queue
+    assert lv.snapshot().prefill_ends == ((1.6,), ())
+    clock.set(1.6)
+    lv.on_routed(5, 1, 100, prefill_s=0.1)
+    assert lv.snapshot().prefill_ends == ((), ())
 
 
 def test_load_view_staleness():
