@@ -89,6 +89,7 @@ class AdmissionGate:
         self.recent_cached: OrderedDict[str, int] = OrderedDict()
         self._in_engine = 0  # admitted and not finished
         self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
+        self._prefilling: dict[int, tuple[str, float]] = {}  # admitted, no first token: rid -> (id, wall time)
         self.admitted = 0
         self.finished = 0
         self.rejected = 0
@@ -139,7 +140,7 @@ class AdmissionGate:
             if not self.engine.can_fit(q.prompt_tokens, q.block_hashes):
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
-            self._request_ids.pop(q.rid, None)
+            self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
             self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
             fut = self._waiting.pop(q.rid)
@@ -207,6 +208,7 @@ class AdmissionGate:
         self._in_engine -= 1
         if not prefilled:
             self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
+            self._prefilling.pop(adm.rid, None)
 
     async def _stream(self, call: GenerateCall, adm: Admission, progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
         n = len(call.prompt_token_ids)
@@ -228,6 +230,7 @@ class AdmissionGate:
                 self._fill(chunk, n, cached, adm, ttft)
                 progress["prefilled"] = True
                 self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
+                self._prefilling.pop(adm.rid, None)
                 self.pump()  # its prefill is done: room for the next one
             if out.finished:
                 self._fill(chunk, n, cached, adm, ttft)
@@ -287,4 +290,5 @@ class AdmissionGate:
             lanes=dict(self.policy.lane_sizes()),
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),
+            prefilling=dict(self._prefilling.values()),
         )

@@ -165,7 +165,9 @@ class ReplicaRoutingStats:
     feedback that corrects the routers' prefix-index estimates. ``waiting_ids`` are the requests
     still in the gate's queue at ``taken_at`` (wall clock): a router marks its other requests on
     this replica routed before ``taken_at`` as started, so its queued-work estimate follows the
-    replica's real queue.
+    replica's real queue. ``prefilling`` maps the requests admitted into the engine and still
+    without a first token at ``taken_at`` to their admission time (wall clock): a router dates
+    their prefill from it and counts every other started request as past its prefill.
     """
 
     replica: str
@@ -179,3 +181,4 @@ class ReplicaRoutingStats:
     max_num_seqs: int = 0
     recent_cached: dict[str, int] = field(default_factory=dict)
     waiting_ids: list[str] = field(default_factory=list)
+    prefilling: dict[str, float] = field(default_factory=dict)

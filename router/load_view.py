@@ -184,6 +184,13 @@ class LoadView:
         self._pf[t.replica][rid] = start + t.prefill_s
         self._version += 1
 
+    def on_prefill_done(self, rid: int) -> None:
+        """``rid`` produced its first token (its prefill is over): it leaves ``prefill_ends``.
+        A host that hears of first tokens calls it; otherwise the estimated end stands. O(1)."""
+        t = self._req.get(rid)
+        if t is not None and self._pf[t.replica].pop(rid, None) is not None:
+            self._version += 1
+
     def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
         """A running ``rid`` went back to its engine's waiting queue (preempted, to be
         recomputed): its prefill work is queued again, re-priced with the new hit.

@@ -150,14 +150,22 @@ class FairwayRequestRouter(RequestRouter):
         usage = float(stats.get("kv_usage", 0.0))
         self.load.report_kv_usage(j, min(1.0, max(0.0, usage)))
         waiting = set(stats.get("waiting_ids", ()))
-        # a request missing from the waiting list started before ``taken`` (wall clock): that
-        # is the latest its prefill can have begun, on the load view's clock
-        started_by = self.clock.now() - max(0.0, time.time() - taken)
+        # Wall times from the replica, on the load view's clock. A request missing from the
+        # waiting list started before ``taken``: at its admission time if the replica lists it
+        # as prefilling, else (an older replica) at ``taken`` at the latest. One that started
+        # and is not prefilling has its first token: its prefill no longer delays anyone.
+        ago = self.clock.now() - time.time()
+        started_by = ago + taken
+        prefilling = stats.get("prefilling")
         for r in self._routed.values():
-            if r.replica == j and not r.started and r.routed_at < taken and r.request_id not in waiting:
+            if r.replica != j or r.routed_at >= taken or r.request_id in waiting or r.rid not in self.load:
+                continue
+            admitted = prefilling.get(r.request_id) if prefilling is not None else None
+            if not r.started:
                 r.started = True
-                if r.rid in self.load:
-                    self.load.on_started(r.rid, started_at=started_by)
+                self.load.on_started(r.rid, started_at=started_by if admitted is None else ago + admitted)
+            if prefilling is not None and admitted is None:
+                self.load.on_prefill_done(r.rid)
         for request_id, got in stats.get("recent_cached", {}).items():
             r = self._done.pop(request_id, None)
             if r is not None and r.replica == j:

@@ -8,6 +8,7 @@ tokens exactly when it wants, so orders are exact.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import pytest
@@ -209,12 +210,19 @@ async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
     t1 = asyncio.create_task(consume(gate, call("a", 80, fam), out))
     t2 = asyncio.create_task(consume(gate, call("b", 80, fam), out))
     await settle()
+    before = time.time()
     st = gate.routing_stats()
     assert st.waiting_ids == ["b"] and st.recent_cached == {} and st.lanes == {"fast": 1, "fair": 0}
     assert st.max_num_seqs == 8  # the engine's sequence capacity, for the router's wait model
+    # "a" is in the engine without a first token: listed with its admission time (wall clock)
+    assert list(st.prefilling) == ["a"] and st.prefilling["a"] <= before
     engine.release("a")
+    await settle()
+    st = gate.routing_stats()  # "a" has its first token; "b" took its place
+    assert st.waiting_ids == [] and list(st.prefilling) == ["b"]
     engine.release("b")
     await asyncio.gather(t1, t2)
     st = gate.routing_stats()
     assert st.waiting_ids == [] and st.recent_cached == {"a": 64, "b": 64}  # 4 blocks, capped below 80
+    assert st.prefilling == {}
     assert {ch.lane for _, ch in out if ch.prompt_tokens} == {"fast"}

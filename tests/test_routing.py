@@ -720,6 +720,10 @@ def test_load_view_lists_the_started_prefills_until_their_estimated_end():
     lv.on_finished(1)  # finished (or cancelled) early
     lv.on_preempted(4, cached_tokens=0, prompt_tokens=100)  # back in the queue
     assert lv.snapshot().prefill_ends == ((1.6,), ())
+    lv.on_started(4)  # restarted at 1.2, re-priced at 0.11 s: ends at 1.31
+    lv.on_prefill_done(4)  # a host that saw its first token says so: gone before its estimate
+    lv.on_prefill_done(99)  # unknown (already finished): ignored
+    assert lv.snapshot().prefill_ends == ((1.6,), ())
     clock.set(1.6)
     lv.on_routed(5, 1, 100, prefill_s=0.1)
     assert lv.snapshot().prefill_ends == ((), ())
