@@ -154,8 +154,8 @@ class FairwayRequestRouter(RequestRouter):
         # waiting list started before ``taken``: at its admission time if the replica lists it
         # as prefilling, else (an older replica) at ``taken`` at the latest. One that started
         # and is not prefilling has its first token: its prefill no longer delays anyone.
-        ago = self.clock.now() - time.time()
-        started_by = ago + taken
+        wall_to_clock = self.clock.now() - time.time()
+        started_by = wall_to_clock + taken
         prefilling = stats.get("prefilling")
         for r in self._routed.values():
             if r.replica != j or r.routed_at >= taken or r.request_id in waiting or r.rid not in self.load:
@@ -163,7 +163,7 @@ class FairwayRequestRouter(RequestRouter):
             admitted = prefilling.get(r.request_id) if prefilling is not None else None
             if not r.started:
                 r.started = True
-                self.load.on_started(r.rid, started_at=started_by if admitted is None else ago + admitted)
+                self.load.on_started(r.rid, started_at=started_by if admitted is None else wall_to_clock + admitted)
             if prefilling is not None and admitted is None:
                 self.load.on_prefill_done(r.rid)
         for request_id, got in stats.get("recent_cached", {}).items():
