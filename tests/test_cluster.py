@@ -14,14 +14,14 @@ from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
 
 
-def cluster(router: str, specs, n=3, kv_blocks=80, routers=1, index_mode="approx"):
+def cluster(router: str, specs, n=3, kv_blocks=80, routers=1, index_mode="approx", options=None):
     clock = ManualClock()
     cost = LinearCost()
     engines = [EngineModel(EngineConfig(kv_blocks=kv_blocks, max_num_batched_tokens=256), cost,
                            make_policy("fairway", clock=clock, cost=cost), clock, replica=j)
                for j in range(n)]
     host = ClusterRouter(router, n, clock, cost, routers=routers, index_mode=index_mode,
-                         capacity_blocks=kv_blocks)
+                         capacity_blocks=kv_blocks, options=options or {})
     return Simulation(ListWorkload(specs), engines, clock, router=host), engines, host
 
 
@@ -65,9 +65,22 @@ def test_kv_event_index_equals_the_engines_caches():
 
 def test_prefix_affinity_sends_a_family_to_one_replica():
     specs = [spec(i, 1.0 * i, 200, 2, chain("fam", 10) + chain(f"u{i}", 2)) for i in range(10)]
-    res = cluster("fairway", specs)[0].run()
+    res = cluster("fairway", specs, options={"replicate": False})[0].run()
     assert len({r.replica for r in res.finished}) == 1
     assert all(r.cached_tokens == 160 for r in res.finished if r.rid > 0)
+
+
+def test_a_prefix_drawing_all_the_traffic_is_replicated_until_every_replica_holds_it():
+    # One family, one request a second. At its third sighting (rid 3, t = 3) the prefix draws
+    # all the decisions, share 1 > 1/3 held: rid 3 seeds replica 1; rid 4 (share 1 > 2/3) seeds
+    # replica 2. Then every replica holds it and the minimum T spreads the rest.
+    specs = [spec(i, 1.0 * i, 200, 2, chain("fam", 10) + chain(f"u{i}", 2)) for i in range(10)]
+    sim, _, host = cluster("fairway", specs)
+    res = sim.run()
+    by_rid = sorted((r.rid, r.replica, r.cached_tokens) for r in res.finished)
+    assert [j for _, j, _ in by_rid] == [0, 0, 0, 1, 2, 1, 2, 1, 2, 0]
+    assert [c for _, _, c in by_rid] == [0, 160, 160, 0, 0, 160, 160, 160, 160, 160]
+    assert host.reasons() == {"cold": 1, "affinity": 7, "replicate": 2}
 
 
 def test_ceiling_hit_ratio_of_a_shared_cache():

@@ -22,6 +22,7 @@ from router.routing import (
     router_class,
 )
 from router.routing.anchors import Pow2
+from router.routing.popularity import PrefixShares
 from tests.factories import LinearCost, chain
 
 BS = 16
@@ -791,3 +792,64 @@ def test_states_from_load_view_and_index_feed_a_router():
     assert dflt.rank(rq, states) == [[2], [0]] and dflt.last_reason == "affinity"
     assert dflt.last_wait == pytest.approx({0: 0.0, 2: 0.0})
     assert dflt.last_scores == pytest.approx({0: 1.32, 2: 0.02})
+
+
+# -- prefix shares (the Fairway router's replication signal) -----------------------------------
+
+
+def test_prefix_shares_are_rates_since_first_sighting_relative_to_all_decisions():
+    sh = PrefixShares(max_prefixes=2)
+    for t in (0.0, 1.0):
+        sh.observe(t)
+    assert sh.share(7, 1.0) is None  # first sighting
+    sh.observe(2.0)
+    assert sh.share(7, 2.0) is None  # two sightings: one interval is not yet a rate
+    sh.observe(3.0)
+    # prefix 7: 2 intervals over 2 s = 1/s; all decisions: 3 intervals over 3 s = 1/s
+    assert sh.share(7, 3.0) == pytest.approx(1.0)
+    for t in (4.0, 5.0, 6.0):
+        sh.observe(t)
+    # no sighting of 7 at 4 and 5: 3 intervals over 5 s against 6 over 6 s
+    assert sh.share(7, 6.0) == pytest.approx(0.6)
+    sh.share(8, 6.0)
+    sh.share(9, 6.0)  # a third prefix: the least recently seen (7) is forgotten
+    assert len(sh) == 2
+    assert sh.share(7, 6.5) is None  # counted again from scratch
+    with pytest.raises(ValueError):
+        PrefixShares(max_prefixes=0)
+
+
+def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
+    # Replica 0 alone holds the prompt's 50-block prefix (P = 0.21 against 1.01 cold). The same
+    # prefix comes once a second; at its third sighting it draws every decision: share 1 > 1/3,
+    # so the request seeds the non-holder with the lower T (replica 2: replica 1 has queued work).
+    r = router("fairway")
+    states = [st(0, matched=50), st(1, qp=(0.5,)), st(2)]
+    picks_by_t = []
+    for t in (0.0, 1.0, 2.0):
+        r.clock.set(t)
+        picks_by_t.append((choice(ranked(r, req(1000), states)), r.last_reason))
+    assert picks_by_t == [(0, "affinity"), (0, "affinity"), (2, "replicate")]
+    assert ranked(r, req(1000), states) == [[2], [0], [1]]  # ranks: the seed, then by T
+    # two holders of three: share 1 > 2/3 still; three of three: nothing left to seed
+    r.clock.set(3.0)
+    two = [st(0, matched=50), st(1, qp=(0.5,)), st(2, matched=50)]
+    assert choice(ranked(r, req(1000), two)) == 1 and r.last_reason == "replicate"
+    r.clock.set(4.0)
+    full = [st(0, matched=50), st(1, matched=50, qp=(0.5,)), st(2, matched=50)]
+    assert choice(ranked(r, req(1000), full)) in (0, 2) and r.last_reason == "affinity"
+    # other traffic dilutes the share: a fresh router that sees the prefix in 1 of 4 decisions
+    # (0.25 < 1/3) keeps it on its holder
+    d = router("fairway")
+    for t in range(12):
+        d.clock.set(float(t))
+        rq = req(1000) if t % 4 == 0 else req(1000, hashes=chain(f"other{t}", 62))
+        d.rank(rq, states)
+    assert d.last_reason != "replicate"
+    d.clock.set(12.0)
+    assert choice(ranked(d, req(1000), states)) == 0 and d.last_reason == "affinity"
+    # off: the holder keeps it
+    off = router("fairway", replicate=False)
+    for t in (0.0, 1.0, 2.0):
+        off.clock.set(t)
+        assert choice(ranked(off, req(1000), states)) == 0

@@ -26,6 +26,13 @@ fullness_j is j's KV usage over the highest replica's (footprint="kv"), its KV u
 (footprint="kv-abs"), or its index size over the largest (footprint="index"): a placement
 displaces cached work in proportion to its own prefill and to how full that replica's memory is.
 
+Replication (``replicate``, default on): the router counts, per shared prefix (named by the
+hash of the request's last matched block), its share s of all routing decisions
+(``router/routing/popularity.py``). While s > k / R for its k holders among R replicas, the
+request seeds the non-holder with the lowest T_rj (reason ``"replicate"``): the holders serve
+more than their part of the traffic, and the one request that pays the recompute buys a
+smaller batch for every later request of that prefix, a gain no per-request T counts.
+
 - ``rule="score"`` (default): the minimum T_rj. Affinity is not a separate test: with the queue
   wait model, the replica holding the prompt's prefix wins while the work queued ahead of the
   request there (in that replica's order) costs less than recomputing the prefix elsewhere.
@@ -33,9 +40,9 @@ displaces cached work in proportion to its own prefill and to how full that repl
   per ``affinity_ties``); route there if W_rj* <= theta * max(P_rj*, p_floor_s), else the
   minimum T_rj; a prompt no replica holds goes to the minimum T_rj.
 
-Reasons (``last_reason``): ``"cold"`` when no replica holds any of the prompt, ``"affinity"``
-when the pick is the best-cached replica, ``"fair"`` otherwise. ``last_scores`` holds each
-replica's T_rj and ``last_wait`` its W_rj. The ranks are the pick, then every other replica by
+Reasons (``last_reason``): ``"replicate"`` for a seed, else ``"cold"`` when no replica holds
+any of the prompt, ``"affinity"`` when the pick is the best-cached replica, ``"fair"``
+otherwise. ``last_scores`` holds each replica's T_rj and ``last_wait`` its W_rj. The ranks are the pick, then every other replica by
 T_rj (ties: more cache, fewer outstanding, smaller index, lower id).
 
 Complexity: O(R log R + n + k) for R candidates, n requests waiting across them (one bisect and
@@ -55,6 +62,7 @@ from router.clock import Clock
 from router.cost_model import CostModel
 from router.policies.fairway import FairwayConfig
 from router.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from router.routing.popularity import PrefixShares
 
 #: The replica queue's default promotion threshold.
 DEFAULT_THETA = FairwayConfig().theta
@@ -82,9 +90,10 @@ class FairwayRouter(RouterPolicy):
       prompt's first block after the match; "kv": the lowest KV usage, then the better T).
     - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
       adds beyond the cheapest one).
-    - running_prefill = True (W_rj counts the started requests' remaining prefill) and
-      decode_batch = True (the first-token step is priced with j's running decodes); both off
-      give the third pass's model.
+    - running_prefill = True (W_rj counts the started requests' remaining prefill),
+      decode_batch = True (the first-token step is priced with j's running decodes) and
+      replicate = True (a prefix drawing more than its holders' share of the traffic seeds one
+      more holder); all three off give the third pass's model.
 
     The defaults were chosen by the worst case against the best anchor router over Mooncake
     (x2-x4 and four router instances), agentic, hotspot and rag-spike on 8 replicas
@@ -95,7 +104,9 @@ class FairwayRouter(RouterPolicy):
     on replicas without the shared preamble (agentic 3 sessions/s: p99 1.73 -> 1.28 s). The
     running prefill and the decode batch (fourth pass) stop requests queueing behind a long
     prefill that has already started, or on a replica busy decoding, for a few ms of cache
-    (Mooncake x2: p50 0.31 -> 0.07 s; hotspot 160 req/s: p99 1.26 -> 0.63 s).
+    (Mooncake x2: p50 0.31 -> 0.07 s; hotspot 160 req/s: p99 1.26 -> 0.63 s), and replication
+    spreads a hot prefix over as many replicas as its traffic warrants (hotspot 100 req/s: p50
+    0.023 -> 0.014 s).
     """
 
     name = "fairway"
@@ -118,6 +129,7 @@ class FairwayRouter(RouterPolicy):
         rule: str = "score",
         running_prefill: bool = True,
         decode_batch: bool = True,
+        replicate: bool = True,
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -149,6 +161,8 @@ class FairwayRouter(RouterPolicy):
         self.rule = rule
         self.running_prefill = bool(running_prefill)
         self.decode_batch = bool(decode_batch)
+        self.replicate = bool(replicate)
+        self.shares = PrefixShares()
         self.last_wait: dict[int, float] = {}
 
     def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
@@ -214,13 +228,33 @@ class FairwayRouter(RouterPolicy):
             j = self._affinity_target(req, ss, cached, wait, order)
             if wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
                 pick = j
-        if best == 0:
+        seed = self._seed_target(req, cached, best, order) if self.replicate else None
+        if seed is not None:
+            pick = seed
+            self.last_reason = "replicate"
+        elif best == 0:
             self.last_reason = "cold"
         else:
             self.last_reason = "affinity" if cached[pick] == best else "fair"
         self.last_scores = ttft
         self.last_wait = wait
         return ranks_of([pick], (r for r in order if r != pick))
+
+    def _seed_target(self, req: RouteRequest, cached: dict[int, int], best: int, order: list[int]) -> int | None:
+        """The replica that should get one more copy of the prefix ``req`` shares with its
+        best-cached replicas, or None. The prefix (named by its last matched block) draws a
+        share s of the routing decisions; its k holders are k / R of the R replicas. While
+        s > k / R its holders serve more than their part of the traffic, so the request seeds
+        the non-holder with the lowest T. O(R)."""
+        now = self.clock.now()
+        self.shares.observe(now)
+        if best <= 0:
+            return None
+        share = self.shares.share(int(req.block_hashes[best // self.block_size - 1]), now)
+        holders = sum(1 for c in cached.values() if c == best)
+        if share is None or holders == len(cached) or share <= holders / len(cached):
+            return None
+        return next(j for j in order if cached[j] < best)
 
     def _affinity_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int],
                          wait: dict[int, float], order: list[int]) -> int:
