@@ -42,8 +42,9 @@ smaller batch for every later request of that prefix, a gain no per-request T co
 
 Reasons (``last_reason``): ``"replicate"`` for a seed, else ``"cold"`` when no replica holds
 any of the prompt, ``"affinity"`` when the pick is the best-cached replica, ``"fair"``
-otherwise. ``last_scores`` holds each replica's T_rj and ``last_wait`` its W_rj. The ranks are the pick, then every other replica by
-T_rj (ties: more cache, fewer outstanding, smaller index, lower id).
+otherwise. ``last_scores`` holds each replica's T_rj and ``last_wait`` its W_rj. The ranks are
+the pick, then every other replica by T_rj (ties: more cache, fewer outstanding, smaller index,
+lower id).
 
 Complexity: O(R log R + n + k) for R candidates, n requests waiting across them (one bisect and
 one C-level sum over each replica's sorted waiting list) and k started requests still
