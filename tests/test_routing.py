@@ -820,36 +820,41 @@ def test_prefix_shares_are_rates_since_first_sighting_relative_to_all_decisions(
 
 
 def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
-    # Replica 0 alone holds the prompt's 50-block prefix (P = 0.21 against 1.01 cold). The same
-    # prefix comes once a second; at its third sighting it draws every decision: share 1 > 1/3,
-    # so the request seeds the non-holder with the lower T (replica 2: replica 1 has queued work).
+    # Replica 0 alone holds the prompt's 50-block prefix (P = 0.21 against 1.01 cold) and is
+    # busy: a prefill started there runs 0.5 s more (T_0 = 0.71). The same prefix comes once a
+    # second; at its third sighting it draws every decision: share 1 > 1/3. Once it held the
+    # prefix, replica 2 would serve the request in 0.21 and replica 1 (0.1 s lighter work
+    # queued) in 0.31, both under 0.71: the request seeds replica 2.
     r = router("fairway")
-    states = [st(0, matched=50), st(1, qp=(0.5,)), st(2)]
-    picks_by_t = []
+
+    def busy(t: float, two_holders: bool = False) -> list[ReplicaState]:
+        return [st(0, matched=50, ends=(t + 0.5,)), st(1, qp=(0.1,)), st(2, matched=50 if two_holders else 0)]
+
+    got = []
     for t in (0.0, 1.0, 2.0):
         r.clock.set(t)
-        picks_by_t.append((choice(ranked(r, req(1000), states)), r.last_reason))
-    assert picks_by_t == [(0, "affinity"), (0, "affinity"), (2, "replicate")]
-    assert ranked(r, req(1000), states) == [[2], [0], [1]]  # ranks: the seed, then by T
-    # two holders of three: share 1 > 2/3 still; three of three: nothing left to seed
+        got.append((choice(ranked(r, req(1000), busy(t))), r.last_reason))
+    assert got == [(0, "affinity"), (0, "affinity"), (2, "replicate")]
+    assert ranked(r, req(1000), busy(2.0)) == [[2], [0], [1]]  # ranks: the seed, then by T
+    # two holders of three (share 1 > 2/3): replica 2 holds it now and is the best holder
+    # (T 0.21), so no non-holder would do better: no seed
     r.clock.set(3.0)
-    two = [st(0, matched=50), st(1, qp=(0.5,)), st(2, matched=50)]
-    assert choice(ranked(r, req(1000), two)) == 1 and r.last_reason == "replicate"
-    r.clock.set(4.0)
-    full = [st(0, matched=50), st(1, matched=50, qp=(0.5,)), st(2, matched=50)]
-    assert choice(ranked(r, req(1000), full)) in (0, 2) and r.last_reason == "affinity"
-    # other traffic dilutes the share: a fresh router that sees the prefix in 1 of 4 decisions
-    # (0.25 < 1/3) keeps it on its holder
+    assert choice(ranked(r, req(1000), busy(3.0, two_holders=True))) == 2 and r.last_reason == "affinity"
+    # an idle cluster: a copy would serve the prefix no sooner (0.21 against 0.21): no seed
+    idle = router("fairway")
+    for t in (0.0, 1.0, 2.0, 3.0):
+        idle.clock.set(t)
+        assert choice(ranked(idle, req(1000), [st(0, matched=50), st(1), st(2)])) == 0
+        assert idle.last_reason == "affinity"
+    # other traffic dilutes the share: the prefix in 1 of 4 decisions (0.25 < 1/3) stays put
     d = router("fairway")
-    for t in range(12):
+    for t in range(13):
         d.clock.set(float(t))
         rq = req(1000) if t % 4 == 0 else req(1000, hashes=chain(f"other{t}", 62))
-        d.rank(rq, states)
-    assert d.last_reason != "replicate"
-    d.clock.set(12.0)
-    assert choice(ranked(d, req(1000), states)) == 0 and d.last_reason == "affinity"
+        d.rank(rq, busy(float(t)))
+        assert d.last_reason != "replicate"
     # off: the holder keeps it
     off = router("fairway", replicate=False)
     for t in (0.0, 1.0, 2.0):
         off.clock.set(t)
-        assert choice(ranked(off, req(1000), states)) == 0
+        assert choice(ranked(off, req(1000), busy(t))) == 0

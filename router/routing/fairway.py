@@ -28,10 +28,12 @@ displaces cached work in proportion to its own prefill and to how full that repl
 
 Replication (``replicate``, default on): the router counts, per shared prefix (named by the
 hash of the request's last matched block), its share s of all routing decisions
-(``router/routing/popularity.py``). While s > k / R for its k holders among R replicas, the
-request seeds the non-holder with the lowest T_rj (reason ``"replicate"``): the holders serve
-more than their part of the traffic, and the one request that pays the recompute buys a
-smaller batch for every later request of that prefix, a gain no per-request T counts.
+(``router/routing/popularity.py``). While s > k / R for its k holders among R replicas, and a
+non-holder, once it held the prefix, would serve the request sooner than the best holder does
+now (its T_rj with the prefix cached, against the holders' best T_rj), the request seeds the
+non-holder with the lowest such T (reason ``"replicate"``): the one request that pays the
+recompute buys a shorter wait or a smaller batch for every later request of that prefix, a gain
+no per-request T counts. On an idle cluster no copy is made.
 
 - ``rule="score"`` (default): the minimum T_rj. Affinity is not a separate test: with the queue
   wait model, the replica holding the prompt's prefix wins while the work queued ahead of the
@@ -229,7 +231,7 @@ class FairwayRouter(RouterPolicy):
             j = self._affinity_target(req, ss, cached, wait, order)
             if wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
                 pick = j
-        seed = self._seed_target(req, cached, best, order) if self.replicate else None
+        seed = self._seed_target(req, ss, cached, best, ttft, fullness) if self.replicate else None
         if seed is not None:
             pick = seed
             self.last_reason = "replicate"
@@ -241,12 +243,15 @@ class FairwayRouter(RouterPolicy):
         self.last_wait = wait
         return ranks_of([pick], (r for r in order if r != pick))
 
-    def _seed_target(self, req: RouteRequest, cached: dict[int, int], best: int, order: list[int]) -> int | None:
+    def _seed_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int], best: int,
+                     ttft: dict[int, float], fullness: dict[int, float]) -> int | None:
         """The replica that should get one more copy of the prefix ``req`` shares with its
         best-cached replicas, or None. The prefix (named by its last matched block) draws a
         share s of the routing decisions; its k holders are k / R of the R replicas. While
-        s > k / R its holders serve more than their part of the traffic, so the request seeds
-        the non-holder with the lowest T. O(R)."""
+        s > k / R its holders serve more than their part of the traffic. If then a non-holder,
+        once it held the prefix, would serve such a request sooner than the best holder does now
+        (its T with the prefix cached, against the holders' best T), the request seeds the
+        non-holder with the lowest such T; on an idle cluster no copy is made. O(R)."""
         now = self.clock.now()
         self.shares.observe(now)
         if best <= 0:
@@ -255,7 +260,17 @@ class FairwayRouter(RouterPolicy):
         holders = sum(1 for c in cached.values() if c == best)
         if share is None or holders == len(cached) or share <= holders / len(cached):
             return None
-        return next(j for j in order if cached[j] < best)
+        p_warm = self.cost.prefill_time(req.prompt_tokens - best, best)
+        f = self.footprint_weight
+        warm = {}
+        for s in ss:
+            j = s.replica
+            if cached[j] < best:
+                own = self.own_time(req, s, best) if self.decode_batch else p_warm
+                warm[j] = self.expected_wait(s, p_warm, best) + own + f * p_warm * fullness[j]
+        j = min(warm, key=lambda r: (warm[r], r))
+        held = min(t for r, t in ttft.items() if cached[r] == best)
+        return j if warm[j] < held else None
 
     def _affinity_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int],
                          wait: dict[int, float], order: list[int]) -> int:
