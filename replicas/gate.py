@@ -140,9 +140,9 @@ class AdmissionGate:
             if not self.engine.can_fit(q.prompt_tokens, q.block_hashes):
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
-            self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
             self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
+            self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
             fut = self._waiting.pop(q.rid)
             if not fut.done():
                 fut.set_result(adm)
@@ -207,8 +207,13 @@ class AdmissionGate:
     def _release(self, adm: Admission, prefilled: bool) -> None:
         self._in_engine -= 1
         if not prefilled:
-            self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
-            self._prefilling.pop(adm.rid, None)
+            self._prefill_over(adm)
+
+    def _prefill_over(self, adm: Admission) -> None:
+        """``adm``'s prefill no longer occupies the engine (first token out, or it left first):
+        it leaves the pending prefill tokens and the prefilling list the stats report."""
+        self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
+        self._prefilling.pop(adm.rid, None)
 
     async def _stream(self, call: GenerateCall, adm: Admission, progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
         n = len(call.prompt_token_ids)
@@ -229,8 +234,7 @@ class AdmissionGate:
                     self.stats.observe_ttft(adm.lane, ttft, replica=self.replica)
                 self._fill(chunk, n, cached, adm, ttft)
                 progress["prefilled"] = True
-                self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
-                self._prefilling.pop(adm.rid, None)
+                self._prefill_over(adm)
                 self.pump()  # its prefill is done: room for the next one
             if out.finished:
                 self._fill(chunk, n, cached, adm, ttft)

@@ -199,6 +199,13 @@ class FairwayRouter(RouterPolicy):
         ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
         return self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
 
+    def expected_ttft(self, req: RouteRequest, s: ReplicaState, cached_tokens: int, prefill_s: float,
+                      wait_s: float, fullness: float) -> float:
+        """T_rj without the extra-work term: the wait, the first token's step (``own_time``
+        with the decode batch, else P_rj) and the footprint term. O(1)."""
+        step = self.own_time(req, s, cached_tokens) if self.decode_batch else prefill_s
+        return wait_s + step + self.footprint_weight * prefill_s * fullness
+
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
         cached = {s.replica: self.cached_tokens(req, s) for s in ss}
@@ -207,7 +214,6 @@ class FairwayRouter(RouterPolicy):
         wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
         least = min(prefill.values())
         w = self.extra_work_weight
-        f = self.footprint_weight
         if self.footprint == "kv":
             kmax = max(s.kv_usage for s in ss) or 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
@@ -216,9 +222,9 @@ class FairwayRouter(RouterPolicy):
         else:
             biggest = max(s.index_blocks for s in ss) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
-        own = {s.replica: self.own_time(req, s, cached[s.replica]) for s in ss} if self.decode_batch else prefill
-        ttft = {j: wait[j] + own[j] + w * (prefill[j] - least) + f * prefill[j] * fullness[j]
-                for j in wait}
+        ttft = {s.replica: self.expected_ttft(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
+                                              fullness[s.replica]) + w * (prefill[s.replica] - least)
+                for s in ss}
         load = {s.replica: s.outstanding for s in ss}
         size = {s.replica: s.index_blocks for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
@@ -261,13 +267,9 @@ class FairwayRouter(RouterPolicy):
         if share is None or holders == len(cached) or share <= holders / len(cached):
             return None
         p_warm = self.cost.prefill_time(req.prompt_tokens - best, best)
-        f = self.footprint_weight
-        warm = {}
-        for s in ss:
-            j = s.replica
-            if cached[j] < best:
-                own = self.own_time(req, s, best) if self.decode_batch else p_warm
-                warm[j] = self.expected_wait(s, p_warm, best) + own + f * p_warm * fullness[j]
+        warm = {s.replica: self.expected_ttft(req, s, best, p_warm, self.expected_wait(s, p_warm, best),
+                                              fullness[s.replica])
+                for s in ss if cached[s.replica] < best}
         j = min(warm, key=lambda r: (warm[r], r))
         held = min(t for r, t in ttft.items() if cached[r] == best)
         return j if warm[j] < held else None
