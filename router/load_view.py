@@ -11,7 +11,10 @@ tracks them from its own decisions (``on_routed``) and the replicas' lifecycle r
 For the Fairway router's queue-order wait model, the snapshot also lists, per replica, the
 prefill estimates of the requests waiting to start, sorted (``queued_prefills``), the
 replica's sequence capacity when known (``max_running``, its engine's ``max_num_seqs``), and the
-estimated prefill ends of its started requests still prefilling (``prefill_ends``: start + P).
+estimated prefill ends of its started requests still prefilling (``prefill_ends``: start + P),
+and the rate at which prefill work has been routed to it lately (``routed_windows``: the routing
+time of the oldest of its last ``ROUTED_WINDOW`` routed requests and the prefill estimates of the
+ones after it, sorted), from which the router reads the rate of work lighter than a request's own.
 
 Staleness: in Ray Serve the replicas' stats reach the router only every so often
 (``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
@@ -28,10 +31,16 @@ O(1) otherwise.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from router.clock import Clock
 from router.cost_model import CostModel
+
+#: Routed requests per replica behind its routed-work rate: 32 arrivals put the relative standard
+#: error of a Poisson rate estimate near 1/sqrt(32) = 18%, and span a few seconds to a minute of a
+#: replica's traffic in the workloads measured (docs/benchmarks.md has the 16 and 64 sweep).
+ROUTED_WINDOW = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +53,11 @@ class LoadSnapshot:
     ``queued_prefills[j]`` holds the prefill estimates of j's waiting requests in ascending order
     (their sum is ``queued_prefill_s[j]`` up to float drift); ``max_running[j]`` is j's sequence
     capacity, 0 when unknown; ``prefill_ends[j]`` the estimated prefill end times (start + its
-    prefill estimate) of j's started requests whose end was still ahead at ``taken_s``. The last
-    three are empty tuples for snapshots built by hand.
+    prefill estimate) of j's started requests whose end was still ahead at ``taken_s``;
+    ``routed_windows[j]`` is ``(t0, ps)``: t0 the routing time of the oldest of j's last
+    ``ROUTED_WINDOW`` routed requests and ps the prefill estimates of the later ones, ascending,
+    so sum(ps) / (now - t0) is the prefill work routed to j per second lately ((now, ()) before
+    the second request). The last four are empty tuples for snapshots built by hand.
     """
 
     taken_s: float
@@ -58,6 +70,7 @@ class LoadSnapshot:
     queued_prefills: tuple[tuple[float, ...], ...] = field(default=())
     max_running: tuple[int, ...] = field(default=())
     prefill_ends: tuple[tuple[float, ...], ...] = field(default=())
+    routed_windows: tuple[tuple[float, tuple[float, ...]], ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -86,7 +99,7 @@ class LoadView:
     """
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
-                 "_qp", "_qp_frozen", "_cap", "_pf", "_req", "_snap", "_version", "_snap_version")
+                 "_qp", "_qp_frozen", "_cap", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version", "_snap_version")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -112,6 +125,8 @@ class LoadView:
         self._qp_frozen: list[tuple[float, ...] | None] = []  # its P's as a tuple; None when stale
         self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
         self._pf: list[dict[int, float]] = []  # per replica: rid -> estimated prefill end, started requests
+        self._rw: list[deque[tuple[float, float]]] = []  # per replica: (routed at, P) of its last routed
+        self._rw_frozen: list[tuple[float, tuple[float, ...]] | None] = []  # its window; None when stale
         self._req: dict[int, _Tracked] = {}
         self._snap: LoadSnapshot | None = None
         self._version = 0
@@ -131,6 +146,8 @@ class LoadView:
         self._qp_frozen.append(())
         self._cap.append(0)
         self._pf.append({})
+        self._rw.append(deque(maxlen=ROUTED_WINDOW))
+        self._rw_frozen.append(None)
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks):
             icol.append(0)
         self._version += 1
@@ -159,6 +176,8 @@ class LoadView:
         blocks = -(-prompt_tokens // self.block_size)
         t = _Tracked(rid, replica, prompt_tokens, p, prompt_tokens - c, blocks)
         self._req[rid] = t
+        self._rw[replica].append((self.clock.now(), p))
+        self._rw_frozen[replica] = None
         self._q[replica] += p
         bisect.insort(self._qp[replica], (p, rid))
         self._qp_frozen[replica] = None
@@ -274,6 +293,7 @@ class LoadView:
             queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
             max_running=tuple(self._cap),
             prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
+            routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
         )
         if keep:
             self._snap = snap
@@ -286,6 +306,20 @@ class LoadView:
         frozen = self._qp_frozen[j]
         if frozen is None:
             frozen = self._qp_frozen[j] = tuple(p for p, _ in self._qp[j])
+        return frozen
+
+    def _routed_window(self, j: int, now: float) -> tuple[float, tuple[float, ...]]:
+        """Replica j's routed-work window (see ``LoadSnapshot``), rebuilt only after a request
+        was routed to j: O(1), or O(W log W) for the W = ``ROUTED_WINDOW`` entries once per
+        routing to j."""
+        frozen = self._rw_frozen[j]
+        if frozen is None:
+            w = self._rw[j]
+            if len(w) < 2:
+                return (now, ())  # not kept: "now" moves
+            it = iter(w)
+            t0, _ = next(it)
+            frozen = self._rw_frozen[j] = (t0, tuple(sorted(p for _, p in it)))
         return frozen
 
     def _prefill_ends(self, j: int, now: float) -> tuple[float, ...]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from router.clock import ManualClock
-from router.load_view import LoadView
+from router.load_view import ROUTED_WINDOW, LoadView
 from router.prefix_index import PrefixIndex
 from router.routing import (
     ROUTERS,
@@ -30,14 +30,16 @@ BS = 16
 
 def st(replica: int, outstanding: int = 0, running: int = 0, q: float = 0.0, kv: float = 0.0, matched: int = 0,
        tree: int = 0, qtok: int = 0, active: int = 0, qp: tuple[float, ...] = (), cap: int = 0,
-       ends: tuple[float, ...] = ()) -> ReplicaState:
+       ends: tuple[float, ...] = (), routed_since: float = 0.0, routed: tuple[float, ...] = ()) -> ReplicaState:
     """A replica state with readable defaults (idle, empty, nothing matched). ``qp``: the waiting
     requests' prefill estimates (their sum becomes Q unless ``q`` is given); ``cap``: max_num_seqs;
-    ``ends``: the estimated prefill ends of its started requests."""
+    ``ends``: the estimated prefill ends of its started requests; ``routed``: the prefill
+    estimates routed to it after ``routed_since``."""
     qp = tuple(sorted(qp))
     return ReplicaState(replica=replica, outstanding=outstanding, running=running, queued_prefill_s=q or sum(qp),
                         kv_usage=kv, matched_blocks=matched, index_blocks=tree, queued_prefill_tokens=qtok,
-                        active_blocks=active, queued_prefills=qp, max_running=cap, prefill_ends=ends)
+                        active_blocks=active, queued_prefills=qp, max_running=cap, prefill_ends=ends,
+                        routed_since=routed_since, routed_prefills=tuple(sorted(routed)))
 
 
 def req(prompt: int = 160, hashes=None, rid: int = 0) -> RouteRequest:
@@ -540,12 +542,50 @@ def test_fairway_decode_batch_prices_the_first_token_step_with_the_running_decod
     assert plain.last_scores == pytest.approx({0: 0.018, 1: 0.018})
 
 
+def test_fairway_overtaking_stretches_a_cold_wait_by_the_lighter_work_routed_lately():
+    # At t = 10, a cold 1000-token prompt (P = 1.01) everywhere. Replica 0 has 0.5 s queued and
+    # was routed 0.2 + 0.3 + 0.5 s of lighter work (and 2.0 s of heavier) since t = 0: rho = 0.1,
+    # W_0 = 0.5 / 0.9 = 0.556. Replica 1 has 0.54 s queued and no window: W_1 = 0.54.
+    r = router("fairway")
+    r.clock.set(10.0)
+    states = [st(0, qp=(0.5,), routed_since=0.0, routed=(0.2, 0.3, 0.5, 2.0)), st(1, qp=(0.54,))]
+    assert r.lighter_rate(states[0], 1.01) == pytest.approx(0.1)
+    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "cold"
+    assert r.last_wait == pytest.approx({0: 0.5 / 0.9, 1: 0.54})
+    assert r.last_scores == pytest.approx({0: 0.5 / 0.9 + 1.01, 1: 1.55})
+    # off (the fourth pass's model): W = R + Q, and replica 0's shorter queue wins
+    off = router("fairway", overtaking=False)
+    off.clock.set(10.0)
+    assert ranked(off, req(1000), states) == [[0], [1]]
+    assert off.last_wait == pytest.approx({0: 0.5, 1: 0.54})
+    # only lighter work overtakes: a window of heavier requests leaves W = Q
+    assert r.expected_wait(st(0, qp=(0.5,), routed_since=0.0, routed=(2.0, 3.0)), 1.01, 0) == pytest.approx(0.5)
+    # promotion after theta * P bounds the wait. A 10 s prompt behind rho = 0.99 waits
+    # 0.5 / 0.01 = 50 s, under the cap 0.5 + 12 * 10; with theta = 4 the cap, 40.5 s, applies.
+    # Lighter work alone filling the replica (rho = 1.1 / 0.5 = 2.2) gives the cap, 0.5 + 12 * 1.01.
+    assert r.expected_wait(st(0, qp=(0.5,), routed_since=0.0, routed=(9.9,)), 10.0, 0) == pytest.approx(50.0)
+    assert r.expected_wait(st(0, qp=(0.5,), routed_since=9.5, routed=(0.5, 0.6)), 1.01, 0) == pytest.approx(12.62)
+    capped = router("fairway", theta=4.0)
+    capped.clock.set(10.0)
+    assert capped.expected_wait(st(0, qp=(0.5,), routed_since=0.0, routed=(9.9,)), 10.0, 0) == pytest.approx(40.5)
+    # an idle replica stays idle whatever its recent traffic
+    assert r.expected_wait(st(0, routed_since=0.0, routed=(0.2, 0.3)), 1.01, 0) == 0.0
+    # a request that reuses a cache keeps the queue-order wait; FCFS replicas keep W = Q
+    cached = st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), routed_since=0.0, routed=(0.1, 0.1))
+    assert r.expected_wait(cached, 0.21, 800) == pytest.approx(0.75)
+    f = router("fairway", wait_model="fcfs")
+    f.clock.set(10.0)
+    assert f.expected_wait(states[0], 1.01, 0) == pytest.approx(0.5)
+
+
 def test_queue_model_options_follow_the_replica_policy():
     from router.routing.fairway import queue_model_options
 
     assert queue_model_options("fairway") == {"wait_model": "queue", "fast_share": pytest.approx(0.4)}
     assert queue_model_options("fairway", {"fair_share": 0.75}) == {"wait_model": "queue",
                                                                      "fast_share": pytest.approx(0.25)}
+    assert queue_model_options("fairway", {"theta": 6}) == {"wait_model": "queue", "fast_share": pytest.approx(0.4),
+                                                            "theta": 6.0}
     assert queue_model_options("fcfs") == {"wait_model": "fcfs"}
     assert queue_model_options("lpm", {"x": 1}) == {"wait_model": "fcfs"}
 
@@ -728,6 +768,27 @@ def test_load_view_lists_the_started_prefills_until_their_estimated_end():
     clock.set(1.6)
     lv.on_routed(5, 1, 100, prefill_s=0.1)
     assert lv.snapshot().prefill_ends == ((), ())
+
+
+def test_load_view_keeps_a_window_of_the_work_routed_lately():
+    lv, clock = view(2)
+    lv.on_routed(1, 0, 100, prefill_s=0.5)
+    assert lv.snapshot().routed_windows == ((0.0, ()), (0.0, ()))  # one arrival: no rate yet
+    clock.set(1.0)
+    lv.on_routed(2, 0, 100, prefill_s=0.9)
+    clock.set(2.0)
+    lv.on_routed(3, 0, 100, prefill_s=0.3)
+    lv.on_finished(2)  # finishing does not leave the window: it is the arrival rate
+    snap = lv.snapshot()
+    assert snap.routed_windows[0] == (0.0, (0.3, 0.9))
+    s0 = make_states(snap, [0, 0], [0, 0])[0]
+    assert (s0.routed_since, s0.routed_prefills) == (0.0, (0.3, 0.9))
+    # bounded: the last ROUTED_WINDOW arrivals, the oldest of them marking the window's start
+    for i in range(ROUTED_WINDOW + 2):
+        clock.set(10.0 + i)
+        lv.on_routed(100 + i, 1, 100, prefill_s=i / 100)
+    t0, ps = lv.snapshot().routed_windows[1]
+    assert t0 == 12.0 and ps == pytest.approx(tuple(i / 100 for i in range(3, ROUTED_WINDOW + 2)))
 
 
 def test_load_view_staleness():

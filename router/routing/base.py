@@ -69,6 +69,9 @@ class ReplicaState:
     max_running: its sequence capacity (the engine's max_num_seqs), 0 when unknown.
     prefill_ends: estimated prefill end times (clock seconds) of its started requests still
         prefilling when the load was read (empty when the host does not track them).
+    routed_since, routed_prefills: its recent routed work: the prefill estimates (ascending) of
+        the requests routed to it since ``routed_since`` (clock seconds), the routing time of the
+        one before them (``LoadView``'s window); empty when the host does not track it.
     """
 
     replica: int
@@ -83,6 +86,8 @@ class ReplicaState:
     queued_prefills: tuple[float, ...] = ()
     max_running: int = 0
     prefill_ends: tuple[float, ...] = ()
+    routed_since: float = 0.0
+    routed_prefills: tuple[float, ...] = ()
 
 
 class RouterPolicy(ABC):
@@ -189,6 +194,8 @@ def make_states(
             queued_prefills=snap.queued_prefills[j] if snap.queued_prefills else (),
             max_running=snap.max_running[j] if snap.max_running else 0,
             prefill_ends=snap.prefill_ends[j] if snap.prefill_ends else (),
+            routed_since=snap.routed_windows[j][0] if snap.routed_windows else 0.0,
+            routed_prefills=snap.routed_windows[j][1] if snap.routed_windows else (),
         )
         for j in ids
     ]

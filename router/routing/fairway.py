@@ -9,10 +9,17 @@ routed to j and not yet started, and W_rj the wait the request can expect at j:
   only for the queued work no heavier than its own, A_rj = sum of the P_q <= P_rj queued on j,
   served at the Fast lane's guaranteed share s of prefill (1 - the replica's fair_share):
   W_rj = min(Q_j, A_rj / s). Where the request is cold (ĉ_rj = 0: its whole prompt is new there,
-  and later cheaper arrivals keep overtaking it until its promotion), and where j has no free
-  sequence slot (routed and unfinished >= max_num_seqs: admission waits for a finish, not for
-  prefill), W_rj = Q_j.
+  and later cheaper arrivals keep overtaking it until its promotion; see ``overtaking``), and
+  where j has no free sequence slot (routed and unfinished >= max_num_seqs: admission waits for a
+  finish, not for prefill), W_rj = Q_j.
 - ``wait_model="fcfs"``: W_rj = Q_j, the whole queue (the model for FCFS replicas).
+- ``overtaking`` (default on): a cold request is overtaken, until its promotion, by the work
+  lighter than its own that reaches j after it, as the lowest class of a priority queue is: with
+  rho_rj the rate of prefill work lighter than P_rj routed to j lately (the load view's window of
+  j's last 32 routed requests, in seconds of prefill per second), W_rj = (R_j + Q_j) / (1 -
+  rho_rj), the M/G/1 priority queue's wait for the lowest class. The replica promotes it to the
+  Fair lane once it has waited theta * P_rj, so W_rj is capped at R_j + Q_j + theta * P_rj, and
+  is that cap when rho_rj >= 1 (lighter work alone fills j). Off: W_rj = R_j + Q_j.
 - ``running_prefill`` (default on): W_rj also counts R_j, the prefill still to run of the
   requests j has already started (each started at t0 with estimate P is taken to end at t0 + P):
   the engine gives its running prefills the token budget before it admits a waiting request, so
@@ -48,9 +55,10 @@ otherwise. ``last_scores`` holds each replica's T_rj and ``last_wait`` its W_rj.
 the pick, then every other replica by T_rj (ties: more cache, fewer outstanding, smaller index,
 lower id).
 
-Complexity: O(R log R + n + k) for R candidates, n requests waiting across them (one bisect and
-one C-level sum over each replica's sorted waiting list) and k started requests still
-prefilling, with two cost-model calls per replica.
+Complexity: O(R log R + n + k + R W) for R candidates, n requests waiting across them (one bisect
+and one C-level sum over each replica's sorted waiting list), k started requests still
+prefilling and, for a cold request, one bisect and C-level sum over each replica's W = 31 routed
+estimates, with two cost-model calls per replica.
 """
 
 from __future__ import annotations
@@ -83,7 +91,8 @@ class FairwayRouter(RouterPolicy):
       replicas' fair_share).
     - rule = "score" (the minimum T_rj); "affinity": DESIGN.md's test, route to the best-cached
       replica j* while W_rj* <= theta * max(P_rj*, p_floor_s), else the minimum T_rj. theta = 12
-      (the queue level's default) and p_floor_s = 0 apply to "affinity" only.
+      (the queue level's default; hosts pass the replicas' own) also caps the overtaken wait
+      (``overtaking``); p_floor_s = 0 applies to "affinity" only.
     - footprint_weight = 1 and footprint = "kv" (the cache-footprint term, see the module
       docstring; "index": index blocks over the largest index; "kv-abs": the KV usage itself, so
       the term fades when memory is idle: measured better on short-prompt conversations, worse
@@ -97,6 +106,8 @@ class FairwayRouter(RouterPolicy):
       decode_batch = True (the first-token step is priced with j's running decodes) and
       replicate = True (a prefix drawing more than its holders' share of the traffic seeds one
       more holder); all three off give the third pass's model.
+    - overtaking = True (a cold request's wait counts the lighter work that will overtake it
+      until its promotion at theta * P_rj); off gives the fourth pass's model.
 
     The defaults were chosen by the worst case against the best anchor router over Mooncake
     (x2-x4 and four router instances), agentic, hotspot and rag-spike on 8 replicas
@@ -133,6 +144,7 @@ class FairwayRouter(RouterPolicy):
         running_prefill: bool = True,
         decode_batch: bool = True,
         replicate: bool = True,
+        overtaking: bool = True,
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -165,6 +177,7 @@ class FairwayRouter(RouterPolicy):
         self.running_prefill = bool(running_prefill)
         self.decode_batch = bool(decode_batch)
         self.replicate = bool(replicate)
+        self.overtaking = bool(overtaking)
         self.shares = PrefixShares()
         self.last_wait: dict[int, float] = {}
 
@@ -174,13 +187,35 @@ class FairwayRouter(RouterPolicy):
         requests waiting there."""
         q = s.queued_prefill_s
         r = self.running_prefill_s(s) if self.running_prefill else 0.0
-        if self.wait_model == "fcfs" or cached_tokens <= 0 or not s.queued_prefills:
+        if self.wait_model == "fcfs":
+            return r + q
+        if cached_tokens <= 0:
+            return self.overtaken_wait(s, r + q, prefill_s) if self.overtaking else r + q
+        if not s.queued_prefills:
             return r + q
         if s.max_running and s.outstanding >= s.max_running:
             return r + q
         qp = s.queued_prefills
         ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
         return r + min(q, ahead / self.fast_share)
+
+    def lighter_rate(self, s: ReplicaState, prefill_s: float) -> float:
+        """rho_rj: prefill seconds per second of the work lighter than ``prefill_s`` routed to
+        ``s`` lately (its routed window), 0 while there is no window. O(log W) for the bisect
+        plus a C-level sum over at most W = 31 estimates."""
+        ps = s.routed_prefills
+        span = self.clock.now() - s.routed_since
+        if not ps or span <= 0.0:
+            return 0.0
+        return sum(ps[: bisect.bisect_left(ps, prefill_s)]) / span
+
+    def overtaken_wait(self, s: ReplicaState, ahead_s: float, prefill_s: float) -> float:
+        """A cold request's wait on ``s`` behind ``ahead_s`` seconds of work: stretched by the
+        lighter work that keeps arriving and overtaking it, ahead_s / (1 - rho), until its
+        promotion after theta * P: capped at ahead_s + theta * P. O(log W)."""
+        bound = ahead_s + self.theta * prefill_s
+        rho = self.lighter_rate(s, prefill_s)
+        return min(ahead_s / (1.0 - rho), bound) if rho < 1.0 else bound
 
     def running_prefill_s(self, s: ReplicaState) -> float:
         """R_j: the estimated prefill still to run of the requests already started on ``s``
@@ -321,11 +356,16 @@ def router_options_for(router: str, options: dict, replica_policy: str,
 def queue_model_options(policy: str, policy_options: dict | None = None) -> dict[str, object]:
     """The Fairway router's wait-model options for replicas running queue policy ``policy``
     (hosts pass these unless the operator set them): the queue model with the replicas' Fast-lane
-    share for ``fairway`` replicas, W = Q_j for any other policy. O(1)."""
+    share (and their promotion threshold theta where they set one) for ``fairway`` replicas,
+    W = Q_j for any other policy. O(1)."""
     if policy != "fairway":
         return {"wait_model": "fcfs"}
-    share = (policy_options or {}).get("fair_share", FairwayConfig().fair_share)
-    return {"wait_model": "queue", "fast_share": 1.0 - float(share)}
+    opts = policy_options or {}
+    out: dict[str, object] = {"wait_model": "queue",
+                              "fast_share": 1.0 - float(opts.get("fair_share", FairwayConfig().fair_share))}
+    if "theta" in opts:
+        out["theta"] = float(opts["theta"])
+    return out
 
 
 __all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "queue_model_options", "router_options_for"]
