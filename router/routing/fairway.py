@@ -105,9 +105,10 @@ class FairwayRouter(RouterPolicy):
     - running_prefill = True (W_rj counts the started requests' remaining prefill),
       decode_batch = True (the first-token step is priced with j's running decodes) and
       replicate = True (a prefix drawing more than its holders' share of the traffic seeds one
-      more holder); all three off give the third pass's model.
+      more holder).
     - overtaking = True (a cold request's wait counts the lighter work that will overtake it
-      until its promotion at theta * P_rj); off gives the fourth pass's model.
+      until its promotion at theta * P_rj); off gives the fourth pass's model, and all four off
+      the third pass's.
 
     The defaults were chosen by the worst case against the best anchor router over Mooncake
     (x2-x4 and four router instances), agentic, hotspot and rag-spike on 8 replicas
