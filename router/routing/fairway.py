@@ -8,10 +8,10 @@ routed to j and not yet started, and W_rj the wait the request can expect at j:
   serves the least uncached work first, so a request that reuses a cache on j (ĉ_rj > 0) waits
   only for the queued work no heavier than its own, A_rj = sum of the P_q <= P_rj queued on j,
   served at the Fast lane's guaranteed share s of prefill (1 - the replica's fair_share):
-  W_rj = min(Q_j, A_rj / s). Where the request is cold (ĉ_rj = 0: its whole prompt is new there,
-  and later cheaper arrivals keep overtaking it until its promotion; see ``overtaking``), and
-  where j has no free sequence slot (routed and unfinished >= max_num_seqs: admission waits for a
-  finish, not for prefill), W_rj = Q_j.
+  W_rj = min(Q_j, A_rj / s). Where j has no free sequence slot (routed and unfinished >=
+  max_num_seqs: admission waits for a finish, not for prefill), W_rj = Q_j. Where the request is
+  cold (ĉ_rj = 0: its whole prompt is new there), W_rj = Q_j stretched by the later, lighter
+  arrivals that overtake it until its promotion (``overtaking``, below), slots full or not.
 - ``wait_model="fcfs"``: W_rj = Q_j, the whole queue (the model for FCFS replicas).
 - ``overtaking`` (default on): a cold request is overtaken, until its promotion, by the work
   lighter than its own that reaches j after it, as the lowest class of a priority queue is: with
