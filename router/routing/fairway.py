@@ -188,15 +188,13 @@ class FairwayRouter(RouterPolicy):
         requests waiting there."""
         q = s.queued_prefill_s
         r = self.running_prefill_s(s) if self.running_prefill else 0.0
-        if self.wait_model == "fcfs":
-            return r + q
-        if cached_tokens <= 0:
-            return self.overtaken_wait(s, r + q, prefill_s) if self.overtaking else r + q
-        if not s.queued_prefills:
-            return r + q
-        if s.max_running and s.outstanding >= s.max_running:
-            return r + q
+        queue_model = self.wait_model == "queue"
+        if queue_model and cached_tokens <= 0 and self.overtaking:
+            return self.overtaken_wait(s, r + q, prefill_s)
         qp = s.queued_prefills
+        slots_full = s.max_running and s.outstanding >= s.max_running
+        if not queue_model or cached_tokens <= 0 or not qp or slots_full:
+            return r + q  # the whole queue ahead: FCFS replicas, a cold request, or no free slot
         ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
         return r + min(q, ahead / self.fast_share)
 
