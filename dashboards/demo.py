@@ -23,8 +23,8 @@ from typing import Any
 
 from dashboards.prom import PrometheusServer, config_for, find_prometheus
 from dashboards.queries import QUERIES, Query, promql
-from router.exporter import MemoryStore, MetricsExporter
-from router.stats import FairwayStats
+from observability.exporter import MemoryStore, MetricsExporter
+from observability.stats import FairwayStats
 
 LANES = ("fast", "fair")
 REASONS = ("affinity", "fair", "least-load")

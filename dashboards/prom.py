@@ -115,7 +115,7 @@ class PrometheusServer:
     """
 
     def __init__(self, config_text: str, binary: str | None = None, data_dir: Path | None = None) -> None:
-        from router.exporter import free_port
+        from observability.exporter import free_port
 
         self.binary = binary or find_prometheus()
         if not self.binary:

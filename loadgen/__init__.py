@@ -1,4 +1,5 @@
-"""Seeded workloads and trace replays, shared by the simulator and the HTTP load generator.
+"""The HTTP load generator: replays a workload (``workloads``) against a running cluster over its
+OpenAI-compatible API, with streaming, and writes the simulator's summary schema.
 
-Entry point: ``loadgen.registry.make_workload``; see ``loadgen/README.md``.
+Entry point: ``python -m loadgen run``; see ``loadgen/README.md``.
 """

@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fairway.request import WorkloadError
 from loadgen.http_client import ServerError
 from loadgen.http_run import HttpLoadRun, HttpRunConfig, build_workload
-from loadgen.spec import WorkloadError
 
 
 def make_parser() -> argparse.ArgumentParser:

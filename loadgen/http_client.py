@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from router.clock import Clock
+from fairway.clock import Clock
 
 RETRYABLE = (429, 503)
 DEFAULT_RETRY_AFTER_S = 1.0

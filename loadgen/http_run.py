@@ -32,13 +32,13 @@ import aiohttp
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from fairway.clock import Clock, MonotonicClock
+from fairway.request import RequestSpec, Workload
+from fairway.summary import RequestSample, pct, realized_rate, summarize_samples
 from loadgen.http_client import ServerError, StreamResult, first_model, stream_completion
 from loadgen.progress import ProgressLine
 from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
-from loadgen.registry import make_workload_from
-from loadgen.spec import RequestSpec, Workload
-from loadgen.summary import RequestSample, pct, realized_rate, summarize_samples
-from router.clock import Clock, MonotonicClock
+from workloads.registry import make_workload_from
 
 #: Keys ``loadgen run`` writes that ``sim run`` does not.
 HTTP_ONLY_KEYS = frozenset(

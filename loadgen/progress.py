@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TextIO
 
-from router.clock import Clock
+from fairway.clock import Clock
 
 
 @dataclass(slots=True)

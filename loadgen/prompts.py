@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadgen.spec import RequestSpec
-from router.hashing import DEFAULT_BLOCK_SIZE
+from fairway.hashing import DEFAULT_BLOCK_SIZE
+from fairway.request import RequestSpec
 
 FIRST_ID = 16  # ids below this are left to special tokens
 DEFAULT_VOCAB_SIZE = 4096

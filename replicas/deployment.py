@@ -1,6 +1,6 @@
 """The replica deployment: one engine behind one admission gate, as a Ray Serve replica.
 
-The class is plain Python (``router/app.py`` wraps it with ``serve.deployment``), so tests can
+The class is plain Python (``cluster/app.py`` wraps it with ``serve.deployment``), so tests can
 drive it without Ray. Methods Ray Serve calls:
 
 - ``generate(call)``: an async generator of ``TokenChunk``s (the ingress calls it through a
@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fairway.clock import MonotonicClock
+from fairway.cost_model import CostModel
+from fairway.policies import make_policy, validated_policy
+from fairway.protocol import GenerateCall, TokenChunk
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
-from replicas.protocol import GenerateCall, TokenChunk
-from router.clock import MonotonicClock
-from router.cost_model import CostModel
-from router.policies import make_policy
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,12 +36,20 @@ class ReplicaArgs(BaseModel):
 
     engine: str = Field("sim", description="engine kind: sim | vllm | module:Class")
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    policy: str = Field("fairway", description="local queue policy (router/policies)")
+    policy: str = Field("fairway", description="local queue policy spec (fairway.policies)")
     policy_options: dict[str, Any] = Field(default_factory=dict)
     max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
     prefill_budget_tokens: int | None = Field(None, ge=1)
     profile: str = Field("h200-llama3-8b", description="cost profile for the policy's prefill estimates")
     metrics: bool = Field(True, description="serve /metrics for this replica")
+
+    @model_validator(mode="after")
+    def _resolve_policy(self) -> ReplicaArgs:
+        """``policy`` may be a spec (``fairway[theta=4]``): resolve it and check its options."""
+        self.policy, self.policy_options = validated_policy(
+            self.policy, self.policy_options, block_size=int(self.engine_args.get("block_size", 16)),
+            profile=self.profile)
+        return self
 
 
 def replica_name() -> str:
@@ -69,8 +77,8 @@ class FairwayReplica:
         self.stats = None
         self.exporter = None
         if a.metrics:
-            from router.exporter import MetricsExporter
-            from router.stats import FairwayStats
+            from observability.exporter import MetricsExporter
+            from observability.stats import FairwayStats
 
             self.stats = FairwayStats(level="replica", component=self.name, policy=a.policy)
             try:

@@ -32,7 +32,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.protocol import (
+from fairway.clock import Clock
+from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
+from fairway.protocol import (
     Engine,
     GenerateCall,
     Overloaded,
@@ -41,8 +43,6 @@ from replicas.protocol import (
     RequestTooLarge,
     TokenChunk,
 )
-from router.clock import Clock
-from router.policies.base import Admission, QueuedRequest, QueuePolicy
 
 RECENT_FEEDBACK = 512  # finished requests whose cached tokens the routing stats carry
 PUMP_TICK_S = 0.02  # safety re-check while requests wait (engines without step callbacks)
@@ -81,7 +81,7 @@ class AdmissionGate:
         self.clock = clock
         self.config = config or GateConfig()
         self.replica = replica
-        self.stats = stats  # a router.stats.FairwayStats, or None
+        self.stats = stats  # a observability.stats.FairwayStats, or None
         self._waiting: dict[int, asyncio.Future] = {}
         self._request_ids: dict[int, str] = {}
         self._seq = 0

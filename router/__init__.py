@@ -1,6 +1,3 @@
-"""Fairway router: block hashing, cost model and queue policies shared by every host.
-
-The objects in this package are pure: they take an injected clock and never do I/O,
-so the simulator (`sim/`), the replica gate (`replicas/`) and the Ray Serve router run
-the very same code.
-"""
+"""The Ray Serve face of the product: the OpenAI-compatible HTTP ingress (``ingress.py``,
+``openai_api.py``, ``tokenizer.py``) and Fairway's ``RequestRouter`` (``serve_router.py``), which
+hosts the core's routing objects (``fairway.routing``) inside each ingress replica."""

@@ -2,7 +2,7 @@
 
 Per request: validate the body (pydantic; 400 on bad JSON or fields, 404 on an unknown model),
 tokenize (the chat template for chat), check the context length (400), hash the prompt's full
-blocks (``router/hashing.py``), and call the replicas through a streaming Ray Serve handle whose
+blocks (``fairway/hashing.py``), and call the replicas through a streaming Ray Serve handle whose
 request router (``router/serve_router.py``) picks the replica from those hashes. Tokens stream
 back as SSE (``stream: true``) or are collected into one response.
 
@@ -26,9 +26,10 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.protocol import GenerateCall, ReplicaError, TokenChunk
-from router.hashing import block_hashes
+from fairway.hashing import block_hashes
+from fairway.protocol import GenerateCall, ReplicaError, TokenChunk
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -89,14 +90,26 @@ def map_error(e: BaseException) -> HTTPError:
     return HTTPError(500, f"internal error: {name}: {e}", None, "internal")
 
 
-class FairwayIngress:
-    """The ingress deployment's class (``router/app.py`` applies ``serve.ingress(app)``)."""
+class IngressArgs(BaseModel):
+    """What the ingress needs from the application's configuration (``cluster/config.py`` builds it)."""
 
-    def __init__(self, replicas: Any, args: dict[str, Any]) -> None:
-        from router.app import ClusterArgs
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("fairway-tiny", description="the model name clients send")
+    tokenizer: str = Field("deploy/models/fairway-tiny", description="tokenizer path or hub name")
+    max_model_len: int = Field(32768, ge=16)
+    block_size: int = Field(16, ge=1)
+    router_policy: str = Field("fairway", description="the request router's policy (a metrics label)")
+    metrics: bool = True
+
+
+class FairwayIngress:
+    """The ingress deployment's class (``cluster/app.py`` applies ``serve.ingress(app)``)."""
+
+    def __init__(self, replicas: Any, args: IngressArgs | dict[str, Any]) -> None:
         from router.tokenizer import Tokenizer
 
-        self.args = a = ClusterArgs(**args)
+        self.args = a = args if isinstance(args, IngressArgs) else IngressArgs(**args)
         self.handle = replicas.options(stream=True)
         self.tokenizer = Tokenizer(a.tokenizer)
         self.block_size = a.block_size
@@ -106,8 +119,8 @@ class FairwayIngress:
             self._start_metrics()
 
     def _start_metrics(self) -> None:
-        from router.exporter import MetricsExporter
-        from router.stats import FairwayStats
+        from observability.exporter import MetricsExporter
+        from observability.stats import FairwayStats
 
         try:
             from ray import serve
@@ -115,7 +128,7 @@ class FairwayIngress:
             name = "ingress-" + serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001
             name = "ingress"
-        self.stats = FairwayStats(level="router", component=name, policy=self.args.router.policy)
+        self.stats = FairwayStats(level="router", component=name, policy=self.args.router_policy)
         try:
             self.exporter = MetricsExporter([self.stats], component=name, level="router")
             self.exporter.start()
@@ -133,7 +146,7 @@ class FairwayIngress:
              "max_model_len": self.args.max_model_len}]})
 
     async def metrics_targets(self) -> JSONResponse:
-        from router.exporter import metrics_targets
+        from observability.exporter import metrics_targets
 
         return JSONResponse(metrics_targets())
 

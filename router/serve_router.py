@@ -3,7 +3,7 @@
 Ray Serve runs one request router per deployment handle, i.e. one per ingress replica
 (DESIGN.md section 6). This one hosts the same objects the simulator's ``ClusterRouter`` hosts:
 a router policy (``router/routing``: ``fairway`` or any anchor, by name or dotted path), a
-prefix index (``router/prefix_index.py``) and a load view (``router/load_view.py``):
+prefix index (``fairway/prefix_index.py``) and a load view (``fairway/load_view.py``):
 
 - ``choose_replicas`` reads the ``GenerateCall`` the ingress passed (token count and chained
   block hashes), matches it against the index, builds the ``ReplicaState`` list for the live
@@ -11,7 +11,7 @@ prefix index (``router/prefix_index.py``) and a load view (``router/load_view.py
 - ``on_request_routed``: the index records the prompt's blocks on the chosen replica, the load
   view adds its estimated prefill time to that replica's queued work;
 - ``on_request_completed``: the request leaves the load view;
-- the replicas' periodic ``record_routing_stats`` (``replicas/protocol.py:ReplicaRoutingStats``)
+- the replicas' periodic ``record_routing_stats`` (``fairway/protocol.py:ReplicaRoutingStats``)
   bring KV usage and capacity, the requests still waiting in each gate (the others routed before
   the report have started: their work leaves the queued figure) and the cached tokens each
   finished request got, which corrects the index (feedback mode).
@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from replicas.protocol import GenerateCall
-from router.clock import MonotonicClock
-from router.cost_model import CostModel
-from router.load_view import LoadView
-from router.prefix_index import PrefixIndex
-from router.routing import RouteRequest, make_router, make_states
+from fairway.clock import MonotonicClock
+from fairway.cost_model import CostModel
+from fairway.load_view import LoadView
+from fairway.prefix_index import PrefixIndex
+from fairway.protocol import GenerateCall
+from fairway.routing import RouteRequest, make_router, make_states
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
@@ -108,8 +108,8 @@ class FairwayRequestRouter(RequestRouter):
             self._start_metrics()
 
     def _start_metrics(self) -> None:
-        from router.exporter import MetricsExporter
-        from router.stats import FairwayStats
+        from observability.exporter import MetricsExporter
+        from observability.stats import FairwayStats
 
         name = f"router-{uuid.uuid4().hex[:8]}"
         self.stats = FairwayStats(level="router", component=name, policy=self.policy_name)

@@ -3,12 +3,13 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k fairway (then the vLLM part is skipped)
 source "$(dirname "$0")/_venv.sh"
 # Services the tests need: each end-to-end module starts its own Ray instance and Serve app
-# (`serve run`, tests/e2e/cluster.py); the observability test starts a real Prometheus, whose
+# (`serve run`, cluster/launch.py); the observability test starts a real Prometheus, whose
 # binary comes from Debian's package (fetched once into .tools/, no root needed).
 if ! bash scripts/monitoring.sh install >/dev/null; then
   echo "warning: could not fetch Prometheus; tests/e2e/test_observability.py will be skipped" >&2
 fi
 ruff check .
+lint-imports
 set +e
 python -m pytest "$@"
 rc=$?

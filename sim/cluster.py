@@ -1,7 +1,7 @@
 """Cluster routing in the simulator: router instances that pick a replica for each arrival.
 
 ``ClusterRouter`` is the simulator's host for a router policy (``router/routing``), a prefix index
-(``router/prefix_index.py``) and a load view (``router/load_view.py``), the same objects the Ray
+(``fairway/prefix_index.py``) and a load view (``fairway/load_view.py``), the same objects the Ray
 Serve router will host. With ``routers=K`` it runs K independent instances, each seeing the
 requests with ``rid % K == k`` (Ray Serve runs one router per ingress replica, and its proxies
 spread requests over them), each with its own index and load view built from its own decisions.
@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.spec import RequestSpec
-from router.clock import Clock
-from router.cost_model import CostModel
-from router.load_view import LoadView
-from router.prefix_index import PrefixIndex
-from router.routing import RouteRequest, RouterPolicy, make_router, make_states
-from sim.engine import EngineModel, EngineRequest
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+from fairway.engine.model import EngineModel, EngineRequest
+from fairway.load_view import LoadView
+from fairway.prefix_index import PrefixIndex
+from fairway.request import RequestSpec
+from fairway.routing import RouteRequest, RouterPolicy, make_router, make_states
 
 
 @dataclass

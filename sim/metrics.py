@@ -1,6 +1,6 @@
 """Summaries of a simulation run: the JSON schema shared by ``sim run`` and ``loadgen run``.
 
-The shared part lives in ``loadgen.summary`` (one function over plain per-request records, used
+The shared part lives in ``fairway.summary`` (one function over plain per-request records, used
 by both hosts); this module turns engine records into those samples and adds what only the
 simulator knows. Stats are computed from the request records only (no exporter here, STYLE.md #15).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loadgen.summary import EXPENSIVE_FRACTION, RequestSample, pct, summarize_samples
-from sim.engine import EngineRequest
+from fairway.engine.model import EngineRequest
+from fairway.summary import EXPENSIVE_FRACTION, RequestSample, pct, summarize_samples
 
 __all__ = ["EXPENSIVE_FRACTION", "pct", "sample_of", "summarize"]
 

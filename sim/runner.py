@@ -7,15 +7,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadgen.registry import make_workload_from
-from router.clock import ManualClock
-from router.cost_model import CostModel
-from router.policies import make_policy
-from router.routing.fairway import router_options_for
+from fairway.clock import ManualClock
+from fairway.cost_model import CostModel
+from fairway.engine.model import EngineConfig, EngineModel
+from fairway.policies import make_policy
+from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
-from sim.engine import EngineConfig, EngineModel
 from sim.metrics import summarize
 from sim.simulator import Simulation
+from workloads.registry import make_workload_from
 
 
 class RunConfig(BaseModel):

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from loadgen.spec import RequestSpec, Workload
-from router.clock import ManualClock
-from sim.engine import EngineModel, EngineRequest
+from fairway.clock import ManualClock
+from fairway.engine.model import EngineModel, EngineRequest
+from fairway.request import RequestSpec, Workload
 
 STEP_END = 0  # rank 0: completions free memory before same-instant arrivals are admitted
 ARRIVAL = 1

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from sim.cli import HEADER, config_from, format_row, split_list
+from fairway.spec import split_specs
+from sim.options import HEADER, config_from, format_row
 from sim.runner import RunConfig, run
 
 
@@ -54,11 +55,11 @@ def median_over_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    routers = split_list(args.router) if args.replicas > 1 else [args.router]
-    policies = [f"{r}/{p}" if len(routers) > 1 else p for r in routers for p in split_list(args.policies)]
+    routers = split_specs(args.router) if args.replicas > 1 else [args.router]
+    policies = [f"{r}/{p}" if len(routers) > 1 else p for r in routers for p in split_specs(args.policies)]
     by_scale = bool(args.time_scales)
-    rates = [float(x) for x in split_list(args.time_scales if by_scale else args.rates)]
-    seeds = [int(x) for x in split_list(args.seeds)] if args.seeds else [args.seed]
+    rates = [float(x) for x in split_specs(args.time_scales if by_scale else args.rates)]
+    seeds = [int(x) for x in split_specs(args.seeds)] if args.seeds else [args.seed]
     def cfg_for(label: str, x: float, seed: int) -> RunConfig:
         router, _, spec = label.rpartition("/") if "/" in label else (None, "", label)
         if by_scale:  # trace replays: the x axis is the time compression, not a rate

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from loadgen.spec import RequestSpec, Workload
-from router.clock import ManualClock
-from router.policies import QueuedRequest, QueuePolicy, make_policy
+from fairway.clock import ManualClock
+from fairway.policies import QueuedRequest, QueuePolicy, make_policy
+from fairway.request import RequestSpec, Workload
 
 
 class LinearCost:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from loadgen.bench_cluster import (
+from bench.cluster import (
     code_fingerprint,
     code_versions,
     foreign_replicas,
@@ -27,7 +27,7 @@ from loadgen.bench_cluster import (
     run_order,
     sim_vs_real_table,
 )
-from router.bench_overhead import family_prompt, ingress_cpu, offline_routing, paired_diffs, summarize
+from bench.overhead import family_prompt, ingress_cpu, offline_routing, paired_diffs, summarize
 
 
 def pct(p50: float, p90: float, p99: float, n: int = 10) -> dict:
@@ -86,7 +86,7 @@ def test_overhead_table_has_every_section():
                 "errors": {"actor": "boom"}})
     t = overhead_table(res)
     for needle in ("| http | 30.000", "| http-handle | 18.000", "driver's FairwayRequestRouter",
-                   "offline `sim.bench_routing` fairway | 16", "| sum of p50s | 0.500", "errors: actor: boom"):
+                   "offline `bench.routing` fairway | 16", "| sum of p50s | 0.500", "errors: actor: boom"):
         assert needle in t, needle
 
 
@@ -167,9 +167,9 @@ def test_offline_parts_run_small():
 
 @pytest.mark.parametrize("pacing", ["deadline", "sleep"])
 def test_sim_engine_reports_pacing(pacing):
+    from fairway.hashing import block_hashes
+    from fairway.protocol import GenerateCall
     from replicas.engines.sim_engine import SimEngine
-    from replicas.protocol import GenerateCall
-    from router.hashing import block_hashes
 
     async def go() -> dict:
         e = SimEngine(kv_blocks=2000, pacing=pacing, speed=4.0)
@@ -199,14 +199,17 @@ def test_sim_engine_rejects_bad_pacing():
 
 
 def test_code_fingerprint_follows_the_code_and_ignores_reporting(tmp_path):
-    for d in ("router", "replicas", "sim", "loadgen", "deploy"):
+    for d in ("fairway", "router", "replicas", "sim", "loadgen", "deploy", "bench"):
         (tmp_path / d).mkdir()
     (tmp_path / "router" / "a.py").write_text("x = 1\n")
     (tmp_path / "deploy" / "cluster.yaml").write_text("a: 1\n")
     fp = code_fingerprint(tmp_path)
-    (tmp_path / "loadgen" / "bench_cluster.py").write_text("# reporting\n")
+    (tmp_path / "bench" / "cluster.py").write_text("# reporting\n")
     assert code_fingerprint(tmp_path) == fp
     (tmp_path / "router" / "a.py").write_text("x = 2\n")
+    assert code_fingerprint(tmp_path) != fp
+    fp = code_fingerprint(tmp_path)
+    (tmp_path / "fairway" / "core.py").write_text("y = 1\n")  # the core counts too
     assert code_fingerprint(tmp_path) != fp
 
 

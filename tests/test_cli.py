@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from sim.cli import main, parse_policy_spec, split_list
+from fairway.spec import parse_spec, split_specs
+from sim.cli import main
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -66,6 +67,6 @@ def test_sweep_writes_table_json_and_plots(tmp_path, capsys):
 
 
 def test_policy_spec_parsing():
-    assert parse_policy_spec("fairway[theta=4;fair_order=ratio]") == (
+    assert parse_spec("fairway[theta=4;fair_order=ratio]") == (
         "fairway", {"theta": 4, "fair_order": "ratio"})
-    assert split_list("a,b[x=1;y=2],c") == ["a", "b[x=1;y=2]", "c"]
+    assert split_specs("a,b[x=1;y=2],c") == ["a", "b[x=1;y=2]", "c"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.clock import ManualClock
-from router.policies import make_policy
-from router.routing import ROUTERS
+from fairway.clock import ManualClock
+from fairway.engine.model import EngineConfig, EngineModel
+from fairway.policies import make_policy
+from fairway.routing import ROUTERS
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
-from sim.engine import EngineConfig, EngineModel
 from sim.runner import RunConfig, run
 from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
@@ -91,7 +91,7 @@ def test_run_json_has_cluster_fields():
 
 
 def test_hotspot_workload_shares_one_prefix():
-    from loadgen.registry import make_workload
+    from workloads.registry import make_workload
 
     specs = list(make_workload("hotspot", rate=20, duration_s=10, seed=1).initial())
     firsts = [s.block_hashes[0] for s in specs if s.kind == "cheap"]

@@ -1,4 +1,4 @@
-"""Tests of the calibrated cost model (router/cost_model.py, docs/cost-model.md)."""
+"""Tests of the calibrated cost model (fairway/cost_model.py, docs/cost-model.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.cost_model import (
+from fairway.cost_model import (
     DEFAULT_STEP_OVERHEAD_S,
     CostModel,
     CostProfile,
@@ -288,7 +288,7 @@ def test_refit_reproduces_shipped_profiles(calibration: dict) -> None:
     fitted = fit_calibration(calibration)
     assert sorted(fitted) == sorted(DEFAULTS)
     for name, fp in fitted.items():
-        shipped = json.loads((REPO / "router" / "profiles" / f"{name}.json").read_text())
+        shipped = json.loads((REPO / "fairway" / "profiles" / f"{name}.json").read_text())
         for field, value in fp.profile.to_dict().items():
             if isinstance(value, float):
                 assert shipped["profile"][field] == pytest.approx(value, rel=1e-9, abs=0.0), field
@@ -304,7 +304,7 @@ def test_fit_cli_writes_profiles_and_prints_error_table(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "router.cost_model",
+            "fairway.cost_model",
             "fit",
             "--calibration",
             str(CALIBRATION),
@@ -320,7 +320,7 @@ def test_fit_cli_writes_profiles_and_prints_error_table(tmp_path: Path) -> None:
     assert "default profile, above floor, N > 512" in out
     for name in DEFAULTS:
         new = json.loads((tmp_path / f"{name}.json").read_text())
-        shipped = json.loads((REPO / "router" / "profiles" / f"{name}.json").read_text())
+        shipped = json.loads((REPO / "fairway" / "profiles" / f"{name}.json").read_text())
         assert new["source"] == shipped["source"]
         for field, value in shipped["profile"].items():
             if isinstance(value, float):

@@ -12,7 +12,7 @@ from dashboards import build
 from dashboards.prom import config_for, find_prometheus
 from dashboards.queries import DASHBOARDS, PANELS, QUERIES, RATE, promql
 from dashboards.render import legend, parse_duration, rate_interval, render_all
-from router.exporter import METRICS
+from observability.exporter import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 

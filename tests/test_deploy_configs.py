@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from router.app import ClusterArgs
+from cluster.config import ClusterArgs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
@@ -29,7 +29,7 @@ def serve_configs() -> list[tuple[str, dict]]:
 def test_config_is_valid(name, cfg):
     ServeDeploySchema(**cfg)
     (app,) = cfg["applications"]
-    assert app["import_path"] == "router.app:build_app"
+    assert app["import_path"] == "cluster.app:build_app"
     args = ClusterArgs(**app["args"])
     assert args.engine in ("sim", "vllm")
 

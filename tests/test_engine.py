@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.clock import ManualClock
-from router.policies import make_policy
-from router.policies.hits import HitTracker
-from sim.engine import EngineConfig, EngineModel
+from fairway.clock import ManualClock
+from fairway.engine.model import EngineConfig, EngineModel
+from fairway.policies import make_policy
+from fairway.policies.hits import HitTracker
 from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
 

@@ -1,4 +1,4 @@
-"""router/exporter.py: the exposition parsed back, naming conventions, promtool, the endpoint and
+"""observability/exporter.py: the exposition parsed back, naming conventions, promtool, the endpoint and
 its service discovery (process-local store; the Ray KV path is in tests/e2e)."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards.prom import find_promtool
-from router.exporter import (
+from observability.exporter import (
     METRICS,
     FairwayCollector,
     MemoryStore,
@@ -19,7 +19,7 @@ from router.exporter import (
     metrics_targets,
     render,
 )
-from router.stats import TTFT_BUCKETS_S, FairwayStats
+from observability.stats import TTFT_BUCKETS_S, FairwayStats
 
 ALLOWED_LABELS = {"level", "lane", "replica", "policy", "status", "reason"}
 
@@ -204,7 +204,7 @@ def test_exporter_rejects_bad_ttl():
 def test_metrics_targets_async_reads_the_same_store():
     import asyncio
 
-    from router.exporter import metrics_targets_async
+    from observability.exporter import metrics_targets_async
 
     store = MemoryStore()
     store.put("a@1.2.3.4:5", json.dumps({"target": "1.2.3.4:5", "labels": {}, "expires_at": time.time() + 60}).encode())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.policies import FAIR, FAST, FairwayConfig
+from fairway.policies import FAIR, FAST, FairwayConfig
 from tests.factories import chain, policy_with_cache, queued
 
 # The design's lane semantics with round numbers: theta 8, floor .25, shares .75 / .25, and the

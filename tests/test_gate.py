@@ -1,7 +1,7 @@
 """The replica gate: admission order is the policy's, the queue is bounded, cancelled waiters
 leave, memory blocks the head, and the routing stats carry what routers need.
 
-A scripted engine (implements ``replicas.protocol.Engine``) lets each test release first
+A scripted engine (implements ``fairway.protocol.Engine``) lets each test release first
 tokens exactly when it wants, so orders are exact.
 """
 
@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import pytest
 
+from fairway.clock import ManualClock
+from fairway.policies import make_policy
+from fairway.protocol import EngineOutput, EngineStats, GenerateCall, Overloaded, RequestTooLarge
 from replicas.gate import AdmissionGate, GateConfig
-from replicas.protocol import EngineOutput, EngineStats, GenerateCall, Overloaded, RequestTooLarge
-from router.clock import ManualClock
-from router.policies import make_policy
 from tests.factories import LinearCost, chain
 
 pytestmark = pytest.mark.asyncio

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.hashing import HashState, block_hashes, expand_trace_block, longest_cached_prefix
+from fairway.hashing import HashState, block_hashes, expand_trace_block, longest_cached_prefix
 
 
 def test_partial_last_block_is_not_hashed():

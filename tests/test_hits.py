@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.hashing import longest_cached_prefix
-from router.policies.hits import HitTracker
+from fairway.hashing import longest_cached_prefix
+from fairway.policies.hits import HitTracker
 
 # Three prompt families sharing a 3-block root: block ids are positions in a small universe.
 ROOT = [1, 2, 3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.kv_cache import BlockPool, OutOfBlocks
+from fairway.engine.block_pool import BlockPool, OutOfBlocks
 
 
 def fill(pool: BlockPool, hashes):

@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.arrivals import BurstSchedule, bursty_arrivals, poisson_arrivals
-from loadgen.concurrency import ConcurrencyWorkload
-from loadgen.registry import WORKLOADS, make_workload, register_workload
-from loadgen.spec import RequestSpec, Workload, WorkloadError
-from loadgen.stats import drain, perfect_cache_uncached
-from loadgen.synthetic import AgenticParams, AgenticWorkload, RagWorkload
-from loadgen.traces import MooncakeTraceWorkload, TimingTraceWorkload
-from router.hashing import block_hashes, expand_trace_block, salt_seed
+from fairway.hashing import block_hashes, expand_trace_block, salt_seed
+from fairway.request import RequestSpec, Workload, WorkloadError
+from workloads.arrivals import BurstSchedule, bursty_arrivals, poisson_arrivals
+from workloads.concurrency import ConcurrencyWorkload
+from workloads.registry import WORKLOADS, make_workload, register_workload
+from workloads.stats import drain, perfect_cache_uncached
+from workloads.synthetic import AgenticParams, AgenticWorkload, RagWorkload
+from workloads.traces import MooncakeTraceWorkload, TimingTraceWorkload
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl"
@@ -184,7 +184,7 @@ def test_spec_invariants(name, block_size):
 
 @pytest.mark.parametrize("name", ["rag", "mixed", "agentic"])
 def test_block_hashes_chain_over_prompt_then_output_tokens(name):
-    """With tokens kept, the hashes are exactly router.hashing's over the prompt token ids,
+    """With tokens kept, the hashes are exactly fairway.hashing's over the prompt token ids,
     and keeping tokens changes nothing else."""
     with_tokens = issued(build(name, keep_tokens=True, duration_s=20.0))
     without = issued(build(name, keep_tokens=False, duration_s=20.0))
@@ -594,8 +594,8 @@ def test_register_workload_is_open():
 
 def test_hashing_is_fast_for_a_large_workload():
     """~5,000 requests averaging ~10k tokens (mostly unique cold prompts) build in seconds."""
-    from loadgen.content import LogNormalLen
-    from loadgen.synthetic import MixedParams, MixedWorkload
+    from workloads.content import LogNormalLen
+    from workloads.synthetic import MixedParams, MixedWorkload
 
     params = MixedParams(
         cheap_fraction=0.5,

@@ -25,15 +25,15 @@ import pytest_asyncio
 from aiohttp import web
 
 from loadgen.cli import main
-from loadgen.concurrency import ConcurrencyWorkload
-from loadgen.content import LogNormalLen as Len
 from loadgen.http_run import HTTP_ONLY_KEYS, HttpLoadRun, HttpRunConfig
 from loadgen.prompts import FIRST_ID, PromptBuilder, SessionContexts
-from loadgen.registry import make_workload
-from loadgen.stats import drain
-from loadgen.synthetic import AgenticParams, AgenticWorkload
 from sim.runner import RunConfig, run
 from tests.factories import ListWorkload, chain, spec
+from workloads.concurrency import ConcurrencyWorkload
+from workloads.content import LogNormalLen as Len
+from workloads.registry import make_workload
+from workloads.stats import drain
+from workloads.synthetic import AgenticParams, AgenticWorkload
 
 BS = 16
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.clock import ManualClock
-from router.policies import POLICIES, PolicyError, make_policy
+from fairway.clock import ManualClock
+from fairway.policies import POLICIES, PolicyError, make_policy
 from tests.factories import LinearCost, chain, drain_order, policy_with_cache, queued
 
 # Cache: the 4-block "sys" prefix and the 10-block "doc" prefix.
@@ -143,7 +143,7 @@ def test_unknown_policy_and_bad_option():
 
 
 def test_dotted_path_policy():
-    p = make_policy("router.policies.baselines:FCFS", clock=ManualClock(), cost=LinearCost())
+    p = make_policy("fairway.policies.baselines:FCFS", clock=ManualClock(), cost=LinearCost())
     assert p.name == "fcfs"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.prefix_index import PrefixIndex
-from sim.kv_cache import BlockPool
+from fairway.engine.block_pool import BlockPool
+from fairway.prefix_index import PrefixIndex
 from tests.factories import chain
 
 A = chain("a", 8)

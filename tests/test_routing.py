@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from router.clock import ManualClock
-from router.load_view import ROUTED_WINDOW, LoadView
-from router.prefix_index import PrefixIndex
-from router.routing import (
+from fairway.clock import ManualClock
+from fairway.load_view import ROUTED_WINDOW, LoadView
+from fairway.prefix_index import PrefixIndex
+from fairway.routing import (
     ROUTERS,
     ReplicaState,
     RouteRequest,
@@ -21,8 +21,8 @@ from router.routing import (
     make_states,
     router_class,
 )
-from router.routing.anchors import Pow2
-from router.routing.popularity import PrefixShares
+from fairway.routing.anchors import Pow2
+from fairway.routing.popularity import PrefixShares
 from tests.factories import LinearCost, chain
 
 BS = 16
@@ -579,7 +579,7 @@ def test_fairway_overtaking_stretches_a_cold_wait_by_the_lighter_work_routed_lat
 
 
 def test_queue_model_options_follow_the_replica_policy():
-    from router.routing.fairway import queue_model_options
+    from fairway.routing.fairway import queue_model_options
 
     assert queue_model_options("fairway") == {"wait_model": "queue", "fast_share": pytest.approx(0.4)}
     assert queue_model_options("fairway", {"fair_share": 0.75}) == {"wait_model": "queue",
@@ -640,15 +640,15 @@ def test_unknown_router_and_bad_options():
     with pytest.raises(RouterError, match="bad options for router 'pow2'"):
         router("pow2", k=3)
     with pytest.raises(RouterError, match="not a RouterPolicy"):
-        router("router.clock:ManualClock")
+        router("fairway.clock:ManualClock")
     with pytest.raises(RouterError, match="cannot import"):
         router("no.such.module:X")
 
 
 def test_dotted_paths():
-    assert router_class("router.routing.anchors:Pow2") is Pow2
-    assert router_class("router.routing.anchors.Pow2") is Pow2
-    assert isinstance(router("router.routing.anchors.Pow2"), Pow2)
+    assert router_class("fairway.routing.anchors:Pow2") is Pow2
+    assert router_class("fairway.routing.anchors.Pow2") is Pow2
+    assert isinstance(router("fairway.routing.anchors.Pow2"), Pow2)
 
 
 def test_options_match_design_defaults():

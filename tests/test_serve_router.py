@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from replicas.protocol import GenerateCall
-from router.routing import make_states
+from fairway.protocol import GenerateCall
+from fairway.routing import make_states
 from router.serve_router import FairwayRequestRouter
 from tests.factories import chain
 

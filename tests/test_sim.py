@@ -7,9 +7,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.clock import ManualClock
-from router.policies import POLICIES, FairwayConfig, make_policy
-from sim.engine import EngineConfig, EngineModel
+from fairway.clock import ManualClock
+from fairway.engine.model import EngineConfig, EngineModel
+from fairway.policies import POLICIES, FairwayConfig, make_policy
 from sim.runner import RunConfig, run
 from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec

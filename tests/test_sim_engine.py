@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import pytest_asyncio
 
+from fairway.hashing import block_hashes
+from fairway.protocol import GenerateCall, RequestTooLarge
 from replicas.engines import make_engine
-from replicas.protocol import GenerateCall, RequestTooLarge
-from router.hashing import block_hashes
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,11 +1,11 @@
-"""router/stats.py: exact counts and buckets after known observations (no Prometheus, no Ray)."""
+"""observability/stats.py: exact counts and buckets after known observations (no Prometheus, no Ray)."""
 
 import math
 import threading
 
 import pytest
 
-from router.stats import (
+from observability.stats import (
     ERROR_RATIO_BUCKETS,
     QUEUE_WAIT_BUCKETS_S,
     TTFT_BUCKETS_S,

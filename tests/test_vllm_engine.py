@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from fairway.hashing import block_hashes
+from fairway.protocol import EngineFailed, GenerateCall, RequestTooLarge
 from replicas.engines import EngineError, engine_class, make_engine
 from replicas.engines.cache_estimate import CacheEstimate
 from replicas.engines.kv_events import KvEventMirror
-from replicas.protocol import EngineFailed, GenerateCall, RequestTooLarge
-from router.hashing import block_hashes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = ROOT / "deploy" / "models" / "fairway-tiny-llama"
@@ -519,10 +519,10 @@ def test_vllm_kv_events_exact_view(events_scenario):
 
 
 def test_cluster_args_resolve_engine_paths_against_the_repo(tmp_path, monkeypatch):
-    from router.app import ClusterArgs
+    from cluster.config import ClusterArgs
 
     monkeypatch.chdir(tmp_path)  # a replica's cwd need not be the repo
     a = ClusterArgs(engine="vllm", engine_args={"model": "deploy/models/fairway-tiny", "tokenizer": "org/hub-name"})
-    ea = a.replica_args()["engine_args"]
+    ea = a.replica_args().engine_args
     assert ea["model"] == str(ROOT / "deploy" / "models" / "fairway-tiny")
     assert ea["tokenizer"] == "org/hub-name"  # not a local path: left for the hub

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.registry import resolve_class
+from fairway.registry import resolve_class
 
 # name -> "module:Class"; one line per engine.
 ENGINES: dict[str, str] = {
@@ -31,7 +31,7 @@ def engine_class(kind: str) -> type:
 
 
 def make_engine(kind: str, **kwargs: Any) -> Any:
-    """Build an engine (it implements ``replicas.protocol.Engine``); ``start()`` is the caller's."""
+    """Build an engine (it implements ``fairway.protocol.Engine``); ``start()`` is the caller's."""
     cls = engine_class(kind)
     try:
         return cls(**kwargs)

@@ -1,5 +1,5 @@
 """An engine's prefix cache estimated in our hash space, for engines whose own block hashes we
-cannot read (vLLM: its block hashes differ from ``router/hashing.py``'s).
+cannot read (vLLM: its block hashes differ from ``fairway/hashing.py``'s).
 
 Why: the gate's ``can_fit`` / ``cached_prefix_blocks`` and the routers' prefix index need the
 replica's cached blocks *as our hashes*. The vLLM adapter cannot list vLLM's cache, but it knows
@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from router.hashing import longest_cached_prefix
+from fairway.hashing import longest_cached_prefix
 
 Listener = Callable[[Iterable[int]], None]
 
@@ -51,7 +51,7 @@ class CacheUpdate:
 
 
 class CacheEstimate:
-    """LRU estimate of an engine's prefix cache in ``router/hashing.py`` block hashes.
+    """LRU estimate of an engine's prefix cache in ``fairway/hashing.py`` block hashes.
 
     Invariants: ``len(self) <= capacity_blocks`` after every call; prefix-closed (a held block's
     parent is held and more recently touched). Costs: lookups O(matched + 1); ``observe`` /

@@ -3,7 +3,7 @@
 vLLM (``kv_events_config``) publishes, after each scheduler step, a batch of events over ZMQ:
 ``BlockStored`` (vLLM block hashes, the parent block's hash, the blocks' token ids, per-block
 extra keys such as the tenant's ``cache_salt``), ``BlockRemoved`` (vLLM hashes) and
-``AllBlocksCleared``. vLLM's hashes differ from ``router/hashing.py``'s, but a stored event carries
+``AllBlocksCleared``. vLLM's hashes differ from ``fairway/hashing.py``'s, but a stored event carries
 the tokens, so the mirror recomputes OUR chained hashes for every stored vLLM block: it keeps, per
 vLLM block, the hash-chain state at its end (our parent hash plus any tokens of an unfinished
 block of ours), so a child block's hashes continue from its parent's state. A removed vLLM block
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from router.hashing import HashState, longest_cached_prefix
+from fairway.hashing import HashState, longest_cached_prefix
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The ``sim`` engine: the simulator's engine model (``sim/engine.py``) running in real time.
+"""The ``sim`` engine: the simulator's engine model (``fairway/engine/model.py``) running in real time.
 
 Why: the cluster must run on a laptop or a CI box with no GPU, yet behave like a vLLM replica:
-same block hashing (``router/hashing.py``), the same prefix cache with LRU eviction of free
+same block hashing (``fairway/hashing.py``), the same prefix cache with LRU eviction of free
 blocks, the same per-step token budget, memory-bound admission and preemption, and step times
 from the H200-calibrated cost model. This host drives ``EngineModel`` with the wall clock: it
 schedules a step, sleeps for the modelled step time (divided by ``speed``), applies the step and
@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadgen.spec import RequestSpec
-from replicas.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
-from router.clock import Clock, MonotonicClock
-from router.cost_model import CostModel
-from router.hashing import HashState, salt_seed
-from router.policies import make_policy
-from sim.engine import EngineConfig, EngineModel, EngineRequest
+from fairway.clock import Clock, MonotonicClock
+from fairway.cost_model import CostModel
+from fairway.engine.model import EngineConfig, EngineModel, EngineRequest
+from fairway.hashing import HashState, salt_seed
+from fairway.policies import make_policy
+from fairway.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
+from fairway.request import RequestSpec
 
 
 @dataclass(slots=True)

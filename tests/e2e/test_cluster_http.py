@@ -15,7 +15,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from tests.e2e.cluster import post_json, running_cluster
+from cluster.launch import post_json, running_cluster
 
 pytestmark = pytest.mark.e2e
 

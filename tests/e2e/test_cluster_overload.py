@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.e2e.cluster import running_cluster
+from cluster.launch import running_cluster
 from tests.e2e.test_cluster_http import MODEL, prompt_ids
 
 pytestmark = pytest.mark.e2e

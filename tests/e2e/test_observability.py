@@ -3,7 +3,7 @@
 - ``test_targets_registered_in_ray_kv_and_expire``: an exporter inside a Ray actor registers in
   Ray's internal KV, the driver lists it through ``metrics_targets()`` and scrapes it, and the
   entry disappears once the actor is killed (TTL expiry, no cleanup code runs).
-- ``test_dashboards_on_live_cluster``: the cluster (sim engine, ``tests/e2e/cluster.py``), a real
+- ``test_dashboards_on_live_cluster``: the cluster (sim engine, ``cluster/launch.py``), a real
   Prometheus using the committed ``deploy/prometheus/prometheus.yml`` (http_sd against the
   ingress's ``/metrics/targets``), load from ``python -m loadgen run``. Asserts every dashboard
   query that should have data has it, and Prometheus's per-lane router TTFT counts equal what the
@@ -28,7 +28,7 @@ import pytest
 
 from dashboards.demo import check_queries
 from dashboards.prom import PrometheusServer, config_for, find_prometheus
-from router.stats import FairwayStats
+from observability.stats import FairwayStats
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +63,7 @@ def prometheus_binary() -> str:
 
 def test_targets_registered_in_ray_kv_and_expire():
     ray = pytest.importorskip("ray")
-    from router.exporter import RayKVStore, metrics_targets
+    from observability.exporter import RayKVStore, metrics_targets
 
     started_here = not ray.is_initialized()
     if started_here and os.environ.get("RAY_ADDRESS"):  # CI's running Ray instance
@@ -75,7 +75,7 @@ def test_targets_registered_in_ray_kv_and_expire():
         @ray.remote(num_cpus=0)
         class Recorder:
             def __init__(self) -> None:
-                from router.exporter import start_exporter
+                from observability.exporter import start_exporter
 
                 self.stats = FairwayStats("replica", "kv-test-replica", "fairway")
                 self.stats.observe_ttft("fast", 0.05)
@@ -105,9 +105,9 @@ def test_targets_registered_in_ray_kv_and_expire():
 
 def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
     try:
-        cluster = importlib.import_module("tests.e2e.cluster")
+        cluster = importlib.import_module("cluster.launch")
     except ImportError as e:
-        pytest.skip(f"tests/e2e/cluster.py (running_cluster) not available: {e}")
+        pytest.skip(f"cluster/launch.py (running_cluster) not available: {e}")
 
     with cluster.running_cluster() as base_url:
         base_url = base_url.rstrip("/")

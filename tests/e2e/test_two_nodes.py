@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.cluster import post_json
+from cluster.launch import post_json
 from tests.e2e.test_cluster_http import MODEL, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ def two_nodes():
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from router.app import build_app
+    from cluster.app import build_app
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import DEFAULT_PORT, REPO, post_json, running_cluster
+from cluster.launch import DEFAULT_PORT, REPO, post_json, running_cluster
 
 TINY_MODEL = REPO / "deploy" / "models" / "fairway-tiny-llama"
 CONFIG = "deploy/cluster-vllm-cpu.yaml"

@@ -1,0 +1,83 @@
+"""Micro-benchmark: time of one policy decision with N requests waiting.
+
+``python -m bench.decision [--waiting 1000] [--policies fairway,fcfs,...]`` prints the median
+and p99 of ``select()`` and of a full decision cycle (``select`` + ``admit`` + one ``add`` to keep
+the queue at N), over requests with random prompt lengths and cached prefixes, cache events
+included (each cycle stores 4 blocks, which moves some waiting requests' hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from fairway.clock import ManualClock
+from fairway.cost_model import CostModel
+from fairway.policies import QueuedRequest, QueuePolicy, make_policy
+
+
+def _requests(rng: np.random.Generator, n: int, start: int) -> list[QueuedRequest]:
+    out = []
+    for i in range(start, start + n):
+        fam = int(rng.integers(0, 50))
+        blocks = int(rng.integers(8, 512))
+        hashes = [fam * 10_000_000 + b for b in range(blocks)]
+        out.append(QueuedRequest(i, float(i) * 0.01, blocks * 16 + 5, hashes, seq=i))
+    return out
+
+
+def measure(policy: str, waiting: int, cycles: int, seed: int = 0) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    clock = ManualClock()
+    cached: set[int] = set()
+    for fam in range(50):  # each family has a random cached prefix
+        cached.update(fam * 10_000_000 + b for b in range(int(rng.integers(0, 256))))
+    p: QueuePolicy = make_policy(policy, clock=clock, cost=CostModel.from_profile("h200-llama3-8b"))
+    p.attach_cache(cached.__contains__)
+    for r in _requests(rng, waiting, 0):
+        p.add(r)
+    fresh = iter(_requests(rng, cycles, waiting))
+    sel, full = [], []
+    for k in range(cycles):
+        clock.advance(0.02)
+        t0 = time.perf_counter_ns()
+        r = p.select()
+        t1 = time.perf_counter_ns()
+        assert r is not None
+        p.admit(r.rid)
+        p.add(next(fresh))
+        fam = int(rng.integers(0, 50))
+        new = [fam * 10_000_000 + 256 + k % 64 * 4 + j for j in range(4)]
+        cached.update(new)
+        p.on_blocks_stored(new)
+        p.on_step(8192)
+        t2 = time.perf_counter_ns()
+        sel.append(t1 - t0)
+        full.append(t2 - t0)
+    s, f = np.array(sel) / 1e3, np.array(full) / 1e3
+    return {
+        "select_p50_us": float(np.median(s)),
+        "select_p99_us": float(np.percentile(s, 99)),
+        "cycle_p50_us": float(np.median(f)),
+        "cycle_p99_us": float(np.percentile(f, 99)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--waiting", type=int, default=1000)
+    ap.add_argument("--cycles", type=int, default=2000)
+    ap.add_argument("--policies", default="fairway,fcfs,lpm,hrrn,k-lpm,lpm-aging,vllm-sjf,srpt-oracle,dfs-weight")
+    args = ap.parse_args()
+    head = f"{'policy':<14} {'select p50':>11} {'select p99':>11} {'cycle p50':>10} {'cycle p99':>10}"
+    print(f"{head}  (us, {args.waiting} waiting)")
+    for name in args.policies.split(","):
+        m = measure(name, args.waiting, args.cycles)
+        print(f"{name:<14} {m['select_p50_us']:>11.1f} {m['select_p99_us']:>11.1f} "
+              f"{m['cycle_p50_us']:>10.1f} {m['cycle_p99_us']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The application's configuration: the ``args:`` block of ``deploy/*.yaml``, parsed once.
+
+``serve run`` calls ``cluster.app:build_app(args)``, which parses ``ClusterArgs`` here before
+anything is deployed, so a typo fails ``serve run`` with the field named: unknown keys are errors,
+and every policy spec is resolved and checked by building the policy once (an unknown policy or a
+misspelled option fails here, not later in a replica). From the parsed config, ``ingress_args``,
+``replica_args`` and ``router_kwargs`` give each deployment its own typed arguments.
+
+A policy is named the same way everywhere: ``policy: fairway`` with ``policy_options: {theta: 4}``,
+or ``policy: "fairway[theta=4]"`` (``fairway/spec.py``); after parsing, ``policy`` is the bare name
+and ``policy_options`` holds every option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fairway.cost_model import DEFAULT_PROFILE
+from fairway.policies import validated_policy
+from fairway.routing import validated_router
+from fairway.routing.fairway import router_options_for
+from replicas.deployment import ReplicaArgs
+from router.ingress import IngressArgs
+from router.tokenizer import resolve_path
+
+RAY_DEFAULT_ROUTER = "ray-default"
+
+
+class RouterArgs(BaseModel):
+    """The request router: a ``fairway.routing`` policy, and how often replicas report."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field("fairway", description=f"router policy spec, dotted path, or {RAY_DEFAULT_ROUTER!r}")
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    stats_period_s: float = Field(1.0, gt=0, description="record_routing_stats period (Ray's default is 10 s)")
+    seed: int = 0
+
+
+class ReplicaOptions(BaseModel):
+    """The replica gate: local queue policy and its bound."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field("fairway", description="queue policy spec (fairway.policies) or dotted path")
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
+    prefill_budget_tokens: int | None = Field(None, ge=1)
+
+
+class ClusterArgs(BaseModel):
+    """The application's arguments (the YAML's ``args``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("fairway-tiny", description="the model name clients send")
+    tokenizer: str = Field("deploy/models/fairway-tiny", description="tokenizer path or hub name")
+    max_model_len: int = Field(32768, ge=16)
+    block_size: int = Field(16, ge=1)
+    profile: str = Field(DEFAULT_PROFILE, description="cost profile (router estimates, sim engine timing)")
+    engine: str = Field("sim", description="sim | vllm | module:Class")
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    num_replicas: int = Field(2, ge=1)
+    ingress_replicas: int = Field(1, ge=1)
+    replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
+    router: RouterArgs = Field(default_factory=RouterArgs)
+    max_replicas_per_node: int | None = Field(None, ge=1, description="spread replicas over nodes")
+    replica_num_cpus: float = Field(0.5, ge=0)
+    replica_num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(4096, ge=1, description="per replica, Ray level; the gate bounds the queue")
+    max_queued_requests: int = Field(-1, description="Ray-level queue at each handle (-1 unbounded) -> 503")
+    metrics: bool = True
+
+    @model_validator(mode="after")
+    def _resolve_policies(self) -> ClusterArgs:
+        """Resolve both policy specs to (name, options) and check them by building each once."""
+        r = self.replica
+        r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
+                                                      profile=self.profile)
+        if self.router.policy != RAY_DEFAULT_ROUTER:
+            t = self.router
+            t.policy, t.policy_options = validated_router(t.policy, t.policy_options, block_size=self.block_size,
+                                                          profile=self.profile)
+            validated_router(t.policy, self.router_policy_options(), block_size=self.block_size,
+                             profile=self.profile)
+        return self
+
+    def router_policy_options(self) -> dict[str, Any]:
+        """The router policy's options: the YAML's, plus (for ``fairway``, where the YAML leaves
+        them out) the wait model that matches the replicas' queue policy."""
+        return router_options_for(self.router.policy, self.router.policy_options, self.replica.policy,
+                                  self.replica.policy_options)
+
+    def ingress_args(self) -> IngressArgs:
+        return IngressArgs(model=self.model, tokenizer=self.tokenizer, max_model_len=self.max_model_len,
+                           block_size=self.block_size, router_policy=self.router.policy, metrics=self.metrics)
+
+    def replica_args(self) -> ReplicaArgs:
+        engine_args = dict(self.engine_args)
+        for key in ("model", "tokenizer"):  # repo-relative paths, so replicas find them from any cwd
+            if isinstance(engine_args.get(key), str):
+                engine_args[key] = resolve_path(engine_args[key])
+        engine_args.setdefault("block_size", self.block_size)
+        engine_args.setdefault("max_model_len", self.max_model_len)
+        if self.engine == "sim":
+            engine_args.setdefault("profile", self.profile)
+        return ReplicaArgs(
+            engine=self.engine,
+            engine_args=engine_args,
+            policy=self.replica.policy,
+            policy_options=self.replica.policy_options,
+            max_queue=self.replica.max_queue,
+            prefill_budget_tokens=self.replica.prefill_budget_tokens,
+            profile=self.profile,
+            metrics=self.metrics,
+        )
+
+    def router_kwargs(self) -> dict[str, Any]:
+        """``request_router_kwargs`` for ``router/serve_router.py:FairwayRequestRouter``."""
+        return {
+            "policy": self.router.policy,
+            "policy_options": self.router_policy_options(),
+            "profile": self.profile,
+            "block_size": self.block_size,
+            "seed": self.router.seed,
+            "metrics": self.metrics,
+        }

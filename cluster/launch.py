@@ -1,0 +1,124 @@
+"""Start the real cluster for end-to-end tests: ``serve run`` on a YAML, real HTTP.
+
+``running_cluster(config, **overrides)`` writes a copy of ``config`` with ``overrides`` deep-merged
+into the application's ``args``, runs ``serve run`` on it in a subprocess, waits until the API
+answers a real generation request, yields the base URL, and stops the app afterwards (SIGINT,
+which makes ``serve run`` shut the application down; then SIGKILL if it hangs).
+
+Ray: ``serve run`` joins the instance at ``RAY_ADDRESS`` when one is set (CI starts one, see
+``scripts/test.sh``), else it starts a private local instance (``RAY_ADDRESS=local``), so two
+sessions on one machine never deploy over each other. The HTTP port is ``port``, default
+``FAIRWAY_TEST_PORT`` or 8000.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+def _ready(url: str, model: str) -> bool:
+    try:
+        status, body, _ = post_json(f"{url}/v1/completions",
+                                    {"model": model, "prompt": [20] * 40, "max_tokens": 2}, timeout=10)
+    except (OSError, ValueError):
+        return False
+    return status == 200 and body.get("usage", {}).get("completion_tokens") == 2
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_port_free(port: int, timeout_s: float = 120.0) -> None:
+    """Another cluster on the port would answer our readiness probe: wait for it to go."""
+    end = time.monotonic() + timeout_s
+    while _port_busy(port):
+        if time.monotonic() > end:
+            raise RuntimeError(f"port {port} is in use by another server; set FAIRWAY_TEST_PORT")
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
+                    **overrides: Any) -> Iterator[str]:
+    """The base URL of a running cluster built from ``config`` with ``overrides`` in its args."""
+    port = port or DEFAULT_PORT
+    url = f"http://127.0.0.1:{port}"
+    _wait_port_free(port)
+    cfg = yaml.safe_load((REPO / config).read_text())
+    cfg.setdefault("http_options", {})["port"] = port
+    app = cfg["applications"][0]
+    app["args"] = merge(app.get("args", {}), overrides)
+    model = app["args"].get("model", "fairway-tiny")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, dir=tempfile.gettempdir()) as f:
+        yaml.safe_dump(cfg, f)
+        path = f.name
+    log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
+    serve = Path(sys.executable).with_name("serve")
+    env = dict(os.environ)
+    env.setdefault("RAY_ADDRESS", "local")
+    proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _ready(url, model):
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {proc.returncode}; see {log.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ready after {timeout_s} s; see {log.name}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        log.close()
+        os.unlink(path)
+        # the next cluster must not see this one's HTTP server still answering
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+            except (OSError, urllib.error.URLError):
+                break
+            time.sleep(0.5)

@@ -1,0 +1,351 @@
+"""The router's view of each replica's load, with optional staleness.
+
+Why: the cluster-level rules need, per replica j, the queued prefill work Q_j in seconds (routed
+to j and not yet started, DESIGN.md section 3), the number of outstanding requests (the queue
+length Ray Serve's power-of-two and SGLang's router compare), the running count (AIBrix), and
+for Dynamo's cost the queued uncached tokens and the KV blocks of its active requests. The router
+tracks them from its own decisions (``on_routed``) and the replicas' lifecycle reports
+(``on_started``, ``on_finished``); the replicas' KV usage comes from their periodic stats
+(``report_kv_usage``).
+
+For the Fairway router's queue-order wait model, the snapshot also lists, per replica, the
+prefill estimates of the requests waiting to start, sorted (``queued_prefills``), the
+replica's sequence capacity when known (``max_running``, its engine's ``max_num_seqs``), and the
+estimated prefill ends of its started requests still prefilling (``prefill_ends``: start + P),
+and the rate at which prefill work has been routed to it lately (``routed_windows``: the routing
+time of the oldest of its last ``ROUTED_WINDOW`` routed requests and the prefill estimates of the
+ones after it, sorted), from which the router reads the rate of work lighter than a request's own.
+
+Staleness: in Ray Serve the replicas' stats reach the router only every so often
+(``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
+part of the load. ``stale_s`` mimics that: readers get a ``LoadSnapshot`` refreshed at most every
+``stale_s`` seconds of the injected clock (0 = live). The refresh is lazy: the first read at or
+after ``taken_s + stale_s`` takes a new snapshot of the current counters.
+
+Complexity: every lifecycle hook is O(1) plus O(log n + n) for the sorted list of the n requests
+waiting on that replica (a bisect insort / delete, a memmove in C); a snapshot costs O(replicas +
+waiting requests on the replicas whose queue changed since the last one) when it is refreshed and
+O(1) otherwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+
+#: Routed requests per replica behind its routed-work rate: 32 arrivals put the relative standard
+#: error of a Poisson rate estimate near 1/sqrt(32) = 18%, and span a few seconds to a minute of a
+#: replica's traffic in the workloads measured (docs/benchmarks.md has the 16 and 64 sweep).
+ROUTED_WINDOW = 32
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """Per-replica load at ``taken_s`` (index = replica id).
+
+    Invariants: every tuple has one entry per replica; ``0 <= running[j] <= outstanding[j]``;
+    ``queued_prefill_s[j] >= 0``, and exactly 0.0 when no routed request on j is waiting to
+    start; ``queued_prefill_tokens[j] >= 0``; ``0 <= kv_usage[j] <= 1``;
+    ``queued_prefills[j]`` holds the prefill estimates of j's waiting requests in ascending order
+    (their sum is ``queued_prefill_s[j]`` up to float drift); ``max_running[j]`` is j's sequence
+    capacity, 0 when unknown; ``prefill_ends[j]`` the estimated prefill end times (start + its
+    prefill estimate) of j's started requests whose end was still ahead at ``taken_s``;
+    ``routed_windows[j]`` is ``(t0, ps)``: t0 the routing time of the oldest of j's last
+    ``ROUTED_WINDOW`` routed requests and ps the prefill estimates of the later ones, ascending,
+    so sum(ps) / (now - t0) is the prefill work routed to j per second lately ((now, ()) before
+    the second request). The last four are empty tuples for snapshots built by hand.
+    """
+
+    taken_s: float
+    queued_prefill_s: tuple[float, ...]
+    queued_prefill_tokens: tuple[int, ...]
+    outstanding: tuple[int, ...]
+    running: tuple[int, ...]
+    active_blocks: tuple[int, ...]
+    kv_usage: tuple[float, ...]
+    queued_prefills: tuple[tuple[float, ...], ...] = field(default=())
+    max_running: tuple[int, ...] = field(default=())
+    prefill_ends: tuple[tuple[float, ...], ...] = field(default=())
+    routed_windows: tuple[tuple[float, tuple[float, ...]], ...] = field(default=())
+
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        """Routed requests not yet started, per replica (outstanding - running)."""
+        return tuple(o - r for o, r in zip(self.outstanding, self.running, strict=True))
+
+
+@dataclass(slots=True)
+class _Tracked:
+    rid: int
+    replica: int
+    prompt_tokens: int
+    prefill_s: float
+    uncached_tokens: int
+    blocks: int
+    started: bool = False
+
+
+class LoadView:
+    """Router-side load bookkeeping per replica, read through a possibly stale snapshot.
+
+    Lifecycle of one request: ``on_routed`` (adds its prefill estimate to Q_j) ->
+    ``on_started`` (admitted into the engine: leaves Q_j, counts as running) ->
+    ``on_finished`` (leaves every count). ``on_finished`` without ``on_started`` (rejected,
+    cancelled) removes it from Q_j too. ``on_preempted`` puts a running request back in Q_j.
+    """
+
+    __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
+                 "_qp", "_qp_frozen", "_cap", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version", "_snap_version")
+
+    def __init__(
+        self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
+    ) -> None:
+        if num_replicas < 0:
+            raise ValueError("num_replicas must be >= 0")
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if not stale_s >= 0:
+            raise ValueError("stale_s must be >= 0")
+        self.clock = clock
+        self.cost = cost
+        self.block_size = block_size
+        self.stale_s = float(stale_s)
+        self._q: list[float] = []
+        self._qtok: list[int] = []
+        self._nq: list[int] = []  # requests waiting to start, per replica (for the exact-zero reset)
+        self._out: list[int] = []
+        self._run: list[int] = []
+        self._blocks: list[int] = []
+        self._kv: list[float] = []
+        self._qp: list[list[tuple[float, int]]] = []  # per replica: (P, rid) of waiting requests, sorted
+        self._qp_frozen: list[tuple[float, ...] | None] = []  # its P's as a tuple; None when stale
+        self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
+        self._pf: list[dict[int, float]] = []  # per replica: rid -> estimated prefill end, started requests
+        self._rw: list[deque[tuple[float, float]]] = []  # per replica: (routed at, P) of its last routed
+        self._rw_frozen: list[tuple[float, tuple[float, ...]] | None] = []  # its window; None when stale
+        self._req: dict[int, _Tracked] = {}
+        self._snap: LoadSnapshot | None = None
+        self._version = 0
+        self._snap_version = -1
+        for _ in range(num_replicas):
+            self.add_replica()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._q)
+
+    def add_replica(self) -> int:
+        """Append an idle replica; return its id. O(1)."""
+        for fcol in (self._q, self._kv):
+            fcol.append(0.0)
+        self._qp.append([])
+        self._qp_frozen.append(())
+        self._cap.append(0)
+        self._pf.append({})
+        self._rw.append(deque(maxlen=ROUTED_WINDOW))
+        self._rw_frozen.append(None)
+        for icol in (self._qtok, self._nq, self._out, self._run, self._blocks):
+            icol.append(0)
+        self._version += 1
+        return len(self._q) - 1
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._req
+
+    # -- lifecycle hooks ---------------------------------------------------------------------
+
+    def on_routed(
+        self, rid: int, replica: int, prompt_tokens: int, cached_tokens: int = 0, prefill_s: float | None = None
+    ) -> float:
+        """Request ``rid`` was routed to ``replica`` with an estimated ``cached_tokens`` hit.
+
+        Adds its prefill estimate P = cost.prefill_time(prompt - cached, cached) to Q_j (or
+        ``prefill_s`` when the caller already priced it) and returns it. The hit is capped at
+        prompt - 1 tokens (the engine always computes the last prompt token). O(1).
+        """
+        if rid in self._req:
+            raise KeyError(f"request {rid} is already tracked")
+        if not 0 <= replica < len(self._q):
+            raise IndexError(f"no replica {replica}")
+        c = max(0, min(cached_tokens, prompt_tokens - 1))
+        p = self.cost.prefill_time(prompt_tokens - c, c) if prefill_s is None else float(prefill_s)
+        blocks = -(-prompt_tokens // self.block_size)
+        t = _Tracked(rid, replica, prompt_tokens, p, prompt_tokens - c, blocks)
+        self._req[rid] = t
+        self._rw[replica].append((self.clock.now(), p))
+        self._rw_frozen[replica] = None
+        self._q[replica] += p
+        bisect.insort(self._qp[replica], (p, rid))
+        self._qp_frozen[replica] = None
+        self._qtok[replica] += t.uncached_tokens
+        self._nq[replica] += 1
+        self._out[replica] += 1
+        self._blocks[replica] += blocks
+        self._version += 1
+        return p
+
+    def on_started(self, rid: int, started_at: float | None = None) -> None:
+        """``rid`` was admitted into its engine (prefill starts): its work leaves Q_j, it counts
+        as running, and its prefill is expected to end at ``started_at`` (default now) + its
+        estimate. A host that learns of starts late (from periodic stats) passes the latest
+        time the start can have happened. Idempotent for a request already started. O(1)."""
+        t = self._req[rid]
+        if t.started:
+            return
+        self._unqueue(t)
+        t.started = True
+        self._run[t.replica] += 1
+        start = self.clock.now() if started_at is None else min(float(started_at), self.clock.now())
+        self._pf[t.replica][rid] = start + t.prefill_s
+        self._version += 1
+
+    def on_prefill_done(self, rid: int) -> None:
+        """``rid`` produced its first token (its prefill is over): it leaves ``prefill_ends``.
+        A host that hears of first tokens calls it; otherwise the estimated end stands. O(1)."""
+        t = self._req.get(rid)
+        if t is not None and self._pf[t.replica].pop(rid, None) is not None:
+            self._version += 1
+
+    def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
+        """A running ``rid`` went back to its engine's waiting queue (preempted, to be
+        recomputed): its prefill work is queued again, re-priced with the new hit.
+
+        ``prompt_tokens``: the tokens to recompute (prompt plus generated so far); default the
+        routed prompt. O(1)."""
+        t = self._req[rid]
+        if not t.started:
+            return
+        prompt = t.prompt_tokens if prompt_tokens is None else prompt_tokens
+        c = max(0, min(cached_tokens, prompt - 1))
+        t.prefill_s = self.cost.prefill_time(prompt - c, c)
+        t.uncached_tokens = prompt - c
+        t.started = False
+        self._run[t.replica] -= 1
+        self._pf[t.replica].pop(rid, None)
+        self._q[t.replica] += t.prefill_s
+        bisect.insort(self._qp[t.replica], (t.prefill_s, rid))
+        self._qp_frozen[t.replica] = None
+        self._qtok[t.replica] += t.uncached_tokens
+        self._nq[t.replica] += 1
+        self._version += 1
+
+    def on_finished(self, rid: int) -> None:
+        """``rid`` finished, was rejected or cancelled: it leaves every count. O(1)."""
+        t = self._req.pop(rid)
+        if t.started:
+            self._run[t.replica] -= 1
+            self._pf[t.replica].pop(rid, None)
+        else:
+            self._unqueue(t)
+        self._out[t.replica] -= 1
+        self._blocks[t.replica] -= t.blocks
+        self._version += 1
+
+    def report_max_running(self, replica: int, max_running: int) -> None:
+        """A replica's sequence capacity (its engine's ``max_num_seqs``; 0 = unknown). O(1)."""
+        if max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {max_running}")
+        if self._cap[replica] != max_running:
+            self._cap[replica] = int(max_running)
+            self._version += 1
+
+    def report_kv_usage(self, replica: int, usage: float) -> None:
+        """A replica's periodic stats: the fraction of its KV blocks in use (0..1). O(1)."""
+        if not 0.0 <= usage <= 1.0:
+            raise ValueError(f"kv usage must be in [0, 1], got {usage}")
+        self._kv[replica] = float(usage)
+        self._version += 1
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def snapshot(self) -> LoadSnapshot:
+        """The load as routing policies see it: refreshed at most every ``stale_s`` seconds of
+        the clock (0 = always current). O(replicas) on refresh, else O(1)."""
+        now = self.clock.now()
+        snap = self._snap
+        if snap is not None:
+            if self.stale_s > 0.0:
+                if now < snap.taken_s + self.stale_s:
+                    return snap
+            elif self._snap_version == self._version:
+                return snap
+        return self._take(now)
+
+    def live(self) -> LoadSnapshot:
+        """The current counters, ignoring ``stale_s`` (for metrics and tests). O(replicas)."""
+        return self._take(self.clock.now(), keep=False)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _take(self, now: float, keep: bool = True) -> LoadSnapshot:
+        snap = LoadSnapshot(
+            taken_s=now,
+            queued_prefill_s=tuple(self._q),
+            queued_prefill_tokens=tuple(self._qtok),
+            outstanding=tuple(self._out),
+            running=tuple(self._run),
+            active_blocks=tuple(self._blocks),
+            kv_usage=tuple(self._kv),
+            queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
+            max_running=tuple(self._cap),
+            prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
+            routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
+        )
+        if keep:
+            self._snap = snap
+            self._snap_version = self._version
+        return snap
+
+    def _frozen_queue(self, j: int) -> tuple[float, ...]:
+        """Replica j's waiting prefill estimates as a tuple, rebuilt only after its queue
+        changed, so a snapshot copies only the queues that moved since the last one."""
+        frozen = self._qp_frozen[j]
+        if frozen is None:
+            frozen = self._qp_frozen[j] = tuple(p for p, _ in self._qp[j])
+        return frozen
+
+    def _routed_window(self, j: int, now: float) -> tuple[float, tuple[float, ...]]:
+        """Replica j's routed-work window (see ``LoadSnapshot``), rebuilt only after a request
+        was routed to j: O(1), or O(W log W) for the W = ``ROUTED_WINDOW`` entries once per
+        routing to j."""
+        frozen = self._rw_frozen[j]
+        if frozen is None:
+            w = self._rw[j]
+            if len(w) < 2:
+                return (now, ())  # not kept: "now" moves
+            it = iter(w)
+            t0, _ = next(it)
+            frozen = self._rw_frozen[j] = (t0, tuple(sorted(p for _, p in it)))
+        return frozen
+
+    def _prefill_ends(self, j: int, now: float) -> tuple[float, ...]:
+        """Replica j's started requests' estimated prefill ends still ahead of ``now``; ends
+        already past are dropped for good (those requests count as decoding). O(k) for the k
+        requests started on j within their own prefill estimate (a handful: prefill is
+        token-budgeted)."""
+        pf = self._pf[j]
+        if not pf:
+            return ()
+        done = [rid for rid, end in pf.items() if end <= now]
+        for rid in done:
+            del pf[rid]
+        return tuple(pf.values())
+
+    def _unqueue(self, t: _Tracked) -> None:
+        j = t.replica
+        self._nq[j] -= 1
+        self._qtok[j] -= t.uncached_tokens
+        qp = self._qp[j]
+        self._qp_frozen[j] = None
+        i = bisect.bisect_left(qp, (t.prefill_s, t.rid))
+        if i < len(qp) and qp[i][1] == t.rid:
+            del qp[i]
+        # Sums of floats drift: reset to exactly 0 when nothing waits, and never go negative.
+        self._q[j] = 0.0 if self._nq[j] == 0 else max(0.0, self._q[j] - t.prefill_s)
+
+
+__all__ = ["LoadSnapshot", "LoadView"]

@@ -1,0 +1,87 @@
+"""Queue policies: an open registry of names (STYLE.md #1).
+
+``make_policy("fairway", clock=..., cost=..., theta=6)`` builds a registered policy;
+``make_policy("my.module:MyPolicy", ...)`` imports a class by dotted path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fairway.clock import Clock, ManualClock
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
+from fairway.policies.base import FAIR, FAST, Admission, QueuedRequest, QueuePolicy
+from fairway.policies.baselines import (
+    FCFS,
+    HRRN,
+    KLPM,
+    LPM,
+    VLLMSJF,
+    DFSWeight,
+    LPMAging,
+    SRPTOracle,
+)
+from fairway.policies.fairway import Fairway, FairwayConfig
+from fairway.registry import resolve_class
+from fairway.spec import SpecError, resolve_spec
+
+POLICIES: dict[str, type[QueuePolicy]] = {}
+
+
+def register_policy(cls: type[QueuePolicy]) -> type[QueuePolicy]:
+    """Register a policy class under its ``name`` (usable as a decorator)."""
+    POLICIES[cls.name] = cls
+    return cls
+
+
+for _cls in (FCFS, LPM, DFSWeight, HRRN, KLPM, LPMAging, VLLMSJF, SRPTOracle, Fairway):
+    register_policy(_cls)
+
+
+class PolicyError(ValueError):
+    """An unknown policy name or bad policy options."""
+
+
+def policy_class(name: str) -> type[QueuePolicy]:
+    """The class registered as ``name``, or imported from ``module:Class`` / ``module.Class``."""
+    return resolve_class(name, POLICIES, QueuePolicy, "policy", PolicyError)
+
+
+def make_policy(
+    name: str, *, clock: Clock, cost: CostModel, block_size: int = 16, **kwargs: Any
+) -> QueuePolicy:
+    cls = policy_class(name)
+    try:
+        return cls(clock, cost, block_size, **kwargs)
+    except TypeError as e:
+        raise PolicyError(f"bad options for policy {name!r}: {e}") from e
+
+
+def validated_policy(spec: str, options: dict[str, Any] | None = None, *, block_size: int = 16,
+                     profile: str = DEFAULT_PROFILE) -> tuple[str, dict[str, Any]]:
+    """``spec`` (``name`` or ``name[key=value;...]``) plus ``options`` as (name, options), checked
+    by building the policy once; ``PolicyError`` names the policy and the bad option. For config
+    boundaries (YAML, command line), so a typo fails there and not in a running replica."""
+    try:
+        name, opts = resolve_spec(spec, options)
+    except SpecError as e:
+        raise PolicyError(str(e)) from e
+    make_policy(name, clock=ManualClock(), cost=CostModel.from_profile(profile), block_size=block_size, **opts)
+    return name, opts
+
+
+__all__ = [
+    "FAIR",
+    "FAST",
+    "Admission",
+    "Fairway",
+    "FairwayConfig",
+    "POLICIES",
+    "PolicyError",
+    "QueuePolicy",
+    "QueuedRequest",
+    "make_policy",
+    "policy_class",
+    "validated_policy",
+    "register_policy",
+]

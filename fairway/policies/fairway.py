@@ -1,0 +1,211 @@
+"""Fairway: two virtual lanes over one waiting queue (DESIGN.md section 3).
+
+- A request is in the **Fast lane** until it has waited W >= theta * max(P, P_floor), where P is
+  its current estimated prefill time (uncached tokens on top of cached ones); then it is
+  promoted, for good, to the **Fair lane**.
+- Fast lane order: least uncached work first (reuse-first measured as the work reuse leaves).
+- Fair lane order (default ``"edf"``): earliest deadline first, deadline = arrival +
+  theta * max(P, P_floor), i.e. the moment the request was due for promotion. Deadlines are
+  static while hits are, so a Fair-lane request is overtaken in its lane only by requests whose
+  deadline is earlier: at most the requests that arrived before its deadline, under any load.
+  ``"ratio"`` (highest W / max(P, P_floor), the prototype's default) is kept as an option: it
+  lets a stream of cheap promoted requests (ratio growing at 1 / P_floor) starve an expensive
+  one for as long as an overload lasts (tests/test_sim.py shows it; docs/benchmarks.md compares).
+- Capacity split: stride scheduling over estimated prefill work. Each lane has a pass; admit from
+  the non-empty lane with the smaller pass, then add P / share to that lane's pass. A lane that
+  was empty restarts at the other lane's pass (it banks no credit); an empty lane gives the other
+  everything.
+- P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
+  current from cache events (no queue rescans of prompts).
+
+Complexity: ``select`` is O(n) vectorised over the live slots (a few numpy passes); promotion is
+found in the same pass; ``admit`` is O(1) plus the base class's removal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+from fairway.policies.base import FAIR, FAST, Admission, QueuedRequest, QueuePolicy, grow_column
+
+
+@dataclass(frozen=True, slots=True)
+class FairwayConfig:
+    """Fairway's knobs. The defaults are fixed across workloads (no per-workload tuning).
+
+    theta: promotion threshold, in multiples of the request's own prefill time (> 0).
+    p_floor_s: floor on P in the promotion test and the Fair-lane key, so fully cached requests
+        do not promote at once (seconds, >= 0).
+    fair_share: the Fair lane's share of admitted prefill work under contention (0 < s < 1);
+        the Fast lane gets 1 - fair_share.
+    fast_order: "least-work" (least uncached prefill time) or "most-cached" (longest prefix).
+    fair_order: "edf" (earliest arrival + theta * max(P, floor)) or "ratio" (highest W / max(P, floor)).
+    fast_scope: "unpromoted" (the Fast lane picks among requests not yet promoted) or "all" (the
+        Fast lane's pick is the least-work request of the whole queue, promoted or not, so under
+        overload, when everything has been promoted, cheap requests keep the Fast lane's share).
+    sticky_due: the deadline arrival + theta * max(P, floor) only ever moves earlier (a hit that
+        grows while waiting pulls it in; an eviction does not push it out). Off: recomputed from
+        the current P at every change.
+    """
+
+    theta: float = 12.0
+    p_floor_s: float = 0.1
+    fair_share: float = 0.6
+    fast_order: str = "least-work"
+    fair_order: str = "edf"
+    sticky_due: bool = True
+    fast_scope: str = "all"
+
+    def __post_init__(self) -> None:
+        if not self.theta > 0:
+            raise ValueError("theta must be > 0")
+        if self.p_floor_s < 0:
+            raise ValueError("p_floor_s must be >= 0")
+        if not 0.0 < self.fair_share < 1.0:
+            raise ValueError("fair_share must be in (0, 1)")
+        if self.fast_order not in ("least-work", "most-cached"):
+            raise ValueError(f"unknown fast_order {self.fast_order!r}")
+        if self.fast_scope not in ("unpromoted", "all"):
+            raise ValueError(f"unknown fast_scope {self.fast_scope!r}")
+        if self.fair_order not in ("ratio", "edf"):
+            raise ValueError(f"unknown fair_order {self.fair_order!r}")
+
+
+class Fairway(QueuePolicy):
+    """The Fairway dual-lane policy. See the module docstring for the rules."""
+
+    name = "fairway"
+    has_lanes = True
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        block_size: int = 16,
+        config: FairwayConfig | None = None,
+        **overrides: object,
+    ) -> None:
+        super().__init__(clock, cost, block_size)
+        base = config or FairwayConfig()
+        if overrides:
+            fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+            unknown = set(overrides) - set(fields)
+            if unknown:
+                raise TypeError(f"unknown Fairway option(s): {', '.join(sorted(unknown))}")
+            fields.update(overrides)
+            base = FairwayConfig(**fields)  # type: ignore[arg-type]
+        self.config = base
+        self.promoted = np.zeros(len(self.active), dtype=bool)
+        self.promoted_at = np.zeros(len(self.active))
+        self.due = np.zeros(len(self.active))  # arrival + theta * max(P, floor), never later
+        self.passes = {FAST: 0.0, FAIR: 0.0}
+        self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
+        self._nonempty = {FAST: False, FAIR: False}
+        self.promotions = 0
+        self._n_fair = 0
+        self._chosen = (-1, FAST)  # (slot, lane) of the last select()
+
+    # -- columns ---------------------------------------------------------------------------
+
+    def _grow_extra(self, n: int) -> None:
+        self.promoted = grow_column(self.promoted, n)
+        self.promoted_at = grow_column(self.promoted_at, n)
+        self.due = grow_column(self.due, n)
+
+    def _due_now(self, slot: int) -> float:
+        return float(self.arrival[slot]) + self.config.theta * max(
+            float(self.prefill_s[slot]), self.config.p_floor_s
+        )
+
+    def _on_add(self, slot: int, req: QueuedRequest) -> None:
+        self.promoted[slot] = False
+        self.due[slot] = self._due_now(slot)
+
+    def _on_hit_change(self, rid: int, old: int, new: int) -> None:
+        super()._on_hit_change(rid, old, new)
+        slot = self._slot_of[rid]
+        if self.config.sticky_due:
+            # the deadline only moves earlier: eviction while waiting is not the request's doing
+            self.due[slot] = min(float(self.due[slot]), self._due_now(slot))
+        else:
+            self.due[slot] = self._due_now(slot)
+
+    def _on_remove(self, slot: int) -> None:
+        if self.promoted[slot]:
+            self._n_fair -= 1
+            self.promoted[slot] = False
+
+    def _lane_of(self, slot: int) -> tuple[str, bool]:
+        """The lane that admits ``slot``: the one whose pick it was (a promoted request can be
+        the Fast lane's pick when ``fast_scope="all"``), else its own lane."""
+        p = bool(self.promoted[slot])
+        chosen, lane = self._chosen
+        if chosen == slot:
+            return lane, p
+        return (FAIR if p else FAST), p
+
+    def lane_sizes(self) -> dict[str, int]:
+        return {FAST: len(self) - self._n_fair, FAIR: self._n_fair}
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def _effective_p(self) -> np.ndarray:
+        return np.maximum(self.prefill_s[: self._hi], self.config.p_floor_s)
+
+    def refresh_lanes(self) -> int:
+        """Promote every waiting request whose wait reached theta * max(P, floor); return how
+        many were promoted now. O(n) vectorised."""
+        hi = self._hi
+        now = self.clock.now()
+        due = self.due[:hi]
+        newly = self.active[:hi] & ~self.promoted[:hi] & (now >= due)
+        k = int(np.count_nonzero(newly))
+        if k:
+            self.promoted[:hi] |= newly
+            self.promoted_at[:hi][newly] = due[newly]
+            self.promotions += k
+            self._n_fair += k
+        return k
+
+    def _pick_lane(self) -> str:
+        n_fair = self._n_fair
+        n_fast = len(self) if self.config.fast_scope == "all" else len(self) - n_fair
+        for lane, n, other in ((FAST, n_fast, FAIR), (FAIR, n_fair, FAST)):
+            if n and not self._nonempty[lane]:
+                self.passes[lane] = self.passes[other]  # restart: bank no credit
+            self._nonempty[lane] = n > 0
+        if not n_fair:
+            return FAST
+        if not n_fast:
+            return FAIR
+        return FAIR if self.passes[FAIR] <= self.passes[FAST] else FAST
+
+    def _choose(self, now: float) -> int:
+        self.refresh_lanes()
+        lane = self._pick_lane()
+        slot = self._choose_in(lane, now)
+        self._chosen = (slot, lane)
+        return slot
+
+    def _choose_in(self, lane: str, now: float) -> int:
+        hi = self._hi
+        live = self.active[:hi]
+        cfg = self.config
+        if lane == FAST:
+            mask = live if cfg.fast_scope == "all" else live & ~self.promoted[:hi]
+            if cfg.fast_order == "least-work":
+                return self._argmin(self.prefill_s[:hi], mask)
+            return self._argmin(-self.cached[:hi].astype(float), mask)
+        mask = live & self.promoted[:hi]
+        if cfg.fair_order == "ratio":
+            return self._argmin(-(now - self.arrival[:hi]) / self._effective_p(), mask)
+        return self._argmin(self.due[:hi], mask)
+
+    def _on_admit(self, slot: int, adm: Admission) -> None:
+        self._chosen = (-1, FAST)
+        lane = adm.lane
+        self.passes[lane] += adm.est_prefill_s / self.shares[lane]

@@ -1,0 +1,309 @@
+"""Per-replica estimate of which KV blocks each engine replica holds: the router's prefix index.
+
+Why: a cache-aware router needs, for every candidate replica j, the estimated cached prefix
+c_rj of the request it is placing (DESIGN.md section 3, "Cluster level"). Keys are the engine's
+own chained block hashes (``fairway/hashing.py``), so equal hashes mean equal prefixes, and the
+longest cached prefix on a replica is a walk of dict probes that stops at its first miss
+(STYLE.md #8). Ray and SGLang match characters; we match blocks of tokens.
+
+Two modes:
+
+- ``"approx"``: built from the router's own decisions. ``record_routed`` inserts a routed
+  request's prompt blocks for its replica; each replica has a capacity in blocks with LRU aging
+  (the oldest-touched blocks are dropped first); ``on_feedback`` corrects the estimate with the
+  cached-token count the engine reports. This is what Ray's ``PrefixCacheAffinityRouter``,
+  SGLang's router and AIBrix do (with characters or hashes of characters).
+- ``"events"``: exact. ``on_kv_events`` applies the engine's (stored, hash) events (the shape
+  ``fairway.engine.block_pool.BlockPool`` and vLLM's KV events emit), so each replica's set equals its
+  engine's prefix cache. ``record_routed`` and ``on_feedback`` are no-ops in this mode, so a host
+  can call the same hooks whatever the mode.
+
+Layout, and why lookups cost O(prompt blocks), not O(replicas x blocks):
+
+- ``_where``: one dict, hash -> bitmask of the replicas holding it. A lookup probes it once per
+  prompt block and ANDs the mask of replicas still matching; a replica leaves the walk at its
+  first miss, and the walk ends when no replica is left.
+- ``_lru[j]``: an ``OrderedDict`` per replica (oldest first) for O(1) touch, insert and
+  eviction of the least recently touched block, the same costs as vLLM's free block queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, KeysView, Sequence
+
+from fairway.hashing import longest_cached_prefix
+
+APPROX = "approx"
+EVENTS = "events"
+MODES = (APPROX, EVENTS)
+
+
+class PrefixIndex:
+    """For each replica, an estimate of the block hashes it holds.
+
+    Invariants (checked in tests): a hash is a key of ``_where`` iff at least one replica holds
+    it; bit j of ``_where[h]`` is set iff ``h`` is in ``_lru[j]``; in approx mode,
+    ``len(_lru[j]) <= capacity[j]`` after every call (when a capacity is set).
+
+    Replica ids are 0..num_replicas-1 and stable; ``add_replica`` appends one and
+    ``clear_replica`` empties one (a replica that died, or vLLM's "all blocks cleared" event).
+    """
+
+    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all")
+
+    def __init__(
+        self,
+        num_replicas: int,
+        mode: str = APPROX,
+        capacity_blocks: int | Sequence[int | None] | None = None,
+    ) -> None:
+        """``capacity_blocks``: per-replica capacity of the approx index in blocks (one value
+        for all, one per replica, or None for unbounded). Ignored in events mode, where the
+        engine's own evictions age the index. O(num_replicas)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown prefix index mode {mode!r}; known: {', '.join(MODES)}")
+        if num_replicas < 0:
+            raise ValueError("num_replicas must be >= 0")
+        self._mode = mode
+        self._where: dict[int, int] = {}
+        self._lru: list[OrderedDict[int, None]] = []
+        self._cap: list[int | None] = []
+        self._max_cap: list[int | None] = []
+        self._all = 0
+        if capacity_blocks is None or isinstance(capacity_blocks, int):
+            caps: list[int | None] = [capacity_blocks] * num_replicas
+        else:
+            caps = list(capacity_blocks)
+            if len(caps) != num_replicas:
+                raise ValueError(f"{len(caps)} capacities for {num_replicas} replicas")
+        for c in caps:
+            self.add_replica(c)
+
+    # -- shape -------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"approx"`` or ``"events"``."""
+        return self._mode
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._lru)
+
+    def add_replica(self, capacity_blocks: int | None = None) -> int:
+        """Append an empty replica (Ray's ``update_replicas`` grew the set); return its id. O(1)."""
+        if capacity_blocks is not None and capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1 or None")
+        j = len(self._lru)
+        self._lru.append(OrderedDict())
+        self._cap.append(capacity_blocks)
+        self._max_cap.append(capacity_blocks)
+        self._all |= 1 << j
+        return j
+
+    def clear_replica(self, replica: int) -> None:
+        """Forget everything replica ``replica`` holds (it died or cleared its cache).
+
+        O(blocks it held)."""
+        lru = self._lru[replica]
+        for h in lru:
+            self._unset(replica, h)
+        lru.clear()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Longest cached prefix, in blocks, of ``hashes`` on every replica (index = replica id).
+
+        Why: the per-replica ĉ_rj of DESIGN.md section 3. Each replica stops at its first miss;
+        the walk stops as soon as no replica still matches. Read-only: a lookup does not refresh
+        LRU ages (the block is touched when the request is routed there, see ``record_routed``,
+        so the ages follow the requests each engine actually serves).
+
+        Complexity: O(matched blocks + 1) dict probes plus O(num_replicas) to write the result;
+        never O(replicas x blocks).
+        """
+        out = [0] * len(self._lru)
+        alive = self._all
+        if not alive:
+            return out
+        where = self._where
+        i = 0
+        for h in hashes:
+            m = where.get(h, 0) & alive
+            if m != alive:
+                gone = alive & ~m
+                while gone:  # each replica leaves the walk once: O(replicas) in total
+                    low = gone & -gone
+                    out[low.bit_length() - 1] = i
+                    gone ^= low
+                alive = m
+                if not alive:
+                    return out
+            i += 1
+        while alive:
+            low = alive & -alive
+            out[low.bit_length() - 1] = i
+            alive ^= low
+        return out
+
+    def match_one(self, replica: int, hashes: Sequence[int]) -> int:
+        """Longest cached prefix of ``hashes`` on one replica, in blocks. O(matched + 1)."""
+        return longest_cached_prefix(hashes, self._lru[replica])
+
+    def holds(self, replica: int, h: int) -> bool:
+        """Whether ``replica`` is thought to hold block ``h``. O(1)."""
+        return h in self._lru[replica]
+
+    def blocks(self, replica: int) -> KeysView[int]:
+        """The hashes ``replica`` holds, least recently touched first (a live view). O(1)."""
+        return self._lru[replica].keys()
+
+    def size(self, replica: int) -> int:
+        """Blocks ``replica`` holds: the "tree size" the smallest-tree rules compare. O(1)."""
+        return len(self._lru[replica])
+
+    def sizes(self) -> list[int]:
+        """``size`` of every replica. O(num_replicas)."""
+        return [len(lru) for lru in self._lru]
+
+    def __len__(self) -> int:
+        """Distinct hashes held by at least one replica. O(1)."""
+        return len(self._where)
+
+    # -- approx mode -------------------------------------------------------------------------
+
+    def record_routed(self, replica: int, hashes: Sequence[int]) -> int:
+        """The router sent a request with prompt blocks ``hashes`` to ``replica``: assume the
+        engine will hold them. Returns how many blocks aged out of that replica.
+
+        Why: the approx index learns only from its own decisions (no engine events). The blocks
+        are touched tail first, so the head of the prompt is the most recently touched and a
+        request's tail ages out before its head: vLLM frees a request's blocks tail first for
+        the same reason (a lost head block makes the rest of the chain unreachable). Blocks the
+        replica already held are refreshed, which is how a lookup hit refreshes its blocks.
+        No-op (returns 0) in events mode.
+
+        Complexity: O(len(hashes) + blocks aged out), amortised O(len(hashes)).
+        """
+        if self._mode != APPROX:
+            return 0
+        return self._touch(replica, hashes)
+
+    def on_feedback(
+        self,
+        replica: int,
+        hashes: Sequence[int],
+        cached_tokens: int,
+        block_size: int,
+        estimated_blocks: int | None = None,
+    ) -> int:
+        """Correct the estimate with the cached-token count the engine reported for a request
+        served on ``replica``; ``estimated_blocks`` is what the index matched for it at routing
+        time. Returns how many blocks aged out.
+
+        Why: the approx index does not see evictions. After the request's prefill every block of
+        its prompt is in that engine's cache (the missed ones were just recomputed), so all of
+        ``hashes`` are refreshed as present. What the report reveals is the index holding more
+        than the replica keeps: a hit shorter than estimated means the engine had evicted blocks
+        the index still listed. That replica's capacity estimate then shrinks by the overshoot
+        (not below 1/8 of its configured capacity) and its oldest blocks age out; a hit at least
+        as long as estimated grows the capacity back by 1/8 of the request's blocks, up to the
+        configured capacity (additive decrease by the observed error, slow additive increase).
+        No-op (returns 0) in events mode.
+
+        Complexity: O(len(hashes) + blocks aged out).
+        """
+        if self._mode != APPROX:
+            return 0
+        if cached_tokens < 0 or block_size < 1:
+            raise ValueError("cached_tokens must be >= 0 and block_size >= 1")
+        hit = min(cached_tokens // block_size, len(hashes))
+        cap, top = self._cap[replica], self._max_cap[replica]
+        if cap is not None and top is not None and estimated_blocks is not None:
+            if estimated_blocks > hit:
+                self._cap[replica] = max(max(1, top // 8), cap - (estimated_blocks - hit))
+            else:
+                self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
+        return self._touch(replica, hashes)
+
+    def set_capacity(self, replica: int, capacity_blocks: int) -> None:
+        """Set a replica's configured capacity once it becomes known (a live replica reports
+        its KV blocks after the router first sees it). O(1) plus the aging it causes."""
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        if self._max_cap[replica] == capacity_blocks:
+            return
+        self._max_cap[replica] = capacity_blocks
+        self._cap[replica] = capacity_blocks
+        self._age(replica)
+
+    def capacity(self, replica: int) -> int | None:
+        """The current capacity estimate of ``replica`` in blocks (None: unbounded). O(1)."""
+        return self._cap[replica]
+
+    # -- events mode -------------------------------------------------------------------------
+
+    def on_kv_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
+        """Apply an engine's KV events in order: ``(True, h)`` stored, ``(False, h)`` removed.
+
+        Why: exact routing (Dynamo's and llm-d's precise mode). After the events of every step
+        are applied, ``blocks(replica)`` equals the engine's prefix cache. A removal of a hash
+        the index does not hold is ignored (events of a cache cleared before). No-op in approx
+        mode. Complexity: O(len(events)).
+        """
+        if self._mode != EVENTS:
+            return
+        lru = self._lru[replica]
+        bit = 1 << replica
+        where = self._where
+        for stored, h in events:
+            if stored:
+                if h in lru:
+                    lru.move_to_end(h)
+                else:
+                    lru[h] = None
+                    where[h] = where.get(h, 0) | bit
+            elif h in lru:
+                del lru[h]
+                self._unset(replica, h)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _unset(self, replica: int, h: int) -> None:
+        m = self._where[h] & ~(1 << replica)
+        if m:
+            self._where[h] = m
+        else:
+            del self._where[h]
+
+    def _touch(self, replica: int, hashes: Sequence[int]) -> int:
+        """Mark ``hashes`` present on ``replica``, tail first (the head ends most recent), then
+        age the replica to its capacity. Returns blocks aged out. O(len(hashes) + aged)."""
+        lru = self._lru[replica]
+        bit = 1 << replica
+        where = self._where
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                where[h] = where.get(h, 0) | bit
+        return self._age(replica)
+
+    def _age(self, replica: int) -> int:
+        """Drop the least recently touched blocks while over capacity. O(blocks dropped)."""
+        cap = self._cap[replica]
+        if cap is None:
+            return 0
+        lru = self._lru[replica]
+        n = 0
+        while len(lru) > cap:
+            h, _ = lru.popitem(last=False)
+            self._unset(replica, h)
+            n += 1
+        return n
+
+
+__all__ = ["APPROX", "EVENTS", "MODES", "PrefixIndex"]

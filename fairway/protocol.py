@@ -1,0 +1,184 @@
+"""What crosses the ingress -> replica boundary, and what an engine promises the gate.
+
+The ingress tokenizes and hashes once; a ``GenerateCall`` carries the token ids and the chained
+block hashes to the replica (through the Ray Serve handle, where the request router also reads
+the hashes to estimate each replica's hit). The replica streams ``TokenChunk``s back. Errors the
+client must see as HTTP statuses cross as the exception types below, so the ingress can map them
+without parsing messages.
+
+Every type here is a plain dataclass: cheap to pickle through Ray, no framework imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class GenerateCall:
+    """One generation request as the replica receives it.
+
+    Invariants: ``len(block_hashes) == len(prompt_token_ids) // block_size`` (full prompt blocks
+    only, chained, tenant-salted as ``fairway/hashing.py`` computes them); ``max_tokens >= 1``.
+    ``arrival_s`` is the ingress's wall-clock receive time (``time.time()``), so TTFT counts the
+    routing hop too.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: tuple[int, ...]
+    max_tokens: int
+    arrival_s: float
+    model: str = ""
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    cache_salt: str | None = None  # tenant salt folded into the first block's hash
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """New output tokens of one request; the last chunk has ``finished`` set.
+
+    ``cached_tokens`` (the prompt tokens served from the prefix cache), ``lane`` and the timings
+    are filled on the first chunk and repeated on the last, so a non-streaming caller reading only
+    the last chunk sees them.
+    """
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "abort"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    lane: str = ""
+    promoted: bool = False  # it reached the Fair lane while waiting (whichever lane admitted it)
+    queue_wait_s: float = 0.0  # gate arrival -> admission into the engine
+    ttft_s: float = 0.0  # ingress arrival -> first token, measured at the replica
+    replica: str = ""
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What an engine yields per step for one request (delta token ids)."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    cached_tokens: int | None = None  # known once prefill has been scheduled
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A point-in-time view of one engine, for the gate's room check and the routing stats."""
+
+    running: int  # requests in the engine (prefilling or decoding)
+    prefilling: int  # admitted requests without a first token yet
+    pending_prefill_tokens: int  # uncached prompt tokens admitted and not yet computed
+    kv_blocks_total: int
+    kv_blocks_free: int  # free or evictable (cached but unreferenced) blocks
+
+    @property
+    def kv_usage(self) -> float:
+        if self.kv_blocks_total <= 0:
+            return 0.0
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total
+
+
+class ReplicaError(Exception):
+    """Base of the errors a replica reports to the ingress; ``status`` is the HTTP status."""
+
+    status: int = 500
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep the fields across pickling (Ray)
+        return (type(self), (self.message, self.retry_after_s))
+
+
+class Overloaded(ReplicaError):
+    """The replica's waiting queue is full: HTTP 429 with Retry-After, at once."""
+
+    status = 429
+
+
+class RequestTooLarge(ReplicaError):
+    """The request can never fit this engine (KV capacity or context length): HTTP 400."""
+
+    status = 400
+
+
+class EngineFailed(ReplicaError):
+    """The engine failed while serving the request: HTTP 503 (retryable)."""
+
+    status = 503
+
+
+class Engine(Protocol):
+    """An engine behind the gate (``sim`` or ``vllm``).
+
+    The gate decides *when* a request enters; the engine serves what it is given in arrival
+    order. ``generate`` must start yielding only after the request is in the engine, and must
+    finish (``finished=True``) or raise ``ReplicaError``; it never hangs on its own.
+    """
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def can_fit(self, prompt_tokens: int, block_hashes: Sequence[int]) -> bool:
+        """Whether admitting this prompt now needs no more KV blocks than are free."""
+        ...
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """The engine's (or the gate's best estimate of the) cached prefix of these hashes."""
+        ...
+
+    def set_cache_listener(
+        self,
+        on_stored: Callable[[Iterable[int]], None],
+        on_removed: Callable[[Iterable[int]], None],
+    ) -> None:
+        """Receive block-stored / block-removed events in the ``fairway/hashing.py`` hash space
+        (exact for ``sim``; the vLLM adapter reports what it can observe)."""
+        ...
+
+
+@dataclass(slots=True)
+class ReplicaRoutingStats:
+    """What a replica reports to the request routers (Ray Serve's ``record_routing_stats``).
+
+    ``recent_cached`` maps recently finished request ids to the cached tokens they got: the
+    feedback that corrects the routers' prefix-index estimates. ``waiting_ids`` are the requests
+    still in the gate's queue at ``taken_at`` (wall clock): a router marks its other requests on
+    this replica routed before ``taken_at`` as started, so its queued-work estimate follows the
+    replica's real queue. ``prefilling`` maps the requests admitted into the engine and still
+    without a first token at ``taken_at`` to their admission time (wall clock): a router dates
+    their prefill from it and counts every other started request as past its prefill.
+    """
+
+    replica: str
+    taken_at: float
+    waiting: int
+    running: int
+    queued_prefill_s: float
+    kv_usage: float
+    kv_blocks_total: int
+    lanes: dict[str, int] = field(default_factory=dict)
+    max_num_seqs: int = 0
+    recent_cached: dict[str, int] = field(default_factory=dict)
+    waiting_ids: list[str] = field(default_factory=list)
+    prefilling: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,204 @@
+"""The router-policy interface: one request and the replicas' states in, ranked replicas out.
+
+A router policy answers one question: where should this request go? It returns ranks in the
+shape of Ray Serve's ``RequestRouter.choose_replicas`` (DESIGN.md section 6): a list of ranks,
+each a list of replica ids, the first rank preferred. It never awaits, never does I/O and never
+reads the wall clock (STYLE.md #2, #6): the host builds the ``ReplicaState`` list from its prefix
+index (``fairway/prefix_index.py``) and load view (``fairway/load_view.py``), calls ``rank``, routes,
+and then tells the index and the load view what it did.
+
+Rank conventions (every policy here):
+
+- every candidate replica appears exactly once across the ranks, and no rank is empty;
+- ``ranks[0][0]`` is the policy's choice, for hosts that do not probe queues (the simulator);
+- the first rank holds only the choice, except where the original system leaves the pick among
+  a set to the framework's shortest-queue rule (``pow2``'s two candidates, ``ray-prefix``'s
+  matched or smallest-tree set): then the set is the first rank, in the policy's preference
+  order. Ray picks the shortest queue within a rank, which is what those systems do;
+- every other replica gets a rank of its own, in the policy's preference order, so a framework
+  that falls through ranks (Ray does when a rank's replicas are full) keeps that order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+from fairway.load_view import LoadSnapshot
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """A request as a router policy sees it.
+
+    ``block_hashes`` are the chained hashes of the prompt's full blocks (not the output's);
+    ``prompt_chars`` is kept for character-level anchors and metrics (no policy here needs it:
+    every match is in blocks of tokens).
+    """
+
+    rid: int
+    prompt_tokens: int
+    block_hashes: Sequence[int]
+    prompt_chars: int | None = None
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """One candidate replica as the router sees it (possibly stale, see ``LoadView``).
+
+    Invariants: ``0 <= running <= outstanding``; ``queued_prefill_s >= 0``;
+    ``0 <= kv_usage <= 1``; ``0 <= matched_blocks``; ``0 <= index_blocks``.
+
+    replica: the replica's id.
+    outstanding: requests routed there and not finished (its queue length, for Ray and SGLang).
+    running: requests started in its engine and not finished.
+    queued_prefill_s: Q_j, estimated prefill seconds routed there and not yet started.
+    kv_usage: fraction of its KV blocks in use, from its stats.
+    matched_blocks: the request's estimated cached prefix there, in blocks (from the index).
+    index_blocks: blocks the prefix index holds for it (the "tree size" of Ray and SGLang).
+    queued_prefill_tokens: uncached prompt tokens routed there and not yet started (Dynamo).
+    active_blocks: KV blocks of its outstanding requests (Dynamo's decode blocks).
+    queued_prefills: the prefill estimates of its requests waiting to start, ascending (the
+        Fairway router's queue-order wait model; empty when the host does not track them).
+    max_running: its sequence capacity (the engine's max_num_seqs), 0 when unknown.
+    prefill_ends: estimated prefill end times (clock seconds) of its started requests still
+        prefilling when the load was read (empty when the host does not track them).
+    routed_since, routed_prefills: its recent routed work: the prefill estimates (ascending) of
+        the requests routed to it since ``routed_since`` (clock seconds), the routing time of the
+        one before them (``LoadView``'s window); empty when the host does not track it.
+    """
+
+    replica: int
+    outstanding: int
+    running: int
+    queued_prefill_s: float
+    kv_usage: float
+    matched_blocks: int
+    index_blocks: int
+    queued_prefill_tokens: int = 0
+    active_blocks: int = 0
+    queued_prefills: tuple[float, ...] = ()
+    max_running: int = 0
+    prefill_ends: tuple[float, ...] = ()
+    routed_since: float = 0.0
+    routed_prefills: tuple[float, ...] = ()
+
+
+class RouterPolicy(ABC):
+    """Base class of every router policy.
+
+    Subclasses take their options as keyword arguments after ``rng`` (defaults from DESIGN.md
+    section 5), implement ``rank``, and set ``last_reason`` (why the last choice was made, a
+    low-cardinality label for the "routing decisions by reason" metric) and, where they score
+    replicas, ``last_scores`` (replica id -> the score or cost they compared).
+
+    ``rank`` is pure in the sense of STYLE.md #2 (no I/O, no awaits, no wall clock). It may
+    advance the policy's own state: the round-robin counter and the injected ``rng``.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        block_size: int = 16,
+        rng: np.random.Generator | None = None,
+        **options: object,
+    ) -> None:
+        if options:
+            raise TypeError(f"{type(self).__name__} got unknown options: {', '.join(sorted(options))}")
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.clock = clock
+        self.cost = cost
+        self.block_size = block_size
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.last_reason = ""
+        self.last_scores: dict[int, float] = {}
+
+    @abstractmethod
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+        """Ranked replica ids for ``req`` among ``states`` (see the module's conventions)."""
+
+    # -- helpers shared by the policies -----------------------------------------------------
+
+    def cached_tokens(self, req: RouteRequest, s: ReplicaState) -> int:
+        """Estimated cached tokens of ``req`` on ``s``: its matched blocks, capped at the
+        cacheable prefix (the engine always computes the last prompt token, as vLLM does)."""
+        cacheable = max(0, (req.prompt_tokens - 1) // self.block_size)
+        return min(s.matched_blocks, cacheable) * self.block_size
+
+    def prefill_s(self, req: RouteRequest, s: ReplicaState) -> float:
+        """P_rj: the cost model's prefill time of ``req``'s uncached tokens on ``s``."""
+        c = self.cached_tokens(req, s)
+        return self.cost.prefill_time(req.prompt_tokens - c, c)
+
+    def match_rate(self, req: RouteRequest, s: ReplicaState) -> float:
+        """Matched tokens / prompt tokens, in [0, 1]: the match rate Ray and SGLang compare.
+        They match characters of the prompt text; we match whole blocks of tokens."""
+        if req.prompt_tokens <= 0:
+            return 0.0
+        return min(1.0, s.matched_blocks * self.block_size / req.prompt_tokens)
+
+
+def by_id(states: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """``states`` sorted by replica id (every policy's deterministic order). Raises on an empty
+    or duplicated candidate list. O(R log R)."""
+    if not states:
+        raise ValueError("no replicas to rank")
+    ss = sorted(states, key=lambda s: s.replica)
+    for a, b in zip(ss, ss[1:], strict=False):
+        if a.replica == b.replica:
+            raise ValueError(f"replica {a.replica} appears twice")
+    return ss
+
+
+def ranks_of(first: Sequence[int], rest: Iterable[int]) -> list[list[int]]:
+    """``[list(first), [r1], [r2], ...]``: the first rank, then one rank per other replica."""
+    return [list(first)] + [[j] for j in rest]
+
+
+def choice(ranks: Sequence[Sequence[int]]) -> int:
+    """The replica a host that does not probe queues routes to: the first of the first rank."""
+    return ranks[0][0]
+
+
+def make_states(
+    snap: LoadSnapshot,
+    matched: Sequence[int],
+    index_blocks: Sequence[int],
+    replicas: Iterable[int] | None = None,
+) -> list[ReplicaState]:
+    """Build the ``ReplicaState`` list for one request from a load snapshot, the index's
+    ``match(hashes)`` and ``sizes()`` (all indexed by replica id), for ``replicas`` (default
+    all). O(R)."""
+    ids = range(len(snap.outstanding)) if replicas is None else replicas
+    return [
+        ReplicaState(
+            replica=j,
+            outstanding=snap.outstanding[j],
+            running=snap.running[j],
+            queued_prefill_s=snap.queued_prefill_s[j],
+            kv_usage=snap.kv_usage[j],
+            matched_blocks=matched[j],
+            index_blocks=index_blocks[j],
+            queued_prefill_tokens=snap.queued_prefill_tokens[j],
+            active_blocks=snap.active_blocks[j],
+            queued_prefills=snap.queued_prefills[j] if snap.queued_prefills else (),
+            max_running=snap.max_running[j] if snap.max_running else 0,
+            prefill_ends=snap.prefill_ends[j] if snap.prefill_ends else (),
+            routed_since=snap.routed_windows[j][0] if snap.routed_windows else 0.0,
+            routed_prefills=snap.routed_windows[j][1] if snap.routed_windows else (),
+        )
+        for j in ids
+    ]
+
+
+__all__ = ["ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice", "make_states", "ranks_of"]

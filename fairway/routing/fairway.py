@@ -1,0 +1,370 @@
+"""Fairway's replica choice (DESIGN.md section 3, "Cluster level").
+
+For replica j: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix),
+P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj) the prefill estimate, Q_j the queued prefill seconds
+routed to j and not yet started, and W_rj the wait the request can expect at j:
+
+- ``wait_model="queue"`` (default): the wait follows the replica's Fairway queue. Its Fast lane
+  serves the least uncached work first, so a request that reuses a cache on j (ĉ_rj > 0) waits
+  only for the queued work no heavier than its own, A_rj = sum of the P_q <= P_rj queued on j,
+  served at the Fast lane's guaranteed share s of prefill (1 - the replica's fair_share):
+  W_rj = min(Q_j, A_rj / s). Where j has no free sequence slot (routed and unfinished >=
+  max_num_seqs: admission waits for a finish, not for prefill), W_rj = Q_j. Where the request is
+  cold (ĉ_rj = 0: its whole prompt is new there), W_rj = Q_j stretched by the later, lighter
+  arrivals that overtake it until its promotion (``overtaking``, below), slots full or not.
+- ``wait_model="fcfs"``: W_rj = Q_j, the whole queue (the model for FCFS replicas).
+- ``overtaking`` (default on): a cold request is overtaken, until its promotion, by the work
+  lighter than its own that reaches j after it, as the lowest class of a priority queue is: with
+  rho_rj the rate of prefill work lighter than P_rj routed to j lately (the load view's window of
+  j's last 32 routed requests, in seconds of prefill per second), W_rj = (R_j + Q_j) / (1 -
+  rho_rj), the M/G/1 priority queue's wait for the lowest class. The replica promotes it to the
+  Fair lane once it has waited theta * P_rj, so W_rj is capped at R_j + Q_j + theta * P_rj, and
+  is that cap when rho_rj >= 1 (lighter work alone fills j). Off: W_rj = R_j + Q_j.
+- ``running_prefill`` (default on): W_rj also counts R_j, the prefill still to run of the
+  requests j has already started (each started at t0 with estimate P is taken to end at t0 + P):
+  the engine gives its running prefills the token budget before it admits a waiting request, so
+  a request routed to j behind a long cold prefill waits for it whatever its own order.
+
+Expected TTFT with the cache footprint: T_rj = W_rj + S_rj + f * P_rj * fullness_j, where
+S_rj is the step that computes the first token: ``decode_batch`` (default on) prices it with
+the cost model's step time for the request's uncached tokens batched with the decodes of j's
+running requests (a replica decoding many sequences runs longer steps), else S_rj = P_rj;
+fullness_j is j's KV usage over the highest replica's (footprint="kv"), its KV usage itself
+(footprint="kv-abs"), or its index size over the largest (footprint="index"): a placement
+displaces cached work in proportion to its own prefill and to how full that replica's memory is.
+
+Replication (``replicate``, default on): the router counts, per shared prefix (named by the
+hash of the request's last matched block), its share s of all routing decisions
+(``fairway/routing/popularity.py``). While s > k / R for its k holders among R replicas, and a
+non-holder, once it held the prefix, would serve the request sooner than the best holder does
+now (its T_rj with the prefix cached, against the holders' best T_rj), the request seeds the
+non-holder with the lowest such T (reason ``"replicate"``): the one request that pays the
+recompute buys a shorter wait or a smaller batch for every later request of that prefix, a gain
+no per-request T counts. On an idle cluster no copy is made.
+
+- ``rule="score"`` (default): the minimum T_rj. Affinity is not a separate test: with the queue
+  wait model, the replica holding the prompt's prefix wins while the work queued ahead of the
+  request there (in that replica's order) costs less than recomputing the prefix elsewhere.
+- ``rule="affinity"`` (DESIGN.md's rule as first written): j* = the best-cached replica (ties
+  per ``affinity_ties``); route there if W_rj* <= theta * max(P_rj*, p_floor_s), else the
+  minimum T_rj; a prompt no replica holds goes to the minimum T_rj.
+
+Reasons (``last_reason``): ``"replicate"`` for a seed, else ``"cold"`` when no replica holds
+any of the prompt, ``"affinity"`` when the pick is the best-cached replica, ``"fair"``
+otherwise. ``last_scores`` holds each replica's T_rj and ``last_wait`` its W_rj. The ranks are
+the pick, then every other replica by T_rj (ties: more cache, fewer outstanding, smaller index,
+lower id).
+
+Complexity: O(R log R + n + k + R W) for R candidates, n requests waiting across them (one bisect
+and one C-level sum over each replica's sorted waiting list), k started requests still
+prefilling and, for a cold request, one bisect and C-level sum over each replica's W = 31 routed
+estimates, with two cost-model calls per replica.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+from fairway.policies.fairway import FairwayConfig
+from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.popularity import PrefixShares
+
+#: The replica queue's default promotion threshold.
+DEFAULT_THETA = FairwayConfig().theta
+#: The Fast lane's guaranteed share of prefill at a Fairway replica under contention.
+DEFAULT_FAST_SHARE = 1.0 - FairwayConfig().fair_share
+
+
+class FairwayRouter(RouterPolicy):
+    """``fairway``: the minimum expected TTFT, with the wait modelled on the replica's own queue
+    order (see the module docstring).
+
+    Options:
+    - wait_model = "queue" (the replicas run Fairway queues; "fcfs": W = Q_j, for FCFS replicas;
+      hosts set it from the replica policy). fast_share = 0.4 (the Fast lane's share, 1 - the
+      replicas' fair_share).
+    - rule = "score" (the minimum T_rj); "affinity": DESIGN.md's test, route to the best-cached
+      replica j* while W_rj* <= theta * max(P_rj*, p_floor_s), else the minimum T_rj. theta = 12
+      (the queue level's default; hosts pass the replicas' own) also caps the overtaken wait
+      (``overtaking``); p_floor_s = 0 applies to "affinity" only.
+    - footprint_weight = 1 and footprint = "kv" (the cache-footprint term, see the module
+      docstring; "index": index blocks over the largest index; "kv-abs": the KV usage itself, so
+      the term fades when memory is idle: measured better on short-prompt conversations, worse
+      on Mooncake x3, docs/benchmarks.md).
+    - affinity_ties = "ttft" (rule="affinity" only: equal best match and equal W: the better T,
+      then fewer outstanding; "id": the lowest id; "hash": the rendezvous-hash winner for the
+      prompt's first block after the match; "kv": the lowest KV usage, then the better T).
+    - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
+      adds beyond the cheapest one).
+    - running_prefill = True (W_rj counts the started requests' remaining prefill),
+      decode_batch = True (the first-token step is priced with j's running decodes) and
+      replicate = True (a prefix drawing more than its holders' share of the traffic seeds one
+      more holder).
+    - overtaking = True (a cold request's wait counts the lighter work that will overtake it
+      until its promotion at theta * P_rj); off gives the fourth pass's model, and all four off
+      the third pass's.
+
+    The defaults were chosen by the worst case against the best anchor router over Mooncake
+    (x2-x4 and four router instances), agentic, hotspot and rag-spike on 8 replicas
+    (docs/benchmarks.md, issue 3). Against the previous default (rule "affinity" with W = Q_j),
+    the queue wait model keeps mostly cached requests on their replica when its queue is long
+    but heavier than them (Mooncake x3: hit ratio 0.408 -> 0.499 of a 0.513 ceiling, p99 22.4 ->
+    14.6 s), and dropping the separate affinity test lets the footprint term seed new sessions
+    on replicas without the shared preamble (agentic 3 sessions/s: p99 1.73 -> 1.28 s). The
+    running prefill and the decode batch (fourth pass) stop requests queueing behind a long
+    prefill that has already started, or on a replica busy decoding, for a few ms of cache
+    (Mooncake x2: p50 0.31 -> 0.07 s; hotspot 160 req/s: p99 1.26 -> 0.63 s), and replication
+    spreads a hot prefix over as many replicas as its traffic warrants (hotspot 100 req/s: p50
+    0.023 -> 0.014 s).
+    """
+
+    name = "fairway"
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        block_size: int = 16,
+        rng: np.random.Generator | None = None,
+        *,
+        theta: float = DEFAULT_THETA,
+        p_floor_s: float = 0.0,
+        extra_work_weight: float = 0.0,
+        footprint_weight: float = 1.0,
+        footprint: str = "kv",
+        affinity_ties: str = "ttft",
+        wait_model: str = "queue",
+        fast_share: float = DEFAULT_FAST_SHARE,
+        rule: str = "score",
+        running_prefill: bool = True,
+        decode_batch: bool = True,
+        replicate: bool = True,
+        overtaking: bool = True,
+    ):
+        super().__init__(clock, cost, block_size, rng)
+        if not theta > 0:
+            raise ValueError("theta must be > 0")
+        if not p_floor_s >= 0:
+            raise ValueError("p_floor_s must be >= 0")
+        self.theta = float(theta)
+        self.p_floor_s = float(p_floor_s)
+        if not extra_work_weight >= 0:
+            raise ValueError("extra_work_weight must be >= 0")
+        self.extra_work_weight = float(extra_work_weight)
+        if not footprint_weight >= 0:
+            raise ValueError("footprint_weight must be >= 0")
+        self.footprint_weight = float(footprint_weight)
+        if footprint not in ("index", "kv", "kv-abs"):
+            raise ValueError("footprint must be 'index', 'kv' or 'kv-abs'")
+        self.footprint = footprint
+        if affinity_ties not in ("id", "ttft", "hash", "kv"):
+            raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
+        self.affinity_ties = affinity_ties
+        if wait_model not in ("queue", "fcfs"):
+            raise ValueError("wait_model must be 'queue' or 'fcfs'")
+        self.wait_model = wait_model
+        if not 0.0 < fast_share <= 1.0:
+            raise ValueError("fast_share must be in (0, 1]")
+        self.fast_share = float(fast_share)
+        if rule not in ("score", "affinity"):
+            raise ValueError("rule must be 'score' or 'affinity'")
+        self.rule = rule
+        self.running_prefill = bool(running_prefill)
+        self.decode_batch = bool(decode_batch)
+        self.replicate = bool(replicate)
+        self.overtaking = bool(overtaking)
+        self.shares = PrefixShares()
+        self.last_wait: dict[int, float] = {}
+
+    def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
+        """W_rj for a request with prefill estimate ``prefill_s`` and ``cached_tokens`` on
+        replica ``s`` (see the module docstring). O(log n) plus a C-level sum over the n
+        requests waiting there."""
+        q = s.queued_prefill_s
+        r = self.running_prefill_s(s) if self.running_prefill else 0.0
+        queue_model = self.wait_model == "queue"
+        if queue_model and cached_tokens <= 0 and self.overtaking:
+            return self.overtaken_wait(s, r + q, prefill_s)
+        qp = s.queued_prefills
+        slots_full = s.max_running and s.outstanding >= s.max_running
+        if not queue_model or cached_tokens <= 0 or not qp or slots_full:
+            return r + q  # the whole queue ahead: FCFS replicas, a cold request, or no free slot
+        ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
+        return r + min(q, ahead / self.fast_share)
+
+    def lighter_rate(self, s: ReplicaState, prefill_s: float) -> float:
+        """rho_rj: prefill seconds per second of the work lighter than ``prefill_s`` routed to
+        ``s`` lately (its routed window), 0 while there is no window. O(log W) for the bisect
+        plus a C-level sum over at most W = 31 estimates."""
+        ps = s.routed_prefills
+        span = self.clock.now() - s.routed_since
+        if not ps or span <= 0.0:
+            return 0.0
+        return sum(ps[: bisect.bisect_left(ps, prefill_s)]) / span
+
+    def overtaken_wait(self, s: ReplicaState, ahead_s: float, prefill_s: float) -> float:
+        """A cold request's wait on ``s`` behind ``ahead_s`` seconds of work: stretched by the
+        lighter work that keeps arriving and overtaking it, ahead_s / (1 - rho), until its
+        promotion after theta * P: capped at ahead_s + theta * P. O(log W)."""
+        bound = ahead_s + self.theta * prefill_s
+        rho = self.lighter_rate(s, prefill_s)
+        return min(ahead_s / (1.0 - rho), bound) if rho < 1.0 else bound
+
+    def running_prefill_s(self, s: ReplicaState) -> float:
+        """R_j: the estimated prefill still to run of the requests already started on ``s``
+        (each started at t0 with estimate P ends at t0 + P; the engine schedules running
+        prefills before it admits waiting requests). O(k) for the k listed."""
+        if not s.prefill_ends:
+            return 0.0
+        now = self.clock.now()
+        return sum(e - now for e in s.prefill_ends if e > now)
+
+    def own_time(self, req: RouteRequest, s: ReplicaState, cached_tokens: int) -> float:
+        """The step that computes ``req``'s first token on ``s``: its uncached tokens on top of
+        ``cached_tokens``, batched with the decodes of ``s``'s running requests (their context
+        estimated as the outstanding requests' blocks times the running fraction). O(1)."""
+        n = req.prompt_tokens - cached_tokens
+        ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
+        return self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
+
+    def expected_ttft(self, req: RouteRequest, s: ReplicaState, cached_tokens: int, prefill_s: float,
+                      wait_s: float, fullness: float) -> float:
+        """T_rj without the extra-work term: the wait, the first token's step (``own_time``
+        with the decode batch, else P_rj) and the footprint term. O(1)."""
+        step = self.own_time(req, s, cached_tokens) if self.decode_batch else prefill_s
+        return wait_s + step + self.footprint_weight * prefill_s * fullness
+
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+        ss = by_id(states)
+        cached = {s.replica: self.cached_tokens(req, s) for s in ss}
+        prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
+                   for s in ss}
+        wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
+        least = min(prefill.values())
+        w = self.extra_work_weight
+        if self.footprint == "kv":
+            kmax = max(s.kv_usage for s in ss) or 1.0
+            fullness = {s.replica: s.kv_usage / kmax for s in ss}
+        elif self.footprint == "kv-abs":
+            fullness = {s.replica: s.kv_usage for s in ss}
+        else:
+            biggest = max(s.index_blocks for s in ss) or 1
+            fullness = {s.replica: s.index_blocks / biggest for s in ss}
+        ttft = {s.replica: self.expected_ttft(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
+                                              fullness[s.replica]) + w * (prefill[s.replica] - least)
+                for s in ss}
+        load = {s.replica: s.outstanding for s in ss}
+        size = {s.replica: s.index_blocks for s in ss}
+        # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
+        # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
+        # cluster's memory), then the id
+        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
+        best = max(cached.values())
+        pick = order[0]
+        if self.rule == "affinity" and best > 0:
+            j = self._affinity_target(req, ss, cached, wait, order)
+            if wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
+                pick = j
+        seed = self._seed_target(req, ss, cached, best, ttft, fullness) if self.replicate else None
+        if seed is not None:
+            pick = seed
+            self.last_reason = "replicate"
+        elif best == 0:
+            self.last_reason = "cold"
+        else:
+            self.last_reason = "affinity" if cached[pick] == best else "fair"
+        self.last_scores = ttft
+        self.last_wait = wait
+        return ranks_of([pick], (r for r in order if r != pick))
+
+    def _seed_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int], best: int,
+                     ttft: dict[int, float], fullness: dict[int, float]) -> int | None:
+        """The replica that should get one more copy of the prefix ``req`` shares with its
+        best-cached replicas, or None. The prefix (named by its last matched block) draws a
+        share s of the routing decisions; its k holders are k / R of the R replicas. While
+        s > k / R its holders serve more than their part of the traffic. If then a non-holder,
+        once it held the prefix, would serve such a request sooner than the best holder does now
+        (its T with the prefix cached, against the holders' best T), the request seeds the
+        non-holder with the lowest such T; on an idle cluster no copy is made. O(R)."""
+        now = self.clock.now()
+        self.shares.observe(now)
+        if best <= 0:
+            return None
+        share = self.shares.share(int(req.block_hashes[best // self.block_size - 1]), now)
+        holders = sum(1 for c in cached.values() if c == best)
+        if share is None or holders == len(cached) or share <= holders / len(cached):
+            return None
+        p_warm = self.cost.prefill_time(req.prompt_tokens - best, best)
+        warm = {s.replica: self.expected_ttft(req, s, best, p_warm, self.expected_wait(s, p_warm, best),
+                                              fullness[s.replica])
+                for s in ss if cached[s.replica] < best}
+        j = min(warm, key=lambda r: (warm[r], r))
+        held = min(t for r, t in ttft.items() if cached[r] == best)
+        return j if warm[j] < held else None
+
+    def _affinity_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int],
+                         wait: dict[int, float], order: list[int]) -> int:
+        """j* for rule="affinity": the best-cached replica, ties to the smaller W, then per
+        ``affinity_ties`` (``order`` is the ranking by T). O(R)."""
+        if self.affinity_ties == "hash":
+            return self._hash_tie(req, cached, wait)
+        if self.affinity_ties == "id":
+            return min(cached, key=lambda r: (-cached[r], wait[r], r))
+        pos = {r: i for i, r in enumerate(order)}
+        if self.affinity_ties == "kv":
+            kv = {s.replica: s.kv_usage for s in ss}
+            return min(cached, key=lambda r: (-cached[r], wait[r], kv[r], pos[r]))
+        return min(cached, key=lambda r: (-cached[r], wait[r], pos[r]))
+
+    def _hash_tie(self, req: RouteRequest, cached: dict[int, int], q: dict[int, float]) -> int:
+        """j* with affinity_ties="hash": among the replicas with the best match and, among those,
+        the smallest Q_j, the rendezvous-hash winner for the prompt's first block after the
+        match (its chained hash names the prompt up to that block; the last block when the match
+        is capped at the cacheable prefix). Requests that share that deeper prefix land
+        together, as consistent hashing places them; requests that share only the matched part
+        (a preamble every replica holds) spread evenly. O(R)."""
+        best = max(cached.values())
+        tied = [r for r in cached if cached[r] == best]
+        qmin = min(q[r] for r in tied)
+        tied = [r for r in tied if q[r] == qmin]
+        if len(tied) == 1 or not req.block_hashes:
+            return min(tied)
+        key = int(req.block_hashes[min(best // self.block_size, len(req.block_hashes) - 1)])
+        data = (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+        return max(tied, key=lambda r: (xxhash.xxh3_64_intdigest(data, seed=r), -r))
+
+
+
+def router_options_for(router: str, options: dict, replica_policy: str,
+                       replica_options: dict | None = None) -> dict[str, object]:
+    """A router policy's options as hosts pass them: ``options``, plus, for ``fairway`` and
+    where ``options`` leave them out, the wait model matching the replicas' queue policy."""
+    out = dict(options)
+    if router == "fairway":
+        for k, v in queue_model_options(replica_policy, replica_options).items():
+            out.setdefault(k, v)
+    return out
+
+
+def queue_model_options(policy: str, policy_options: dict | None = None) -> dict[str, object]:
+    """The Fairway router's wait-model options for replicas running queue policy ``policy``
+    (hosts pass these unless the operator set them): the queue model with the replicas' Fast-lane
+    share (and their promotion threshold theta where they set one) for ``fairway`` replicas,
+    W = Q_j for any other policy. O(1)."""
+    if policy != "fairway":
+        return {"wait_model": "fcfs"}
+    opts = policy_options or {}
+    out: dict[str, object] = {"wait_model": "queue",
+                              "fast_share": 1.0 - float(opts.get("fair_share", FairwayConfig().fair_share))}
+    if "theta" in opts:
+        out["theta"] = float(opts["theta"])
+    return out
+
+
+__all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "queue_model_options", "router_options_for"]

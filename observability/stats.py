@@ -1,0 +1,321 @@
+"""Fairway's stats collection: counters, gauges and histograms as plain data, no exporter.
+
+Why: STYLE.md #15 and DESIGN.md section 9 keep stats collection separate from the Prometheus
+exporter (as vLLM's ``SchedulerStats`` and ``PrometheusStatLogger`` are). The ingress/router and
+every replica own one ``FairwayStats`` each (``level`` "router" or "replica") and record into it
+on their hot paths; ``observability/exporter.py`` turns ``snapshot()`` into Prometheus metric families,
+the simulator or a test reads the same snapshot directly.
+
+Labels are low-cardinality by construction: ``lane`` (a handful of lane names), ``replica`` (the
+replica names of one cluster), ``status`` / ``reason`` (small fixed sets); ``level`` and
+``policy`` are constant per object and added by the exporter. When ``level`` is "replica" an
+empty ``replica`` argument means the object's own ``component``.
+
+Cost: every ``observe_*`` / ``inc_*`` / ``set_*`` is one dict lookup (a tuple key) plus, for
+histograms, a binary search over ~20 bucket bounds: O(log B). A short ``threading.Lock`` guards
+each update, so a scrape from the exporter's HTTP thread never sees a dict change size mid-copy;
+in a single asyncio thread it is uncontended (tens of nanoseconds). ``snapshot()`` is O(series).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from bisect import bisect_left
+from typing import Any
+
+# 10 ms .. 300 s, roughly log-spaced (about x1.5-2 per step), then +Inf.
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.35,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    math.inf,
+)
+# Queue waits are often ~0 (admitted at once): two finer buckets below TTFT's first.
+QUEUE_WAIT_BUCKETS_S: tuple[float, ...] = (0.001, 0.005) + TTFT_BUCKETS_S
+# |estimated - actual| cached tokens / prompt tokens, in [0, 1].
+ERROR_RATIO_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, math.inf)
+
+LEVELS = ("router", "replica")
+REQUEST_STATUSES = ("ok", "error", "rejected")
+
+
+def _clamp0(seconds: float) -> float:
+    """Negative durations (clock skew between nodes) count as 0; NaN stays NaN (and is refused)."""
+    return 0.0 if seconds < 0 else seconds
+
+
+class Histogram:
+    """Fixed-bucket histogram (Prometheus semantics: a value v lands in the first bucket with
+    ``v <= bound``). ``observe`` is O(log B)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        """Counts of observations ``<= bound`` per bound (the last one equals ``count``)."""
+        out, acc = [], 0
+        for c in self.counts:
+            acc += c
+            out.append(acc)
+        return out
+
+
+_COUNTERS = (
+    "requests",  # (lane, status, replica)
+    "promotions",  # (replica,)
+    "estimated_cached_tokens",  # (replica,)
+    "actual_cached_tokens",  # (replica,)
+    "prompt_tokens",  # (replica,)
+    "routing_decisions",  # (reason, replica)
+    "rejects",  # (reason, replica)
+    "engine_preemptions",  # (replica,), set from the engine's own running total
+)
+_GAUGES = (
+    "queue_depth",  # (lane, replica)
+    "queued_prefill",  # (replica,)
+    "engine_running",  # (replica,)
+    "engine_waiting",  # (replica,)
+    "engine_kv_usage",  # (replica,)
+)
+_HISTOGRAMS = {
+    "ttft": TTFT_BUCKETS_S,  # (lane, replica)
+    "queue_wait": QUEUE_WAIT_BUCKETS_S,  # (lane, replica)
+    "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
+}
+# The label names of each series key, in key order.
+LABELS: dict[str, tuple[str, ...]] = {
+    "requests": ("lane", "status", "replica"),
+    "promotions": ("replica",),
+    "estimated_cached_tokens": ("replica",),
+    "actual_cached_tokens": ("replica",),
+    "prompt_tokens": ("replica",),
+    "routing_decisions": ("reason", "replica"),
+    "rejects": ("reason", "replica"),
+    "engine_preemptions": ("replica",),
+    "queue_depth": ("lane", "replica"),
+    "queued_prefill": ("replica",),
+    "engine_running": ("replica",),
+    "engine_waiting": ("replica",),
+    "engine_kv_usage": ("replica",),
+    "ttft": ("lane", "replica"),
+    "queue_wait": ("lane", "replica"),
+    "cache_estimate_error": ("replica",),
+}
+COUNTERS = _COUNTERS
+GAUGES = _GAUGES
+HISTOGRAMS: dict[str, tuple[float, ...]] = dict(_HISTOGRAMS)
+
+
+class FairwayStats:
+    """Counters, gauges and histograms of one process (the ingress, or one replica).
+
+    ``level``: "router" (the ingress / request router: TTFT as the client sees it, routing
+    decisions, rejects before a replica) or "replica" (the gate: queue wait, lanes, promotions,
+    queue depth, engine figures). ``component``: the process's name (e.g. the replica name); it
+    becomes the scrape target's label, not a metric label. ``policy``: the queue or router policy
+    name, a constant label on every series.
+    """
+
+    def __init__(self, level: str, component: str, policy: str = "") -> None:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        self.level = level
+        self.component = component
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in _COUNTERS}
+        self._gauges: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in _GAUGES}
+        self._hists: dict[str, dict[tuple[str, ...], Histogram]] = {k: {} for k in _HISTOGRAMS}
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _replica(self, replica: str) -> str:
+        if not replica and self.level == "replica":
+            return self.component
+        return replica
+
+    def _inc(self, name: str, key: tuple[str, ...], n: float) -> None:
+        if n < 0:
+            raise ValueError(f"counter {name} cannot decrease (n={n})")
+        with self._lock:
+            d = self._counters[name]
+            d[key] = d.get(key, 0) + n
+
+    def _set(self, name: str, key: tuple[str, ...], value: float) -> None:
+        with self._lock:
+            self._gauges[name][key] = value
+
+    def _observe(self, name: str, key: tuple[str, ...], value: float) -> None:
+        if not math.isfinite(value):
+            raise ValueError(f"{name}: cannot observe {value}")
+        with self._lock:
+            h = self._hists[name].get(key)
+            if h is None:
+                h = self._hists[name][key] = Histogram(_HISTOGRAMS[name])
+            h.observe(value)
+
+    # -- the recording API (hot path, O(1) / O(log B)) ----------------------------------------
+
+    def observe_ttft(self, lane: str, seconds: float, replica: str = "") -> None:
+        """Time to first token of one request (ingress arrival -> first token)."""
+        self._observe("ttft", (lane, self._replica(replica)), _clamp0(seconds))
+
+    def observe_queue_wait(self, lane: str, seconds: float, replica: str = "") -> None:
+        """Gate arrival -> admission into the engine of one request."""
+        self._observe("queue_wait", (lane, self._replica(replica)), _clamp0(seconds))
+
+    def inc_requests(self, lane: str, status: str, replica: str = "") -> None:
+        """One finished request: status "ok" | "error" | "rejected"."""
+        if status not in REQUEST_STATUSES:
+            raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {status!r}")
+        self._inc("requests", (lane, status, self._replica(replica)), 1)
+
+    def inc_promotions(self, n: int = 1, replica: str = "") -> None:
+        """Requests promoted from the fast lane to the fair lane (deadline reached)."""
+        self._inc("promotions", (self._replica(replica),), n)
+
+    def set_queue_depth(self, lane: str, n: int, replica: str = "") -> None:
+        """Requests waiting in ``lane`` now."""
+        self._set("queue_depth", (lane, self._replica(replica)), n)
+
+    def set_queued_prefill(self, seconds: float, replica: str = "") -> None:
+        """Estimated prefill seconds of the work routed to / waiting at a replica (Q_j)."""
+        self._set("queued_prefill", (self._replica(replica),), max(0.0, seconds))
+
+    def observe_cached_tokens(self, estimated: int, actual: int, prompt_tokens: int, replica: str = "") -> None:
+        """One finished request's estimated (router's index / gate) vs actual (engine) cached
+        prompt tokens; the estimate error |est - actual| / prompt goes into a histogram."""
+        key = (self._replica(replica),)
+        self._inc("estimated_cached_tokens", key, max(0, estimated))
+        self._inc("actual_cached_tokens", key, max(0, actual))
+        self._inc("prompt_tokens", key, max(0, prompt_tokens))
+        if prompt_tokens > 0:
+            err = min(1.0, abs(estimated - actual) / prompt_tokens)
+            self._observe("cache_estimate_error", key, err)
+
+    def inc_routing_decision(self, reason: str, replica: str = "") -> None:
+        """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""
+        self._inc("routing_decisions", (reason, self._replica(replica)), 1)
+
+    def inc_reject(self, reason: str, replica: str = "") -> None:
+        """One rejected request: "queue_full" | "too_long" | "bad_request" | "unknown_model" |
+        "replica_dead" | "overloaded"."""
+        self._inc("rejects", (reason, self._replica(replica)), 1)
+
+    def set_engine(self, replica: str, running: int, waiting: int, kv_usage: float, preemptions_total: int = 0) -> None:
+        """The engine's figures (sim engine, or vLLM's own metrics): requests running in it,
+        requests at the replica not yet in it (``waiting``), KV usage in [0, 1], and its running
+        total of preemptions."""
+        r = self._replica(replica)
+        with self._lock:
+            self._gauges["engine_running"][(r,)] = running
+            self._gauges["engine_waiting"][(r,)] = waiting
+            self._gauges["engine_kv_usage"][(r,)] = min(1.0, max(0.0, kv_usage))
+            prev = self._counters["engine_preemptions"].get((r,), 0)
+            # a counter never goes down: an engine restart (total back to 0) keeps the old value
+            self._counters["engine_preemptions"][(r,)] = max(prev, preemptions_total)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data, O(series). Shape::
+
+            {"level": str, "component": str, "policy": str,
+             "counters":   {name: [{"labels": {label: value}, "value": float}, ...]},
+             "gauges":     {name: [{"labels": {...}, "value": float}, ...]},
+             "histograms": {name: [{"labels": {...}, "bounds": (...), "buckets": [cumulative],
+                                    "count": int, "sum": float}, ...]}}
+
+        Names are the keys of ``LABELS``; series are sorted by label values (deterministic).
+        Invariant: a histogram's ``buckets[-1] == count`` (the last bound is +Inf).
+        """
+        with self._lock:
+            counters = {k: sorted(d.items()) for k, d in self._counters.items()}
+            gauges = {k: sorted(d.items()) for k, d in self._gauges.items()}
+            hists = {
+                k: [(key, h.bounds, h.cumulative(), h.sum) for key, h in sorted(d.items())]
+                for k, d in self._hists.items()
+            }
+
+        def lab(name: str, key: tuple[str, ...]) -> dict[str, str]:
+            return dict(zip(LABELS[name], key, strict=True))
+
+        return {
+            "level": self.level,
+            "component": self.component,
+            "policy": self.policy,
+            "counters": {k: [{"labels": lab(k, key), "value": v} for key, v in s] for k, s in counters.items()},
+            "gauges": {k: [{"labels": lab(k, key), "value": v} for key, v in s] for k, s in gauges.items()},
+            "histograms": {
+                k: [
+                    {"labels": lab(k, key), "bounds": b, "buckets": cum, "count": cum[-1], "sum": sm}
+                    for key, b, cum, sm in s
+                ]
+                for k, s in hists.items()
+            },
+        }
+
+    # -- conveniences for tests and logs ------------------------------------------------------
+
+    def ttft_count(self, lane: str | None = None, replica: str | None = None) -> int:
+        """TTFT observations, summed over the series matching ``lane`` / ``replica`` (None = any)."""
+        return self._hist_count("ttft", lane, replica)
+
+    def queue_wait_count(self, lane: str | None = None, replica: str | None = None) -> int:
+        return self._hist_count("queue_wait", lane, replica)
+
+    def _hist_count(self, name: str, lane: str | None, replica: str | None) -> int:
+        with self._lock:
+            return sum(
+                h.count
+                for (ln, rp), h in self._hists[name].items()
+                if (lane is None or ln == lane) and (replica is None or rp == replica)
+            )
+
+    def counter(self, name: str, **labels: str) -> float:
+        """Sum of counter ``name`` over the series whose labels match ``labels``."""
+        names = LABELS[name]
+        with self._lock:
+            return sum(
+                v
+                for key, v in self._counters[name].items()
+                if all(key[names.index(k)] == val for k, val in labels.items())
+            )
+
+    def gauge(self, name: str, **labels: str) -> float | None:
+        """Value of gauge ``name`` for exactly ``labels`` (None if never set)."""
+        names = LABELS[name]
+        key = tuple(labels.get(n, "") for n in names)
+        with self._lock:
+            return self._gauges[name].get(key)

@@ -1,0 +1,75 @@
+"""The simulator's shared command-line pieces: the common arguments, the ``RunConfig`` they make,
+and the one-line result row that ``sim run`` and ``sim sweep`` print."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fairway.spec import parse_spec
+from sim.runner import RunConfig
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True, help="rag, mixed, agentic, *-spike, trace:PATH")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace time compression")
+    p.add_argument("--concurrency", type=int, default=None, help="fixed-concurrency mode")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--routers", type=int, default=1, help="independent router instances (each sees 1/K)")
+    p.add_argument("--index-mode", default="approx", choices=["approx", "events"],
+                   help="router prefix index: own decisions + feedback, or engine KV events")
+    p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
+    p.add_argument("--profile", default="h200-llama3-8b")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: int,
+                router_spec: str | None = None) -> RunConfig:
+    name, opts = parse_spec(policy_spec)
+    rname, ropts = parse_spec(router_spec or args.router)
+    return RunConfig(
+        workload=args.workload,
+        policy=name,
+        policy_options=opts,
+        rate=rate,
+        duration_s=args.duration,
+        time_scale=args.time_scale,
+        concurrency=args.concurrency,
+        replicas=args.replicas,
+        router=rname,
+        router_options=ropts,
+        routers=args.routers,
+        index_mode=args.index_mode,
+        stale_s=args.stale,
+        profile=args.profile,
+        kv_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=seed,
+    )
+
+
+def format_row(res: dict[str, Any]) -> str:
+    t = res["ttft_s"]
+    ex = res["ttft_by_class_s"]["expensive"]
+    lanes = res.get("ttft_by_lane_s") or {}
+    lane_s = " ".join(f"{k}:{v['n']}" for k, v in lanes.items())
+    return (
+        f"{res.get('label', res['policy']):<28} {res['rate_rps']:>7.2f} {t['p50']:>9.3f} "
+        f"{t['p90']:>9.3f} {t['p99']:>9.3f} {t['mean']:>9.3f} {ex['p99']:>9.3f} "
+        f"{res['cache_hit_ratio']:>6.3f} {res['n_finished']:>6d} {lane_s}"
+    )
+
+
+HEADER = (
+    f"{'policy':<28} {'rate':>7} {'p50_s':>9} {'p90_s':>9} {'p99_s':>9} {'mean_s':>9} "
+    f"{'exp_p99':>9} {'hit':>6} {'n':>6} lanes"
+)
+
+

@@ -1,0 +1,465 @@
+"""Trace replays: Mooncake JSONL (prefix ids per 512-token block) and timing-only CSVs (Azure).
+
+Both are open loop: arrival = trace time / ``time_scale`` (``time_scale`` 2 replays twice as
+fast), and requests arriving at or after ``duration_s`` are dropped (pass ``math.inf`` for the
+whole trace). Files are read and validated when the workload is built: a missing file raises
+``WorkloadError`` naming the path, a malformed line one naming ``file:line``. Request content
+(block hashes) is built lazily by ``initial()``. rids follow arrival order (a stable sort of the
+trace by time).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from fairway.hashing import DEFAULT_BLOCK_SIZE, HashState, expand_trace_block, salt_seed
+from fairway.request import RequestSpec, Workload, WorkloadError
+from workloads.content import (
+    LogNormalLen,
+    ZipfChoice,
+    random_tokens,
+    segment_rng,
+)
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One trace request: time in trace seconds, lengths, and (Mooncake) prefix block ids."""
+
+    time_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def _open_text(path: Path) -> TextIO:
+    try:
+        return path.open(encoding="utf-8", newline="")
+    except FileNotFoundError:
+        raise WorkloadError(f"trace file not found: {path}") from None
+    except OSError as e:
+        raise WorkloadError(f"cannot read trace file {path}: {e.strerror or e}") from None
+
+
+def _int_field(obj: dict, key: str, lo: int, where: str) -> int:
+    if key not in obj:
+        raise WorkloadError(f"{where}: missing field {key!r}")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise WorkloadError(f"{where}: field {key!r} must be an integer, got {v!r}")
+    if v < lo:
+        raise WorkloadError(f"{where}: field {key!r} must be >= {lo}, got {v}")
+    return v
+
+
+def read_mooncake(path: str | Path) -> list[TraceRow]:
+    """Parse a Mooncake JSONL trace: ``timestamp`` (ms), ``input_length``, ``output_length``,
+    ``hash_ids`` (one id per 512-token block, so ``len == ceil(input_length / 512)``).
+
+    Blank lines are skipped. ``output_length`` 0 is read as 1 (an engine always emits the first
+    token). O(file size).
+    """
+    path = Path(path)
+    rows: list[TraceRow] = []
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise WorkloadError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise WorkloadError(f"{where}: expected a JSON object")
+            ts = obj.get("timestamp")
+            if (
+                isinstance(ts, bool)
+                or not isinstance(ts, (int, float))
+                or not (math.isfinite(ts) and ts >= 0)
+            ):
+                raise WorkloadError(f"{where}: field 'timestamp' must be a number >= 0, got {ts!r}")
+            n_in = _int_field(obj, "input_length", 1, where)
+            n_out = _int_field(obj, "output_length", 0, where)
+            ids = obj.get("hash_ids")
+            if not isinstance(ids, list) or any(
+                isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids
+            ):
+                raise WorkloadError(f"{where}: field 'hash_ids' must be a list of integers >= 0")
+            want = -(-n_in // MOONCAKE_BLOCK_TOKENS)
+            if len(ids) != want:
+                raise WorkloadError(
+                    f"{where}: {len(ids)} hash_ids for input_length {n_in}; expected {want} "
+                    f"(one per {MOONCAKE_BLOCK_TOKENS}-token block)"
+                )
+            rows.append(TraceRow(ts / 1000.0, n_in, max(n_out, 1), tuple(ids)))
+    return rows
+
+
+def _parse_time(text: str, where: str) -> float:
+    """Seconds from ``YYYY-MM-DD HH:MM:SS[.fraction]`` (UTC assumed) or a plain number."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    main, _, frac = text.partition(".")
+    try:
+        dt = datetime.fromisoformat(main).replace(tzinfo=timezone.utc)
+        return dt.timestamp() + (float("0." + frac) if frac else 0.0)
+    except ValueError:
+        raise WorkloadError(f"{where}: bad TIMESTAMP {text!r}") from None
+
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def read_azure(path: str | Path) -> list[TraceRow]:
+    """Parse a timing-only CSV trace (Azure LLM inference 2023 format): a header naming
+    ``TIMESTAMP,ContextTokens,GeneratedTokens`` (any order, extra columns ignored), then one row
+    per request. Times are made relative to the earliest row. ``GeneratedTokens`` 0 is read as
+    1. O(file size).
+    """
+    path = Path(path)
+    rows: list[TraceRow] = []
+    with _open_text(path) as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise WorkloadError(f"{path}:1: empty file, expected a header") from None
+        header = [h.strip() for h in header]
+        missing = [c for c in AZURE_COLUMNS if c not in header]
+        if missing:
+            raise WorkloadError(f"{path}:1: header lacks column(s) {', '.join(missing)}")
+        i_t, i_c, i_g = (header.index(c) for c in AZURE_COLUMNS)
+        width = max(i_t, i_c, i_g) + 1
+        for fields in reader:
+            lineno = reader.line_num
+            if not fields or all(not x.strip() for x in fields):
+                continue
+            where = f"{path}:{lineno}"
+            if len(fields) < width:
+                raise WorkloadError(f"{where}: expected {len(header)} fields, got {len(fields)}")
+            t = _parse_time(fields[i_t], where)
+            try:
+                ctx = int(fields[i_c])
+                gen = int(fields[i_g])
+            except ValueError:
+                raise WorkloadError(f"{where}: token counts must be integers") from None
+            if ctx < 1 or gen < 0:
+                raise WorkloadError(
+                    f"{where}: need ContextTokens >= 1 and GeneratedTokens >= 0, got {ctx}, {gen}"
+                )
+            rows.append(TraceRow(t, ctx, max(gen, 1)))
+    if rows:
+        t0 = min(r.time_s for r in rows)
+        rows = [TraceRow(r.time_s - t0, r.input_tokens, r.output_tokens) for r in rows]
+    return rows
+
+
+class _TraceWorkload(Workload):
+    closed_loop = False
+
+    def __init__(
+        self,
+        rows: list[TraceRow],
+        rng: np.random.Generator,
+        *,
+        block_size: int,
+        time_scale: float,
+        duration_s: float,
+    ) -> None:
+        if block_size < 1:
+            raise WorkloadError(f"block_size must be >= 1, got {block_size}")
+        if not (time_scale > 0 and math.isfinite(time_scale)):
+            raise WorkloadError(f"time_scale must be a positive finite number, got {time_scale!r}")
+        if not duration_s > 0:
+            raise WorkloadError(f"duration_s must be > 0, got {duration_s!r}")
+        rows = sorted(rows, key=lambda r: r.time_s)  # stable: ties keep file order
+        self.rows = [r for r in rows if r.time_s / time_scale < duration_s]
+        self.arrivals = np.array([r.time_s / time_scale for r in self.rows], dtype=np.float64)
+        self.block_size = block_size
+        self.time_scale = time_scale
+        self.duration_s = duration_s
+        self._seed = int(rng.integers(0, 2**63 - 1))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class MooncakeTraceWorkload(_TraceWorkload):
+    """Replay of a Mooncake trace.
+
+    Each 512-token trace block becomes ``512 // block_size`` engine blocks via
+    ``fairway.hashing.expand_trace_block``, chained through the whole prompt, so requests with
+    equal leading ``hash_ids`` get equal leading engine hashes. The partial last trace block
+    gives ``floor(remaining / block_size)`` sub-blocks: the first ones of that id's full
+    expansion, so a request whose last block is partial shares them with one where it is full.
+    The prompt's last partial engine block and the output tokens get unique random content.
+    Traces carry no token ids, so ``keep_tokens`` is not supported. Kind: ``trace``.
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        path: str | Path,
+        rng: np.random.Generator,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        time_scale: float = 1.0,
+        duration_s: float = math.inf,
+    ) -> None:
+        if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:
+            raise WorkloadError(
+                f"block_size must divide {MOONCAKE_BLOCK_TOKENS} to replay a Mooncake trace, "
+                f"got {block_size}"
+            )
+        super().__init__(
+            read_mooncake(path),
+            rng,
+            block_size=block_size,
+            time_scale=time_scale,
+            duration_s=duration_s,
+        )
+        self.path = Path(path)
+
+    def initial(self) -> Iterator[RequestSpec]:
+        """Specs in arrival order. O(distinct (prefix, trace block) pairs * 512 / block_size)
+        hashing, memoised per ``(parent hash, trace id)``, plus O(tokens) for unique tails."""
+        bs = self.block_size
+        n_sub = MOONCAKE_BLOCK_TOKENS // bs
+        root = salt_seed(None)
+        rng = np.random.default_rng(self._seed)
+        memo: dict[tuple[int, int], list[int]] = {}
+        for rid, row in enumerate(self.rows):
+            hashes: list[int] = []
+            parent = root
+            last = len(row.hash_ids) - 1
+            for j, tid in enumerate(row.hash_ids):
+                key = (parent, tid)
+                full = memo.get(key)
+                if full is None:
+                    full = expand_trace_block(parent, tid, n_sub)
+                    memo[key] = full
+                if j < last:
+                    hashes.extend(full)
+                    parent = full[-1]
+                else:
+                    k = (row.input_tokens - MOONCAKE_BLOCK_TOKENS * last) // bs
+                    hashes.extend(full[:k])
+            tail = HashState(
+                bs,
+                hashes[-1] if hashes else root,
+                random_tokens(rng, row.input_tokens - bs * len(hashes)),
+                [],
+            )
+            tail.extend(random_tokens(rng, row.output_tokens))
+            hashes.extend(tail.hashes)
+            yield RequestSpec(
+                rid=rid,
+                arrival_s=float(self.arrivals[rid]),
+                prompt_tokens=row.input_tokens,
+                output_tokens=row.output_tokens,
+                block_hashes=tuple(hashes),
+                kind="trace",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixModel:
+    """Prefix structure for a timing-only trace, which has lengths but no content.
+
+    Each request, in arrival order:
+    - with probability ``followup_prob``, continues an open conversation: its prompt is that
+      conversation's last request's whole sequence (prompt + output) plus new unique tokens.
+      Candidates are the ``window`` most recently created open conversations whose sequence is
+      at most ``ContextTokens - min_new_tokens`` long; one is chosen uniformly. A conversation
+      is continued at most once per turn; if none fits, the request starts a new one.
+    - otherwise starts a conversation: a Zipf(``zipf_s``)-chosen one of ``n_system_prompts``
+      shared system prompts (``system_len`` tokens, cut to leave ``min_new_tokens`` unique
+      tokens), then unique tokens up to ``ContextTokens``.
+
+    Why: conversation services reuse (a) per-application system prompts with skewed popularity
+    and (b) the growing history of multi-turn chats. The conversation CSV has no session ids,
+    so ``followup_prob`` = 0.5 is an assumption, not a measurement: the realised share is lower
+    because a follow-up must be longer than a candidate's history (count ``conv-turn`` kinds).
+    System prompts are median 400 tokens, against the Azure conversation median context of
+    ~1,000: shared but not dominant.
+    """
+
+    followup_prob: float = 0.5
+    window: int = 64
+    n_system_prompts: int = 32
+    zipf_s: float = 1.0
+    system_len: LogNormalLen = LogNormalLen(400, 0.6, 32, 2_048)
+    min_new_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not (
+            0 <= self.followup_prob <= 1
+            and self.window >= 1
+            and self.n_system_prompts >= 1
+            and self.min_new_tokens >= 1
+        ):
+            raise WorkloadError(f"bad prefix model {self!r}")
+
+
+@dataclass(slots=True)
+class _Tail:
+    session: int
+    turn: int
+    state: HashState  # whole sequence so far (prompt + output)
+    tokens: np.ndarray | None
+
+
+class TimingTraceWorkload(_TraceWorkload):
+    """Replay of a timing-only CSV trace (Azure 2023 format) with a ``PrefixModel``.
+
+    Kinds: ``conv-start`` (new conversation behind a shared system prompt) and ``conv-turn``
+    (continues an earlier request's whole sequence). ``session``/``turn`` name the conversation.
+    """
+
+    name = "azure"
+
+    def __init__(
+        self,
+        path: str | Path,
+        rng: np.random.Generator,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        time_scale: float = 1.0,
+        duration_s: float = math.inf,
+        keep_tokens: bool = False,
+        prefix: PrefixModel | None = None,
+    ) -> None:
+        super().__init__(
+            read_azure(path),
+            rng,
+            block_size=block_size,
+            time_scale=time_scale,
+            duration_s=duration_s,
+        )
+        self.path = Path(path)
+        self.keep_tokens = keep_tokens
+        self.prefix = p = prefix or PrefixModel()
+        self._content_seed = int(rng.integers(0, 2**63 - 1))
+        self._zipf = ZipfChoice(p.n_system_prompts, p.zipf_s)
+        self.system_lengths = p.system_len.sample(
+            segment_rng(self._content_seed, 0), p.n_system_prompts
+        )
+        self._system: dict[int, tuple[HashState, np.ndarray]] = {}
+
+    def _system_prompt(self, k: int) -> tuple[HashState, np.ndarray]:
+        hit = self._system.get(k)
+        if hit is None:
+            toks = random_tokens(segment_rng(self._content_seed, 1, k), self.system_lengths[k])
+            st = HashState.start(self.block_size)
+            st.extend(toks)
+            hit = self._system[k] = (st, toks)
+        return hit
+
+    def initial(self) -> Iterator[RequestSpec]:
+        """Specs in arrival order. O(window) per request to pick a conversation, O(new tokens)
+        hashing; system prompts are hashed once."""
+        p = self.prefix
+        bs = self.block_size
+        rng = np.random.default_rng(self._seed)
+        tails: deque[_Tail] = deque(maxlen=p.window)
+        n_sessions = 0
+        for rid, row in enumerate(self.rows):
+            ctx, out_len = row.input_tokens, row.output_tokens
+            tail: _Tail | None = None
+            if rng.random() < p.followup_prob:
+                limit = ctx - p.min_new_tokens
+                cands = [i for i, t in enumerate(tails) if t.state.n_tokens <= limit]
+                if cands:
+                    i = cands[int(rng.integers(len(cands)))]
+                    tail = tails[i]
+                    del tails[i]
+            if tail is not None:
+                tail.turn += 1
+                new = random_tokens(rng, ctx - tail.state.n_tokens)
+                state = tail.state  # owned: the tail left the deque
+                prefix_tokens = tail.tokens
+                kind = "conv-turn"
+            else:
+                k = int(self._zipf.sample(rng))
+                sys_state, sys_tokens = self._system_prompt(k)
+                shared = min(int(sys_tokens.size), max(0, ctx - p.min_new_tokens))
+                if shared == sys_tokens.size:
+                    state = sys_state.copy()
+                else:
+                    state = HashState.start(bs)
+                    state.extend(sys_tokens[:shared])
+                prefix_tokens = sys_tokens[:shared]
+                new = random_tokens(rng, ctx - shared)
+                tail = _Tail(n_sessions, 0, state, None)
+                n_sessions += 1
+                kind = "conv-start"
+            state.extend(new)
+            output = random_tokens(rng, out_len)
+            state.extend(output)
+            prompt_ids = None
+            if self.keep_tokens:
+                base = prefix_tokens if prefix_tokens is not None else np.empty(0, np.uint32)
+                prompt_ids = np.concatenate([base, new])
+                tail.tokens = np.concatenate([prompt_ids, output])
+            tail.state = state
+            tails.append(tail)
+            yield RequestSpec(
+                rid=rid,
+                arrival_s=float(self.arrivals[rid]),
+                prompt_tokens=ctx,
+                output_tokens=out_len,
+                block_hashes=tuple(state.hashes),
+                session=tail.session,
+                turn=tail.turn,
+                kind=kind,
+                tokens=prompt_ids,
+            )
+
+
+def trace_workload(
+    path: str | Path,
+    rng: np.random.Generator,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    time_scale: float = 1.0,
+    duration_s: float = math.inf,
+    keep_tokens: bool = False,
+) -> Workload:
+    """A replay chosen by suffix: ``.jsonl`` Mooncake, ``.csv`` timing-only (Azure)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        if keep_tokens:
+            raise WorkloadError(
+                f"{path}: Mooncake traces carry no token ids, so keep_tokens is not supported"
+            )
+        return MooncakeTraceWorkload(
+            path, rng, block_size=block_size, time_scale=time_scale, duration_s=duration_s
+        )
+    if suffix == ".csv":
+        return TimingTraceWorkload(
+            path,
+            rng,
+            block_size=block_size,
+            time_scale=time_scale,
+            duration_s=duration_s,
+            keep_tokens=keep_tokens,
+        )
+    raise WorkloadError(f"unknown trace format {path}: expected a .jsonl (Mooncake) or .csv file")
