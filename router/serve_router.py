@@ -1,9 +1,9 @@
 """Fairway's replica choice inside Ray Serve: a ``RequestRouter`` subclass.
 
-Ray Serve runs one request router per deployment handle, i.e. one per ingress replica
-(DESIGN.md section 6). This one hosts the same objects the simulator's ``ClusterRouter`` hosts:
-a router policy (``router/routing``: ``fairway`` or any anchor, by name or dotted path), a
-prefix index (``fairway/prefix_index.py``) and a load view (``fairway/load_view.py``):
+Ray Serve runs one request router per deployment handle, i.e. one per ingress replica. This one
+calls the same ``RoutingHost`` (``fairway/routing/host.py``) as the simulator's ``ClusterRouter``:
+a router policy (``fairway`` or any anchor, by name or dotted path), a prefix index and a load
+view:
 
 - ``choose_replicas`` reads the ``GenerateCall`` the ingress passed (token count and chained
   block hashes), matches it against the index, builds the ``ReplicaState`` list for the live
@@ -16,8 +16,9 @@ prefix index (``fairway/prefix_index.py``) and a load view (``fairway/load_view.
   the report have started: their work leaves the queued figure) and the cached tokens each
   finished request got, which corrects the index (feedback mode).
 
-Why a host class and not logic here: the policy stays the pure object the simulator measures.
-Complexity per decision: O(prompt blocks) index match + O(replicas) states + the policy's rank.
+This class only adapts Ray's callbacks and the replicas' stats to the core's host, so the decision
+is the one the simulator measures. Complexity per decision: O(prompt blocks) index match +
+O(replicas) states + the policy's rank.
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from fairway.clock import MonotonicClock
+from fairway.clock import Clock, MonotonicClock
 from fairway.cost_model import CostModel
 from fairway.load_view import LoadView
 from fairway.prefix_index import PrefixIndex
 from fairway.protocol import GenerateCall
-from fairway.routing import RouteRequest, make_router, make_states
+from fairway.routing import make_router
+from fairway.routing.host import RoutingHost
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
@@ -68,10 +71,12 @@ def find_call(pending: PendingRequest | None) -> GenerateCall | None:
 
 
 class FairwayRequestRouter(RequestRouter):
-    """Ray Serve request router hosting a ``router/routing`` policy (see the module docstring).
+    """Ray Serve request router hosting a ``fairway.routing`` policy (see the module docstring).
 
-    ``request_router_kwargs`` (YAML ``request_router_config``): ``policy`` (default "fairway"),
-    ``policy_options`` (dict), ``profile`` (cost profile), ``block_size`` (16), ``seed``.
+    ``request_router_kwargs`` (built by ``cluster/config.py``): ``policy`` (default "fairway"),
+    ``policy_options`` (dict), ``profile`` (cost profile), ``block_size`` (16), ``seed``,
+    ``metrics``. Tests inject ``clock`` (the load view's time, default monotonic) and ``wall``
+    (the time base of the replicas' stats stamps, default ``time.time``).
     """
 
     def initialize_state(
@@ -82,25 +87,32 @@ class FairwayRequestRouter(RequestRouter):
         block_size: int = 16,
         seed: int = 0,
         metrics: bool = True,
+        clock: Clock | None = None,
+        wall: Callable[[], float] | None = None,
         **unused: Any,
     ) -> None:
         if unused:
             raise TypeError(f"FairwayRequestRouter got unknown options: {', '.join(sorted(unused))}")
-        self.clock = MonotonicClock()
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.wall = wall if wall is not None else time.time
         self.cost = CostModel.from_profile(profile)
         self.block_size = block_size
         self.policy_name = policy
-        self.policy = make_router(policy, clock=self.clock, cost=self.cost, block_size=block_size,
-                                  rng=np.random.default_rng(seed), **(policy_options or {}))
-        self.index = PrefixIndex(0)
-        self.load = LoadView(0, self.clock, self.cost, block_size=block_size)
+        self.host = RoutingHost(
+            make_router(policy, clock=self.clock, cost=self.cost, block_size=block_size,
+                        rng=np.random.default_rng(seed), **(policy_options or {})),
+            PrefixIndex(0),
+            LoadView(0, self.clock, self.cost, block_size=block_size),
+            block_size=block_size,
+        )
+        self.policy, self.index, self.load = self.host.policy, self.host.index, self.host.load
+        self.reasons = self.host.reasons
         self._ids: dict[ReplicaID, int] = {}
         self._names: list[str] = []
         self._routed: OrderedDict[str, _Routed] = OrderedDict()  # internal_request_id -> record
         self._done: OrderedDict[str, _Routed] = OrderedDict()  # finished, awaiting feedback
         self._seen_stats: dict[int, float] = {}
         self._next_rid = 0
-        self.reasons: Counter = Counter()
         self.decision_s: list[float] = []
         self.stats = None
         self.exporter = None
@@ -124,8 +136,7 @@ class FairwayRequestRouter(RequestRouter):
     def _index_of(self, rid: ReplicaID) -> int:
         j = self._ids.get(rid)
         if j is None:
-            j = self.index.add_replica()
-            self.load.add_replica()
+            j = self.host.add_replica()
             self._ids[rid] = j
             self._names.append(rid.unique_id)
         return j
@@ -154,7 +165,7 @@ class FairwayRequestRouter(RequestRouter):
         # waiting list started before ``taken``: at its admission time if the replica lists it
         # as prefilling, else (an older replica) at ``taken`` at the latest. One that started
         # and is not prefilling has its first token: its prefill no longer delays anyone.
-        wall_to_clock = self.clock.now() - time.time()
+        wall_to_clock = self.clock.now() - self.wall()
         started_by = wall_to_clock + taken
         prefilling = stats.get("prefilling")
         for r in self._routed.values():
@@ -163,7 +174,7 @@ class FairwayRequestRouter(RequestRouter):
             admitted = prefilling.get(r.request_id) if prefilling is not None else None
             if not r.started:
                 r.started = True
-                self.load.on_started(r.rid, started_at=started_by if admitted is None else wall_to_clock + admitted)
+                self.host.on_started(r.rid, started_at=started_by if admitted is None else wall_to_clock + admitted)
             if prefilling is not None and admitted is None:
                 self.load.on_prefill_done(r.rid)
         for request_id, got in stats.get("recent_cached", {}).items():
@@ -172,7 +183,7 @@ class FairwayRequestRouter(RequestRouter):
                 self._feedback(r, int(got))
 
     def _feedback(self, r: _Routed, cached: int) -> None:
-        self.index.on_feedback(r.replica, r.hashes, cached, self.block_size, r.estimated_blocks)
+        self.host.feedback(r.replica, r.hashes, cached, r.estimated_blocks)
         if self.stats is not None:
             self.stats.observe_cached_tokens(r.estimated_blocks * self.block_size, cached, r.prompt_tokens,
                                              replica=self._names[r.replica])
@@ -201,16 +212,11 @@ class FairwayRequestRouter(RequestRouter):
         hashes = tuple(call.block_hashes[:n_hash])
         iid = pending_request.metadata.internal_request_id
         self._unbook(iid)  # a retry of the same request: forget its previous provisional booking
-        matched = self.index.match(hashes)
-        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=sorted(by_idx))
-        req = RouteRequest(rid=self._next_rid, prompt_tokens=len(call.prompt_token_ids), block_hashes=hashes)
-        ranks = self.policy.rank(req, states)
+        d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx))
         # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
         # the same load would herd onto one replica before the first on_request_routed.
-        first = ranks[0]
-        live = self.load.live()
-        pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
-        self._book(iid, call, hashes, pick, matched[pick], self.policy.last_reason or "choice")
+        self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason)
+        ranks = d.ranks
         self.decision_s.append(time.perf_counter() - t0)
         if len(self.decision_s) > 4096:
             del self.decision_s[:2048]
@@ -220,17 +226,16 @@ class FairwayRequestRouter(RequestRouter):
         rid = self._next_rid
         self._next_rid += 1
         n = len(call.prompt_token_ids)
-        self.load.on_routed(rid, j, n, est * self.block_size)
-        self._routed[iid] = _Routed(rid, call.request_id, j, hashes, est, n, time.time(), reason=reason)
+        self.host.book(rid, j, n, est)
+        self._routed[iid] = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason)
         while len(self._routed) > MAX_TRACKED:  # ranked but never routed nor completed
             _, old = self._routed.popitem(last=False)
-            if old.rid in self.load:
-                self.load.on_finished(old.rid)
+            self.host.unbook(old.rid)
 
     def _unbook(self, iid: str) -> None:
         r = self._routed.pop(iid, None)
-        if r is not None and r.rid in self.load:
-            self.load.on_finished(r.rid)
+        if r is not None:
+            self.host.unbook(r.rid)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         call = find_call(pending_request)
@@ -246,9 +251,8 @@ class FairwayRequestRouter(RequestRouter):
             self._unbook(iid)
             self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason)
             r = self._routed[iid]
-        r.routed_at = time.time()
-        self.index.record_routed(j, r.hashes)
-        self.reasons[r.reason] += 1
+        r.routed_at = self.wall()
+        self.host.record_routed(j, r.hashes, r.reason)
         if self.stats is not None:
             self.stats.inc_routing_decision(r.reason, replica=self._names[j])
 
@@ -256,8 +260,7 @@ class FairwayRequestRouter(RequestRouter):
         r = self._routed.pop(internal_request_id, None)
         if r is None:
             return
-        if r.rid in self.load:
-            self.load.on_finished(r.rid)
+        self.host.on_finished(r.rid)
         self._done[r.request_id] = r
         while len(self._done) > MAX_AWAITING_FEEDBACK:
             self._done.popitem(last=False)

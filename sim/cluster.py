@@ -1,10 +1,10 @@
 """Cluster routing in the simulator: router instances that pick a replica for each arrival.
 
-``ClusterRouter`` is the simulator's host for a router policy (``router/routing``), a prefix index
-(``fairway/prefix_index.py``) and a load view (``fairway/load_view.py``), the same objects the Ray
-Serve router will host. With ``routers=K`` it runs K independent instances, each seeing the
-requests with ``rid % K == k`` (Ray Serve runs one router per ingress replica, and its proxies
-spread requests over them), each with its own index and load view built from its own decisions.
+``ClusterRouter`` drives ``RoutingHost`` instances (``fairway/routing/host.py``: a router policy,
+a prefix index and a load view), the same class the Ray Serve request router calls. With
+``routers=K`` it runs K independent instances, each seeing the requests with ``rid % K == k`` (Ray
+Serve runs one router per ingress replica, and its proxies spread requests over them), each with
+its own index and load view built from its own decisions.
 
 Lifecycle, as the engines report it (``EngineModel.listener``):
 - routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
@@ -14,16 +14,12 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
   the cached-token count the engine reported (approximate mode, finished requests only), and the
   replica's KV usage reaches every instance;
 - KV events (stored / removed hashes) reach every instance's index in ``"events"`` mode.
-
-Within the first rank, the replica with the fewest outstanding requests is chosen, as Ray Serve
-does within a rank (ties: the policy's order).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,15 +30,8 @@ from fairway.engine.model import EngineModel, EngineRequest
 from fairway.load_view import LoadView
 from fairway.prefix_index import PrefixIndex
 from fairway.request import RequestSpec
-from fairway.routing import RouteRequest, RouterPolicy, make_router, make_states
-
-
-@dataclass
-class _Instance:
-    policy: RouterPolicy
-    index: PrefixIndex
-    load: LoadView
-    reasons: Counter = field(default_factory=Counter)
+from fairway.routing import make_router
+from fairway.routing.host import RoutingHost
 
 
 class ClusterRouter:
@@ -70,11 +59,12 @@ class ClusterRouter:
         self.index_mode = index_mode
         rngs = np.random.default_rng(seed).spawn(routers)
         self.instances = [
-            _Instance(
+            RoutingHost(
                 make_router(name, clock=clock, cost=cost, block_size=block_size, rng=rngs[k],
                             **(options or {})),
                 PrefixIndex(n_replicas, mode=index_mode, capacity_blocks=capacity_blocks),
                 LoadView(n_replicas, clock, cost, block_size=block_size, stale_s=stale_s),
+                block_size=block_size,
             )
             for k in range(routers)
         ]
@@ -89,7 +79,7 @@ class ClusterRouter:
             for i in self.instances:
                 i.load.report_max_running(j, e.config.max_num_seqs)
 
-    def _inst(self, rid: int) -> _Instance:
+    def _inst(self, rid: int) -> RoutingHost:
         return self.instances[rid % len(self.instances)]
 
     def _prompt_hashes(self, spec: RequestSpec) -> Sequence[int]:
@@ -100,37 +90,26 @@ class ClusterRouter:
     def __call__(self, spec: RequestSpec, replicas: list[EngineModel]) -> int:
         inst = self._inst(spec.rid)
         hashes = self._prompt_hashes(spec)
-        matched = inst.index.match(hashes)
-        states = make_states(inst.load.snapshot(), matched, inst.index.sizes())
-        ranks = inst.policy.rank(RouteRequest(spec.rid, spec.prompt_tokens, hashes), states)
-        first = ranks[0]
-        live = inst.load.live()
-        pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
-        inst.reasons[inst.policy.last_reason or "choice"] += 1
-        inst.index.record_routed(pick, hashes)
-        inst.load.on_routed(spec.rid, pick, spec.prompt_tokens, matched[pick] * self.block_size)
-        self._estimated[spec.rid] = matched[pick]
-        return pick
+        d = inst.decide(spec.rid, spec.prompt_tokens, hashes)
+        inst.record_routed(d.pick, hashes, d.reason)
+        inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks)
+        self._estimated[spec.rid] = d.matched_blocks
+        return d.pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 
     def on_admitted(self, replica: int, r: EngineRequest) -> None:
-        load = self._inst(r.rid).load
-        if r.rid in load:
-            load.on_started(r.rid)
+        self._inst(r.rid).on_started(r.rid)
 
     def on_preempted(self, replica: int, r: EngineRequest) -> None:
-        load = self._inst(r.rid).load
-        if r.rid in load:
-            load.on_preempted(r.rid, 0, r.target)
+        self._inst(r.rid).on_preempted(r.rid, r.target)
 
     def on_finished(self, replica: int, r: EngineRequest) -> None:
         inst = self._inst(r.rid)
-        if r.rid in inst.load:
-            inst.load.on_finished(r.rid)
+        inst.on_finished(r.rid)
         est = self._estimated.pop(r.rid, None)
         if r.cached_tokens >= 0:
-            inst.index.on_feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, self.block_size, est)
+            inst.feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, est)
         if self.engines:
             usage = self.engines[replica].pool.usage()
             for i in self.instances:

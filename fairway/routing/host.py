@@ -1,0 +1,95 @@
+"""One router instance: a router policy, its prefix index and its load view, and the bookkeeping
+around a decision. The simulator (``sim/cluster.py``) and the Ray Serve request router
+(``router/serve_router.py``) both call this class, so a decision is made the same way in both.
+
+Per request: ``decide`` matches the prompt's block hashes against the index, builds the replicas'
+states from a load snapshot, lets the policy rank them, and picks within the first rank the
+replica with the fewest outstanding requests (ties: the policy's order), as Ray Serve does within
+a rank. The host then reports the request's life: ``book`` (its prefill joins the pick's queued
+work), ``record_routed`` (the index learns the prompt is on that replica), ``on_started`` /
+``on_preempted`` / ``on_finished`` (the load view), ``feedback`` (the cached tokens the engine
+reported correct the index).
+
+Complexity per decision: O(prompt blocks) for the index match, O(replicas) for the states, plus
+the policy's rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from fairway.load_view import LoadView
+from fairway.prefix_index import PrefixIndex
+from fairway.routing.base import RouteRequest, RouterPolicy, make_states
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing decision. ``ranks`` is the policy's answer (first rank preferred); ``pick`` is in
+    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's."""
+
+    ranks: list[list[int]]
+    pick: int
+    matched_blocks: int
+    reason: str
+
+
+class RoutingHost:
+    """A router policy with its own prefix index and load view (see the module docstring)."""
+
+    def __init__(self, policy: RouterPolicy, index: PrefixIndex, load: LoadView, block_size: int = 16) -> None:
+        self.policy = policy
+        self.index = index
+        self.load = load
+        self.block_size = block_size
+        self.reasons: Counter = Counter()  # routing decisions by reason, as recorded
+
+    def add_replica(self) -> int:
+        """A new replica id in both the index and the load view."""
+        j = self.index.add_replica()
+        self.load.add_replica()
+        return j
+
+    def decide(self, rid: int, prompt_tokens: int, hashes: Sequence[int],
+               replicas: Iterable[int] | None = None) -> Decision:
+        """Rank ``replicas`` (default all) for a request and pick within the first rank."""
+        matched = self.index.match(hashes)
+        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas)
+        ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes), states)
+        first = ranks[0]
+        live = self.load.live()
+        pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
+        return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice")
+
+    def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int) -> None:
+        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached)."""
+        self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size)
+
+    def unbook(self, rid: int) -> None:
+        """Forget a booked request (a retry, or one that was never sent)."""
+        if rid in self.load:
+            self.load.on_finished(rid)
+
+    def record_routed(self, replica: int, hashes: Sequence[int], reason: str) -> None:
+        """The request was sent to ``replica``: its prompt's blocks will be cached there."""
+        self.reasons[reason] += 1
+        self.index.record_routed(replica, hashes)
+
+    def on_started(self, rid: int, started_at: float | None = None) -> None:
+        if rid in self.load:
+            self.load.on_started(rid, started_at=started_at)
+
+    def on_preempted(self, rid: int, prompt_tokens: int) -> None:
+        if rid in self.load:
+            self.load.on_preempted(rid, 0, prompt_tokens)
+
+    def on_finished(self, rid: int) -> None:
+        if rid in self.load:
+            self.load.on_finished(rid)
+
+    def feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, estimated_blocks: int | None) -> None:
+        """The engine reported ``cached_tokens`` for a prompt the index estimated at
+        ``estimated_blocks`` on ``replica``: the index corrects itself."""
+        self.index.on_feedback(replica, hashes, cached_tokens, self.block_size, estimated_blocks)
