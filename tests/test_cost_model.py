@@ -1,4 +1,5 @@
-"""Tests of the calibrated cost model (fairway/cost_model.py, docs/cost-model.md)."""
+"""Tests of the calibrated cost model (fairway/cost_model.py), its fitter (bench/calibrate.py)
+and the shipped profiles (docs/cost-model.md)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fairway.cost_model import (
-    DEFAULT_STEP_OVERHEAD_S,
-    CostModel,
-    CostProfile,
-    FitSettings,
-    available_profiles,
-    fit_calibration,
-    load_profile,
-)
+from bench.calibrate import DEFAULT_STEP_OVERHEAD_S, FitSettings, fit_calibration
+from fairway.cost_model import CostModel, CostProfile, available_profiles, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = Path(__file__).resolve().parents[2] / "shared" / "calibration" / "h200_prefill.json"
@@ -277,7 +271,8 @@ def test_fit_within_stated_error_of_calibration(calibration: dict, key: str) -> 
 
 @needs_calibration
 def test_calibration_throughput_facts_hold(calibration: dict) -> None:
-    # DESIGN.md section 7: ~32k tokens/s at C=0 and ~9.5k tokens/s at C=32k for large 8B prefills
+    # the calibration's throughput: ~32k tokens/s at C=0 and ~9.5k tokens/s at C=32k for large
+    # 8B prefills
     m = CostModel.from_profile("h200-llama3-8b-eager")
     assert 8192 / m.prefill_time(8192, 0) == pytest.approx(32_000, rel=0.15)
     assert 8192 / m.prefill_time(8192, 32768) == pytest.approx(9_500, rel=0.1)
@@ -304,7 +299,7 @@ def test_fit_cli_writes_profiles_and_prints_error_table(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "fairway.cost_model",
+            "bench.calibrate",
             "fit",
             "--calibration",
             str(CALIBRATION),
