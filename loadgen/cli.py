@@ -26,7 +26,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     r.add_argument("--workload", required=True, help="rag, mixed, agentic, *-spike, hotspot, trace:PATH")
     r.add_argument("--rate", type=float, default=4.0, help="req/s (agentic: sessions/s)")
-    r.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
+    r.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals (default: 300 for a synthetic workload, the whole trace for trace:PATH)")
     r.add_argument("--concurrency", type=int, default=None, help="fixed-concurrency mode")
     r.add_argument("--time-scale", type=float, default=1.0, help="trace time compression")
     r.add_argument("--seed", type=int, default=0)

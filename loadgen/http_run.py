@@ -61,7 +61,8 @@ class HttpRunConfig(BaseModel):
     url: str = Field(description="server base URL, e.g. http://127.0.0.1:8000")
     workload: str
     rate: float = Field(4.0, gt=0, description="requests/s (open loop) or sessions/s (agentic)")
-    duration_s: float = Field(300.0, gt=0, description="arrivals stop after this (seconds)")
+    duration_s: float | None = Field(None, gt=0, description="arrivals stop after this (seconds); default: "
+                                     "300 s for a synthetic workload, the whole trace for a replay")
     time_scale: float = Field(1.0, gt=0, description="trace time compression factor")
     concurrency: int | None = Field(None, ge=1, description="fixed-concurrency mode")
     seed: int = Field(0, ge=0)

@@ -23,7 +23,8 @@ def make_parser() -> argparse.ArgumentParser:
     add_common_args(r)
     r.add_argument("--policy", required=True, help="name or name[key=value;...]")
     r.add_argument("--router", default="round-robin", help="router policy with --replicas > 1")
-    r.add_argument("--rate", type=float, default=4.0, help="req/s (agentic: sessions/s)")
+    r.add_argument("--rate", type=float, default=4.0,
+                   help="req/s (agentic: sessions/s); a trace replay ignores it (see --time-scale)")
     r.add_argument("--json", default=None, help="write the summary JSON here")
     s = sub.add_parser("sweep", help="policies x rates: table, JSON and plots")
     add_common_args(s)
@@ -42,8 +43,8 @@ def make_parser() -> argparse.ArgumentParser:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from(args, args.policy, args.rate, args.seed)
     res = run(cfg)
-    print(HEADER)
-    print(format_row(res))
+    print(HEADER.replace("   rate", "  req/s", 1))  # the realised arrival rate, whatever set it
+    print(format_row(res, "realized_rate_rps"))
     print(f"sim wall time {res['sim_wall_s']:.2f} s, simulated {res['sim_end_s']:.1f} s")
     if res.get("per_replica"):
         busy = [round(p["prefill_busy_fraction"], 3) for p in res["per_replica"]]

@@ -12,7 +12,8 @@ from sim.runner import RunConfig
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True, help="rag, mixed, agentic, *-spike, trace:PATH")
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals (default: 300 for a synthetic workload, the whole trace for trace:PATH)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace time compression")
     p.add_argument("--concurrency", type=int, default=None, help="fixed-concurrency mode")
     p.add_argument("--replicas", type=int, default=1)
@@ -55,13 +56,15 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
     )
 
 
-def format_row(res: dict[str, Any]) -> str:
+def format_row(res: dict[str, Any], rate_key: str = "rate_rps") -> str:
+    """One result as a table row; ``rate_key`` picks the rate shown (the configured load in a
+    sweep, ``realized_rate_rps`` for ``sim run``)."""
     t = res["ttft_s"]
     ex = res["ttft_by_class_s"]["expensive"]
     lanes = res.get("ttft_by_lane_s") or {}
     lane_s = " ".join(f"{k}:{v['n']}" for k, v in lanes.items())
     return (
-        f"{res.get('label', res['policy']):<28} {res['rate_rps']:>7.2f} {t['p50']:>9.3f} "
+        f"{res.get('label', res['policy']):<28} {res[rate_key]:>7.2f} {t['p50']:>9.3f} "
         f"{t['p90']:>9.3f} {t['p99']:>9.3f} {t['mean']:>9.3f} {ex['p99']:>9.3f} "
         f"{res['cache_hit_ratio']:>6.3f} {res['n_finished']:>6d} {lane_s}"
     )

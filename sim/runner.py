@@ -27,7 +27,8 @@ class RunConfig(BaseModel):
     policy: str
     policy_options: dict[str, Any] = Field(default_factory=dict)
     rate: float = Field(4.0, gt=0, description="requests/s (open loop) or sessions/s (agentic)")
-    duration_s: float = Field(300.0, gt=0, description="arrivals stop after this (seconds)")
+    duration_s: float | None = Field(None, gt=0, description="arrivals stop after this (seconds); default: "
+                                     "300 s for a synthetic workload, the whole trace for a replay")
     time_scale: float = Field(1.0, gt=0, description="trace time compression factor")
     concurrency: int | None = Field(None, ge=1, description="fixed-concurrency mode")
     replicas: int = Field(1, ge=1)

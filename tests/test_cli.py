@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fairway.spec import parse_spec, split_specs
+from fairway.spec import SpecError, parse_spec, resolve_spec, split_specs
 from sim.cli import main
 
 
@@ -70,3 +70,39 @@ def test_policy_spec_parsing():
     assert parse_spec("fairway[theta=4;fair_order=ratio]") == (
         "fairway", {"theta": 4, "fair_order": "ratio"})
     assert split_specs("a,b[x=1;y=2],c") == ["a", "b[x=1;y=2]", "c"]
+    assert parse_spec(" lpm ") == ("lpm", {})
+    with pytest.raises(SpecError, match="expected name"):
+        parse_spec("fairway[theta=4")
+    assert resolve_spec("fairway[theta=4]", {"fair_share": 0.5}) == ("fairway", {"theta": 4, "fair_share": 0.5})
+    with pytest.raises(SpecError, match="given twice"):
+        resolve_spec("fairway[theta=4]", {"theta": 6})
+
+
+def _trace(tmp_path, gaps_s: list[float]):
+    path = tmp_path / "t.jsonl"
+    t, lines = 0.0, []
+    for i, g in enumerate(gaps_s):
+        t += g
+        lines.append(json.dumps({"timestamp": int(t * 1000), "input_length": 40, "output_length": 2,
+                                 "hash_ids": [i]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_trace_replays_whole_unless_a_duration_is_given(tmp_path, capsys):
+    path = _trace(tmp_path, [0.0] + [100.0] * 6)  # 7 requests over 600 s: past the synthetic default of 300 s
+    out = tmp_path / "r.json"
+    assert main(["run", "--workload", f"trace:{path}", "--policy", "fcfs", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["n_requests"] == 7
+    assert main(["run", "--workload", f"trace:{path}", "--policy", "fcfs", "--duration", "250",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["n_requests"] == 3  # arrivals at 0, 100 and 200 s
+    capsys.readouterr()
+
+
+def test_run_prints_the_realised_rate_not_the_unused_rate_option(tmp_path, capsys):
+    path = _trace(tmp_path, [0.0] + [0.5] * 10)  # 2 req/s; --rate's default (4) does not apply
+    assert main(["run", "--workload", f"trace:{path}", "--policy", "fcfs"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[:2]
+    assert header.split()[1] == "req/s"
+    assert float(row.split()[1]) == pytest.approx(2.0, rel=0.01)

@@ -55,3 +55,27 @@ def test_fairway_router_gets_the_wait_model_of_the_replica_policy():
     mine = ClusterArgs(router={"policy": "fairway", "policy_options": {"wait_model": "fcfs", "theta": 8}})
     assert mine.router_policy_options() == {"wait_model": "fcfs", "fast_share": pytest.approx(0.4), "theta": 8}
     assert ClusterArgs(router={"policy": "pow2"}).router_policy_options() == {}
+
+
+def test_policy_specs_resolve_the_same_in_yaml_as_on_the_command_line():
+    a = ClusterArgs(replica={"policy": "fairway[theta=4]"}, router={"policy": "fairway[theta=8]"})
+    assert (a.replica.policy, a.replica.policy_options) == ("fairway", {"theta": 4})
+    assert (a.router.policy, a.router.policy_options) == ("fairway", {"theta": 8})
+    assert a.replica_args().policy_options == {"theta": 4}
+    assert a.router_kwargs()["policy_options"]["theta"] == 8
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    ({"replica": {"policy": "fairway", "policy_options": {"thetta": 4}}}, "thetta"),
+    ({"replica": {"policy": "fairway[theta=4]", "policy_options": {"theta": 6}}}, "given twice"),
+    ({"replica": {"policy": "nope"}}, "unknown policy 'nope'"),
+    ({"router": {"policy": "fairway", "policy_options": {"wait_modle": "fcfs"}}}, "wait_modle"),
+    ({"router": {"policy": "pow3"}}, "unknown router 'pow3'"),
+])
+def test_bad_policy_options_fail_when_the_config_is_parsed(args, needle):
+    with pytest.raises(ValidationError, match=needle):
+        ClusterArgs(**args)
+
+
+def test_ray_default_router_is_not_a_policy_spec():
+    assert ClusterArgs(router={"policy": "ray-default"}).router.policy == "ray-default"

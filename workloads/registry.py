@@ -15,7 +15,8 @@ requests (as ``trace:PATH`` does). Built in:
 Parameter meaning: ``rate`` is requests/s for open-loop synthetic workloads (the base rate for
 ``-spike``), new sessions/s for agentic, and is ignored by trace replays (their timestamps set
 the rate; use ``time_scale``). ``duration_s`` ends arrivals (sessions keep running to their
-end; a trace is cut there, ``math.inf`` replays all of it). ``time_scale`` applies to traces
+end; a trace is cut there). Left out (``None``), it is ``DEFAULT_DURATION_S`` for a synthetic
+workload and the whole trace for a replay. ``time_scale`` applies to traces
 only; another value than 1 for a synthetic workload is an error rather than silently ignored.
 """
 
@@ -52,15 +53,19 @@ class WorkloadArgs:
 
 WorkloadFactory = Callable[[WorkloadArgs], Workload]
 
+DEFAULT_DURATION_S = 300.0  # seconds of arrivals of a synthetic workload when none is given
+
 WORKLOADS: dict[str, WorkloadFactory] = {}
 _ARG: dict[str, str] = {}  # name -> placeholder of its required argument
+_REPLAYS: set[str] = set()  # names whose arrivals end with their data (traces), not a duration
 
 
 def register_workload(
-    name: str, factory: WorkloadFactory, *, arg: str | None = None, replace: bool = False
+    name: str, factory: WorkloadFactory, *, arg: str | None = None, replace: bool = False, replay: bool = False
 ) -> None:
     """Register ``factory`` under ``name``. With ``arg`` (a placeholder such as ``"PATH"``) it
-    answers ``name:VALUE`` requests and gets ``VALUE`` as ``WorkloadArgs.arg``."""
+    answers ``name:VALUE`` requests and gets ``VALUE`` as ``WorkloadArgs.arg``. A ``replay``
+    (a trace) runs to its end unless a duration is given."""
     if not name or ":" in name:
         raise WorkloadError(f"bad workload name {name!r}: must be non-empty, without ':'")
     if name in WORKLOADS and not replace:
@@ -70,6 +75,10 @@ def register_workload(
         _ARG[name] = arg
     else:
         _ARG.pop(name, None)
+    if replay:
+        _REPLAYS.add(name)
+    else:
+        _REPLAYS.discard(name)
 
 
 def known_workloads() -> list[str]:
@@ -131,14 +140,14 @@ register_workload("mixed-spike", lambda a: _mixed(a, BurstSchedule()))
 register_workload("hotspot", lambda a: _mixed(a, None, HOTSPOT))
 register_workload("agentic", _agentic)
 register_workload("agentic-spike", lambda a: _agentic(a, Swarm()))
-register_workload("trace", _trace, arg="PATH")
+register_workload("trace", _trace, arg="PATH", replay=True)
 
 
 def make_workload(
     name: str,
     *,
     rate: float,
-    duration_s: float,
+    duration_s: float | None = None,
     seed: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     time_scale: float = 1.0,
@@ -152,7 +161,7 @@ def make_workload(
     """
     if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
         raise WorkloadError(f"rate must be a positive finite number, got {rate!r}")
-    if not (isinstance(duration_s, (int, float)) and duration_s > 0):
+    if duration_s is not None and not (isinstance(duration_s, (int, float)) and duration_s > 0):
         raise WorkloadError(f"duration_s must be > 0, got {duration_s!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise WorkloadError(f"seed must be an integer >= 0, got {seed!r}")
@@ -166,6 +175,8 @@ def make_workload(
         raise _unknown(name)
     if sep and not arg:
         raise WorkloadError(f"workload {key!r} needs an argument: {key}:{_ARG[key]}")
+    if duration_s is None:
+        duration_s = math.inf if key in _REPLAYS else DEFAULT_DURATION_S
     args = WorkloadArgs(
         name=name,
         arg=arg if sep else None,
@@ -189,7 +200,7 @@ class RunWorkloadFields(Protocol):
 
     workload: str
     rate: float
-    duration_s: float
+    duration_s: float | None
     seed: int
     block_size: int
     time_scale: float
