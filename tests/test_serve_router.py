@@ -1,65 +1,123 @@
-"""The Ray Serve router host's reading of replica stats (``FairwayRequestRouter._apply_stats``),
-without a Ray cluster: the host object is built directly and fed stats dicts as Ray would."""
+"""The Ray Serve request router (``FairwayRequestRouter``) without a Ray cluster: the object is
+built directly on a manual clock and fed what Ray feeds it (replicas, pending requests, the
+replicas' stats dicts), so every expectation is exact."""
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
+from ray.serve._private.common import DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
 
+from fairway.clock import ManualClock
 from fairway.protocol import GenerateCall
 from fairway.routing import make_states
 from router.serve_router import FairwayRequestRouter
 from tests.factories import chain
 
+T0 = 100.0  # the manual clock's start; the replicas' stats stamps use the same time base
 
-def host() -> tuple[FairwayRequestRouter, int]:
+
+def router(policy: str = "fairway", **options) -> tuple[FairwayRequestRouter, ManualClock]:
+    clock = ManualClock(T0)
     r = object.__new__(FairwayRequestRouter)
-    r.initialize_state(metrics=False)
-    j = r.index.add_replica()
-    r.load.add_replica()
-    r._names.append("replica-0")
-    return r, j
+    r.initialize_state(policy=policy, policy_options=options, metrics=False, clock=clock, wall=clock.now)
+    return r, clock
 
 
-def book(r: FairwayRequestRouter, j: int, request_id: str, prompt: int, routed_ago_s: float) -> None:
-    call = GenerateCall(request_id=request_id, prompt_token_ids=[1] * prompt,
-                        block_hashes=tuple(chain(request_id, prompt // 16)), max_tokens=4, arrival_s=time.time())
-    r._book("iid-" + request_id, call, call.block_hashes, j, 0, "cold")
-    r._routed["iid-" + request_id].routed_at = time.time() - routed_ago_s
+def replica(uid: str, stats: dict | None = None) -> SimpleNamespace:
+    """What ``choose_replicas`` reads of a Ray ``RunningReplica``."""
+    return SimpleNamespace(replica_id=ReplicaID(uid, DeploymentID("FairwayReplica")), routing_stats=stats or {})
+
+
+def call(request_id: str, prompt: int, family: str | None = None) -> GenerateCall:
+    return GenerateCall(request_id=request_id, prompt_token_ids=[1] * prompt,
+                        block_hashes=tuple(chain(family or request_id, prompt // 16)), max_tokens=4, arrival_s=T0)
+
+
+def pending(c: GenerateCall) -> PendingRequest:
+    return PendingRequest(args=[c], kwargs={}, metadata=RequestMetadata(request_id=c.request_id,
+                                                                          internal_request_id="iid-" + c.request_id))
+
+
+def book(r: FairwayRequestRouter, j: int, request_id: str, prompt: int, routed_at: float) -> None:
+    c = call(request_id, prompt)
+    r._book("iid-" + request_id, c, c.block_hashes, j, 0, "cold")
+    r._routed["iid-" + request_id].routed_at = routed_at
+
+
+def one_replica() -> tuple[FairwayRequestRouter, ManualClock, int]:
+    r, clock = router()
+    j = r._index_of(replica("replica-0").replica_id)
+    return r, clock, j
 
 
 def test_stats_mark_starts_date_prefills_and_drop_finished_prefills():
-    r, j = host()
-    book(r, j, "a", 20000, 5.0)  # prefilling since 0.5 s ago
-    book(r, j, "b", 20000, 5.0)  # started, first token already out
-    book(r, j, "c", 20000, 5.0)  # still waiting in the gate
+    r, clock, j = one_replica()
+    for rid in ("a", "b", "c"):  # a: prefilling since T0 - 0.5; b: first token out; c: still waiting
+        book(r, j, rid, 20000, routed_at=T0 - 5.0)
     p = r.load.snapshot().queued_prefills[j]
     assert len(p) == 3 and r.load.snapshot().running == (0,)
     pa = p[0]  # the three prompts cost the same
-    now = time.time()
-    r._apply_stats(j, {"taken_at": now - 0.1, "waiting_ids": ["c"], "prefilling": {"a": now - 0.5},
+    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": ["c"], "prefilling": {"a": T0 - 0.5},
                        "kv_usage": 0.0, "max_num_seqs": 256})
     snap = r.load.snapshot()
-    assert snap.running == (2,) and snap.queued_prefills[j] == pytest.approx((pa,))
-    # "a" is dated from its admission, 0.5 s ago: about P - 0.5 of its prefill is left; "b" is
-    # past its prefill and does not count
-    (end,) = snap.prefill_ends[j]
-    assert end - r.clock.now() == pytest.approx(pa - 0.5, abs=0.05)
+    assert snap.running == (2,) and snap.queued_prefills[j] == (pa,)
+    # "a" is dated from its admission; "b" is past its prefill and does not count
+    assert snap.prefill_ends[j] == (T0 - 0.5 + pa,)
     (state,) = make_states(r.load.snapshot(), [0], r.index.sizes())
-    assert r.policy.running_prefill_s(state) == pytest.approx(pa - 0.5, abs=0.05)
-    # the next report: "a" has its first token too
-    r._apply_stats(j, {"taken_at": now, "waiting_ids": ["c"], "prefilling": {}, "kv_usage": 0.0})
+    assert r.policy.running_prefill_s(state) == pytest.approx(pa - 0.5, rel=1e-12)
+    clock.advance(0.25)  # time passes: less of "a"'s prefill is left
+    (state,) = make_states(r.load.snapshot(), [0], r.index.sizes())
+    assert r.policy.running_prefill_s(state) == pytest.approx(pa - 0.75, rel=1e-12)
+    # the same report again changes nothing; the next one: "a" has its first token too
+    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": ["c"], "prefilling": {}, "kv_usage": 0.0})
+    assert r.load.snapshot().prefill_ends[j] == (T0 - 0.5 + pa,)
+    r._apply_stats(j, {"taken_at": T0, "waiting_ids": ["c"], "prefilling": {}, "kv_usage": 0.0})
     assert r.load.snapshot().prefill_ends[j] == ()
 
 
 def test_stats_without_a_prefilling_list_date_starts_at_the_report():
-    r, j = host()
-    book(r, j, "a", 20000, 5.0)
-    taken = time.time() - 0.2
-    r._apply_stats(j, {"taken_at": taken, "waiting_ids": [], "kv_usage": 0.0})  # an older replica
-    snap = r.load.snapshot()
+    r, _, j = one_replica()
+    book(r, j, "a", 20000, routed_at=T0 - 5.0)
+    r._apply_stats(j, {"taken_at": T0 - 0.2, "waiting_ids": [], "kv_usage": 0.0})  # an older replica
     p = r.load._req[0].prefill_s
-    (end,) = snap.prefill_ends[j]
-    assert end - r.clock.now() == pytest.approx(p - 0.2, abs=0.05)  # started by ``taken`` at the latest
+    assert r.load.snapshot().prefill_ends[j] == (T0 - 0.2 + p,)  # started by ``taken`` at the latest
 
+
+def test_a_request_routed_after_the_report_is_not_started_by_it():
+    r, _, j = one_replica()
+    book(r, j, "late", 20000, routed_at=T0 - 0.05)
+    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {}, "kv_usage": 0.0})
+    assert r.load.snapshot().running == (0,) and len(r.load.snapshot().queued_prefills[j]) == 1
+
+
+@pytest.mark.asyncio
+async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
+    r, _ = router("ray-prefix")
+    reps = [replica("replica-0"), replica("replica-1")]
+    first = call("a", 4096, family="doc")
+    ranks = await r.choose_replicas(reps, pending(first))
+    pick = ranks[0][0]
+    r.on_request_routed(pending(first), pick.replica_id, None)
+    j = r._ids[pick.replica_id]
+    assert r.index.match(first.block_hashes[:256])[j] == 256 and r.reasons == {r._routed["iid-a"].reason: 1}
+    # a second request of the same family goes to the replica that holds its prefix
+    second = call("b", 4096, family="doc")
+    ranks = await r.choose_replicas(reps, pending(second))
+    assert ranks[0] == [pick]
+    assert r._routed["iid-b"].replica == j and r._routed["iid-b"].estimated_blocks == 256
+    # completion: the request leaves the load view and waits for its cached-token feedback
+    r.on_request_completed(pick.replica_id, "iid-a")
+    assert "iid-a" not in r._routed and "a" in r._done and 0 not in r.load
+
+
+@pytest.mark.asyncio
+async def test_a_call_without_a_generate_call_may_go_anywhere():
+    r, _ = router()
+    reps = [replica("replica-0"), replica("replica-1")]
+    health = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="h", internal_request_id="iid-h"))
+    assert await r.choose_replicas(reps, health) == [reps]
+    assert await r.choose_replicas([], health) == []
+    assert r._routed == {}
