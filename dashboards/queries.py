@@ -5,7 +5,7 @@ runs the same expressions against Prometheus for the PNGs, and the tests check t
 expression returns data (``expect_data``) on a live cluster. Expressions use Grafana's
 ``$__rate_interval``; ``promql()`` substitutes a concrete window outside Grafana.
 
-Metric names: ``observability/exporter.py`` ``METRICS`` (DESIGN.md section 9).
+Metric names: ``observability/exporter.py`` ``METRICS`` (conventions: docs/design.md, Metrics).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The one clock protocol every policy takes (STYLE.md #6: inject the clock)."""
+"""The one clock protocol every policy takes, injected so the same policy code runs on the
+simulator's virtual time and on the wall clock (docs/design.md, Injected clock and RNG)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The router's view of each replica's load, with optional staleness.
 
 Why: the cluster-level rules need, per replica j, the queued prefill work Q_j in seconds (routed
-to j and not yet started, DESIGN.md section 3), the number of outstanding requests (the queue
+to j and not yet started; docs/design.md, Notation), the number of outstanding requests (the queue
 length Ray Serve's power-of-two and SGLang's router compare), the running count (AIBrix), and
 for Dynamo's cost the queued uncached tokens and the KV blocks of its active requests. The router
 tracks them from its own decisions (``on_routed``) and the replicas' lifecycle reports

@@ -1,10 +1,11 @@
 """Per-replica estimate of which KV blocks each engine replica holds: the router's prefix index.
 
 Why: a cache-aware router needs, for every candidate replica j, the estimated cached prefix
-c_rj of the request it is placing (DESIGN.md section 3, "Cluster level"). Keys are the engine's
+c_rj of the request it is placing (docs/design.md, Fairway router). Keys are the engine's
 own chained block hashes (``fairway/hashing.py``), so equal hashes mean equal prefixes, and the
 longest cached prefix on a replica is a walk of dict probes that stops at its first miss
-(STYLE.md #8). Ray and SGLang match characters; we match blocks of tokens.
+(docs/design.md, Block hashes in token units). Ray and SGLang match characters; we match blocks
+of tokens.
 
 Two modes:
 
@@ -116,10 +117,11 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Longest cached prefix, in blocks, of ``hashes`` on every replica (index = replica id).
 
-        Why: the per-replica ĉ_rj of DESIGN.md section 3. Each replica stops at its first miss;
-        the walk stops as soon as no replica still matches. Read-only: a lookup does not refresh
-        LRU ages (the block is touched when the request is routed there, see ``record_routed``,
-        so the ages follow the requests each engine actually serves).
+        Why: the per-replica ĉ_rj the router policies compare (docs/design.md, Notation). Each
+        replica stops at its first miss; the walk stops as soon as no replica still matches.
+        Read-only: a lookup does not refresh LRU ages (the block is touched when the request is
+        routed there, see ``record_routed``, so the ages follow the requests each engine
+        actually serves).
 
         Complexity: O(matched blocks + 1) dict probes plus O(num_replicas) to write the result;
         never O(replicas x blocks).

@@ -1,7 +1,8 @@
 """Name -> class resolution shared by the open registries (queue policies, router policies).
 
-STYLE.md #1: a registry accepts a registered name or a dotted class path (``module:Class`` or
-``module.Class``), the way Ray's ``request_router_class`` does.
+A registry accepts a registered name or a dotted class path (``module:Class`` or
+``module.Class``), the way Ray's ``request_router_class`` does, so a new policy needs no edit to a
+factory (docs/design.md, Open registry).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prometheus exporter over ``FairwayStats`` objects, and the scrape path across a Ray cluster.
 
-Why: DESIGN.md section 9 keeps stats collection (``observability/stats.py``) separate from the exporter.
+Why: stats collection (``observability/stats.py``) is kept apart from the exporter (docs/design.md, Metrics).
 This module owns the Prometheus side only: metric names, types, help texts (``METRICS``), a
 custom ``Collector`` that reads ``FairwayStats.snapshot()`` at scrape time, and the per-process
 ``/metrics`` endpoint with its service discovery.

@@ -1,7 +1,7 @@
 """Fairway's stats collection: counters, gauges and histograms as plain data, no exporter.
 
-Why: STYLE.md #15 and DESIGN.md section 9 keep stats collection separate from the Prometheus
-exporter (as vLLM's ``SchedulerStats`` and ``PrometheusStatLogger`` are). The ingress/router and
+Why: stats collection is kept apart from the Prometheus exporter (docs/design.md, Metrics), as
+vLLM's ``SchedulerStats`` and ``PrometheusStatLogger`` are. The ingress/router and
 every replica own one ``FairwayStats`` each (``level`` "router" or "replica") and record into it
 on their hot paths; ``observability/exporter.py`` turns ``snapshot()`` into Prometheus metric families,
 the simulator or a test reads the same snapshot directly.

@@ -1,7 +1,8 @@
 """The OpenAI-compatible request and response shapes the ingress accepts and returns.
 
-Pydantic at the boundary (STYLE.md): a malformed body is refused with HTTP 400 and an
-OpenAI-style error object naming the field, before anything is queued. Extensions beyond
+Pydantic at the boundary (docs/design.md, Typed config at the boundary): a malformed body is
+refused with HTTP 400 and an OpenAI-style error object naming the field, before anything is
+queued. Extensions beyond
 OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``return_token_ids``,
 ``cache_salt``); Fairway's own figures travel in a ``fairway`` object next to ``usage``.
 """

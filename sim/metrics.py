@@ -2,7 +2,8 @@
 
 The shared part lives in ``fairway.summary`` (one function over plain per-request records, used
 by both hosts); this module turns engine records into those samples and adds what only the
-simulator knows. Stats are computed from the request records only (no exporter here, STYLE.md #15).
+simulator knows. Stats are computed from the request records only (no exporter here:
+docs/design.md, Metrics).
 """
 
 from __future__ import annotations

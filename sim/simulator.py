@@ -1,9 +1,10 @@
 """The discrete-event loop: arrivals and engine step ends on one virtual clock.
 
 Events are ``(time, rank, seq, kind, payload)`` heap entries; ``seq`` comes from a counter the
-simulation owns, so equal-time events resolve deterministically (STYLE.md #5). At one instant,
-step ends (rank 0) go before arrivals (rank 1), and idle replicas start a step only once every
-event of that instant is applied, so simultaneous arrivals share a batch.
+simulation owns, so equal-time events resolve deterministically (docs/design.md, Deterministic
+tie-breaks). At one instant, step ends (rank 0) go before arrivals (rank 1), and idle replicas
+start a step only once every event of that instant is applied, so simultaneous arrivals share a
+batch.
 
 Handlers return the events they cause (Vidur's layout): an arrival returns nothing (it kicks its
 replica), a step end returns the follow-up arrivals of a closed-loop workload.

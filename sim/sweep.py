@@ -1,7 +1,7 @@
 """``python -m sim sweep``: policies x rates (x seeds), a table, JSON and PNG plots.
 
-With several seeds each figure is the median over seeds (the issue's rule for runs with fewer
-than 2,000 requests). Runs are independent processes, so ``--jobs 2`` uses both cores.
+With several seeds each figure is the median over seeds, so one seed's noise does not decide a
+short run (under 2,000 requests). Runs are independent processes, so ``--jobs 2`` uses both cores.
 """
 
 from __future__ import annotations

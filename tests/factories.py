@@ -1,4 +1,4 @@
-"""Test factories and fakes that implement the real interfaces (STYLE.md #14)."""
+"""Test factories and fakes that implement the real interfaces (docs/design.md, Tests with factories and fakes)."""
 
 from __future__ import annotations
 

@@ -360,7 +360,7 @@ def test_fairway_ties_cold_and_the_cacheable_cap():
 
 
 def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
-    # A preamble every replica holds, empty queues: with affinity_ties="id" (DESIGN.md's first
+    # A preamble every replica holds, empty queues: with affinity_ties="id" (the reference design's first
     # rule) the lowest id is j*; with "ttft" (the default) the replica with the lower expected
     # TTFT including the footprint term (the emptier cache), then the fewer outstanding requests.
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
@@ -521,7 +521,7 @@ def test_fairway_running_prefill_counts_the_started_work_still_to_run():
     queued = [st(0, matched=50, ends=(10.5,), qp=(0.1, 2.0)), st(1, qp=(0.3,))]
     assert ranked(r, req(1000), queued) == [[0], [1]]
     assert r.last_wait == pytest.approx({0: 0.5 + 0.25, 1: 0.3})
-    # Off (the third pass's model): replica 0 looks idle and keeps the request.
+    # Off (no running-prefill term, first step priced as P): replica 0 looks idle and keeps the request.
     off = router("fairway", running_prefill=False, decode_batch=False)
     off.clock.set(10.0)
     assert ranked(off, req(1000), states) == [[0], [1]] and off.last_reason == "affinity"
@@ -553,7 +553,7 @@ def test_fairway_overtaking_stretches_a_cold_wait_by_the_lighter_work_routed_lat
     assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "cold"
     assert r.last_wait == pytest.approx({0: 0.5 / 0.9, 1: 0.54})
     assert r.last_scores == pytest.approx({0: 0.5 / 0.9 + 1.01, 1: 1.55})
-    # off (the fourth pass's model): W = R + Q, and replica 0's shorter queue wins
+    # off (no overtaking): W = R + Q, and replica 0's shorter queue wins
     off = router("fairway", overtaking=False)
     off.clock.set(10.0)
     assert ranked(off, req(1000), states) == [[0], [1]]
@@ -829,7 +829,7 @@ def test_states_from_load_view_and_index_feed_a_router():
         (0, 0, 0, 0, 0.25), (2, 40, 40, 1, 0.0)]
     assert states[1].queued_prefill_s == pytest.approx(0.65)
     assert states[1].queued_prefills == pytest.approx((0.65,))
-    # With W = Q (wait_model="fcfs", DESIGN.md's affinity rule): replica 2 holds the prefix
+    # With W = Q (wait_model="fcfs", the reference design's affinity rule, docs/design.md): replica 2 holds the prefix
     # (P = 0.02) but its queue, 0.65 s, is over 12 * 0.02: the fair choice, 0 + P(650) = 0.66
     # against 0.65 + 0.02.
     r = router("fairway", rule="affinity", wait_model="fcfs", footprint_weight=0.0)

@@ -99,7 +99,7 @@ def test_fair_lane_request_is_not_overtaken_forever(rate, cold_tokens):
     due_first = sum(1 for d in cheap_due.values() if d <= deadline)
     assert len(before) <= (due_first + 1) / cfg.fair_share + 1
     assert len(before) < len(specs) - 1  # LPM admitted every cheap request first
-    # the prototype's ratio order lets the cheap stream starve it (the reason EDF is default)
+    # the ratio order (fair_order="ratio") lets the cheap stream starve it: the reason EDF is the default
     if rate >= 30 and cold_tokens >= 1000:
         sim, _ = build("fairway", specs, kv_blocks=400, fair_order="ratio")
         late = [r for r in sim.run().finished if r.rid == 0][0]

@@ -1,4 +1,4 @@
-"""Queue policies: an open registry of names (STYLE.md #1).
+"""Queue policies: an open registry of names (docs/design.md, Open registry).
 
 ``make_policy("fairway", clock=..., cost=..., theta=6)`` builds a registered policy;
 ``make_policy("my.module:MyPolicy", ...)`` imports a class by dotted path.

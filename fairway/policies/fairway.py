@@ -1,4 +1,4 @@
-"""Fairway: two virtual lanes over one waiting queue (DESIGN.md section 3).
+"""Fairway: two virtual lanes over one waiting queue (docs/design.md, Fairway queue policy).
 
 - A request is in the **Fast lane** until it has waited W >= theta * max(P, P_floor), where P is
   its current estimated prefill time (uncached tokens on top of cached ones); then it is
@@ -8,7 +8,7 @@
   theta * max(P, P_floor), i.e. the moment the request was due for promotion. Deadlines are
   static while hits are, so a Fair-lane request is overtaken in its lane only by requests whose
   deadline is earlier: at most the requests that arrived before its deadline, under any load.
-  ``"ratio"`` (highest W / max(P, P_floor), the prototype's default) is kept as an option: it
+  ``"ratio"`` (highest W / max(P, P_floor), the reference design's order) is kept as an option: it
   lets a stream of cheap promoted requests (ratio growing at 1 / P_floor) starve an expensive
   one for as long as an overload lasts (tests/test_sim.py shows it; docs/benchmarks.md compares).
 - Capacity split: stride scheduling over estimated prefill work. Each lane has a pass; admit from

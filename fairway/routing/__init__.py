@@ -1,4 +1,4 @@
-"""Router policies: an open registry of names (STYLE.md #1), like ``fairway.policies``.
+"""Router policies: an open registry of names (docs/design.md, Open registry), like ``fairway.policies``.
 
 ``make_router("fairway", clock=..., cost=..., theta=8)`` builds a registered router policy;
 ``make_router("my.module:MyRouter", ...)`` or ``make_router("my.module.MyRouter", ...)`` imports

@@ -1,4 +1,4 @@
-"""The cluster-level anchors of DESIGN.md section 5, each a router policy with its defaults.
+"""The cluster-level anchors (docs/design.md, Anchors), each a router policy with its defaults.
 
 Every anchor here reads the same ``ReplicaState`` fields, so they differ only by rule:
 
@@ -6,7 +6,8 @@ Every anchor here reads the same ``ReplicaState`` fields, so they differ only by
   index of the router's own decisions, Dynamo and llm-d's precise mode from engine events; the
   host picks the index mode, the rule is the same;
 - matches are in blocks of tokens, where Ray, SGLang and production-stack match characters
-  (STYLE.md #8): a "match rate" is matched block tokens / prompt tokens;
+  (docs/design.md, Block hashes in token units): a "match rate" is matched block tokens / prompt
+  tokens;
 - ties that the originals break at random or by map order go by replica id here, unless the
   rule itself is random (``pow2``'s sampling, ``vllm-prefixaware``), which draws from the
   injected ``rng``.
@@ -52,8 +53,8 @@ def pow2_ranks(rng: np.random.Generator, ss: Sequence[ReplicaState]) -> list[lis
 class RoundRobin(RouterPolicy):
     """``round-robin``: the next replica in id order, cycling; the others follow in cyclic order.
 
-    The trivial baseline (the simulator's default before cluster routing). The counter is the
-    policy's own state, so a host that ranks twice for one request advances it twice.
+    The trivial baseline. The counter is the policy's own state, so a host that ranks twice for
+    one request advances it twice.
     """
 
     name = "round-robin"

@@ -1,11 +1,12 @@
 """The router-policy interface: one request and the replicas' states in, ranked replicas out.
 
 A router policy answers one question: where should this request go? It returns ranks in the
-shape of Ray Serve's ``RequestRouter.choose_replicas`` (DESIGN.md section 6): a list of ranks,
-each a list of replica ids, the first rank preferred. It never awaits, never does I/O and never
-reads the wall clock (STYLE.md #2, #6): the host builds the ``ReplicaState`` list from its prefix
-index (``fairway/prefix_index.py``) and load view (``fairway/load_view.py``), calls ``rank``, routes,
-and then tells the index and the load view what it did.
+shape of Ray Serve's ``RequestRouter.choose_replicas`` (docs/design.md, Ray Serve): a list of
+ranks, each a list of replica ids, the first rank preferred. It never awaits, never does I/O and
+never reads the wall clock (docs/design.md, Decisions as data; Injected clock and RNG): the host
+builds the ``ReplicaState`` list from its prefix index (``fairway/prefix_index.py``) and load view
+(``fairway/load_view.py``), calls ``rank``, routes, and then tells the index and the load view
+what it did.
 
 Rank conventions (every policy here):
 
@@ -93,12 +94,12 @@ class ReplicaState:
 class RouterPolicy(ABC):
     """Base class of every router policy.
 
-    Subclasses take their options as keyword arguments after ``rng`` (defaults from DESIGN.md
-    section 5), implement ``rank``, and set ``last_reason`` (why the last choice was made, a
-    low-cardinality label for the "routing decisions by reason" metric) and, where they score
-    replicas, ``last_scores`` (replica id -> the score or cost they compared).
+    Subclasses take their options as keyword arguments after ``rng`` (the anchors' defaults:
+    docs/design.md, Anchors), implement ``rank``, and set ``last_reason`` (why the last choice was
+    made, a low-cardinality label for the "routing decisions by reason" metric) and, where they
+    score replicas, ``last_scores`` (replica id -> the score or cost they compared).
 
-    ``rank`` is pure in the sense of STYLE.md #2 (no I/O, no awaits, no wall clock). It may
+    ``rank`` is pure (no I/O, no awaits, no wall clock: docs/design.md, Decisions as data). It may
     advance the policy's own state: the round-robin counter and the injected ``rng``.
     """
 

@@ -1,64 +1,34 @@
-"""Fairway's replica choice (DESIGN.md section 3, "Cluster level").
+"""Fairway's replica choice: the minimum expected TTFT (docs/design.md, Fairway router).
 
 For replica j: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix),
-P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj) the prefill estimate, Q_j the queued prefill seconds
-routed to j and not yet started, and W_rj the wait the request can expect at j:
+P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj), Q_j the prefill seconds routed to j and not yet
+started, R_j the prefill still to run of the requests j has started (``running_prefill``).
 
-- ``wait_model="queue"`` (default): the wait follows the replica's Fairway queue. Its Fast lane
-  serves the least uncached work first, so a request that reuses a cache on j (ĉ_rj > 0) waits
-  only for the queued work no heavier than its own, A_rj = sum of the P_q <= P_rj queued on j,
-  served at the Fast lane's guaranteed share s of prefill (1 - the replica's fair_share):
-  W_rj = min(Q_j, A_rj / s). Where j has no free sequence slot (routed and unfinished >=
-  max_num_seqs: admission waits for a finish, not for prefill), W_rj = Q_j. Where the request is
-  cold (ĉ_rj = 0: its whole prompt is new there), W_rj = Q_j stretched by the later, lighter
-  arrivals that overtake it until its promotion (``overtaking``, below), slots full or not.
-- ``wait_model="fcfs"``: W_rj = Q_j, the whole queue (the model for FCFS replicas).
-- ``overtaking`` (default on): a cold request is overtaken, until its promotion, by the work
-  lighter than its own that reaches j after it, as the lowest class of a priority queue is: with
-  rho_rj the rate of prefill work lighter than P_rj routed to j lately (the load view's window of
-  j's last 32 routed requests, in seconds of prefill per second), W_rj = (R_j + Q_j) / (1 -
-  rho_rj), the M/G/1 priority queue's wait for the lowest class. The replica promotes it to the
-  Fair lane once it has waited theta * P_rj, so W_rj is capped at R_j + Q_j + theta * P_rj, and
-  is that cap when rho_rj >= 1 (lighter work alone fills j). Off: W_rj = R_j + Q_j.
-- ``running_prefill`` (default on): W_rj also counts R_j, the prefill still to run of the
-  requests j has already started (each started at t0 with estimate P is taken to end at t0 + P):
-  the engine gives its running prefills the token budget before it admits a waiting request, so
-  a request routed to j behind a long cold prefill waits for it whatever its own order.
+- Expected TTFT: T_rj = W_rj + S_rj + footprint_weight * P_rj * fullness_j, with S_rj the step
+  that computes the first token, priced with j's running decodes (``decode_batch``; else P_rj),
+  and the footprint term charging the cached work a placement displaces (``footprint``).
+- Wait: a Fairway replica's Fast lane serves the least work first, so with a hit on j,
+  W_rj = R_j + min(Q_j, A_rj / fast_share), A_rj the queued work no heavier than P_rj; with no
+  free sequence slot, or FCFS replicas (``wait_model="fcfs"``), W_rj = R_j + Q_j.
+- Overtaking: a cold request is passed by later, lighter work until its promotion:
+  W_rj = (R_j + Q_j) / (1 - rho_rj) (M/G/1, lowest class), capped at R_j + Q_j + theta * P_rj;
+  rho_rj is the lighter prefill routed to j per second over its recent window (``LoadView``).
+- Hot-prefix replication: while a prefix draws a share s > k / R of the decisions (k holders
+  among R replicas, ``popularity.py``) and a non-holder, once seeded, would serve it sooner than
+  the best holder now does, the request seeds that non-holder; a per-request score never would,
+  since the seed pays the recompute and the later requests get the gain.
+- Fallbacks: a prompt no replica holds goes to the minimum T (reason ``"cold"``).
+  ``rule="affinity"`` keeps the reference design's test: the best-cached replica while its
+  W <= theta * max(P, p_floor_s), else the minimum T. By default there is no separate affinity
+  test: the holder wins while the work ahead there costs less than recomputing elsewhere.
 
-Expected TTFT with the cache footprint: T_rj = W_rj + S_rj + f * P_rj * fullness_j, where
-S_rj is the step that computes the first token: ``decode_batch`` (default on) prices it with
-the cost model's step time for the request's uncached tokens batched with the decodes of j's
-running requests (a replica decoding many sequences runs longer steps), else S_rj = P_rj;
-fullness_j is j's KV usage over the highest replica's (footprint="kv"), its KV usage itself
-(footprint="kv-abs"), or its index size over the largest (footprint="index"): a placement
-displaces cached work in proportion to its own prefill and to how full that replica's memory is.
+Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
+id). ``last_reason``: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is best-cached) or
+``"fair"``; ``last_scores`` holds each T_rj, ``last_wait`` each W_rj.
 
-Replication (``replicate``, default on): the router counts, per shared prefix (named by the
-hash of the request's last matched block), its share s of all routing decisions
-(``fairway/routing/popularity.py``). While s > k / R for its k holders among R replicas, and a
-non-holder, once it held the prefix, would serve the request sooner than the best holder does
-now (its T_rj with the prefix cached, against the holders' best T_rj), the request seeds the
-non-holder with the lowest such T (reason ``"replicate"``): the one request that pays the
-recompute buys a shorter wait or a smaller batch for every later request of that prefix, a gain
-no per-request T counts. On an idle cluster no copy is made.
-
-- ``rule="score"`` (default): the minimum T_rj. Affinity is not a separate test: with the queue
-  wait model, the replica holding the prompt's prefix wins while the work queued ahead of the
-  request there (in that replica's order) costs less than recomputing the prefix elsewhere.
-- ``rule="affinity"`` (DESIGN.md's rule as first written): j* = the best-cached replica (ties
-  per ``affinity_ties``); route there if W_rj* <= theta * max(P_rj*, p_floor_s), else the
-  minimum T_rj; a prompt no replica holds goes to the minimum T_rj.
-
-Reasons (``last_reason``): ``"replicate"`` for a seed, else ``"cold"`` when no replica holds
-any of the prompt, ``"affinity"`` when the pick is the best-cached replica, ``"fair"``
-otherwise. ``last_scores`` holds each replica's T_rj and ``last_wait`` its W_rj. The ranks are
-the pick, then every other replica by T_rj (ties: more cache, fewer outstanding, smaller index,
-lower id).
-
-Complexity: O(R log R + n + k + R W) for R candidates, n requests waiting across them (one bisect
-and one C-level sum over each replica's sorted waiting list), k started requests still
-prefilling and, for a cold request, one bisect and C-level sum over each replica's W = 31 routed
-estimates, with two cost-model calls per replica.
+Complexity: O(R log R + n + k + R W) for R candidates, n requests waiting across them, k started
+requests still prefilling and W = 31 routed estimates per replica; two cost-model calls per
+replica.
 """
 
 from __future__ import annotations
@@ -86,42 +56,26 @@ class FairwayRouter(RouterPolicy):
     order (see the module docstring).
 
     Options:
-    - wait_model = "queue" (the replicas run Fairway queues; "fcfs": W = Q_j, for FCFS replicas;
-      hosts set it from the replica policy). fast_share = 0.4 (the Fast lane's share, 1 - the
-      replicas' fair_share).
-    - rule = "score" (the minimum T_rj); "affinity": DESIGN.md's test, route to the best-cached
-      replica j* while W_rj* <= theta * max(P_rj*, p_floor_s), else the minimum T_rj. theta = 12
-      (the queue level's default; hosts pass the replicas' own) also caps the overtaken wait
-      (``overtaking``); p_floor_s = 0 applies to "affinity" only.
-    - footprint_weight = 1 and footprint = "kv" (the cache-footprint term, see the module
-      docstring; "index": index blocks over the largest index; "kv-abs": the KV usage itself, so
-      the term fades when memory is idle: measured better on short-prompt conversations, worse
-      on Mooncake x3, docs/benchmarks.md).
-    - affinity_ties = "ttft" (rule="affinity" only: equal best match and equal W: the better T,
-      then fewer outstanding; "id": the lowest id; "hash": the rendezvous-hash winner for the
-      prompt's first block after the match; "kv": the lowest KV usage, then the better T).
+    - wait_model = "queue" ("fcfs": W = R_j + Q_j, for FCFS replicas; hosts set it from the
+      replica policy, ``queue_model_options``); fast_share = 0.4 (1 - the replicas' fair_share).
+    - rule = "score" (the minimum T_rj) or "affinity" (the reference design's test, see the
+      module docstring). theta = 12 (the queue level's default; hosts pass the replicas' own)
+      also caps the overtaken wait; p_floor_s = 0 applies to "affinity" only.
+    - affinity_ties = "ttft" (rule="affinity" only, for an equal best match and equal W: the
+      better T, then fewer outstanding; "id": the lowest id; "hash": the rendezvous-hash winner
+      for the prompt's first block after the match; "kv": the lowest KV usage, then the better T).
+    - footprint_weight = 1, footprint = "kv" (fullness = KV usage over the highest replica's;
+      "index": index blocks over the largest index; "kv-abs": the KV usage itself, so the term
+      fades when memory is idle).
     - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
       adds beyond the cheapest one).
-    - running_prefill = True (W_rj counts the started requests' remaining prefill),
-      decode_batch = True (the first-token step is priced with j's running decodes) and
-      replicate = True (a prefix drawing more than its holders' share of the traffic seeds one
-      more holder).
-    - overtaking = True (a cold request's wait counts the lighter work that will overtake it
-      until its promotion at theta * P_rj); off gives the fourth pass's model, and all four off
-      the third pass's.
+    - running_prefill, decode_batch, replicate, overtaking = True: the R_j term, the first-token
+      step priced with j's running decodes, hot-prefix replication, the overtaken cold wait.
 
-    The defaults were chosen by the worst case against the best anchor router over Mooncake
-    (x2-x4 and four router instances), agentic, hotspot and rag-spike on 8 replicas
-    (docs/benchmarks.md, issue 3). Against the previous default (rule "affinity" with W = Q_j),
-    the queue wait model keeps mostly cached requests on their replica when its queue is long
-    but heavier than them (Mooncake x3: hit ratio 0.408 -> 0.499 of a 0.513 ceiling, p99 22.4 ->
-    14.6 s), and dropping the separate affinity test lets the footprint term seed new sessions
-    on replicas without the shared preamble (agentic 3 sessions/s: p99 1.73 -> 1.28 s). The
-    running prefill and the decode batch (fourth pass) stop requests queueing behind a long
-    prefill that has already started, or on a replica busy decoding, for a few ms of cache
-    (Mooncake x2: p50 0.31 -> 0.07 s; hotspot 160 req/s: p99 1.26 -> 0.63 s), and replication
-    spreads a hot prefix over as many replicas as its traffic warrants (hotspot 100 req/s: p50
-    0.023 -> 0.014 s).
+    The defaults minimise the worst case against the best anchor router (docs/benchmarks.md):
+    the queue model keeps a mostly cached request on its replica behind a long but heavier
+    queue, and R_j and the decode batch stop requests queueing behind a started long prefill or
+    a busy decode batch for a few milliseconds of cache.
     """
 
     name = "fairway"
@@ -285,13 +239,10 @@ class FairwayRouter(RouterPolicy):
 
     def _seed_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int], best: int,
                      ttft: dict[int, float], fullness: dict[int, float]) -> int | None:
-        """The replica that should get one more copy of the prefix ``req`` shares with its
-        best-cached replicas, or None. The prefix (named by its last matched block) draws a
-        share s of the routing decisions; its k holders are k / R of the R replicas. While
-        s > k / R its holders serve more than their part of the traffic. If then a non-holder,
-        once it held the prefix, would serve such a request sooner than the best holder does now
-        (its T with the prefix cached, against the holders' best T), the request seeds the
-        non-holder with the lowest such T; on an idle cluster no copy is made. O(R)."""
+        """The non-holder that should get one more copy of the prefix ``req`` shares with its
+        best-cached replicas (named by its last matched block), or None: the rule is the module
+        docstring's "Hot-prefix replication", comparing the non-holders' T with the prefix
+        cached against the holders' best T, so an idle cluster makes no copy. O(R)."""
         now = self.clock.now()
         self.shares.observe(now)
         if best <= 0:

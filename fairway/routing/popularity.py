@@ -2,10 +2,10 @@
 
 Why: a per-request rule never replicates a hot prefix. The request that would seed a new holder
 pays the whole recompute, while the gain (a smaller batch on every holder for every later
-request of that prefix) goes to the requests after it, so with one prefix behind 90% of the
-traffic the router keeps it on the two or three replicas that got it first. Comparing a
-prefix's share of the traffic with its holders' share of the replicas says when one more
-holder is worth it, with no time constant or threshold to tune.
+request of that prefix) goes to the requests after it, so a hot prefix stays on the few
+replicas that got it first. Comparing a prefix's share of the traffic with its holders' share
+of the replicas says when one more holder is worth it, with no time constant or threshold to
+tune.
 
 A prefix is named by the chained hash of its last block (the chain makes the hash name the whole
 prefix). Rates are averages since first sighting: (n - 1) / (now - first) for the n sightings of

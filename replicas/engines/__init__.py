@@ -1,4 +1,4 @@
-"""Engines behind the replica gate: an open registry of names (STYLE.md #1).
+"""Engines behind the replica gate: an open registry of names (docs/design.md, Open registry).
 
 ``make_engine("vllm", model=..., block_size=16, ...)`` builds a registered engine; a dotted path
 (``my.module:MyEngine``) imports any class. Entries are dotted paths resolved on first use, so

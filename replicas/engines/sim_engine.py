@@ -10,13 +10,12 @@ streams each request's new tokens. It is the engine model, not a stub: every num
 
 Pacing (``pacing``): ``"deadline"`` (default) ends each step at an absolute deadline, the previous
 step's deadline + the modelled step time (from now after an idle period), so the time spent
-emitting tokens, pumping the gate and the event loop's sleep overshoot (~1 ms a step on a busy
-box, against 5-6 ms decode steps) is absorbed instead of added to every step; a step that starts
+emitting tokens, pumping the gate and the event loop's sleep overshoot (a sizeable fraction of a
+short decode step on a busy box) is absorbed instead of added to every step; a step that starts
 late sleeps less, down to zero, and a deficit beyond ``max_catchup_s`` is written off (counted in
 ``timing()["written_off_s"]``) rather than repaid in a burst. ``"sleep"`` is the plain
-``sleep(step time)`` of earlier versions, which runs slow by that overhead. ``timing()`` reports
-modelled vs wall busy time and the per-step lateness, so a run can show how far the real-time
-loop kept up.
+``sleep(step time)``, which runs slow by that overhead. ``timing()`` reports modelled vs wall
+busy time and the per-step lateness, so a run can show how far the real-time loop kept up.
 
 The gate in front (``replicas/gate.py``) orders admission with the Fairway queue; inside, the
 engine serves what it was given first-come-first-served, as vLLM's own waiting queue does.
