@@ -167,16 +167,26 @@ def test_offline_parts_run_small():
 
 @pytest.mark.parametrize("pacing", ["deadline", "sleep"])
 def test_sim_engine_reports_pacing(pacing):
+    """One request with the event loop blocked for ``stall`` after its first token (as a long GC
+    pause would): the deficit beyond ``max_catchup_s`` is written off under either pacing; the
+    deadline loop repays the rest in a burst (the steps after the stall all run late), the plain
+    sleep loop never catches up (only the first step after the stall is late)."""
     from fairway.hashing import block_hashes
     from fairway.protocol import GenerateCall
     from replicas.engines.sim_engine import SimEngine
 
+    stall, catchup = 0.3, 0.1
+
     async def go() -> dict:
-        e = SimEngine(kv_blocks=2000, pacing=pacing, speed=4.0)
+        e = SimEngine(kv_blocks=2000, pacing=pacing, speed=4.0, max_catchup_s=catchup)
         await e.start()
         ids = np.random.default_rng(0).integers(16, 4096, size=512).tolist()
         call = GenerateCall("r", ids, tuple(block_hashes(ids, 16)), 8, time.time())
-        n = sum([len(o.token_ids) async for o in e.generate(call)])
+        n = 0
+        async for o in e.generate(call):
+            if n == 0:
+                time.sleep(stall)  # blocks the loop: the engine's next step starts this late
+            n += len(o.token_ids)
         await asyncio.sleep(0.01)
         t = e.timing()
         await e.shutdown()
@@ -185,8 +195,13 @@ def test_sim_engine_reports_pacing(pacing):
 
     t = asyncio.run(go())
     assert t["pacing"] == pacing and t["steps"] == 8
-    assert t["modelled_busy_s"] > 0 and t["wall_busy_s"] >= t["modelled_busy_s"] * 0.9
-    assert t["written_off_s"] >= 0 and t["late_ms_p50"] > -1.0  # the loop may wake a hair early
+    assert t["modelled_busy_s"] > 0 and t["wall_busy_s"] >= max(t["modelled_busy_s"] * 0.9, stall)
+    assert t["written_off_s"] >= stall - catchup - 0.02, t  # not repaid
+    assert t["late_ms_p50"] > -1.0  # the loop may wake a hair early
+    if pacing == "deadline":
+        assert t["late_ms_p50"] > catchup * 1e3 / 2, t  # up to max_catchup_s repaid in a burst
+    else:
+        assert t["late_ms_p50"] < catchup * 1e3 / 2, t
 
 
 def test_sim_engine_rejects_bad_pacing():

@@ -73,7 +73,10 @@ async def test_memory_bound_can_fit_and_concurrent_requests_finish(engine):
     a = list(range(300, 300 + 640))  # 40 blocks of 64
     assert engine.can_fit(len(a), block_hashes(a))
     t = asyncio.create_task(run(engine, call("a", a, max_tokens=200)))
-    await asyncio.sleep(0.002)
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while engine.stats().kv_blocks_free > 64 - 41:  # until a's blocks are allocated
+        assert asyncio.get_running_loop().time() < deadline, "request a never got its KV blocks"
+        await asyncio.sleep(0)
     b = list(range(1000, 1000 + 640))
     assert not engine.can_fit(len(b), block_hashes(b))  # a holds 41 of 64 blocks
     results = await asyncio.gather(t, run(engine, call("b", b, max_tokens=5)))

@@ -90,12 +90,27 @@ def test_targets_registered_in_ray_kv_and_expire():
         def mine():
             return [t for t in metrics_targets(RayKVStore()) if t["targets"] == [addr]]
 
+        def expires_at() -> float | None:
+            """The stored expiry of this actor's entry (None once it is gone)."""
+            raw = [json.loads(v) for _, v in RayKVStore().items()]
+            return next((e["expires_at"] for e in raw if e.get("target") == addr), None)
+
         (entry,) = _poll(mine, 10, what="target in Ray's KV")
         assert entry["labels"] == {"component": "kv-test-replica", "level": "replica"}
+        first_expiry = expires_at()
+        assert first_expiry is not None, "target listed but its KV entry has no expires_at"
         with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
             assert b'fairway_ttft_seconds_count{lane="fast",level="replica"' in r.read()
-        time.sleep(1.5)  # past the first expiry time: the refresher keeps it alive
-        assert mine()
+        # the refresher keeps it alive: the stored expiry moves forward, and past the first expiry
+        # time the target is still listed (ttl 3 s, refresh 0.5 s)
+        _poll(
+            lambda: (expires_at() or 0.0) > first_expiry,
+            10,
+            interval_s=0.1,
+            what="the refresher pushing the target's expires_at forward",
+        )
+        _poll(lambda: time.time() > first_expiry, 10, interval_s=0.1, what="the wall clock passing the first expiry")
+        assert mine(), "target dropped after its first expiry time: the refresher did not keep it alive"
         ray.kill(actor, no_restart=True)
         _poll(lambda: not mine(), 10, what="target expired after the actor died")
     finally:
@@ -110,6 +125,7 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
         pytest.skip(f"cluster/launch.py (running_cluster) not available: {e}")
 
     with cluster.running_cluster() as base_url:
+        ready_at = time.time()  # the warm-up requests (running_cluster's readiness probes) are done
         base_url = base_url.rstrip("/")
         targets_url = f"{base_url}/metrics/targets"
 
@@ -127,7 +143,20 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
             def router_counts() -> dict[str, float]:
                 return {s["metric"].get("lane", ""): float(s["value"][1]) for s in prom.client.query(count_q)}
 
-            time.sleep(2.5)  # at least one scrape of every target: the baseline (warm-up requests, if any)
+            def scraped_after(t: float) -> bool:
+                """Every target listed now has an ``up`` sample from a scrape started after ``t``:
+                Prometheus commits a scrape's samples with its ``up``, so the counters read then
+                are queryable and include everything finished before ``t``."""
+                listed = {a for e in _get_json(targets_url) for a in e["targets"]}
+                fresh = {
+                    s["metric"].get("instance")
+                    for s in prom.client.query('timestamp(up{job="fairway"})')
+                    if float(s["value"][1]) > t
+                }
+                return listed <= fresh
+
+            # the baseline: a scrape of every target after the warm-up shows all of its requests
+            _poll(lambda: scraped_after(ready_at), 30, interval_s=0.25, what="a scrape of every target after warm-up")
             before = router_counts()
 
             out_json = tmp_path / "load.json"
@@ -149,11 +178,12 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
                 now = router_counts()
                 return {k: v - before.get(k, 0.0) for k, v in now.items() if v - before.get(k, 0.0) > 0}
 
-            # the last scrape after the load ended must show every finished request
-            try:
-                got = _poll(lambda: (d := delta()) and sum(d.values()) >= n_finished and d, 20, what="final scrape")
-            except TimeoutError:
-                got = delta()
+            # the load generator has exited: a scrape of every target after now shows every request
+            load_done_at = time.time()
+            _poll(
+                lambda: scraped_after(load_done_at), 30, interval_s=0.25, what="a scrape of every target after the load"
+            )
+            got = delta()
 
             # every dashboard query returns data (those that should), over a window covering the load
             window = f"{int(time.time() - start) + 10}s"
