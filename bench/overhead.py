@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run_bench(args.url, args.ray_address, args.n, args.prompt_tokens, args.families, args.seed,
                     offline=not args.no_offline)
-    from bench.cluster import overhead_table
+    from bench.tables import overhead_table
 
     print(overhead_table(res))
     if args.json:

@@ -11,23 +11,20 @@ import time
 import numpy as np
 import pytest
 
-from bench.cluster import (
-    code_fingerprint,
+from bench.cluster import router_specs, run_order
+from bench.machine import is_descendant, port_listening
+from bench.overhead import family_prompt, ingress_cpu, offline_routing, paired_diffs, summarize
+from bench.recording import code_fingerprint, foreign_replicas
+from bench.tables import (
     code_versions,
-    foreign_replicas,
-    is_descendant,
     md_table,
     overhead_table,
     pairs_table,
-    port_listening,
     ratio,
     report,
-    router_specs,
     routers_table,
-    run_order,
     sim_vs_real_table,
 )
-from bench.overhead import family_prompt, ingress_cpu, offline_routing, paired_diffs, summarize
 
 
 def pct(p50: float, p90: float, p99: float, n: int = 10) -> dict:
