@@ -39,7 +39,7 @@ from fairway.cost_model import CostModel
 
 #: Routed requests per replica behind its routed-work rate: 32 arrivals put the relative standard
 #: error of a Poisson rate estimate near 1/sqrt(32) = 18%, and span a few seconds to a minute of a
-#: replica's traffic in the workloads measured (docs/benchmarks.md has the 16 and 64 sweep).
+#: replica's traffic in the workloads measured (docs/history/2026-11-30-router-fifth-pass.md has the 16 and 64 sweep).
 ROUTED_WINDOW = 32
 
 

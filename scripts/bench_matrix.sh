@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The full policy comparison behind docs/benchmarks.md: every workload x 4 loads x the baselines.
+# The full policy comparison behind docs/benchmarks.md (section 2.2; per-policy tables in
+# docs/history/2026-11-30-queue-policy-matrix.md): every workload x 4 loads x the baselines.
 # Takes about an hour on 2 cores. Results: out/matrix/<workload>/{sweep.json,*.png}, log on stdout.
 source "$(dirname "$0")/_venv.sh"
 P="fcfs,lpm,hrrn,k-lpm,fairway,srpt-oracle"

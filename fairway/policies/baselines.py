@@ -114,7 +114,7 @@ class LPMAging(QueuePolicy):
 class KLPM(QueuePolicy):
     """k-LPM (arXiv 2502.04677): each cycle of k admissions serves the oldest request first,
     then k-1 longest-prefix-match requests. k = 1 is FCFS, k = inf is LPM. The paper leaves k
-    tunable; we default to k = 4 (see the sensitivity sweep in docs/benchmarks.md)."""
+    tunable; the default k = 4 is a middle setting, not a tuned one (no sweep over k)."""
 
     name = "k-lpm"
 
