@@ -22,6 +22,7 @@ from fairway.policies import validated_policy
 from fairway.routing import validated_router
 from fairway.routing.fairway import router_options_for
 from replicas.deployment import ReplicaArgs
+from replicas.stream import DEFAULT_STREAM_INTERVAL_S
 from router.ingress import IngressArgs
 from router.tokenizer import resolve_path
 
@@ -71,6 +72,9 @@ class ClusterArgs(BaseModel):
     replica_num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(4096, ge=1, description="per replica, Ray level; the gate bounds the queue")
     max_queued_requests: int = Field(-1, description="Ray-level queue at each handle (-1 unbounded) -> 503")
+    stream_interval_s: float = Field(DEFAULT_STREAM_INTERVAL_S, ge=0, le=1.0,
+                                     description="replicas merge a stream's tokens over this interval; the "
+                                                 "first token leaves at once (0: one item per engine step)")
     metrics: bool = True
 
     @model_validator(mode="after")
@@ -115,6 +119,7 @@ class ClusterArgs(BaseModel):
             prefill_budget_tokens=self.replica.prefill_budget_tokens,
             profile=self.profile,
             metrics=self.metrics,
+            stream_interval_s=self.stream_interval_s,
         )
 
     def router_kwargs(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from fairway.policies import make_policy, validated_policy
 from fairway.protocol import GenerateCall, TokenChunk
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
+from replicas.stream import DEFAULT_STREAM_INTERVAL_S, coalesce
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,6 +43,8 @@ class ReplicaArgs(BaseModel):
     prefill_budget_tokens: int | None = Field(None, ge=1)
     profile: str = Field("h200-llama3-8b", description="cost profile for the policy's prefill estimates")
     metrics: bool = Field(True, description="serve /metrics for this replica")
+    stream_interval_s: float = Field(DEFAULT_STREAM_INTERVAL_S, ge=0, le=1.0,
+                                     description="merge a stream's tokens over this interval (0: every step)")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaArgs:
@@ -70,7 +73,7 @@ class FairwayReplica:
         self.args = a
         self.name = replica_name()
         self.engine = make_engine(a.engine, **a.engine_args)
-        clock = MonotonicClock()
+        self.clock = clock = MonotonicClock()
         block_size = getattr(self.engine, "block_size", 16)
         policy = make_policy(a.policy, clock=clock, cost=CostModel.from_profile(a.profile), block_size=block_size,
                              **a.policy_options)
@@ -94,7 +97,7 @@ class FairwayReplica:
         logger.info("replica %s: engine %s, policy %s, max_queue %d", self.name, a.engine, a.policy, a.max_queue)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
-        async for chunk in self.gate.submit(call):
+        async for chunk in coalesce(self.gate.submit(call), self.args.stream_interval_s, self.clock):
             yield chunk
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.hashing import block_hashes
 from fairway.protocol import GenerateCall, ReplicaError, TokenChunk
+from router.detokenize import IncrementalDetokenizer
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -274,8 +275,12 @@ class FairwayIngress:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
+        detok = IncrementalDetokenizer(self.tokenizer.decode)
+
         def choice(c: TokenChunk, role: bool) -> dict[str, Any]:
-            text = self.tokenizer.decode(c.token_ids)
+            text = detok.push(c.token_ids)
+            if c.finished:
+                text += detok.finish()
             if chat:
                 delta: dict[str, Any] = {"content": text}
                 if role:

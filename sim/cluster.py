@@ -18,8 +18,8 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,10 @@ from fairway.prefix_index import PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
+
+OWN = "own"  # each router instance learns only from its own decisions (Ray Serve today)
+SHARED = "shared"  # every instance sees every instance's decisions, after sync_delay_s
+VIEWS = (OWN, SHARED)
 
 
 class ClusterRouter:
@@ -51,23 +55,45 @@ class ClusterRouter:
         capacity_blocks: int | None = None,
         stale_s: float = 0.0,
         options: dict[str, Any] | None = None,
+        view: str = OWN,
+        sync_delay_s: float = 0.0,
     ) -> None:
         if routers < 1:
             raise ValueError("routers must be >= 1")
+        if view not in VIEWS:
+            raise ValueError(f"unknown router view {view!r}; known: {', '.join(VIEWS)}")
+        if sync_delay_s < 0:
+            raise ValueError("sync_delay_s must be >= 0")
         self.name = name
         self.block_size = block_size
         self.index_mode = index_mode
+        self.view = view
+        self.clock = clock
+        self.sync_delay_s = sync_delay_s if view == SHARED else 0.0
         rngs = np.random.default_rng(seed).spawn(routers)
+
+        def index() -> PrefixIndex:
+            return PrefixIndex(n_replicas, mode=index_mode, capacity_blocks=capacity_blocks)
+
+        def load() -> LoadView:
+            return LoadView(n_replicas, clock, cost, block_size=block_size, stale_s=stale_s)
+
+        one = view == SHARED and self.sync_delay_s == 0.0  # one index and load view for all
+        shared_index, shared_load = (index(), load()) if one else (None, None)
         self.instances = [
             RoutingHost(
                 make_router(name, clock=clock, cost=cost, block_size=block_size, rng=rngs[k],
                             **(options or {})),
-                PrefixIndex(n_replicas, mode=index_mode, capacity_blocks=capacity_blocks),
-                LoadView(n_replicas, clock, cost, block_size=block_size, stale_s=stale_s),
+                shared_index if one else index(),
+                shared_load if one else load(),
                 block_size=block_size,
             )
             for k in range(routers)
         ]
+        self._indexes = [shared_index] if one else [i.index for i in self.instances]
+        self._loads = [shared_load] if one else [i.load for i in self.instances]
+        # shared view with a delay: what one instance learns reaches the others sync_delay_s later
+        self._inbox: list[deque[tuple[float, Callable[[RoutingHost], None]]]] = [deque() for _ in self.instances]
         self.engines: list[EngineModel] = []
         self._estimated: dict[int, int] = {}  # rid -> blocks the index matched when routed
 
@@ -76,11 +102,35 @@ class ClusterRouter:
         self.engines = list(engines)
         for j, e in enumerate(engines):
             e.listener = self
-            for i in self.instances:
-                i.load.report_max_running(j, e.config.max_num_seqs)
+            for load in self._loads:
+                load.report_max_running(j, e.config.max_num_seqs)
 
     def _inst(self, rid: int) -> RoutingHost:
         return self.instances[rid % len(self.instances)]
+
+    def _post(self, rid: int, update: Callable[[RoutingHost], None]) -> None:
+        """Shared view with a delay: apply ``update`` to every instance but ``rid``'s own, once
+        ``sync_delay_s`` has passed. O(K)."""
+        if self.sync_delay_s <= 0.0:
+            return
+        due = self.clock.now() + self.sync_delay_s
+        own = rid % len(self.instances)
+        for k, box in enumerate(self._inbox):
+            if k != own:
+                box.append((due, update))
+
+    def deliver_all(self) -> None:
+        """Apply every update still on its way (the end of a run: the views settle)."""
+        for box, host in zip(self._inbox, self.instances, strict=True):
+            while box:
+                box.popleft()[1](host)
+
+    def _deliver(self, k: int) -> None:
+        """Apply the updates that have reached instance ``k`` by now, in the order sent."""
+        box, now = self._inbox[k], self.clock.now()
+        host = self.instances[k]
+        while box and box[0][0] <= now:
+            box.popleft()[1](host)
 
     def _prompt_hashes(self, spec: RequestSpec) -> Sequence[int]:
         return spec.block_hashes[: spec.prompt_tokens // self.block_size]
@@ -89,20 +139,36 @@ class ClusterRouter:
 
     def __call__(self, spec: RequestSpec, replicas: list[EngineModel]) -> int:
         inst = self._inst(spec.rid)
+        if self.sync_delay_s > 0.0:
+            self._deliver(spec.rid % len(self.instances))
         hashes = self._prompt_hashes(spec)
         d = inst.decide(spec.rid, spec.prompt_tokens, hashes)
         inst.record_routed(d.pick, hashes, d.reason)
         inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks)
         self._estimated[spec.rid] = d.matched_blocks
+        if self.sync_delay_s > 0.0:
+            rid, pick, n, est = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks
+
+            def routed(h: RoutingHost) -> None:
+                h.index.record_routed(pick, hashes)
+                h.book(rid, pick, n, est)
+
+            self._post(rid, routed)
         return d.pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 
     def on_admitted(self, replica: int, r: EngineRequest) -> None:
         self._inst(r.rid).on_started(r.rid)
+        if self.sync_delay_s > 0.0:
+            rid, at = r.rid, self.clock.now()
+            self._post(rid, lambda h: h.on_started(rid, started_at=at))
 
     def on_preempted(self, replica: int, r: EngineRequest) -> None:
         self._inst(r.rid).on_preempted(r.rid, r.target)
+        if self.sync_delay_s > 0.0:
+            rid, target = r.rid, r.target
+            self._post(rid, lambda h: h.on_preempted(rid, target))
 
     def on_finished(self, replica: int, r: EngineRequest) -> None:
         inst = self._inst(r.rid)
@@ -110,15 +176,24 @@ class ClusterRouter:
         est = self._estimated.pop(r.rid, None)
         if r.cached_tokens >= 0:
             inst.feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, est)
+        if self.sync_delay_s > 0.0:
+            rid, hashes, cached = r.rid, self._prompt_hashes(r.spec), r.cached_tokens
+
+            def finished(h: RoutingHost) -> None:
+                h.on_finished(rid)
+                if cached >= 0:
+                    h.feedback(replica, hashes, cached, est)
+
+            self._post(rid, finished)
         if self.engines:
             usage = self.engines[replica].pool.usage()
-            for i in self.instances:
-                i.load.report_kv_usage(replica, min(1.0, max(0.0, usage)))
+            for load in self._loads:
+                load.report_kv_usage(replica, min(1.0, max(0.0, usage)))
 
     def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
         if self.index_mode == "events":
-            for i in self.instances:
-                i.index.on_kv_events(replica, events)
+            for index in self._indexes:
+                index.on_kv_events(replica, events)
 
     def reasons(self) -> dict[str, int]:
         total: Counter = Counter()

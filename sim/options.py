@@ -18,6 +18,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="fixed-concurrency mode")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--routers", type=int, default=1, help="independent router instances (each sees 1/K)")
+    p.add_argument("--router-view", default="own", choices=["own", "shared"],
+                   help="with --routers K: each instance sees its own decisions, or every instance's")
+    p.add_argument("--sync-delay", type=float, default=0.0,
+                   help="shared view: seconds before one instance's decisions and reports reach the others")
     p.add_argument("--index-mode", default="approx", choices=["approx", "events"],
                    help="router prefix index: own decisions + feedback, or engine KV events")
     p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
@@ -46,6 +50,8 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         router_options=ropts,
         routers=args.routers,
         index_mode=args.index_mode,
+        router_view=args.router_view,
+        sync_delay_s=args.sync_delay,
         stale_s=args.stale,
         profile=args.profile,
         kv_blocks=args.kv_blocks,

@@ -36,6 +36,10 @@ class RunConfig(BaseModel):
     router_options: dict[str, Any] = Field(default_factory=dict)
     routers: int = Field(1, ge=1, description="independent router instances, each sees 1/K")
     index_mode: Literal["approx", "events"] = "approx"
+    router_view: Literal["own", "shared"] = Field(
+        "own", description="own: each router instance sees its own decisions; shared: every instance's")
+    sync_delay_s: float = Field(0.0, ge=0, description="shared view: seconds before one instance's news reaches "
+                                                       "the others")
     stale_s: float = Field(0.0, ge=0, description="router load-view staleness (seconds)")
     profile: str = "h200-llama3-8b"
     kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks per replica")
@@ -78,6 +82,8 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
             seed=cfg.seed,
             routers=cfg.routers,
             index_mode=cfg.index_mode,
+            view=cfg.router_view,
+            sync_delay_s=cfg.sync_delay_s,
             capacity_blocks=replicas[0].pool.num_blocks,
             stale_s=cfg.stale_s,
             options=router_options(cfg),
@@ -102,6 +108,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "replicas": cfg.replicas,
         "router": cfg.router if cfg.replicas > 1 else None,
         "routers": cfg.routers,
+        "router_view": cfg.router_view,
+        "sync_delay_s": cfg.sync_delay_s,
         "rate_rps": cfg.rate,
         "realized_rate_rps": (len(res.finished) - 1) / (last - first) if last > first else 0.0,
         "concurrency": cfg.concurrency,

@@ -14,14 +14,14 @@ from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
 
 
-def cluster(router: str, specs, n=3, kv_blocks=80, routers=1, index_mode="approx", options=None):
+def cluster(router: str, specs, n=3, kv_blocks=80, routers=1, index_mode="approx", options=None, **view):
     clock = ManualClock()
     cost = LinearCost()
     engines = [EngineModel(EngineConfig(kv_blocks=kv_blocks, max_num_batched_tokens=256), cost,
                            make_policy("fairway", clock=clock, cost=cost), clock, replica=j)
                for j in range(n)]
     host = ClusterRouter(router, n, clock, cost, routers=routers, index_mode=index_mode,
-                         capacity_blocks=kv_blocks, options=options or {})
+                         capacity_blocks=kv_blocks, options=options or {}, **view)
     return Simulation(ListWorkload(specs), engines, clock, router=host), engines, host
 
 
@@ -30,14 +30,16 @@ def family_specs(n=60):
 
 
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-@pytest.mark.parametrize("routers", [1, 2])
-def test_every_request_finishes_on_some_replica(router, routers):
+@pytest.mark.parametrize(("routers", "view"), [(1, {}), (2, {}), (2, {"view": "shared"}),
+                                               (2, {"view": "shared", "sync_delay_s": 0.1})])
+def test_every_request_finishes_on_some_replica(router, routers, view):
     specs = family_specs()
-    sim, engines, host = cluster(router, specs, routers=routers)
+    sim, engines, host = cluster(router, specs, routers=routers, **view)
     res = sim.run()
     assert len(res.finished) == len(specs) and res.n_unfinished == 0
     assert sorted(r.rid for r in res.finished) == list(range(len(specs)))
     assert sum(sum(i.reasons.values()) for i in host.instances) == len(specs)
+    host.deliver_all()  # with a sync delay, the last finishes are still on their way
     for i in host.instances:  # every routed request left the load view
         snap = i.load.live()
         assert sum(snap.outstanding) == 0 and sum(snap.queued_prefill_s) == 0.0
@@ -108,3 +110,42 @@ def test_runner_gives_the_fairway_router_the_replicas_wait_model():
     mine = RunConfig(policy="fcfs", router_options={"wait_model": "queue", "fast_share": 1.0}, **base)
     assert router_options(mine) == {"wait_model": "queue", "fast_share": 1.0}
     assert router_options(RunConfig(policy="fairway", workload="rag", replicas=2, router="pow2")) == {}
+
+
+def two_routers(**view) -> tuple[ClusterRouter, ManualClock]:
+    clock = ManualClock()
+    return ClusterRouter("ray-prefix", 4, clock, LinearCost(), routers=2, capacity_blocks=80, **view), clock
+
+
+def route(host: ClusterRouter, rid: int, t: float, clock: ManualClock) -> int:
+    clock.set(t)
+    return host(spec(rid, t, 160, 4, chain("doc", 10)), [])
+
+
+def test_own_view_instances_do_not_see_each_others_prefixes():
+    host, clock = two_routers()
+    a = route(host, 0, 0.0, clock)  # instance 0
+    assert host.instances[1].index.match(chain("doc", 10)) == [0, 0, 0, 0]
+    assert host.instances[0].index.match(chain("doc", 10))[a] == 10
+
+
+def test_shared_view_every_instance_follows_the_prefix_at_once():
+    host, clock = two_routers(view="shared")
+    a = route(host, 0, 0.0, clock)
+    assert route(host, 1, 0.01, clock) == a  # instance 1 sends the sibling to the holder
+    assert host.instances[1].index.match(chain("doc", 10))[a] == 10
+    assert host.instances[1].load.live().outstanding[a] == 2  # and sees both in flight
+
+
+def test_shared_view_with_a_delay_learns_after_the_delay_in_order():
+    host, clock = two_routers(view="shared", sync_delay_s=0.5)
+    a = route(host, 0, 0.0, clock)  # instance 0
+    clock.set(0.4)
+    host._deliver(1)  # not yet due: instance 1 knows nothing of rid 0
+    assert host.instances[1].index.match(chain("doc", 10)) == [0, 0, 0, 0] and 0 not in host.instances[1].load
+    assert route(host, 3, 0.6, clock) == a  # due now: delivered before instance 1 decides
+    assert host.instances[1].index.match(chain("doc", 10))[a] == 10 and 0 in host.instances[1].load
+    assert 3 not in host.instances[0].load  # and rid 3 reaches instance 0 only after the delay
+    clock.set(1.1)
+    host._deliver(0)
+    assert 3 in host.instances[0].load

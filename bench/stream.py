@@ -1,0 +1,207 @@
+"""Streaming cost of the serving path: tokens/s, TTFT and CPU per streamed token, side by side.
+
+``python -m bench.stream --concurrency 4,16,64 --duration 15 --out out/stream`` starts each
+target in turn on this machine and drives it with the same closed-loop client: C concurrent
+streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, ``ignore_eos``,
+``stream: true``, one after another for the whole run. Targets:
+
+- ``fairway``: ``deploy/cluster.yaml`` (2 sim-engine replicas, Fairway routing and gating), with
+  ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step);
+- ``bare``: the same graph in bare Ray Serve, one item per token (``bench/stream_apps.py``);
+- ``aiohttp``: one aiohttp process, one SSE frame per token, no Ray.
+
+Per point: tokens/s received (counted from ``token_ids``), TTFT p50/p99 of the requests sent in
+the window, and CPU per streamed token = the whole machine's busy CPU time in the window
+(``/proc/stat``: every process, the client included) / tokens received. A warm-up precedes each
+window. Results: a markdown table on stdout and ``stream.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.tables import md_table
+from cluster.launch import running_cluster
+
+PROMPT = [20 + i for i in range(32)]
+
+
+def busy_cpu_s() -> float:
+    """The machine's busy CPU seconds since boot, all cores (``/proc/stat``)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Point:
+    target: str
+    concurrency: int
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    cpu_ms_per_token: float
+    requests: int
+    errors: int
+    window_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def _one(session: Any, url: str, body: dict[str, Any], on_tokens: Any) -> float | None:
+    """One streamed request; returns its TTFT (None on error). ``on_tokens(n)`` per frame."""
+    t0 = time.perf_counter()
+    ttft = None
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return None
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("token_ids"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                on_tokens(len(choices[0]["token_ids"]))
+    return ttft
+
+
+async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, max_tokens: int) -> dict[str, Any]:
+    """The closed-loop client (see the module docstring); counts only the measured window."""
+    import aiohttp
+
+    body = {"model": "fairway-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    state = {"measuring": False, "tokens": 0}
+    ttfts: list[float] = []
+    errors = 0
+    start = time.perf_counter()
+    t_window = start + warmup_s
+    t_end = t_window + duration_s
+
+    def on_tokens(n: int) -> None:
+        if state["measuring"]:
+            state["tokens"] += n
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.perf_counter() < t_end:
+            sent_in_window = state["measuring"]
+            try:
+                ttft = await _one(session, url, body, on_tokens)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ttft = None
+            if ttft is None:
+                errors += 1
+            elif sent_in_window:
+                ttfts.append(ttft)
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        await asyncio.sleep(max(0.0, t_window - time.perf_counter()))
+        state["measuring"], cpu0, w0 = True, busy_cpu_s(), time.perf_counter()
+        await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
+        state["measuring"], cpu1, w1 = False, busy_cpu_s(), time.perf_counter()
+        tokens = state["tokens"]
+        await asyncio.gather(*tasks)
+    return {"tokens": tokens, "window_s": w1 - w0, "cpu_s": cpu1 - cpu0, "ttfts": ttfts, "errors": errors}
+
+
+def point(target: str, c: int, r: dict[str, Any], **extra: Any) -> Point:
+    t = np.array(r["ttfts"]) * 1000 if r["ttfts"] else np.array([float("nan")])
+    tokens = max(1, r["tokens"])
+    return Point(target, c, r["tokens"] / r["window_s"], float(np.percentile(t, 50)), float(np.percentile(t, 99)),
+                 1000 * r["cpu_s"] / tokens, len(r["ttfts"]), r["errors"], r["window_s"], extra)
+
+
+@contextlib.contextmanager
+def aiohttp_server(port: int) -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "bench.stream_apps", "aiohttp", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the aiohttp reference server did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def targets(names: list[str], intervals: list[float], port: int) -> Iterator[tuple[str, dict[str, Any], Any]]:
+    for name in names:
+        if name == "fairway":
+            for iv in intervals:
+                yield f"fairway (interval {iv * 1000:g} ms)", {"stream_interval_s": iv}, \
+                    running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv)
+        elif name == "bare":
+            yield "bare Ray Serve (per token)", {}, running_cluster("bench/configs/stream-bare.yaml", port=port)
+        elif name == "aiohttp":
+            yield "one aiohttp process (per token)", {}, aiohttp_server(port)
+        else:
+            raise SystemExit(f"unknown target {name!r}: fairway, bare, aiohttp")
+
+
+def table(points: list[Point]) -> str:
+    rows = [[p.target, p.concurrency, f"{p.tokens_per_s:,.0f}", f"{p.ttft_p50_ms:.0f}", f"{p.ttft_p99_ms:.0f}",
+             f"{p.cpu_ms_per_token:.2f}", p.requests, p.errors] for p in points]
+    return md_table(["target", "C", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "CPU ms / token", "requests",
+                     "errors"], rows, align="lrrrrrrr")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.stream", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", default="fairway,bare,aiohttp")
+    ap.add_argument("--intervals", default="0.05", help="fairway stream_interval_s values, comma-separated")
+    ap.add_argument("--concurrency", default="4,16,64")
+    ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--port", type=int, default=int(os.environ.get("FAIRWAY_BENCH_PORT", "8471")))
+    ap.add_argument("--out", default="out/stream")
+    a = ap.parse_args(argv)
+    conc = [int(x) for x in a.concurrency.split(",")]
+    intervals = [float(x) for x in a.intervals.split(",")]
+    points: list[Point] = []
+    for label, extra, ctx in targets(a.targets.split(","), intervals, a.port):
+        with ctx as url:
+            for c in conc:
+                r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
+                points.append(point(label, c, r, **extra))
+                print(table(points[-1:]).splitlines()[-1], flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stream.json").write_text(json.dumps({"points": [asdict(p) for p in points], "argv": sys.argv,
+                                                 "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                 "nproc": os.cpu_count()}, indent=1))
+    print(table(points))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Incremental detokenization: the text of one stream's new tokens, as they arrive.
+
+Why not decode each chunk alone: a byte-level tokenizer splits a multi-byte character (an emoji,
+most CJK) over several tokens, and a chunk that ends inside one decodes to U+FFFD; sentencepiece
+tokenizers also drop a chunk's leading space. So each push decodes the new tokens together with
+the tokens of the previous push (their context) and emits only the text past that context, and
+holds the text back while it ends in an incomplete character. The deltas of a stream then join to
+the text of decoding all its tokens at once.
+
+Cost per push: one decode of (previous push + new tokens), not of the whole stream: O(chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text deltas of one stream (see the module docstring). Not thread-safe; one per stream."""
+
+    __slots__ = ("_decode", "_ids", "_prefix", "_read")
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context: the tokens whose text was emitted last
+        self._read = 0  # tokens whose text has been emitted
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; the text they complete ('' while a character is still incomplete)."""
+        self._ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """The text still held back (an incomplete character at the end comes out as decoded)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        context = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if not final and (len(text) <= len(context) or text.endswith(REPLACEMENT)):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(context):]

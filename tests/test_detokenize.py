@@ -1,0 +1,69 @@
+"""Incremental detokenization with the shipped tiny byte-level BPE tokenizer: deltas join to the
+whole decode however the tokens are split, and a multi-byte character split over chunks comes
+out whole, never as U+FFFD."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.detokenize import REPLACEMENT, IncrementalDetokenizer
+from router.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer("deploy/models/fairway-tiny")
+
+
+def stream(tok: Tokenizer, ids: list[int], cuts: list[int]) -> list[str]:
+    d = IncrementalDetokenizer(tok.decode)
+    out, start = [], 0
+    for end in sorted(set(cuts)) + [len(ids)]:
+        out.append(d.push(ids[start:end]))
+        start = end
+    out.append(d.finish())
+    return out
+
+
+TEXTS = ["Hello, world! The quick brown fox.", "naïve café — 東京 🌍🚀 ok", "  spaces\tand\nnewlines  ", "🙂"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_gives_the_text(tok, text):
+    ids = tok.encode(text)
+    deltas = stream(tok, ids, list(range(1, len(ids))))
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any(REPLACEMENT in d for d in deltas)
+
+
+def test_a_character_split_over_chunks_waits_for_its_last_byte(tok):
+    ids = tok.encode("a🌍")
+    d = IncrementalDetokenizer(tok.decode)
+    assert d.push(ids[:1]) == "a"
+    parts = [d.push([t]) for t in ids[1:]]
+    assert len(ids) > 2 and parts[:-1] == [""] * (len(parts) - 1) and parts[-1] == "🌍"
+    assert d.finish() == ""
+
+
+def test_an_incomplete_character_at_the_end_comes_out_on_finish(tok):
+    ids = tok.encode("🌍")
+    d = IncrementalDetokenizer(tok.decode)
+    assert d.push(ids[:1]) == ""
+    assert d.finish() == tok.decode(ids[:1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=0, max_size=40), cuts=st.lists(st.integers(0, 60), max_size=12))
+def test_deltas_join_to_the_whole_decode(tok, text, cuts):
+    ids = tok.encode(text)
+    assert "".join(stream(tok, ids, [c for c in cuts if c <= len(ids)])) == tok.decode(ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_deltas_join_to_the_whole_decode_for_any_token_ids(tok, data):
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=30))  # invalid UTF-8 too
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=10))
+    assert "".join(stream(tok, ids, cuts)) == tok.decode(ids)
