@@ -7,6 +7,8 @@ streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, 
 
 - ``fairway``: ``deploy/cluster.yaml`` (2 sim-engine replicas, Fairway routing and gating), with
   ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step);
+  each Ray target runs with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` off and on
+  (``--serve-modes``);
 - ``bare``: the same graph in bare Ray Serve, one item per token (``bench/stream_apps.py``);
 - ``aiohttp``: one aiohttp process, one SSE frame per token, no Ray.
 
@@ -152,17 +154,36 @@ def aiohttp_server(port: int) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-def targets(names: list[str], intervals: list[float], port: int) -> Iterator[tuple[str, dict[str, Any], Any]]:
-    for name in names:
-        if name == "fairway":
-            for iv in intervals:
-                yield f"fairway (interval {iv * 1000:g} ms)", {"stream_interval_s": iv}, \
-                    running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv)
-        elif name == "bare":
-            yield "bare Ray Serve (per token)", {}, running_cluster("bench/configs/stream-bare.yaml", port=port)
-        elif name == "aiohttp":
-            yield "one aiohttp process (per token)", {}, aiohttp_server(port)
+@contextlib.contextmanager
+def ray_mode(fast: bool, ctx: Any) -> Iterator[str]:
+    """``ctx`` (a ``running_cluster``) started with RAY_SERVE_THROUGHPUT_OPTIMIZED on or off."""
+    old = os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED")
+    os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1" if fast else "0"
+    try:
+        with ctx as url:
+            yield url
+    finally:
+        if old is None:
+            os.environ.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
         else:
+            os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = old
+
+
+def targets(names: list[str], intervals: list[float], port: int, modes: list[bool]
+            ) -> Iterator[tuple[str, dict[str, Any], Any]]:
+    for name in names:
+        for fast in modes if name in ("fairway", "bare") else [False]:
+            tag = ", Serve throughput-optimized" if fast else ""
+            if name == "fairway":
+                for iv in intervals:
+                    yield f"fairway (interval {iv * 1000:g} ms{tag})", {"stream_interval_s": iv, "fast": fast}, \
+                        ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv))
+            elif name == "bare":
+                yield f"bare Ray Serve (per token{tag})", {"fast": fast}, \
+                    ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port))
+        if name == "aiohttp":
+            yield "one aiohttp process (per token)", {}, aiohttp_server(port)
+        elif name not in ("fairway", "bare"):
             raise SystemExit(f"unknown target {name!r}: fairway, bare, aiohttp")
 
 
@@ -178,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", default="fairway,bare,aiohttp")
     ap.add_argument("--intervals", default="0.05", help="fairway stream_interval_s values, comma-separated")
+    ap.add_argument("--serve-modes", default="off,on",
+                    help="RAY_SERVE_THROUGHPUT_OPTIMIZED for the Ray targets: off, on or both (off,on)")
     ap.add_argument("--concurrency", default="4,16,64")
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
     ap.add_argument("--warmup", type=float, default=3.0)
@@ -188,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(x) for x in a.concurrency.split(",")]
     intervals = [float(x) for x in a.intervals.split(",")]
     points: list[Point] = []
-    for label, extra, ctx in targets(a.targets.split(","), intervals, a.port):
+    modes = [m == "on" for m in a.serve_modes.split(",")]
+    for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes):
         with ctx as url:
             for c in conc:
                 r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))

@@ -15,7 +15,11 @@ import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
 
 TOKEN_S = 0.008  # one token per 8 ms per stream, about the engine model's decode step
 
@@ -36,57 +40,55 @@ async def tokens(n: int) -> AsyncIterator[int]:
         yield i
 
 
-def _bare_app() -> Any:
-    from fastapi import Depends, FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from ray import serve
+api = FastAPI()
 
-    api = FastAPI()
 
-    @serve.deployment(num_replicas=2, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.5})
-    class Tokens:
-        async def generate(self, n: int) -> AsyncIterator[int]:
-            async for i in tokens(n):
-                yield i
+@serve.deployment(num_replicas=2, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.5})
+class Tokens:
+    async def generate(self, n: int) -> AsyncIterator[int]:
+        async for i in tokens(n):
+            yield i
 
-    class Ingress:
-        def __init__(self, replicas: Any) -> None:
-            self.handle = replicas.options(stream=True)
 
-    def current() -> Ingress:
-        return serve.get_replica_context().servable_object
+class Ingress:
+    def __init__(self, replicas: Any) -> None:
+        self.handle = replicas.options(stream=True)
 
-    @api.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok"})
 
-    @api.post("/v1/completions")
-    async def completions(request: Request, ingress: Ingress = Depends(current)) -> Any:  # noqa: B008
-        body = await request.json()
-        n = int(body.get("max_tokens", 16))
-        gen = ingress.handle.generate.remote(n)
-        if not body.get("stream"):
-            count = 0
-            async for _ in gen:
-                count += 1
-            return JSONResponse({"choices": [{"text": "x" * count}], "usage": {"completion_tokens": count}})
+def current() -> Ingress:
+    return serve.get_replica_context().servable_object
 
-        async def sse() -> AsyncIterator[str]:
-            async for i in gen:
-                yield frame(i)
-            yield usage_frame(n)
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+@api.get("/health")
+async def health() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
 
-    ingress = serve.deployment(serve.ingress(api)(Ingress), name="Ingress", max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0.25})
-    return ingress.bind(Tokens.bind())
+
+@api.post("/v1/completions")
+async def completions(request: Request, ingress: Annotated[Ingress, Depends(current)]) -> Any:
+    body = await request.json()
+    n = int(body.get("max_tokens", 16))
+    gen = ingress.handle.generate.remote(n)
+    if not body.get("stream"):
+        count = 0
+        async for _ in gen:
+            count += 1
+        return JSONResponse({"choices": [{"text": "x" * count}], "usage": {"completion_tokens": count}})
+
+    async def sse() -> AsyncIterator[str]:
+        async for i in gen:
+            yield frame(i)
+        yield usage_frame(n)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream")
 
 
 def build_bare(args: dict[str, Any] | None = None) -> Any:
     """``serve run``'s builder hook for the bare Ray Serve graph."""
-    return _bare_app()
+    ingress = serve.deployment(serve.ingress(api)(Ingress), name="Ingress", max_ongoing_requests=4096,
+                               ray_actor_options={"num_cpus": 0.25})
+    return ingress.bind(Tokens.bind())
 
 
 def run_aiohttp(port: int) -> None:

@@ -93,6 +93,7 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
     serve = Path(sys.executable).with_name("serve")
     env = dict(os.environ)
     env.setdefault("RAY_ADDRESS", "local")
+    env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as scripts/run.sh; "0" in the environment turns it off
     proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:

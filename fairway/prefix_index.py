@@ -16,8 +16,10 @@ Two modes:
   SGLang's router and AIBrix do (with characters or hashes of characters).
 - ``"events"``: exact. ``on_kv_events`` applies the engine's (stored, hash) events (the shape
   ``fairway.engine.block_pool.BlockPool`` and vLLM's KV events emit), so each replica's set equals its
-  engine's prefix cache. ``record_routed`` and ``on_feedback`` are no-ops in this mode, so a host
-  can call the same hooks whatever the mode.
+  engine's prefix cache. On top of it, the prompts routed and not yet finished count as held
+  where they were sent (``record_routed`` adds them, ``release`` or ``on_feedback`` removes
+  them): without that overlay, a burst of one prompt family spreads over the replicas, since none
+  of its blocks are computed yet when its siblings are placed.
 
 Layout, and why lookups cost O(prompt blocks), not O(replicas x blocks):
 
@@ -44,14 +46,15 @@ class PrefixIndex:
     """For each replica, an estimate of the block hashes it holds.
 
     Invariants (checked in tests): a hash is a key of ``_where`` iff at least one replica holds
-    it; bit j of ``_where[h]`` is set iff ``h`` is in ``_lru[j]``; in approx mode,
-    ``len(_lru[j]) <= capacity[j]`` after every call (when a capacity is set).
+    it; bit j of ``_where[h]`` is set iff ``h`` is in ``_lru[j]`` or (events mode) in flight to j
+    (``_fly[(j, h)] > 0``); in approx mode, ``len(_lru[j]) <= capacity[j]`` after every call
+    (when a capacity is set).
 
     Replica ids are 0..num_replicas-1 and stable; ``add_replica`` appends one and
     ``clear_replica`` empties one (a replica that died, or vLLM's "all blocks cleared" event).
     """
 
-    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all")
+    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all", "_fly")
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class PrefixIndex:
         self._cap: list[int | None] = []
         self._max_cap: list[int | None] = []
         self._all = 0
+        self._fly: dict[tuple[int, int], int] = {}  # events mode: (replica, hash) -> routed, unfinished
         if capacity_blocks is None or isinstance(capacity_blocks, int):
             caps: list[int | None] = [capacity_blocks] * num_replicas
         else:
@@ -111,6 +115,9 @@ class PrefixIndex:
         for h in lru:
             self._unset(replica, h)
         lru.clear()
+        for key in [k for k in self._fly if k[0] == replica]:
+            del self._fly[key]
+            self._unset(replica, key[1])
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -152,7 +159,14 @@ class PrefixIndex:
 
     def match_one(self, replica: int, hashes: Sequence[int]) -> int:
         """Longest cached prefix of ``hashes`` on one replica, in blocks. O(matched + 1)."""
-        return longest_cached_prefix(hashes, self._lru[replica])
+        if not self._fly:
+            return longest_cached_prefix(hashes, self._lru[replica])
+        bit, where, n = 1 << replica, self._where, 0
+        for h in hashes:
+            if not where.get(h, 0) & bit:
+                break
+            n += 1
+        return n
 
     def holds(self, replica: int, h: int) -> bool:
         """Whether ``replica`` is thought to hold block ``h``. O(1)."""
@@ -185,13 +199,35 @@ class PrefixIndex:
         request's tail ages out before its head: vLLM frees a request's blocks tail first for
         the same reason (a lost head block makes the rest of the chain unreachable). Blocks the
         replica already held are refreshed, which is how a lookup hit refreshes its blocks.
-        No-op (returns 0) in events mode.
+        In events mode the blocks are held in flight until ``release`` (returns 0).
 
         Complexity: O(len(hashes) + blocks aged out), amortised O(len(hashes)).
         """
         if self._mode != APPROX:
+            fly, where, bit = self._fly, self._where, 1 << replica
+            for h in hashes:
+                key = (replica, h)
+                fly[key] = fly.get(key, 0) + 1
+                where[h] = where.get(h, 0) | bit
             return 0
         return self._touch(replica, hashes)
+
+    def release(self, replica: int, hashes: Sequence[int]) -> None:
+        """A request routed to ``replica`` with prompt blocks ``hashes`` finished (or failed): in
+        events mode its blocks stop counting as in flight (the engine's events say what it
+        keeps). No-op in approx mode. O(len(hashes))."""
+        if self._mode == APPROX:
+            return
+        fly, lru = self._fly, self._lru[replica]
+        for h in hashes:
+            key = (replica, h)
+            left = fly.get(key, 0) - 1
+            if left > 0:
+                fly[key] = left
+            elif left == 0:
+                del fly[key]
+                if h not in lru:
+                    self._unset(replica, h)
 
     def on_feedback(
         self,
@@ -213,11 +249,12 @@ class PrefixIndex:
         (not below 1/8 of its configured capacity) and its oldest blocks age out; a hit at least
         as long as estimated grows the capacity back by 1/8 of the request's blocks, up to the
         configured capacity (additive decrease by the observed error, slow additive increase).
-        No-op (returns 0) in events mode.
+        In events mode it only releases the request's blocks from flight (returns 0).
 
         Complexity: O(len(hashes) + blocks aged out).
         """
         if self._mode != APPROX:
+            self.release(replica, hashes)
             return 0
         if cached_tokens < 0 or block_size < 1:
             raise ValueError("cached_tokens must be >= 0 and block_size >= 1")
@@ -269,7 +306,8 @@ class PrefixIndex:
                     where[h] = where.get(h, 0) | bit
             elif h in lru:
                 del lru[h]
-                self._unset(replica, h)
+                if (replica, h) not in self._fly:
+                    self._unset(replica, h)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -263,4 +263,5 @@ class FairwayRequestRouter(RequestRouter):
         self.host.on_finished(r.rid)
         self._done[r.request_id] = r
         while len(self._done) > MAX_AWAITING_FEEDBACK:
-            self._done.popitem(last=False)
+            _, old = self._done.popitem(last=False)
+            self.host.release(old.replica, old.hashes)

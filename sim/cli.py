@@ -49,7 +49,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if res.get("per_replica"):
         busy = [round(p["prefill_busy_fraction"], 3) for p in res["per_replica"]]
         print(f"router {res['router']} x{res['routers']}: hit {res['cache_hit_ratio']:.3f} "
-              f"(ceiling {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, prefill-busy {busy}")
+              f"(bound {res['hit_bound_capacity']:.3f} at this capacity, {res['hit_bound_infinite']:.3f} with no "
+              f"eviction; LRU replay {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, "
+              f"prefill-busy {busy}")
     if args.json:
         dump(res, args.json)
     return 0

@@ -176,6 +176,8 @@ class ClusterRouter:
         est = self._estimated.pop(r.rid, None)
         if r.cached_tokens >= 0:
             inst.feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, est)
+        else:
+            inst.release(replica, self._prompt_hashes(r.spec))
         if self.sync_delay_s > 0.0:
             rid, hashes, cached = r.rid, self._prompt_hashes(r.spec), r.cached_tokens
 
@@ -183,6 +185,8 @@ class ClusterRouter:
                 h.on_finished(rid)
                 if cached >= 0:
                     h.feedback(replica, hashes, cached, est)
+                else:
+                    h.release(replica, hashes)
 
             self._post(rid, finished)
         if self.engines:

@@ -13,6 +13,7 @@ from fairway.engine.model import EngineConfig, EngineModel
 from fairway.policies import make_policy
 from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
+from sim.hit_bounds import infinite_cache_hit_ratio, optimal_eviction_hit_ratio
 from sim.metrics import summarize
 from sim.simulator import Simulation
 from workloads.registry import make_workload_from
@@ -144,8 +145,10 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
                         "prefill_busy_fraction": e.prefill_busy_s / res.end_s if res.end_s else 0.0})
         out["per_replica"] = per
         specs = [r.spec for r in res.finished]
-        out["ceiling_hit_ratio"] = ceiling_hit_ratio(
-            specs, sum(e.pool.num_blocks for e in sim.replicas), cfg.block_size)
+        capacity = sum(e.pool.num_blocks for e in sim.replicas)
+        out["ceiling_hit_ratio"] = ceiling_hit_ratio(specs, capacity, cfg.block_size)  # LRU replay
+        out["hit_bound_capacity"] = optimal_eviction_hit_ratio(specs, capacity, cfg.block_size)
+        out["hit_bound_infinite"] = infinite_cache_hit_ratio(specs, cfg.block_size)
         out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
     if keep_samples:
         out["ttft_samples_s"] = [r.ttft_s for r in res.finished]

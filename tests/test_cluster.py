@@ -88,6 +88,9 @@ def test_run_json_has_cluster_fields():
     assert res["router"] == "fairway" and len(res["per_replica"]) == 2
     assert sum(p["requests"] for p in res["per_replica"]) == res["n_finished"]
     assert 0 < res["cache_hit_ratio"] <= res["ceiling_hit_ratio"] + 0.05
+    # true bounds: no routing beats them (the LRU replay is only a reference)
+    assert res["cache_hit_ratio"] <= res["hit_bound_capacity"] <= res["hit_bound_infinite"]
+    assert res["ceiling_hit_ratio"] <= res["hit_bound_capacity"]
     assert sum(res["routing_reasons"].values()) == res["n_requests"]
     assert all(0 <= p["prefill_busy_fraction"] <= p["busy_fraction"] <= 1.0 for p in res["per_replica"])
 

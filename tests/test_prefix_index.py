@@ -14,11 +14,15 @@ B = chain("b", 8)
 
 
 def check_invariants(idx: PrefixIndex) -> None:
-    """Bit j of _where[h] is set iff replica j holds h; no hash without a holder."""
+    """Bit j of _where[h] is set iff replica j holds h or h is in flight to j; no hash without a
+    holder; in-flight counts are positive."""
     seen: dict[int, int] = {}
     for j in range(idx.num_replicas):
         for h in idx.blocks(j):
             seen[h] = seen.get(h, 0) | (1 << j)
+    for (j, h), n in idx._fly.items():
+        assert n > 0
+        seen[h] = seen.get(h, 0) | (1 << j)
     assert seen == idx._where
     assert len(idx) == len(seen)
 
@@ -234,3 +238,49 @@ def test_events_mode_equals_block_pool_after_random_operations():
     for fam in families:
         assert idx.match(fam) == [len(p.longest_hit(fam)) for p in pools]
     check_invariants(idx)
+
+
+# -- events mode: routed prompts count as held until they finish ---------------------------------
+
+
+def test_events_mode_counts_routed_prompts_until_released():
+    idx = PrefixIndex(2, mode="events")
+    idx.record_routed(1, A[:4])  # routed, nothing computed yet
+    assert idx.match(A[:4]) == [0, 4] and idx.match_one(1, A[:6]) == 4 and idx.size(1) == 0
+    idx.on_kv_events(1, [(True, h) for h in A[:2]])  # the engine computed two blocks
+    idx.record_routed(1, A[:4])  # a sibling in flight too
+    idx.release(1, A[:4])
+    assert idx.match(A[:4]) == [0, 4]  # the sibling still holds them in flight
+    check_invariants(idx)
+    idx.on_feedback(1, A[:4], 32, 16)  # the sibling finished (feedback releases in events mode)
+    assert idx.match(A[:4]) == [0, 2]  # what remains is what the engine reported stored
+    idx.on_kv_events(1, [(False, A[0])])
+    assert idx.match(A[:4]) == [0, 0] and idx._fly == {}
+    check_invariants(idx)
+
+
+def test_events_mode_removal_keeps_a_block_still_in_flight():
+    idx = PrefixIndex(1, mode="events")
+    idx.on_kv_events(0, [(True, A[0])])
+    idx.record_routed(0, A[:1])
+    idx.on_kv_events(0, [(False, A[0])])  # evicted while a request routed there is unfinished
+    assert idx.match(A[:1]) == [1]
+    idx.release(0, A[:1])
+    assert idx.match(A[:1]) == [0] and len(idx) == 0
+    check_invariants(idx)
+
+
+def test_clearing_a_replica_drops_its_flight():
+    idx = PrefixIndex(2, mode="events")
+    idx.record_routed(0, A[:3])
+    idx.record_routed(1, A[:3])
+    idx.clear_replica(0)
+    assert idx.match(A[:3]) == [0, 3]
+    check_invariants(idx)
+
+
+def test_approx_mode_release_is_a_no_op():
+    idx = PrefixIndex(1)
+    idx.record_routed(0, A[:3])
+    idx.release(0, A[:3])
+    assert idx.match(A[:3]) == [3]

@@ -89,6 +89,11 @@ class RoutingHost:
         if rid in self.load:
             self.load.on_finished(rid)
 
+    def release(self, replica: int, hashes: Sequence[int]) -> None:
+        """A request ended without a cached-token report (rejected, failed, report lost): an
+        exact index stops counting its blocks as in flight."""
+        self.index.release(replica, hashes)
+
     def feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, estimated_blocks: int | None) -> None:
         """The engine reported ``cached_tokens`` for a prompt the index estimated at
         ``estimated_blocks`` on ``replica``: the index corrects itself."""
