@@ -38,6 +38,10 @@ class RouterArgs(BaseModel):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     stats_period_s: float = Field(1.0, gt=0, description="record_routing_stats period (Ray's default is 10 s)")
     seed: int = 0
+    shared_view: bool | None = Field(
+        None, description="the request routers of all ingress replicas share one routing view (a Ray actor); "
+                          "default: on when ingress_replicas > 1")
+    sync_period_s: float = Field(0.02, gt=0, le=1.0, description="how often each router exchanges with the shared view")
 
 
 class ReplicaOptions(BaseModel):
@@ -131,4 +135,11 @@ class ClusterArgs(BaseModel):
             "block_size": self.block_size,
             "seed": self.router.seed,
             "metrics": self.metrics,
+            "shared_view": self.shared_view(),
+            "sync_period_s": self.router.sync_period_s,
         }
+
+    def shared_view(self) -> bool:
+        """Whether the request routers share one view: as configured, else with > 1 ingress replica."""
+        v = self.router.shared_view
+        return self.ingress_replicas > 1 if v is None else v

@@ -49,7 +49,7 @@ HTTP_ONLY_KEYS = frozenset(
 SIM_ONLY_KEYS = (
     "policy_options", "router", "routers", "profile", "kv_blocks", "preempted_requests", "preemptions",
     "evictions", "promotions", "busy_fraction", "sim_end_s", "sim_wall_s", "ceiling_hit_ratio",
-    "routing_reasons",
+    "hit_bound_capacity", "hit_bound_infinite", "routing_reasons", "router_view", "sync_delay_s",
 )
 
 
@@ -258,6 +258,8 @@ class HttpLoadRun:
             "replicas": len(replicas) or None,
             "router": None,
             "routers": None,
+            "router_view": None,
+            "sync_delay_s": None,
             "rate_rps": cfg.rate,
             "realized_rate_rps": realized_rate([r.sent_s for r in done]),
             "concurrency": cfg.concurrency,
@@ -282,6 +284,8 @@ class HttpLoadRun:
                 for name, (n, p, c) in sorted(replicas.items())
             ],
             "ceiling_hit_ratio": None,
+            "hit_bound_capacity": None,
+            "hit_bound_infinite": None,
             "routing_reasons": None,
             "itl_s": pct(np.concatenate([np.asarray(r.result.itl_s, dtype=float) for r in done] or [np.empty(0)])),
             "e2e_s": pct([r.result.e2e_s for r in done if r.result.e2e_s is not None]),

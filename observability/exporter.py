@@ -95,6 +95,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "routing_decisions", "counter", "fairway_routing_decisions_total", "Routing decisions by reason and replica."
     ),
     MetricSpec("rejects", "counter", "fairway_rejects_total", "Rejected requests by reason."),
+    MetricSpec("view_syncs", "counter", "fairway_router_view_syncs_total",
+               "Exchanges of a request router with the shared routing view, by status (ok, failed)."),
+    MetricSpec("view_degraded", "gauge", "fairway_router_view_degraded",
+               "1 while a request router routes on its own view because the shared view is unreachable."),
     MetricSpec("engine_running", "gauge", "fairway_engine_running", "Requests running in the engine."),
     MetricSpec("engine_waiting", "gauge", "fairway_engine_waiting", "Requests waiting inside the engine."),
     MetricSpec("engine_kv_usage", "gauge", "fairway_engine_kv_usage_ratio", "Engine KV cache usage (0-1)."),

@@ -100,6 +100,7 @@ _COUNTERS = (
     "routing_decisions",  # (reason, replica)
     "rejects",  # (reason, replica)
     "engine_preemptions",  # (replica,), set from the engine's own running total
+    "view_syncs",  # (status,): the request router's exchanges with the shared view
 )
 _GAUGES = (
     "queue_depth",  # (lane, replica)
@@ -107,6 +108,7 @@ _GAUGES = (
     "engine_running",  # (replica,)
     "engine_waiting",  # (replica,)
     "engine_kv_usage",  # (replica,)
+    "view_degraded",  # (): 1 while the shared view is unreachable
 )
 _HISTOGRAMS = {
     "ttft": TTFT_BUCKETS_S,  # (lane, replica)
@@ -128,6 +130,8 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_running": ("replica",),
     "engine_waiting": ("replica",),
     "engine_kv_usage": ("replica",),
+    "view_syncs": ("status",),
+    "view_degraded": (),
     "ttft": ("lane", "replica"),
     "queue_wait": ("lane", "replica"),
     "cache_estimate_error": ("replica",),
@@ -227,6 +231,14 @@ class FairwayStats:
     def inc_routing_decision(self, reason: str, replica: str = "") -> None:
         """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""
         self._inc("routing_decisions", (reason, self._replica(replica)), 1)
+
+    def inc_view_sync(self, status: str) -> None:
+        """One exchange of the request router with the shared view: "ok" | "failed"."""
+        self._inc("view_syncs", (status,), 1)
+
+    def set_view_degraded(self, degraded: bool) -> None:
+        """Whether the request router routes on its own view because the shared one is unreachable."""
+        self._set("view_degraded", (), 1.0 if degraded else 0.0)
 
     def inc_reject(self, reason: str, replica: str = "") -> None:
         """One rejected request: "queue_full" | "too_long" | "bad_request" | "unknown_model" |

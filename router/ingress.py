@@ -91,6 +91,16 @@ def map_error(e: BaseException) -> HTTPError:
     return HTTPError(500, f"internal error: {name}: {e}", None, "internal")
 
 
+def ingress_name() -> str:
+    """This ingress replica's name ("ingress-<Serve replica id>"), or "ingress" outside Serve."""
+    try:
+        from ray import serve
+
+        return "ingress-" + serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica
+        return "ingress"
+
+
 class IngressArgs(BaseModel):
     """What the ingress needs from the application's configuration (``cluster/config.py`` builds it)."""
 
@@ -114,6 +124,7 @@ class FairwayIngress:
         self.handle = replicas.options(stream=True)
         self.tokenizer = Tokenizer(a.tokenizer)
         self.block_size = a.block_size
+        self.name = ingress_name()
         self.stats = None
         self.exporter = None
         if a.metrics:
@@ -123,12 +134,7 @@ class FairwayIngress:
         from observability.exporter import MetricsExporter
         from observability.stats import FairwayStats
 
-        try:
-            from ray import serve
-
-            name = "ingress-" + serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001
-            name = "ingress"
+        name = self.name
         self.stats = FairwayStats(level="router", component=name, policy=self.args.router_policy)
         try:
             self.exporter = MetricsExporter([self.stats], component=name, level="router")
@@ -240,7 +246,8 @@ class FairwayIngress:
 
     def _fairway(self, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
         return {"lane": last.lane, "promoted": last.promoted, "replica": last.replica,
-                "queue_wait_s": last.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": last.ttft_s}
+                "queue_wait_s": last.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": last.ttft_s,
+                "ingress": self.name}
 
     def _full(self, call: GenerateCall, body: Any, chat: bool, chunks: list[TokenChunk], stream: _Stream) -> dict:
         ids = [t for c in chunks for t in c.token_ids]

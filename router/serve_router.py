@@ -23,11 +23,12 @@ O(replicas) states + the policy's rank.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from fairway.prefix_index import PrefixIndex
 from fairway.protocol import GenerateCall
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
+from fairway.routing.view_log import Exchange
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
@@ -58,6 +60,7 @@ class _Routed:
     routed_at: float  # wall clock, to compare with a replica's stats time
     started: bool = False
     reason: str = "choice"
+    remote: bool = False  # routed by another router (shared view): no metrics here
 
 
 def find_call(pending: PendingRequest | None) -> GenerateCall | None:
@@ -75,8 +78,10 @@ class FairwayRequestRouter(RequestRouter):
 
     ``request_router_kwargs`` (built by ``cluster/config.py``): ``policy`` (default "fairway"),
     ``policy_options`` (dict), ``profile`` (cost profile), ``block_size`` (16), ``seed``,
-    ``metrics``. Tests inject ``clock`` (the load view's time, default monotonic) and ``wall``
-    (the time base of the replicas' stats stamps, default ``time.time``).
+    ``metrics``, ``shared_view`` (share routing with the application's other request routers
+    through ``router/view_hub.py``) and ``sync_period_s``. Tests inject ``clock`` (the load
+    view's time, default monotonic), ``wall`` (the time base of the replicas' stats stamps,
+    default ``time.time``) and ``exchange`` (the hub call).
     """
 
     def initialize_state(
@@ -87,8 +92,11 @@ class FairwayRequestRouter(RequestRouter):
         block_size: int = 16,
         seed: int = 0,
         metrics: bool = True,
+        shared_view: bool = False,
+        sync_period_s: float = 0.02,
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
+        exchange: Callable[[str, list, int], Awaitable[Exchange]] | None = None,
         **unused: Any,
     ) -> None:
         if unused:
@@ -107,7 +115,7 @@ class FairwayRequestRouter(RequestRouter):
         )
         self.policy, self.index, self.load = self.host.policy, self.host.index, self.host.load
         self.reasons = self.host.reasons
-        self._ids: dict[ReplicaID, int] = {}
+        self._ids: dict[str, int] = {}  # replica unique id -> index in the host
         self._names: list[str] = []
         self._routed: OrderedDict[str, _Routed] = OrderedDict()  # internal_request_id -> record
         self._done: OrderedDict[str, _Routed] = OrderedDict()  # finished, awaiting feedback
@@ -118,6 +126,18 @@ class FairwayRequestRouter(RequestRouter):
         self.exporter = None
         if metrics:
             self._start_metrics()
+        # shared view (router/view_hub.py): events out, the other routers' events in
+        self.shared_view = shared_view
+        self.sync_period_s = sync_period_s
+        self.router_id = uuid.uuid4().hex[:12]
+        self._exchange = exchange
+        self._connects = exchange is None  # this router finds the hub itself (not injected)
+        self._outbox: list[tuple] = []
+        self._seq = 0  # the last hub seq applied
+        self._synced = False
+        self._sync_task: asyncio.Task | None = None
+        self.view_degraded = False
+        self.view_gaps = 0
 
     def _start_metrics(self) -> None:
         from observability.exporter import MetricsExporter
@@ -134,16 +154,19 @@ class FairwayRequestRouter(RequestRouter):
     # -- replica ids -------------------------------------------------------------------------
 
     def _index_of(self, rid: ReplicaID) -> int:
-        j = self._ids.get(rid)
+        return self._slot(rid.unique_id)
+
+    def _slot(self, uid: str) -> int:
+        j = self._ids.get(uid)
         if j is None:
             j = self.host.add_replica()
-            self._ids[rid] = j
-            self._names.append(rid.unique_id)
+            self._ids[uid] = j
+            self._names.append(uid)
         return j
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        j = self._ids.get(replica_id)
+        j = self._ids.get(replica_id.unique_id)
         if j is not None:
             self.index.clear_replica(j)
 
@@ -184,7 +207,7 @@ class FairwayRequestRouter(RequestRouter):
 
     def _feedback(self, r: _Routed, cached: int) -> None:
         self.host.feedback(r.replica, r.hashes, cached, r.estimated_blocks)
-        if self.stats is not None:
+        if self.stats is not None and not r.remote:
             self.stats.observe_cached_tokens(r.estimated_blocks * self.block_size, cached, r.prompt_tokens,
                                              replica=self._names[r.replica])
 
@@ -208,6 +231,8 @@ class FairwayRequestRouter(RequestRouter):
         call = find_call(pending_request)
         if call is None:  # not a generation call (health, models): any replica
             return [candidate_replicas]
+        if self.shared_view:
+            await self._ensure_synced()
         n_hash = len(call.prompt_token_ids) // self.block_size
         hashes = tuple(call.block_hashes[:n_hash])
         iid = pending_request.metadata.internal_request_id
@@ -253,6 +278,9 @@ class FairwayRequestRouter(RequestRouter):
             r = self._routed[iid]
         r.routed_at = self.wall()
         self.host.record_routed(j, r.hashes, r.reason)
+        if self.shared_view:
+            self._outbox.append(("r", self._names[j], f"{self.router_id}:{r.rid}", r.hashes, r.prompt_tokens,
+                                 r.estimated_blocks, r.request_id, r.routed_at))
         if self.stats is not None:
             self.stats.inc_routing_decision(r.reason, replica=self._names[j])
 
@@ -260,8 +288,96 @@ class FairwayRequestRouter(RequestRouter):
         r = self._routed.pop(internal_request_id, None)
         if r is None:
             return
+        if self.shared_view:
+            self._outbox.append(("f", f"{self.router_id}:{r.rid}"))
+        self._finished(r)
+
+    def _finished(self, r: _Routed) -> None:
         self.host.on_finished(r.rid)
         self._done[r.request_id] = r
         while len(self._done) > MAX_AWAITING_FEEDBACK:
             _, old = self._done.popitem(last=False)
             self.host.release(old.replica, old.hashes)
+
+    # -- the shared view (router/view_hub.py) ---------------------------------------------------
+
+    async def _ensure_synced(self) -> None:
+        """Before the first decision, read what the other routers routed (bootstrap); then keep
+        a background task exchanging every ``sync_period_s``."""
+        if self._sync_task is None:
+            if not self._synced:
+                await self.sync_once(timeout_s=2.0)
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
+
+    async def _sync_loop(self) -> None:
+        backoff = self.sync_period_s
+        while True:
+            await asyncio.sleep(backoff)
+            ok = await self.sync_once()
+            backoff = self.sync_period_s if ok else min(1.0, backoff * 2)
+
+    async def sync_once(self, timeout_s: float = 1.0) -> bool:
+        """One exchange with the hub: send this router's events, apply the others'. On failure
+        the view degrades to this router's own (logged once, counted, the gauge set) and the
+        events are kept for the next try; it recovers by itself. O(events)."""
+        batch, self._outbox = self._outbox, []
+        try:
+            if self._exchange is None:
+                from router.view_hub import get_hub
+
+                hub = get_hub(getattr(getattr(self, "_deployment_id", None), "app_name", "") or "default")
+                self._exchange = hub.exchange.remote
+            ex = await asyncio.wait_for(self._exchange(self.router_id, batch, self._seq), timeout_s)
+        except Exception as e:  # noqa: BLE001 - routing goes on with this router's own view
+            self._outbox = (batch + self._outbox)[-MAX_TRACKED:]
+            if not self.view_degraded:
+                logger.warning("fairway router %s: shared view unavailable (%s: %s); routing on its own view",
+                               self.router_id, type(e).__name__, e)
+            self.view_degraded = True
+            if self.stats is not None:
+                self.stats.inc_view_sync("failed")
+                self.stats.set_view_degraded(True)
+            if self._connects:  # reconnect next time (the hub may have moved or restarted)
+                self._exchange = None
+            return False
+        if ex.gap:
+            self.view_gaps += 1
+        self._seq = ex.head
+        for event in ex.events:
+            self._apply_remote(event)
+        self._synced = True
+        if self.view_degraded:
+            logger.info("fairway router %s: shared view recovered", self.router_id)
+        self.view_degraded = False
+        if self.stats is not None:
+            self.stats.inc_view_sync("ok")
+            self.stats.set_view_degraded(False)
+        return True
+
+    def _apply_remote(self, event: tuple) -> None:
+        """Another router's event: "r" (a request routed: its prompt on that replica, its work
+        queued there), "f" (it finished: it leaves the load view and awaits its feedback) or
+        "gone" (that router stopped exchanging: its requests in flight leave the load view)."""
+        kind = event[0]
+        if kind == "r":
+            _, uid, key, hashes, prompt_tokens, est, request_id, routed_at = event
+            if "remote:" + key in self._routed:  # a batch sent twice (its first exchange timed out)
+                return
+            j = self._slot(uid)
+            rid = self._next_rid
+            self._next_rid += 1
+            self.host.index.record_routed(j, hashes)
+            self.host.book(rid, j, prompt_tokens, est)
+            self._routed["remote:" + key] = _Routed(rid, request_id, j, tuple(hashes), est, prompt_tokens, routed_at,
+                                                    remote=True)
+            while len(self._routed) > MAX_TRACKED:
+                _, old = self._routed.popitem(last=False)
+                self.host.unbook(old.rid)
+        elif kind == "f":
+            r = self._routed.pop("remote:" + event[1], None)
+            if r is not None:
+                self._finished(r)
+        elif kind == "gone" and event[1] != self.router_id:  # a router died: drop what it had in flight
+            prefix = f"remote:{event[1]}:"
+            for key in [k for k in self._routed if k.startswith(prefix)]:
+                self.host.unbook(self._routed.pop(key).rid)

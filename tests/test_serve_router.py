@@ -101,7 +101,7 @@ async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
     ranks = await r.choose_replicas(reps, pending(first))
     pick = ranks[0][0]
     r.on_request_routed(pending(first), pick.replica_id, None)
-    j = r._ids[pick.replica_id]
+    j = r._ids[pick.replica_id.unique_id]
     assert r.index.match(first.block_hashes[:256])[j] == 256 and r.reasons == {r._routed["iid-a"].reason: 1}
     # a second request of the same family goes to the replica that holds its prefix
     second = call("b", 4096, family="doc")
@@ -121,3 +121,88 @@ async def test_a_call_without_a_generate_call_may_go_anywhere():
     assert await r.choose_replicas(reps, health) == [reps]
     assert await r.choose_replicas([], health) == []
     assert r._routed == {}
+
+
+# -- the shared view: two routers (two ingress replicas) over one log ----------------------------
+
+
+def shared_pair(fail: list[bool] | None = None):
+    from fairway.routing.view_log import ViewLog
+
+    log, clock = ViewLog(), ManualClock(T0)
+
+    async def exchange(source, events, after):
+        if fail and fail[0]:
+            raise ConnectionError("hub down")
+        return log.exchange(source, list(events), after)
+
+    routers = []
+    for _ in range(2):
+        r = object.__new__(FairwayRequestRouter)
+        r.initialize_state(policy="ray-prefix", metrics=False, clock=clock, wall=clock.now, shared_view=True,
+                           exchange=exchange)
+        r._sync_task = False  # tests call sync_once themselves; no background task
+        routers.append(r)
+    return routers, log
+
+
+@pytest.mark.asyncio
+async def test_a_second_router_sees_the_firsts_routing_and_sends_the_sibling_to_the_holder():
+    (a, b), _ = shared_pair()
+    reps = [replica("replica-0"), replica("replica-1"), replica("replica-2")]
+    first = call("a", 4096, family="doc")
+    pick = (await a.choose_replicas(reps, pending(first)))[0][0]
+    a.on_request_routed(pending(first), pick.replica_id, None)
+    assert await a.sync_once() and await b.sync_once()
+    j = b._ids[pick.replica_id.unique_id]
+    assert b.index.match(first.block_hashes)[j] == 256 and b.load.live().outstanding[j] == 1
+    second = call("b", 4096, family="doc")
+    assert (await b.choose_replicas(reps, pending(second)))[0] == [pick]
+    # a's request finishes: it leaves b's load view too, and waits there for its cached-token report
+    a.on_request_completed(pick.replica_id, "iid-a")
+    assert await a.sync_once() and await b.sync_once()
+    assert b.load.live().outstanding[j] == 1 and "a" in b._done  # only b's own "b" is left
+    assert b.reasons == {}  # a remote routing is not one of b's decisions (b's own was never routed)
+
+
+@pytest.mark.asyncio
+async def test_a_router_that_starts_late_replays_the_log_before_its_first_decision():
+    (a, b), log = shared_pair()
+    reps = [replica("replica-0"), replica("replica-1")]
+    first = call("a", 4096, family="doc")
+    pick = (await a.choose_replicas(reps, pending(first)))[0][0]
+    a.on_request_routed(pending(first), pick.replica_id, None)
+    assert await a.sync_once()
+    b._sync_task = None  # b's first decision bootstraps from the log
+    ranks = await b.choose_replicas(reps, pending(call("b", 4096, family="doc")))
+    assert ranks[0] == [pick] and b._synced
+    b._sync_task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_hub_degrades_to_the_own_view_and_recovers():
+    fail = [True]
+    (a, b), _ = shared_pair(fail)
+    reps = [replica("replica-0"), replica("replica-1")]
+    c = call("a", 4096, family="doc")
+    pick = (await a.choose_replicas(reps, pending(c)))[0][0]
+    a.on_request_routed(pending(c), pick.replica_id, None)
+    assert not await a.sync_once() and a.view_degraded and len(a._outbox) == 1  # kept for later
+    fail[0] = False
+    assert await a.sync_once() and not a.view_degraded and a._outbox == []
+    assert await b.sync_once() and b.index.match(c.block_hashes)[b._ids[pick.replica_id.unique_id]] == 256
+
+
+@pytest.mark.asyncio
+async def test_the_requests_of_a_router_that_died_leave_the_others_load_view():
+    (a, b), _ = shared_pair()
+    reps = [replica("replica-0"), replica("replica-1")]
+    c = call("a", 4096, family="doc")
+    pick = (await a.choose_replicas(reps, pending(c)))[0][0]
+    a.on_request_routed(pending(c), pick.replica_id, None)
+    assert await a.sync_once() and await b.sync_once()
+    j = b._ids[pick.replica_id.unique_id]
+    assert b.load.live().outstanding[j] == 1
+    b._apply_remote(("gone", a.router_id))  # what the hub says once a stops exchanging
+    assert b.load.live().outstanding[j] == 0 and not any(k.startswith("remote:") for k in b._routed)
+    assert b.index.match(c.block_hashes)[j] == 256  # where its prompt went is still known

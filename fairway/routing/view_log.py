@@ -1,0 +1,77 @@
+"""The shared routing view's log: what every request router has routed and finished, in one order.
+
+Why: Ray Serve runs one request router per ingress replica, and each one alone sees only the
+requests that entered through its replica, so K routers each route with 1/K of the picture (a
+prompt family's siblings scatter, and each router underestimates every queue). Each router
+appends its own events here and reads everyone else's, so all of them hold the same prefix index
+and in-flight load. A router that starts (or restarts) reads the whole retained log first, which
+rebuilds the recent routing of the cluster before its first decision.
+
+The log is a bounded ring of ``(seq, source, event)``; an event is a plain tuple the hosts define.
+``exchange`` appends a batch and returns the others' events after the caller's last seen seq.
+A source that has not exchanged for ``ttl_s`` (its router died) is announced once with the event
+``("gone", source)``, so the others drop the requests it had in flight instead of counting them
+on their replicas forever. Complexity: O(batch + returned events + sources) per exchange; memory
+O(capacity).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+Event = tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class Exchange:
+    """The answer to one ``exchange``: the other sources' events after the caller's ``after``
+    (oldest first), the seq to pass next time, and ``gap``: events the caller had not seen were
+    dropped from the ring before it asked (its view misses them)."""
+
+    events: list[Event]
+    head: int
+    gap: bool
+
+
+class ViewLog:
+    """A bounded, ordered log of routing events from several sources (see the module docstring)."""
+
+    __slots__ = ("capacity", "ttl_s", "_ring", "_next", "_seen")
+
+    def __init__(self, capacity: int = 200_000, ttl_s: float = 3.0) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._seen: dict[str, float] = {}  # source -> when it last exchanged
+        self._ring: deque[tuple[int, str, Event]] = deque(maxlen=capacity)
+        self._next = 1  # the seq the next event gets; seqs start at 1, so after=0 means "all"
+
+    @property
+    def head(self) -> int:
+        """The seq of the newest event (0: none yet)."""
+        return self._next - 1
+
+    def exchange(self, source: str, events: Sequence[Event], after: int, now: float = 0.0) -> Exchange:
+        """Append ``source``'s ``events``; return the other sources' events with seq > ``after``
+        that are still retained. ``now`` (seconds, any monotonic base) dates the call."""
+        for other, seen in list(self._seen.items()):
+            if other != source and now - seen > self.ttl_s:
+                del self._seen[other]
+                self._ring.append((self._next, "", ("gone", other)))
+                self._next += 1
+        self._seen[source] = now
+        first_kept = self._ring[0][0] if self._ring else self._next
+        gap = after + 1 < first_kept
+        start = max(after + 1, first_kept) - first_kept  # position in the ring
+        out = [e for _, src, e in islice(self._ring, start, None) if src != source]
+        for e in events:
+            self._ring.append((self._next, source, e))
+            self._next += 1
+        return Exchange(out, self.head, gap)
