@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 import urllib.error
 
 import pytest
 
 from cluster.launch import post_json
+from observability.exporter import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +30,6 @@ STATS_SETTLE_S = 1.2
 
 def ids(seed: int, n: int) -> list[int]:
     return [16 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
