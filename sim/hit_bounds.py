@@ -23,6 +23,7 @@ Complexity: O(B) and O(B log B) for B blocks referenced in the sequence.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Sequence
 
 from fairway.request import RequestSpec
@@ -53,18 +54,8 @@ def _infinite_hits(refs: list[int], counted: list[bool]) -> int:
     return hits
 
 
-def infinite_cache_hit_ratio(specs: Sequence[RequestSpec], block_size: int) -> float:
-    """Cached tokens / prompt tokens with a cache that never evicts. O(B)."""
-    refs, counted, prompt = _references(specs, block_size)
-    return _infinite_hits(refs, counted) * block_size / prompt if prompt else 0.0
-
-
-def optimal_eviction_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> float:
-    """A bound on cached tokens / prompt tokens for ``capacity_blocks`` in all: Belady's MIN
-    over every referenced block, capped by the infinite cache. O(B log B)."""
-    if capacity_blocks < 1:
-        raise ValueError("capacity_blocks must be >= 1")
-    refs, counted, prompt = _references(specs, block_size)
+def _min_hits(refs: list[int], capacity_blocks: int) -> int:
+    """Hits of Belady's MIN over ``refs`` with ``capacity_blocks``. O(B log B)."""
     n = len(refs)
     next_use = [n] * n  # index of the next reference to the same block (n: never)
     last: dict[int, int] = {}
@@ -85,5 +76,35 @@ def optimal_eviction_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: in
                     break
         cache[h] = next_use[i]
         heapq.heappush(heap, (-next_use[i], h))
-    hits = min(hits, _infinite_hits(refs, counted))
-    return hits * block_size / prompt if prompt else 0.0
+    return hits
+
+
+def hit_ratio_bounds(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> tuple[float, float]:
+    """(the bound at ``capacity_blocks``, the no-eviction bound), from one pass over the
+    references. O(B), or O(B log B) when the reused blocks do not fit."""
+    if capacity_blocks < 1:
+        raise ValueError("capacity_blocks must be >= 1")
+    refs, counted, prompt = _references(specs, block_size)
+    if not prompt:
+        return 0.0, 0.0
+    infinite = _infinite_hits(refs, counted)
+    # A block referenced once never hits, and MIN evicts it before any other (it is never used
+    # again): it changes no hit, so the replay leaves it out. If the reused blocks all fit,
+    # nothing that matters is ever evicted and MIN hits every repeat.
+    counts = Counter(refs)
+    reused = [h for h in refs if counts[h] > 1]
+    fits = len(counts) - sum(1 for c in counts.values() if c == 1) <= capacity_blocks
+    at_capacity = infinite if fits else min(_min_hits(reused, capacity_blocks), infinite)
+    return at_capacity * block_size / prompt, infinite * block_size / prompt
+
+
+def infinite_cache_hit_ratio(specs: Sequence[RequestSpec], block_size: int) -> float:
+    """Cached tokens / prompt tokens with a cache that never evicts. O(B)."""
+    refs, counted, prompt = _references(specs, block_size)
+    return _infinite_hits(refs, counted) * block_size / prompt if prompt else 0.0
+
+
+def optimal_eviction_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> float:
+    """A bound on cached tokens / prompt tokens for ``capacity_blocks`` in all: Belady's MIN
+    over every referenced block, capped by the infinite cache. O(B log B)."""
+    return hit_ratio_bounds(specs, capacity_blocks, block_size)[0]

@@ -13,7 +13,7 @@ from fairway.engine.model import EngineConfig, EngineModel
 from fairway.policies import make_policy
 from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
-from sim.hit_bounds import infinite_cache_hit_ratio, optimal_eviction_hit_ratio
+from sim.hit_bounds import hit_ratio_bounds
 from sim.metrics import summarize
 from sim.simulator import Simulation
 from workloads.registry import make_workload_from
@@ -147,8 +147,7 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         specs = [r.spec for r in res.finished]
         capacity = sum(e.pool.num_blocks for e in sim.replicas)
         out["ceiling_hit_ratio"] = ceiling_hit_ratio(specs, capacity, cfg.block_size)  # LRU replay
-        out["hit_bound_capacity"] = optimal_eviction_hit_ratio(specs, capacity, cfg.block_size)
-        out["hit_bound_infinite"] = infinite_cache_hit_ratio(specs, cfg.block_size)
+        out["hit_bound_capacity"], out["hit_bound_infinite"] = hit_ratio_bounds(specs, capacity, cfg.block_size)
         out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
     if keep_samples:
         out["ttft_samples_s"] = [r.ttft_s for r in res.finished]
