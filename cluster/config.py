@@ -21,6 +21,7 @@ from fairway.cost_model import DEFAULT_PROFILE
 from fairway.policies import validated_policy
 from fairway.routing import validated_router
 from fairway.routing.fairway import router_options_for
+from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S
 from router.ingress import IngressArgs
@@ -87,10 +88,9 @@ class ClusterArgs(BaseModel):
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
-        if self.router.policy != RAY_DEFAULT_ROUTER:
+        if self.router.policy != RAY_DEFAULT_ROUTER:  # checked once, with the options it will run with
             t = self.router
-            t.policy, t.policy_options = validated_router(t.policy, t.policy_options, block_size=self.block_size,
-                                                          profile=self.profile)
+            t.policy, t.policy_options = resolve_spec(t.policy, t.policy_options)
             validated_router(t.policy, self.router_policy_options(), block_size=self.block_size,
                              profile=self.profile)
         return self

@@ -8,7 +8,10 @@ factory (docs/design.md, Open registry).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fairway.spec import SpecError, resolve_spec
 
 
 def resolve_class(name: str, registry: Mapping[str, type], base: type, kind: str, error: type[Exception]) -> type:
@@ -28,3 +31,16 @@ def resolve_class(name: str, registry: Mapping[str, type], base: type, kind: str
         return cls
     known = ", ".join(sorted(registry))
     raise error(f"unknown {kind} {name!r}; known: {known}")
+
+
+def checked_spec(spec: str, options: Mapping[str, Any] | None, build: Callable[..., object],
+                 error: type[Exception]) -> tuple[str, dict[str, Any]]:
+    """``spec`` plus ``options`` as (name, options), checked by calling ``build(name, **options)``
+    once; a malformed spec or an option given twice raises ``error`` too. For config boundaries
+    (YAML, command line), so a typo fails there and not in a running replica."""
+    try:
+        name, opts = resolve_spec(spec, options)
+    except SpecError as e:
+        raise error(str(e)) from e
+    build(name, **opts)
+    return name, opts

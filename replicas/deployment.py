@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.clock import MonotonicClock
 from fairway.cost_model import CostModel
-from fairway.policies import make_policy, validated_policy
+from fairway.policies import make_policy
 from fairway.protocol import GenerateCall, TokenChunk
+from fairway.spec import resolve_spec
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S, coalesce
@@ -48,10 +49,9 @@ class ReplicaArgs(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaArgs:
-        """``policy`` may be a spec (``fairway[theta=4]``): resolve it and check its options."""
-        self.policy, self.policy_options = validated_policy(
-            self.policy, self.policy_options, block_size=int(self.engine_args.get("block_size", 16)),
-            profile=self.profile)
+        """``policy`` may be a spec (``fairway[theta=4]``): resolve it. Its options are checked where
+        the config is parsed (``cluster/config.py``) and when ``FairwayReplica`` builds the policy."""
+        self.policy, self.policy_options = resolve_spec(self.policy, self.policy_options)
         return self
 
 

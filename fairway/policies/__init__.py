@@ -22,8 +22,7 @@ from fairway.policies.baselines import (
     SRPTOracle,
 )
 from fairway.policies.fairway import Fairway, FairwayConfig
-from fairway.registry import resolve_class
-from fairway.spec import SpecError, resolve_spec
+from fairway.registry import checked_spec, resolve_class
 
 POLICIES: dict[str, type[QueuePolicy]] = {}
 
@@ -60,14 +59,11 @@ def make_policy(
 def validated_policy(spec: str, options: dict[str, Any] | None = None, *, block_size: int = 16,
                      profile: str = DEFAULT_PROFILE) -> tuple[str, dict[str, Any]]:
     """``spec`` (``name`` or ``name[key=value;...]``) plus ``options`` as (name, options), checked
-    by building the policy once; ``PolicyError`` names the policy and the bad option. For config
-    boundaries (YAML, command line), so a typo fails there and not in a running replica."""
-    try:
-        name, opts = resolve_spec(spec, options)
-    except SpecError as e:
-        raise PolicyError(str(e)) from e
-    make_policy(name, clock=ManualClock(), cost=CostModel.from_profile(profile), block_size=block_size, **opts)
-    return name, opts
+    by building the policy once (``registry.checked_spec``); ``PolicyError`` names the policy and
+    the bad option."""
+    cost = CostModel.from_profile(profile)
+    return checked_spec(spec, options, lambda name, **o: make_policy(
+        name, clock=ManualClock(), cost=cost, block_size=block_size, **o), PolicyError)
 
 
 __all__ = [

@@ -14,7 +14,7 @@ import numpy as np
 
 from fairway.clock import Clock, ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
-from fairway.registry import resolve_class
+from fairway.registry import checked_spec, resolve_class
 from fairway.routing.anchors import (
     LLMD,
     AIBrix,
@@ -28,7 +28,6 @@ from fairway.routing.anchors import (
 )
 from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, choice, make_states, ranks_of
 from fairway.routing.fairway import FairwayRouter
-from fairway.spec import SpecError, resolve_spec
 
 ROUTERS: dict[str, type[RouterPolicy]] = {}
 
@@ -75,13 +74,9 @@ def validated_router(spec: str, options: dict[str, Any] | None = None, *, block_
                      profile: str = DEFAULT_PROFILE) -> tuple[str, dict[str, Any]]:
     """``spec`` plus ``options`` as (name, options), checked by building the router policy once
     (``RouterError`` on an unknown name or a bad option); see ``validated_policy``."""
-    try:
-        name, opts = resolve_spec(spec, options)
-    except SpecError as e:
-        raise RouterError(str(e)) from e
-    make_router(name, clock=ManualClock(), cost=CostModel.from_profile(profile), block_size=block_size,
-                rng=np.random.default_rng(0), **opts)
-    return name, opts
+    cost = CostModel.from_profile(profile)
+    return checked_spec(spec, options, lambda name, **o: make_router(
+        name, clock=ManualClock(), cost=cost, block_size=block_size, rng=np.random.default_rng(0), **o), RouterError)
 
 
 __all__ = [
