@@ -252,8 +252,13 @@ class FairwayRequestRouter(RequestRouter):
         self._next_rid += 1
         n = len(call.prompt_token_ids)
         self.host.book(rid, j, n, est)
-        self._routed[iid] = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason)
-        while len(self._routed) > MAX_TRACKED:  # ranked but never routed nor completed
+        self._track(iid, _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason))
+
+    def _track(self, key: str, r: _Routed) -> None:
+        """Keep ``r`` until it completes; beyond MAX_TRACKED the oldest (ranked or learnt, but
+        never completed) is forgotten."""
+        self._routed[key] = r
+        while len(self._routed) > MAX_TRACKED:
             _, old = self._routed.popitem(last=False)
             self.host.unbook(old.rid)
 
@@ -366,13 +371,9 @@ class FairwayRequestRouter(RequestRouter):
             j = self._slot(uid)
             rid = self._next_rid
             self._next_rid += 1
-            self.host.index.record_routed(j, hashes)
-            self.host.book(rid, j, prompt_tokens, est)
-            self._routed["remote:" + key] = _Routed(rid, request_id, j, tuple(hashes), est, prompt_tokens, routed_at,
-                                                    remote=True)
-            while len(self._routed) > MAX_TRACKED:
-                _, old = self._routed.popitem(last=False)
-                self.host.unbook(old.rid)
+            self.host.adopt(rid, j, hashes, prompt_tokens, est)
+            self._track("remote:" + key, _Routed(rid, request_id, j, tuple(hashes), est, prompt_tokens, routed_at,
+                                                 remote=True))
         elif kind == "f":
             r = self._routed.pop("remote:" + event[1], None)
             if r is not None:

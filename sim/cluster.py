@@ -148,12 +148,7 @@ class ClusterRouter:
         self._estimated[spec.rid] = d.matched_blocks
         if self.sync_delay_s > 0.0:
             rid, pick, n, est = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks
-
-            def routed(h: RoutingHost) -> None:
-                h.index.record_routed(pick, hashes)
-                h.book(rid, pick, n, est)
-
-            self._post(rid, routed)
+            self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est))
         return d.pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
@@ -171,24 +166,11 @@ class ClusterRouter:
             self._post(rid, lambda h: h.on_preempted(rid, target))
 
     def on_finished(self, replica: int, r: EngineRequest) -> None:
-        inst = self._inst(r.rid)
-        inst.on_finished(r.rid)
-        est = self._estimated.pop(r.rid, None)
-        if r.cached_tokens >= 0:
-            inst.feedback(replica, self._prompt_hashes(r.spec), r.cached_tokens, est)
-        else:
-            inst.release(replica, self._prompt_hashes(r.spec))
+        rid, hashes, cached = r.rid, self._prompt_hashes(r.spec), r.cached_tokens
+        est = self._estimated.pop(rid, None)
+        self._inst(rid).finished(rid, replica, hashes, cached, est)
         if self.sync_delay_s > 0.0:
-            rid, hashes, cached = r.rid, self._prompt_hashes(r.spec), r.cached_tokens
-
-            def finished(h: RoutingHost) -> None:
-                h.on_finished(rid)
-                if cached >= 0:
-                    h.feedback(replica, hashes, cached, est)
-                else:
-                    h.release(replica, hashes)
-
-            self._post(rid, finished)
+            self._post(rid, lambda h: h.finished(rid, replica, hashes, cached, est))
         if self.engines:
             usage = self.engines[replica].pool.usage()
             for load in self._loads:

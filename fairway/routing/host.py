@@ -77,6 +77,22 @@ class RoutingHost:
         self.reasons[reason] += 1
         self.index.record_routed(replica, hashes)
 
+    def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int) -> None:
+        """Another router instance sent this request to ``replica`` (a shared view): the index
+        and the load view learn it as if routed here; it is not one of this policy's decisions."""
+        self.index.record_routed(replica, hashes)
+        self.book(rid, replica, prompt_tokens, matched_blocks)
+
+    def finished(self, rid: int, replica: int, hashes: Sequence[int], cached_tokens: int,
+                 estimated_blocks: int | None) -> None:
+        """The request ended: it leaves the load view, and the index takes the engine's
+        cached-token report (``cached_tokens`` < 0: none, the request failed)."""
+        self.on_finished(rid)
+        if cached_tokens >= 0:
+            self.feedback(replica, hashes, cached_tokens, estimated_blocks)
+        else:
+            self.release(replica, hashes)
+
     def on_started(self, rid: int, started_at: float | None = None) -> None:
         if rid in self.load:
             self.load.on_started(rid, started_at=started_at)
