@@ -24,7 +24,7 @@ from fairway.routing.fairway import router_options_for
 from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S
-from router.ingress import IngressArgs
+from router.ingress import IngressArgs, ServedModel
 from router.tokenizer import resolve_path
 
 RAY_DEFAULT_ROUTER = "ray-default"
@@ -56,15 +56,9 @@ class ReplicaOptions(BaseModel):
     prefill_budget_tokens: int | None = Field(None, ge=1)
 
 
-class ClusterArgs(BaseModel):
-    """The application's arguments (the YAML's ``args``)."""
+class ClusterArgs(ServedModel):
+    """The application's arguments (the YAML's ``args``): the served model's keys, then these."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field("fairway-tiny", description="the model name clients send")
-    tokenizer: str = Field("deploy/models/fairway-tiny", description="tokenizer path or hub name")
-    max_model_len: int = Field(32768, ge=16)
-    block_size: int = Field(16, ge=1)
     profile: str = Field(DEFAULT_PROFILE, description="cost profile (router estimates, sim engine timing)")
     engine: str = Field("sim", description="sim | vllm | module:Class")
     engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -102,8 +96,8 @@ class ClusterArgs(BaseModel):
                                   self.replica.policy_options)
 
     def ingress_args(self) -> IngressArgs:
-        return IngressArgs(model=self.model, tokenizer=self.tokenizer, max_model_len=self.max_model_len,
-                           block_size=self.block_size, router_policy=self.router.policy, metrics=self.metrics)
+        served = self.model_dump(include=set(ServedModel.model_fields))
+        return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics)
 
     def replica_args(self) -> ReplicaArgs:
         engine_args = dict(self.engine_args)

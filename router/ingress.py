@@ -101,8 +101,8 @@ def ingress_name() -> str:
         return "ingress"
 
 
-class IngressArgs(BaseModel):
-    """What the ingress needs from the application's configuration (``cluster/config.py`` builds it)."""
+class ServedModel(BaseModel):
+    """The served model as clients and the ingress see it; ``ClusterArgs`` has these keys too."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -110,6 +110,11 @@ class IngressArgs(BaseModel):
     tokenizer: str = Field("deploy/models/fairway-tiny", description="tokenizer path or hub name")
     max_model_len: int = Field(32768, ge=16)
     block_size: int = Field(16, ge=1)
+
+
+class IngressArgs(ServedModel):
+    """What the ingress needs from the application's configuration (``cluster/config.py`` builds it)."""
+
     router_policy: str = Field("fairway", description="the request router's policy (a metrics label)")
     metrics: bool = True
 
