@@ -146,13 +146,19 @@ def shared_pair(fail: list[bool] | None = None):
     return routers, log
 
 
+async def route(r: FairwayRequestRouter, reps: list, c: GenerateCall):
+    """What Ray does with one request: rank, send to the first choice, report it routed."""
+    pick = (await r.choose_replicas(reps, pending(c)))[0][0]
+    r.on_request_routed(pending(c), pick.replica_id, None)
+    return pick
+
+
 @pytest.mark.asyncio
 async def test_a_second_router_sees_the_firsts_routing_and_sends_the_sibling_to_the_holder():
     (a, b), _ = shared_pair()
     reps = [replica("replica-0"), replica("replica-1"), replica("replica-2")]
     first = call("a", 4096, family="doc")
-    pick = (await a.choose_replicas(reps, pending(first)))[0][0]
-    a.on_request_routed(pending(first), pick.replica_id, None)
+    pick = await route(a, reps, first)
     assert await a.sync_once() and await b.sync_once()
     j = b._ids[pick.replica_id.unique_id]
     assert b.index.match(first.block_hashes)[j] == 256 and b.load.live().outstanding[j] == 1
@@ -170,8 +176,7 @@ async def test_a_router_that_starts_late_replays_the_log_before_its_first_decisi
     (a, b), log = shared_pair()
     reps = [replica("replica-0"), replica("replica-1")]
     first = call("a", 4096, family="doc")
-    pick = (await a.choose_replicas(reps, pending(first)))[0][0]
-    a.on_request_routed(pending(first), pick.replica_id, None)
+    pick = await route(a, reps, first)
     assert await a.sync_once()
     b._sync_task = None  # b's first decision bootstraps from the log
     ranks = await b.choose_replicas(reps, pending(call("b", 4096, family="doc")))
@@ -185,8 +190,7 @@ async def test_an_unreachable_hub_degrades_to_the_own_view_and_recovers():
     (a, b), _ = shared_pair(fail)
     reps = [replica("replica-0"), replica("replica-1")]
     c = call("a", 4096, family="doc")
-    pick = (await a.choose_replicas(reps, pending(c)))[0][0]
-    a.on_request_routed(pending(c), pick.replica_id, None)
+    pick = await route(a, reps, c)
     assert not await a.sync_once() and a.view_degraded and len(a._outbox) == 1  # kept for later
     fail[0] = False
     assert await a.sync_once() and not a.view_degraded and a._outbox == []
@@ -198,8 +202,7 @@ async def test_the_requests_of_a_router_that_died_leave_the_others_load_view():
     (a, b), _ = shared_pair()
     reps = [replica("replica-0"), replica("replica-1")]
     c = call("a", 4096, family="doc")
-    pick = (await a.choose_replicas(reps, pending(c)))[0][0]
-    a.on_request_routed(pending(c), pick.replica_id, None)
+    pick = await route(a, reps, c)
     assert await a.sync_once() and await b.sync_once()
     j = b._ids[pick.replica_id.unique_id]
     assert b.load.live().outstanding[j] == 1
