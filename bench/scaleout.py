@@ -16,11 +16,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.score import TRACE
 from bench.tables import md_table
 from fairway.spec import split_specs
 from sim.runner import RunConfig, run
-
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def config(point: str, routers: int, view: str, delay: float, seed: int) -> RunConfig:

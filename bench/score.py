@@ -13,13 +13,15 @@ import argparse
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from bench.report import BASELINES
 from fairway.spec import parse_spec, split_specs
 from sim.runner import RunConfig, run
 
-TRACE = os.path.join("..", "shared", "traces", "mooncake_synthetic_trace.jsonl")
+# ../shared beside the repository, whatever the working directory
+TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
 
 #: (label, RunConfig fields): light-to-overload points of every workload family.
 SCENARIOS: list[tuple[str, dict[str, Any]]] = [
