@@ -55,7 +55,7 @@ QUEUE_WAIT_BUCKETS_S: tuple[float, ...] = (0.001, 0.005) + TTFT_BUCKETS_S
 ERROR_RATIO_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, math.inf)
 
 LEVELS = ("router", "replica")
-REQUEST_STATUSES = ("ok", "error", "rejected")
+REQUEST_STATUSES = ("ok", "error", "rejected", "cancelled")
 
 
 def _clamp0(seconds: float) -> float:
@@ -200,7 +200,8 @@ class FairwayStats:
         self._observe("queue_wait", (lane, self._replica(replica)), _clamp0(seconds))
 
     def inc_requests(self, lane: str, status: str, replica: str = "") -> None:
-        """One finished request: status "ok" | "error" | "rejected"."""
+        """One finished request: status "ok" | "error" | "rejected" | "cancelled" (its client
+        went away first)."""
         if status not in REQUEST_STATUSES:
             raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {status!r}")
         self._inc("requests", (lane, status, self._replica(replica)), 1)

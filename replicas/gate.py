@@ -93,6 +93,7 @@ class AdmissionGate:
         self.admitted = 0
         self.finished = 0
         self.rejected = 0
+        self.cancelled = 0  # requests whose consumer left before they finished
         self._ticker: asyncio.Task | None = None
         policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
         engine.set_cache_listener(policy.on_blocks_stored, policy.on_blocks_removed)
@@ -180,6 +181,7 @@ class AdmissionGate:
         try:
             adm: Admission = await fut
         except BaseException:
+            self.cancelled += 1
             if rid in self._waiting:
                 del self._waiting[rid]
                 self._request_ids.pop(rid, None)
@@ -197,6 +199,10 @@ class AdmissionGate:
             async for chunk in self._stream(call, adm, progress):
                 yield chunk
             status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"  # the consumer left; the engine aborts the request
+            self.cancelled += 1
+            raise
         finally:
             self._release(adm, progress["prefilled"])
             self.finished += 1

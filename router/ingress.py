@@ -9,7 +9,8 @@ back as SSE (``stream: true``) or are collected into one response.
 Errors are mapped, never swallowed: a full replica queue is 429 with Retry-After, Ray's own
 back-pressure or a dead/unavailable replica is 503 with Retry-After, a request the engine can
 never hold is 400. A failure after the stream started ends the stream with an error event and
-``[DONE]``, so a client never hangs.
+``[DONE]``, so a client never hangs. A client that disconnects has its call cancelled at the
+replica, which aborts the request in its gate and engine (queue slot and KV blocks freed).
 
 Metrics (level "router"): TTFT as the client sees it, per lane; requests by status; rejects by
 reason.
@@ -237,6 +238,8 @@ class FairwayIngress:
                 chunks.append(c)
         except HTTPError as e:
             return self._rejected(e)
+        finally:
+            stream.close()  # the client left (Serve cancelled this call): stop the replica's work
         return JSONResponse(self._full(call, body, chat, chunks, stream))
 
     # -- response shapes ---------------------------------------------------------------------
@@ -315,6 +318,8 @@ class FairwayIngress:
             yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"
             yield "data: [DONE]\n\n"
             return
+        finally:
+            stream.close()  # the client disconnected mid-stream: abort the request at its replica
         if include_usage:
             yield frame([], usage=self._usage(last), fairway=self._fairway(last, stream))
         yield "data: [DONE]\n\n"
@@ -367,6 +372,17 @@ class _Stream:
         except HTTPError:
             self._finish("error")
             raise
+
+    def close(self) -> None:
+        """End the call early if it has not finished (the client went away): cancel the
+        replica's generator, which aborts the request in its gate and engine. O(1)."""
+        if self.done:
+            return
+        self._finish("cancelled")
+        try:
+            self.gen.cancel()
+        except Exception as e:  # noqa: BLE001 - the replica may already be gone
+            logger.debug("ingress: cancel of %s failed: %s", self.call.request_id, e)
 
     def _finish(self, status: str) -> None:
         if self.done:

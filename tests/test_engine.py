@@ -108,3 +108,32 @@ def test_policy_hits_equal_the_engine_cache_during_a_run():
     eng.start_step = checked_step
     res = run(eng, clock, specs)
     assert len(res.finished) == 30 and checked
+
+
+def test_abort_frees_a_waiting_and_a_running_request_at_once():
+    """One running mid-prefill (inside a scheduled step) and one waiting behind it for memory:
+    aborting both leaves the engine empty, every block free, and the step's end applies nothing."""
+    eng, clock = engine(kv_blocks=20, budget=64)
+    running = eng.add(spec(0, 0.0, 200, 5, chain("a", 12)))  # 13 blocks, chunked over 4 steps
+    waiting = eng.add(spec(1, 0.0, 200, 5, chain("b", 12)))  # cannot fit beside it
+    assert eng.start_step() is not None
+    assert eng.scheduled == [running] and eng.num_waiting == 1
+    assert eng.abort(1) and eng.abort(0)
+    assert running.aborted and waiting.aborted
+    assert eng.reqs == {} and eng.running == [] and eng.num_waiting == 0
+    assert eng.pool.num_free == 20 and not eng.has_work()
+    assert eng.finish_step() == [] and running.num_computed == 0
+    assert not eng.abort(0)  # gone: a second abort is a no-op
+
+
+def test_abort_keeps_the_computed_prefix_cached():
+    """As vLLM does, the blocks an aborted request completed stay in the prefix cache (free,
+    evictable), so the next request with that prefix hits them."""
+    eng, clock = engine(kv_blocks=40, budget=64)
+    eng.add(spec(0, 0.0, 200, 50, chain("a", 12)))
+    for _ in range(2):  # two 64-token chunks: 8 blocks computed and hashed
+        clock.advance(eng.start_step())
+        eng.finish_step()
+    assert eng.abort(0)
+    assert eng.pool.num_free == 40
+    assert len(eng.pool.longest_hit(chain("a", 12))) == 8

@@ -226,3 +226,21 @@ async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
     assert st.waiting_ids == [] and st.recent_cached == {"a": 64, "b": 64}  # 4 blocks, capped below 80
     assert st.prefilling == {}
     assert {ch.lane for _, ch in out if ch.prompt_tokens} == {"fast"}
+
+
+async def test_a_stream_cancelled_after_admission_frees_its_slot():
+    """The consumer of an admitted stream goes away (Serve cancels it when the client
+    disconnects): the engine slot is released, the cancel counted, and the next waiter admitted."""
+    gate, engine, _ = make_gate("fcfs", max_queue=4)
+    engine.max_num_seqs = 1
+    out: list = []
+    a = asyncio.create_task(consume(gate, call("a", 64), out))
+    b = asyncio.create_task(consume(gate, call("b", 64), out))
+    await settle()
+    assert engine.started == ["a"] and len(gate.policy) == 1
+    a.cancel()
+    await settle()
+    assert (gate.cancelled, gate.finished, engine.started) == (1, 1, ["a", "b"])
+    engine.release("b")
+    await b
+    assert [rid for rid, _ in out] == ["b", "b"]

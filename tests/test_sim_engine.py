@@ -82,3 +82,17 @@ async def test_memory_bound_can_fit_and_concurrent_requests_finish(engine):
     results = await asyncio.gather(t, run(engine, call("b", b, max_tokens=5)))
     assert [len(r[0]) for r in results] == [200, 5]
     assert engine.stats().running == 0
+
+
+async def test_a_consumer_that_leaves_aborts_the_request(engine):
+    """Closing the stream after its first output (a client disconnect) aborts the request in the
+    model at once: nothing left running or waiting, every block free, the abort counted."""
+    gen = engine.generate(call("long", list(range(100, 400)), max_tokens=500))
+    first = await gen.__anext__()
+    assert first.token_ids and not first.finished
+    assert engine.stats().running == 1
+    await gen.aclose()
+    st = engine.stats()
+    assert (st.running, st.kv_blocks_free, engine.aborted) == (0, st.kv_blocks_total, 1)
+    tokens, _ = await run(engine, call("next", list(range(100, 400)), max_tokens=3))
+    assert len(tokens) == 3  # the engine keeps serving

@@ -363,6 +363,7 @@ async def _scenario() -> dict:
             if eng._llm.get_num_unfinished_requests() == 0:
                 break
         res["after_cancel_unfinished"] = eng._llm.get_num_unfinished_requests()
+        res["aborted"] = eng.aborted
         res["after_cancel_stats"] = eng.stats()
 
         # Too large: caught before vLLM, and vLLM's own 4xx (a token id out of the vocab) too.
@@ -428,7 +429,7 @@ def test_vllm_stats_and_cancellation(scenario):
     assert 0 <= mid.kv_blocks_free < mid.kv_blocks_total
     assert scenario["mid_source"] in ("scheduler_stats", "estimate")
     assert scenario["first_chunk"].cached_tokens == 0
-    assert scenario["after_cancel_unfinished"] == 0
+    assert scenario["after_cancel_unfinished"] == 0 and scenario["aborted"] == 1
     end = scenario["after_cancel_stats"]
     assert end.running == 0 and end.prefilling == 0 and end.kv_blocks_free == end.kv_blocks_total
     assert scenario["can_fit_small"] is True

@@ -82,6 +82,7 @@ class EngineRequest:
     uncached_at_arrival: int = 0
     est_prefill_at_arrival_s: float = 0.0
     rejected: str = ""
+    aborted: bool = False  # the host gave up on it (its client left) before it finished
 
     @property
     def rid(self) -> int:
@@ -297,6 +298,29 @@ class EngineModel:
                     self.listener.on_finished(self.replica, r)
         self._flush_events()
         return done
+
+    def abort(self, rid: int) -> bool:
+        """Stop request ``rid`` wherever it is (waiting, running, or in the step now in flight;
+        the step's cost is already spent, its work on this request is dropped): its queue entry
+        and KV blocks are freed at once, the blocks it completed stay cached (as vLLM keeps the
+        computed prefix of an aborted request). False if it is not here (finished, or unknown).
+        O(running + waiting) for the queue and batch removals."""
+        r = self.reqs.pop(rid, None)
+        if r is None:
+            return False
+        r.aborted = True
+        running = [x for x in self.running if x is not r]
+        if len(running) < len(self.running):
+            self.running = running
+        else:
+            self.policy.remove(rid)
+        self._batch = [(x, n) for x, n in self._batch if x is not r]
+        self.pool.release(r.blocks)
+        r.blocks = []
+        self._flush_events()
+        if self.listener is not None:
+            self.listener.on_finished(self.replica, r)
+        return True
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -20,6 +20,10 @@ busy time and the per-step lateness, so a run can show how far the real-time loo
 The gate in front (``replicas/gate.py``) orders admission with the Fairway queue; inside, the
 engine serves what it was given first-come-first-served, as vLLM's own waiting queue does.
 
+A request whose consumer stops reading (the client disconnected, so Serve cancelled the call) is
+aborted in the model at once: it leaves the queue or the running batch and its KV blocks are freed,
+as vLLM's ``abort`` does.
+
 Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
 and their blocks are hashed into the prefix cache like any other, so a follow-up turn that sends
 the previous output back hits it. Complexity per step: O(batch) plus the engine model's own.
@@ -110,6 +114,7 @@ class SimEngine:
         self.wall_busy_s = 0.0  # wall time of busy runs (first step start -> last step end)
         self.written_off_s = 0.0  # lateness beyond max_catchup_s, never repaid
         self.late_s: deque[float] = deque(maxlen=20_000)  # per step: wall end - deadline
+        self.aborted = 0  # requests whose consumer left before they finished
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -296,6 +301,10 @@ class SimEngine:
                     return
         finally:
             self._live.pop(rid, None)
+            # the consumer left early (client disconnect, cancellation): free its slot and blocks
+            if self.model.abort(rid):
+                self.aborted += 1
+                self._wake.set()
 
     def stats(self) -> EngineStats:
         m = self.model

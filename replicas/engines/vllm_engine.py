@@ -141,6 +141,7 @@ class VllmEngine:
         self._sampling: Any = None  # (SamplingParams, RequestOutputKind.DELTA or None)
         self._client_errors: tuple[type[BaseException], ...] = ()
         self._inflight: dict[str, _InFlight] = {}
+        self.aborted = 0  # requests whose consumer left before they finished
         self._ids = itertools.count()
         self._kv_total = 0  # our blocks
         self._kv_usage: float | None = None  # vLLM's scheduler stats, when they arrive
@@ -323,6 +324,7 @@ class VllmEngine:
             prompt["cache_salt"] = salt
         stream = llm.generate(prompt, params, rid)
         seen = 0  # cumulative outputs (when DELTA is unavailable)
+        done = False
         try:
             async for out in stream:
                 comp = out.outputs[0] if out.outputs else None
@@ -341,6 +343,7 @@ class VllmEngine:
                     cached_tokens=st.cached_tokens,
                 )
                 if out.finished:
+                    done = True
                     break
         except self._client_errors as e:
             raise RequestTooLarge(f"vLLM rejected the request: {e}") from e
@@ -353,6 +356,9 @@ class VllmEngine:
             # Closing vLLM's stream aborts the request there (no-op after it finished).
             try:
                 await stream.aclose()
+                if not done:  # the consumer left (client disconnect): say so explicitly as well
+                    await llm.abort(rid)
+                    self.aborted += 1
             except Exception:  # pragma: no cover - engine already gone
                 pass
             if st.first_s is not None and self._estimate is not None:
