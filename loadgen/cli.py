@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fairway.request import WorkloadError
+from loadgen.accounting import format_report
 from loadgen.http_client import ServerError
 from loadgen.http_run import HttpLoadRun, HttpRunConfig, build_workload
 
@@ -38,6 +39,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop-after", type=float, default=None, help="send nothing after this many seconds")
     r.add_argument("--timeout-s", type=float, default=600.0, help="total time limit per request")
     r.add_argument("--retries", type=int, default=0, help="retries of a 429/503, after its Retry-After")
+    r.add_argument("--disconnect-fraction", type=float, default=0.0,
+                   help="share of clients that hang up on purpose (half at a random time, half mid-stream)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stderr is a terminal)")
     r.add_argument("--json", default=None, help="write the summary JSON here")
@@ -60,6 +63,7 @@ def config_from(args: argparse.Namespace) -> HttpRunConfig:
         stop_after_s=args.stop_after,
         timeout_s=args.timeout_s,
         retries=args.retries,
+        disconnect_fraction=args.disconnect_fraction,
     )
 
 
@@ -72,7 +76,8 @@ def format_summary(res: dict[str, Any]) -> str:
         f"requests {res['n_requests']}: ok {res['n_finished']}, rejected {res['n_rejected']}, "
         f"unfinished {res['n_unfinished']}; errors {errors}\n"
         f"ttft p50 {t['p50']:.3f} p90 {t['p90']:.3f} p99 {t['p99']:.3f} s | itl p50 {itl['p50'] * 1e3:.1f} ms "
-        f"| e2e p50 {e2e['p50']:.2f} s | hit {res['cache_hit_ratio']:.3f} | lanes {lanes}"
+        f"| e2e p50 {e2e['p50']:.2f} s | hit {res['cache_hit_ratio']:.3f} | lanes {lanes}\n"
+        f"accounting: {format_report(res['accounting'])}"
     )
 
 

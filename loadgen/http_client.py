@@ -15,6 +15,10 @@ Timing, all on the injected clock: TTFT = first token event - send; ITL = gaps b
 consecutive token events; E2E = end of stream - send. With retries, the send is the first
 attempt's (what the user waits). Every call is bounded by ``timeout_s`` in total; running past it
 gives status ``"timeout"``.
+
+A client may hang up on purpose (``hang_up_after_s``: close the connection that many seconds after
+sending, whatever state the request is in; ``hang_up_after_events``: close it after that many
+token events): status ``"disconnected"``, unless the answer was complete first.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ DEFAULT_RETRY_AFTER_S = 1.0
 class StreamResult:
     """What one request produced. ``status`` is the HTTP status as text (``"200"``, ``"429"``)
     or ``"timeout"`` / ``"connection"`` / ``"stream"`` (a 2xx stream that broke or carried an
-    error). ``ok`` iff the stream ended with ``[DONE]`` or a final usage chunk.
+    error) / ``"disconnected"`` (the client hung up on purpose). ``ok`` iff the stream ended with
+    ``[DONE]`` or a final usage chunk. ``started``: a 2xx status line came (the stream began).
+    ``error_event``: the stream ended with the server's error event (a clear failure, not a cut).
     Invariants when ``ok``: ``ttft_s`` is set unless no token came, ``len(itl_s)`` is one less
     than the number of token events, ``e2e_s >= ttft_s``."""
 
@@ -58,6 +64,8 @@ class StreamResult:
     server_ttft_s: float | None = None
     retries: int = 0
     error: str = ""
+    started: bool = False
+    error_event: bool = False
 
     @property
     def rejected(self) -> bool:
@@ -82,6 +90,10 @@ def _retry_after(headers: Any) -> float:
         return max(0.0, float(headers.get("Retry-After", DEFAULT_RETRY_AFTER_S)))
     except (TypeError, ValueError):
         return DEFAULT_RETRY_AFTER_S
+
+
+class _HangUp(Exception):
+    """The client closes the connection on purpose (``hang_up_after_events``)."""
 
 
 class _SSEAccumulator:
@@ -161,7 +173,8 @@ class _StreamError(Exception):
 
 
 async def _attempt(
-    http: aiohttp.ClientSession, url: str, payload: dict[str, Any], res: StreamResult, clock: Clock, sent: float
+    http: aiohttp.ClientSession, url: str, payload: dict[str, Any], res: StreamResult, clock: Clock, sent: float,
+    hang_up_after_events: int | None = None,
 ) -> float | None:
     """One POST; fills ``res``. Returns the Retry-After delay when the answer is retryable."""
     async with http.post(url, json=payload) as resp:
@@ -169,6 +182,7 @@ async def _attempt(
             res.status, res.error = str(resp.status), _error_message(await resp.read())
             return _retry_after(resp.headers) if resp.status in RETRYABLE else None
         res.status = str(resp.status)
+        res.started = True
         acc = _SSEAccumulator(res, clock, sent)
         buf = b""
         try:
@@ -179,10 +193,22 @@ async def _attempt(
                     acc.line(raw)
                 if acc.done:
                     break
+                if hang_up_after_events is not None and res.n_events >= hang_up_after_events:
+                    raise _HangUp
             if buf and not acc.done:
                 acc.line(buf)
-        except (_StreamError, ValueError) as e:
+        except _StreamError as e:
+            res.status, res.error, res.error_event = "stream", str(e) or "error event", True
+            return None
+        except ValueError as e:
             res.status, res.error = "stream", str(e) or type(e).__name__
+            return None
+        except asyncio.CancelledError:
+            resp.close()  # a hang-up or timeout mid-stream: drop the connection, never reuse it
+            raise
+        except _HangUp:
+            resp.close()  # drop the connection, as a client that goes away does
+            res.status, res.error = "disconnected", f"client hung up after {res.n_events} token events"
             return None
         acc.finish()
         return None
@@ -196,6 +222,8 @@ async def stream_completion(
     clock: Clock,
     timeout_s: float,
     retries: int = 0,
+    hang_up_after_s: float | None = None,
+    hang_up_after_events: int | None = None,
 ) -> StreamResult:
     """POST ``payload`` to ``{url}/v1/completions`` and read the stream (see the module
     docstring). Retries 429/503 up to ``retries`` times after their Retry-After; the whole call,
@@ -207,16 +235,20 @@ async def stream_completion(
 
     async def go() -> None:
         for attempt in range(retries + 1):
-            delay = await _attempt(http, endpoint, payload, res, clock, sent)
+            delay = await _attempt(http, endpoint, payload, res, clock, sent, hang_up_after_events)
             if delay is None or attempt == retries:
                 return
             res.retries += 1
             await asyncio.sleep(delay)
 
+    hang_up = hang_up_after_s is not None and hang_up_after_s < timeout_s
     try:
-        await asyncio.wait_for(go(), timeout_s)
+        await asyncio.wait_for(go(), hang_up_after_s if hang_up else timeout_s)
     except asyncio.TimeoutError:
-        res.ok, res.status, res.error = False, "timeout", f"no complete answer within {timeout_s:g} s"
+        if hang_up:  # cancelling the read closed the connection: the client went away
+            res.ok, res.status, res.error = False, "disconnected", f"client hung up after {hang_up_after_s:g} s"
+        else:
+            res.ok, res.status, res.error = False, "timeout", f"no complete answer within {timeout_s:g} s"
     except (aiohttp.ClientError, OSError) as e:
         res.ok, res.status, res.error = False, "connection", str(e) or type(e).__name__
     return res

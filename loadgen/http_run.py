@@ -16,9 +16,15 @@ passes), so a live run and a simulated one offer the same requests:
 - Prompts are token ids from ``loadgen.prompts`` (shared block hashes -> shared prefixes); a
   session's next turn starts with the previous turn's real prompt + returned output ids.
 
+- Hang-ups (``disconnect_fraction``): that fraction of requests, drawn with the run's seed, has
+  its client go away on purpose, half of them after a random 0-``disconnect_within_s`` seconds
+  (often while still queued), half after their first token event (mid-stream).
+- Accounting (``loadgen/accounting.py``): every request sent gets exactly one outcome, and the
+  summary's ``accounting`` counts them (completed, refused, failed, disconnected, lost).
+
 The summary has every key of ``sim run --json`` (those only a simulator knows are null) plus
 ``HTTP_ONLY_KEYS``. Counts: ``n_requests`` (sent) = ``n_finished`` + ``n_rejected`` (non-2xx
-answers) + ``n_unfinished`` (timeouts, connection errors, broken streams).
+answers) + ``n_unfinished`` (timeouts, connection errors, broken streams, hang-ups).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fairway.clock import Clock, MonotonicClock
 from fairway.request import RequestSpec, Workload
 from fairway.summary import RequestSample, pct, realized_rate, summarize_samples
+from loadgen.accounting import Ledger, classify
 from loadgen.http_client import ServerError, StreamResult, first_model, stream_completion
 from loadgen.progress import ProgressLine
 from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
@@ -42,7 +49,7 @@ from workloads.registry import make_workload_from
 
 #: Keys ``loadgen run`` writes that ``sim run`` does not.
 HTTP_ONLY_KEYS = frozenset(
-    {"itl_s", "e2e_s", "send_lag_s", "errors_by_status", "n_retries", "url", "model", "wall_s"}
+    {"itl_s", "e2e_s", "send_lag_s", "errors_by_status", "n_retries", "url", "model", "wall_s", "accounting"}
 )
 
 #: Keys of ``sim run`` that only a simulator knows: null over HTTP.
@@ -74,6 +81,8 @@ class HttpRunConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0, description="total time limit per request (s)")
     retries: int = Field(0, ge=0, description="retries of a 429/503 after its Retry-After")
     connect_timeout_s: float = Field(10.0, gt=0, description="limit of the GET /v1/models probe")
+    disconnect_fraction: float = Field(0.0, ge=0, le=1, description="share of clients that hang up on purpose")
+    disconnect_within_s: float = Field(0.5, gt=0, description="a timed hang-up comes within this (s)")
 
 
 def build_workload(cfg: HttpRunConfig) -> Workload:
@@ -124,6 +133,8 @@ class HttpLoadRun:
         self.records: list[RequestRecord] = []
         self.model: str | None = cfg.model
         self.n_issued = 0
+        self.ledger = Ledger()
+        self._hang_rng = np.random.default_rng([cfg.seed, 0x4A6])  # who hangs up, and when
         self._start = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
@@ -183,10 +194,14 @@ class HttpLoadRun:
         sent_s = self._elapsed()
         self.progress.on_sent()
         assert self._http is not None
+        key = self.n_issued
+        self.ledger.send(key)
+        after_s, after_events = self._hang_up()
         res = await stream_completion(
             self._http, self.cfg.url, body, clock=self.clock, timeout_s=self.cfg.timeout_s,
-            retries=self.cfg.retries,
+            retries=self.cfg.retries, hang_up_after_s=after_s, hang_up_after_events=after_events,
         )
+        self.ledger.record(key, classify(res))
         finish_s = max(self._elapsed(), spec.arrival_s)
         self.records.append(RequestRecord(
             rid=spec.rid, kind=spec.kind, session=spec.session, turn=spec.turn, arrival_s=spec.arrival_s,
@@ -200,6 +215,16 @@ class HttpLoadRun:
         if self.workload.closed_loop:
             for follow in self.workload.on_complete(spec, finish_s):
                 self._launch(follow)
+
+    def _hang_up(self) -> tuple[float | None, int | None]:
+        """Whether this request's client hangs up on purpose, and when (the module docstring):
+        (seconds, None), (None, token events) or (None, None). O(1)."""
+        f = self.cfg.disconnect_fraction
+        if f <= 0.0 or self._hang_rng.random() >= f:
+            return None, None
+        if self._hang_rng.random() < 0.5:
+            return float(self._hang_rng.uniform(0.0, self.cfg.disconnect_within_s)), None
+        return None, 1
 
     async def run(self) -> dict[str, Any]:
         """Send the workload, wait for every request, return the summary. Raises
@@ -278,6 +303,7 @@ class HttpLoadRun:
             "url": cfg.url,
             "model": self.model,
             "wall_s": wall_s,
+            "accounting": self.ledger.report(),
         }
         return out
 

@@ -58,7 +58,9 @@ class Received:
 @dataclass
 class FakeOpenAI:
     """A tiny OpenAI-compatible completions server. ``reject(i)``: answer the i-th request (0-based,
-    in receive order) with 429; ``hang(i)``: never answer it (until teardown)."""
+    in receive order) with 429; ``hang(i)``: never answer it (until teardown); ``cut(i)``: end its
+    stream after the first token chunk with no ``[DONE]``; ``fail(i)``: end it there with an error
+    event and ``[DONE]``. ``gone`` counts streams whose client went away before the end."""
 
     ttft_s: float = 0.02
     itl_s: float = 0.004
@@ -66,6 +68,9 @@ class FakeOpenAI:
     return_ids: bool = True
     reject: Callable[[int], bool] = lambda i: False
     hang: Callable[[int], bool] = lambda i: False
+    cut: Callable[[int], bool] = lambda i: False
+    fail: Callable[[int], bool] = lambda i: False
+    gone: int = 0
     received: list[Received] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -128,12 +133,22 @@ class FakeOpenAI:
         await send(chunk([], None) | {"choices": [{"index": 0, "text": "", "finish_reason": None}]})  # no token
         await asyncio.sleep(self.ttft_s)
         n = len(rec.output)
-        for start in range(0, n, self.tokens_per_chunk):
-            if start:
-                await asyncio.sleep(self.itl_s)
-            end = min(n, start + self.tokens_per_chunk)
-            await send(chunk(rec.output[start:end], "length" if end == n else None))
-            rec.chunks += 1
+        try:
+            for start in range(0, n, self.tokens_per_chunk):
+                if start:
+                    await asyncio.sleep(self.itl_s)
+                if start and self.cut(rec.index):
+                    return resp  # the connection ends with no [DONE]: a cut stream
+                if start and self.fail(rec.index):
+                    await send({"error": {"message": "engine failed", "type": "server_error", "code": 503}})
+                    await send(b"[DONE]")
+                    return resp
+                end = min(n, start + self.tokens_per_chunk)
+                await send(chunk(rec.output[start:end], "length" if end == n else None))
+                rec.chunks += 1
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.gone += 1
+            raise
         self._cache.update(self._blocks(rec.prompt + rec.output))
         usage = {"prompt_tokens": len(rec.prompt), "completion_tokens": n, "total_tokens": len(rec.prompt) + n,
                  "prompt_tokens_details": {"cached_tokens": rec.cached}}
@@ -309,6 +324,37 @@ async def test_rejections_and_timeouts_are_counted_not_hung(serve):
     assert res["errors_by_status"] == {"429": 2, "timeout": 1}
     assert res["ttft_s"]["n"] == 4 and res["n_retries"] == 0
     assert 0.5 <= res["wall_s"] < 5
+
+
+@pytest.mark.asyncio
+async def test_every_request_gets_exactly_one_outcome_and_the_silent_failures_are_lost(serve):
+    """Seven requests, one of each fate: completed (2), refused with 429 (retryable), a hang
+    (timeout: lost), a stream cut without [DONE] (lost), a stream ended by an error event
+    (failed), and a client that hangs up after its first token (disconnected)."""
+    fake = await serve(FakeOpenAI(tokens_per_chunk=2, itl_s=0.05, reject=lambda i: i == 1,
+                                  hang=lambda i: i == 2, cut=lambda i: i == 3, fail=lambda i: i == 4))
+    specs = [spec(i, 0.02 * i, 40, 8, chain(f"p{i}", 2)) for i in range(7)]
+    runner = HttpLoadRun(cfg(fake.url, timeout_s=1.0), ListWorkload(specs))
+    hang_ups = iter([(None, None)] * 5 + [(None, 1), (None, None)])
+    runner._hang_up = lambda: next(hang_ups)  # request 5's client leaves after one token event
+    res = await asyncio.wait_for(runner.run(), 10)
+    acc = res["accounting"]
+    assert {k: acc[k] for k in ("sent", "completed", "refused", "failed", "disconnected", "lost")} == {
+        "sent": 7, "completed": 2, "refused": 1, "failed": 1, "disconnected": 1, "lost": 2}
+    assert acc["refused_by_status"] == {"429": 1} and acc["retryable"] == 2  # the 429 and the failure
+    assert sorted(e["status"] for e in acc["lost_examples"]) == ["stream", "timeout"]
+    assert fake.gone == 1  # the server saw the hang-up as a client that went away
+
+
+@pytest.mark.asyncio
+async def test_a_disconnect_fraction_hangs_up_that_share_of_clients(serve):
+    fake = await serve(FakeOpenAI(ttft_s=0.05, tokens_per_chunk=1, itl_s=0.01))
+    specs = [spec(i, 0.005 * i, 40, 30, chain(f"q{i}", 2)) for i in range(60)]
+    runner = HttpLoadRun(cfg(fake.url, disconnect_fraction=0.5, disconnect_within_s=0.04), ListWorkload(specs))
+    res = await asyncio.wait_for(runner.run(), 20)
+    acc = res["accounting"]
+    assert acc["lost"] == 0 and acc["sent"] == 60 and acc["completed"] + acc["disconnected"] == 60
+    assert 15 <= acc["disconnected"] <= 45
 
 
 @pytest.mark.asyncio

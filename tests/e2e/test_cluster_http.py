@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from cluster.launch import post_json, running_cluster
+from tests.e2e.probes import poll, replica_gauges
 
 pytestmark = pytest.mark.e2e
 
@@ -175,16 +176,54 @@ def test_streaming_sse_shape(url):
     assert events[-1]["fairway"]["ttft_s"] > 0
 
 
-def test_client_disconnect_does_not_wedge_the_replica(url):
-    """A client that goes away mid-stream loses nothing for others: later requests complete."""
-    s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10)
-    body = json.dumps({"model": MODEL, "prompt": prompt_ids(6, 2000), "max_tokens": 200, "stream": True}).encode()
+def open_stream(url: str, prompt: list[int], max_tokens: int) -> socket.socket:
+    """A streamed completion on a raw socket, read up to its first bytes (the status line and
+    the first frame come once the first token is out)."""
+    s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    s.recv(100)
-    s.close()
+    assert s.recv(100).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def empty(g: dict[str, float]) -> bool:
+    return g["replicas"] == 2 and g["fairway_engine_running"] == g["fairway_engine_waiting"] == 0 \
+        and g["fairway_engine_kv_usage"] == 0
+
+
+def wait_empty(url: str, timeout_s: float, what: str) -> None:
+    poll(lambda: empty(replica_gauges(url)), timeout_s, what, describe=lambda: replica_gauges(url))
+
+
+def test_client_disconnects_abort_the_requests_in_the_engines(url):
+    """Ten streams of 5,000 tokens (about 30 s each) whose clients leave after the first bytes:
+    the requests are aborted in their engines within seconds (nothing running or waiting, every
+    KV block free), and the next request is served."""
+    wait_empty(url, 15, "replicas idle before the test")
+    socks = [open_stream(url, prompt_ids(60 + i, 300), 5000) for i in range(10)]
+    assert replica_gauges(url)["fairway_engine_running"] == 10
+    for s in socks:
+        s.close()
+    wait_empty(url, 10, "engines empty after the clients left")
     status, body, _ = complete(url, prompt_ids(7, 300), max_tokens=3)
     assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_a_thousand_random_disconnects_lose_nothing_and_leave_the_cluster_empty(url):
+    """1,000 requests whose clients all hang up, half at a random moment within 0.3 s (many while
+    queued), half after their first token: every one is accounted for, none lost, and the gates
+    and engines end empty."""
+    from loadgen.http_run import HttpLoadRun, HttpRunConfig
+
+    cfg = HttpRunConfig(url=url, workload="mixed", rate=60, duration_s=30, seed=5, max_requests=1000,
+                        model=MODEL, timeout_s=60, disconnect_fraction=1.0, disconnect_within_s=0.3)
+    res = asyncio.run(HttpLoadRun(cfg).run())
+    acc = res["accounting"]
+    assert acc["sent"] == 1000 and acc["lost"] == 0, acc
+    assert acc["disconnected"] >= 900, acc  # the rest finished before their client hung up
+    wait_empty(url, 15, "engines empty after 1,000 hang-ups")
 
 
 def test_concurrent_requests_all_complete(url):
