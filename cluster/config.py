@@ -25,6 +25,7 @@ from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S
 from router.ingress import IngressArgs, ServedModel
+from router.limits import RequestLimits
 from router.tokenizer import resolve_path
 
 RAY_DEFAULT_ROUTER = "ray-default"
@@ -75,6 +76,7 @@ class ClusterArgs(ServedModel):
                                      description="replicas merge a stream's tokens over this interval; the "
                                                  "first token leaves at once (0: one item per engine step)")
     metrics: bool = True
+    limits: RequestLimits = Field(default_factory=RequestLimits)
 
     @model_validator(mode="after")
     def _resolve_policies(self) -> ClusterArgs:
@@ -97,7 +99,7 @@ class ClusterArgs(ServedModel):
 
     def ingress_args(self) -> IngressArgs:
         served = self.model_dump(include=set(ServedModel.model_fields))
-        return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics)
+        return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits)
 
     def replica_args(self) -> ReplicaArgs:
         engine_args = dict(self.engine_args)

@@ -18,20 +18,22 @@ reason.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.hashing import block_hashes
 from fairway.protocol import GenerateCall, ReplicaError, TokenChunk
 from router.detokenize import IncrementalDetokenizer
+from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -42,6 +44,7 @@ from router.openai_api import (
 )
 
 logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
 
@@ -118,6 +121,7 @@ class IngressArgs(ServedModel):
 
     router_policy: str = Field("fairway", description="the request router's policy (a metrics label)")
     metrics: bool = True
+    limits: RequestLimits = Field(default_factory=RequestLimits)
 
 
 class FairwayIngress:
@@ -194,18 +198,22 @@ class FairwayIngress:
             cache_salt=body.cache_salt,
         )
 
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest, request: Request | None = None) -> Any:
         try:
             self._check_model(body.model)
             ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
             call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS)
         except HTTPError as e:
             return self._rejected(e)
-        return await self._respond(call, body, chat=False)
+        return await self._respond(call, body, chat=False, request=request)
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request | None = None) -> Any:
         try:
             self._check_model(body.model)
+            cap = self.args.limits.max_messages
+            if len(body.messages) > cap:
+                raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}",
+                                reason="bad_request")
             ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:
@@ -213,7 +221,7 @@ class FairwayIngress:
             call = self._call(body, ids, max_tokens)
         except HTTPError as e:
             return self._rejected(e)
-        return await self._respond(call, body, chat=True)
+        return await self._respond(call, body, chat=True, request=request)
 
     def _rejected(self, e: HTTPError) -> JSONResponse:
         if self.stats is not None:
@@ -221,25 +229,28 @@ class FairwayIngress:
             self.stats.inc_requests("", "rejected")
         return e.response()
 
-    async def _respond(self, call: GenerateCall, body: Any, chat: bool) -> Any:
+    async def _respond(self, call: GenerateCall, body: Any, chat: bool, request: Request | None = None) -> Any:
         gen = self.handle.generate.remote(call)
         stream = _Stream(self, call, gen)
+        streaming = False  # the streaming response owns the call from its first frame on
         try:
-            first = await stream.first()
+            # the wait for the first token (queueing, prefill) and a whole answer's collection end
+            # at once when the client goes away; a stream's own disconnects are seen by the
+            # streaming response
+            first = await unless_gone(request, stream.first())
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                streaming = True
+                return StreamingResponse(self._sse(stream, first, body, chat, include_usage),
+                                         media_type="text/event-stream")
+            chunks = [first, *await unless_gone(request, stream.collect())]
         except HTTPError as e:
             return self._rejected(e)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, first, body, chat, include_usage),
-                                     media_type="text/event-stream")
-        chunks = [first]
-        try:
-            async for c in stream.rest():
-                chunks.append(c)
-        except HTTPError as e:
-            return self._rejected(e)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it; the call was cancelled
         finally:
-            stream.close()  # the client left (Serve cancelled this call): stop the replica's work
+            if not streaming:
+                stream.close()  # unfinished (its client left, or it failed): stop the replica's work
         return JSONResponse(self._full(call, body, chat, chunks, stream))
 
     # -- response shapes ---------------------------------------------------------------------
@@ -325,6 +336,41 @@ class FairwayIngress:
         yield "data: [DONE]\n\n"
 
 
+#: The status of a response nobody will read (the client went away first), nginx's convention.
+CLIENT_GONE_STATUS = 499
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once ``request``'s client has disconnected (its body was read already, so the
+    next ASGI message is ``http.disconnect``, sent when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request | None, aw: Awaitable[T]) -> T:
+    """``await aw``, unless ``request``'s client disconnects first: then ``aw`` is cancelled and
+    ``ClientGone`` raised. Why: the HTTP server does not cancel a handler whose client left, so
+    without this a request whose client gave up still waits in a queue, and still runs. Two
+    tasks per call."""
+    if request is None:
+        return await aw
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        gone.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise ClientGone
+
+
 class _Stream:
     """One request's token stream from its replica, with error mapping and router metrics."""
 
@@ -358,6 +404,10 @@ class _Stream:
         if c.finished:
             self._finish("ok")
         return c
+
+    async def collect(self) -> list[TokenChunk]:
+        """The chunks after the first, to the end (``rest`` as a list)."""
+        return [c async for c in self.rest()]
 
     async def rest(self) -> AsyncIterator[TokenChunk]:
         if self.done:
@@ -404,6 +454,17 @@ def current_ingress() -> FairwayIngress:
     return serve.get_replica_context().servable_object
 
 
+def current_limits() -> RequestLimits:
+    """This ingress replica's request limits (the defaults outside a Serve replica)."""
+    try:
+        return current_ingress().args.limits
+    except Exception:  # noqa: BLE001 - not in a replica, or not constructed yet
+        return RequestLimits()
+
+
+app.add_middleware(RequestGuard, limits=current_limits)
+
+
 Ingress = Annotated[FairwayIngress, Depends(current_ingress)]
 
 
@@ -423,10 +484,10 @@ async def metrics_targets(ingress: Ingress) -> JSONResponse:
 
 
 @app.post("/v1/completions")
-async def completions(body: CompletionRequest, ingress: Ingress) -> Any:
-    return await ingress.completions(body)
+async def completions(body: CompletionRequest, ingress: Ingress, request: Request) -> Any:
+    return await ingress.completions(body, request)
 
 
 @app.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, ingress: Ingress) -> Any:
-    return await ingress.chat_completions(body)
+async def chat_completions(body: ChatCompletionRequest, ingress: Ingress, request: Request) -> Any:
+    return await ingress.chat_completions(body, request)

@@ -257,3 +257,40 @@ def test_cold_burst_spreads_over_replicas(url):
     replicas = asyncio.run(run())
     counts = sorted(replicas.count(r) for r in set(replicas))
     assert len(counts) == 2 and counts[0] >= 5, counts
+
+
+def test_the_openapi_schema_fuzzed_against_the_cluster_never_gets_a_5xx(url):
+    """schemathesis over the cluster's own OpenAPI schema through Serve's HTTP stack (the
+    in-process suite, tests/test_ingress_http.py, runs many more examples): no 5xx, each answer
+    within 15 s, and a served request still completes afterwards."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    for op in (r.ok() for r in schema.get_all_operations()):
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=op.as_strategy())
+        def fuzz(case):
+            case.call_and_validate(checks=[not_a_server_error], timeout=15)
+            if isinstance(case.body, dict):
+                case.body["model"] = MODEL
+                case.call_and_validate(checks=[not_a_server_error], timeout=15)
+
+        fuzz()
+    status, body, _ = complete(url, prompt_ids(8, 100), max_tokens=2)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_limits_on_the_cluster(url):
+    """The ingress's limits hold through Serve's proxy: 413 for a large body, 431 for a large
+    header block, 400 for too many messages, each with a message."""
+    import requests
+
+    r = requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x " * 5_000_000}, timeout=30)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = requests.get(f"{url}/v1/models", headers={"x-junk": "a" * 100_000}, timeout=30)
+    assert 400 <= r.status_code < 500
+    msgs = [{"role": "user", "content": "hi"}] * 1025
+    r = requests.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": msgs}, timeout=30)
+    assert r.status_code == 400 and "too many messages" in r.json()["error"]["message"]

@@ -1,0 +1,149 @@
+"""Request limits at the ingress, checked before a body is parsed or anything is queued.
+
+Why: the ingress faces every client; a body of unbounded size, a chat of a million messages or a
+client that trickles its body in forever must cost a bounded amount of memory and time, and get a
+clear answer. What the limits are:
+
+- ``max_body_bytes`` (default 8 MiB: a 32k-token prompt is about 200 kB as token ids, 150 kB as
+  text): a larger ``Content-Length`` is refused with 413 before the body is read; a chunked body
+  is counted as it arrives and refused with 413 at the first byte past the limit.
+- ``body_timeout_s`` (default 30 s): a body that has not fully arrived by then is refused with 408
+  (the slow client's connection is then closed by the HTTP server).
+- ``max_messages`` (default 1,024): a chat with more messages gets 400.
+- Prompt tokens and ``max_tokens`` are bounded by the model's context length (400), and ``n`` to 1
+  (400), where the body is validated (``router/openai_api.py``, ``router/ingress.py``).
+
+- ``max_header_bytes`` (default 32 KiB): a request whose header block (names and values) is
+  larger gets 431. uvicorn's h11 parser bounds only a header block that arrives in pieces
+  (16 KiB); one that arrives in a single read passes it whole, so the limit is checked here too.
+
+``RequestGuard`` is plain ASGI middleware: it checks the headers, reads the request body itself
+(up to the limit), then hands it to the application in one message. O(header + body bytes) per
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class RequestLimits(BaseModel):
+    """The ingress's request limits (the ``limits`` key of the app's args)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger bodies get 413")
+    body_timeout_s: float = Field(30.0, gt=0, description="a body not fully received by then gets 408")
+    max_messages: int = Field(1024, ge=1, description="chats with more messages get 400")
+    max_header_bytes: int = Field(32 * 1024, ge=1024, description="larger header blocks get 431")
+
+
+def _error(status: int, message: str) -> bytes:
+    kind = {408: "timeout_error"}.get(status, "invalid_request_error")
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+
+
+class RequestGuard:
+    """ASGI middleware enforcing the header and body limits (module docstring)."""
+
+    def __init__(self, app: ASGIApp, limits: RequestLimits | Callable[[], RequestLimits] | None = None) -> None:
+        self.app = app
+        self._limits = limits or RequestLimits()
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The limits now (a callable is asked per request: the ingress's config is known only
+        once its replica has started)."""
+        return self._limits if isinstance(self._limits, RequestLimits) else self._limits()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limits = self.limits
+        header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers") or ())
+        if header_bytes > limits.max_header_bytes:
+            await _reply(send, 431, f"request headers are {header_bytes} bytes; the limit is "
+                                    f"{limits.max_header_bytes} bytes")
+            return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = limits.max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await _reply(send, 413, f"request body is {declared} bytes; the limit is {limit} bytes")
+            return
+        try:
+            body = await asyncio.wait_for(_read_body(receive, limit), limits.body_timeout_s)
+        except _TooLarge:
+            await _reply(send, 413, f"request body exceeds the limit of {limit} bytes")
+            return
+        except asyncio.TimeoutError:
+            await _reply(send, 408, f"request body not received within {limits.body_timeout_s:g} s")
+            return
+        if body is None:  # the client went away while sending
+            return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: http.disconnect when the client leaves
+
+        await self.app(scope, replay, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _content_length(scope: Scope) -> int | None:
+    for k, v in scope.get("headers") or ():
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None if the client disconnected; ``_TooLarge`` past ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        part = msg.get("body", b"")
+        size += len(part)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(part)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _reply(send: Send, status: int, message: str) -> None:
+    body = _error(status, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["RequestGuard", "RequestLimits"]

@@ -1,0 +1,330 @@
+"""The ingress's HTTP surface in-process: uvicorn serving the real FastAPI app on 127.0.0.1, with
+a scripted replica handle behind it (no Ray), so hostile input can be thrown at it by the
+thousand: limits (413, 408, 400), and hypothesis over bodies and headers: never a 5xx, never a
+hang, always a JSON error that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import schemathesis
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+
+import router.ingress as ingress_mod
+from fairway.protocol import TokenChunk
+from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
+from router.limits import RequestLimits
+
+MODEL = "fairway-tiny"
+
+
+class ScriptedReplicas:
+    """Stands in for the replicas' deployment handle: each call streams ``max_tokens`` tokens,
+    one chunk each; ``cancelled`` counts calls the ingress cancelled."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+        self.cancelled = 0
+        self.open: set[int] = set()  # calls neither finished nor cancelled
+
+    def options(self, **_: Any) -> ScriptedReplicas:
+        return self
+
+    @property
+    def generate(self) -> ScriptedReplicas:
+        return self
+
+    def remote(self, call: Any) -> _Gen:
+        self.calls.append(call)
+        gen = _Gen(self, call)
+        self.open.add(id(gen))
+        return gen
+
+
+class _Gen:
+    def __init__(self, owner: ScriptedReplicas, call: Any) -> None:
+        self.owner = owner
+        self.n = call.max_tokens
+        self.i = 0
+        self.prompt = len(call.prompt_token_ids)
+
+    def __aiter__(self) -> _Gen:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self.i >= self.n:
+            raise StopAsyncIteration
+        self.i += 1
+        done = self.i == self.n
+        await asyncio.sleep(0.001)
+        if done:
+            self.owner.open.discard(id(self))
+        return TokenChunk(token_ids=[100 + self.i], finished=done, finish_reason="length" if done else None,
+                          prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0")
+
+    def cancel(self) -> None:
+        self.owner.cancelled += 1
+        self.owner.open.discard(id(self))
+
+
+class Server:
+    """uvicorn serving ``app`` in a thread, on an ephemeral port."""
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self.replicas = ScriptedReplicas()
+        self.ingress = FairwayIngress(self.replicas, IngressArgs(model=MODEL, max_model_len=4096, metrics=False,
+                                                                 limits=limits))
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not (self.server.started and self.server.servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    limits = RequestLimits(max_body_bytes=64 * 1024, body_timeout_s=1.0, max_messages=8)
+    srv = Server(limits)
+    app.dependency_overrides[current_ingress] = lambda: srv.ingress
+    original = ingress_mod.current_ingress
+    ingress_mod.current_ingress = lambda: srv.ingress  # the body limit reads this replica's limits
+    try:
+        with srv:
+            yield srv
+    finally:
+        ingress_mod.current_ingress = original
+        app.dependency_overrides.clear()
+
+
+def post(server: Server, path: str, body: Any, headers: dict[str, str] | None = None,
+         timeout: float = 10) -> requests.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(server.url + path, data=data, timeout=timeout,
+                         headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def assert_clear_error(r: requests.Response, status: int, needle: str = "") -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and needle in err["message"], err
+
+
+# -- limits ------------------------------------------------------------------------------------
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(server):
+    big = {"model": MODEL, "prompt": "x " * 40_000, "max_tokens": 1}
+    before = len(server.replicas.calls)
+    assert_clear_error(post(server, "/v1/completions", big), 413, "limit is 65536 bytes")
+    assert len(server.replicas.calls) == before  # nothing reached the replicas
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(server):
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "fairway-tiny", "prompt": "'
+        for _ in range(100):
+            yield b"y" * 1024
+        yield b'"}'
+
+    r = requests.post(server.url + "/v1/completions", data=chunks(), timeout=10,
+                      headers={"Content-Type": "application/json"})
+    assert_clear_error(r, 413, "exceeds the limit of 65536 bytes")
+
+
+def test_a_slow_body_is_refused_with_408_and_the_connection_closed(server):
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{\"model\": ")  # then nothing: a slow-loris body
+    t0 = time.monotonic()
+    reply = b""
+    while chunk := s.recv(4096):
+        reply += chunk
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in reply
+    assert time.monotonic() - t0 < 5
+
+
+def test_too_many_messages_and_the_other_limits_are_400_with_the_reason(server):
+    msgs = [{"role": "user", "content": "hi"}] * 9
+    assert_clear_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs}), 400,
+                       "too many messages: 9; the limit is 8")
+    assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}), 400, "n")
+    assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 10**9}),
+                       400, "maximum context length is 4096 tokens")
+    assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**12]}), 400,
+                       "out of the vocabulary")
+
+
+def test_a_client_that_leaves_mid_stream_has_its_replica_call_cancelled(server):
+    before = server.replicas.cancelled
+    body = json.dumps({"model": MODEL, "prompt": [5] * 20, "max_tokens": 3000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert s.recv(64).startswith(b"HTTP/1.1 200")
+    s.close()
+    deadline = time.monotonic() + 10
+    while server.replicas.cancelled == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.replicas.cancelled == before + 1
+
+
+def test_a_client_that_leaves_before_a_whole_answer_has_its_call_cancelled(server):
+    """Without a stream, the HTTP server does not cancel the handler whose client left; the
+    ingress watches for the disconnect itself and cancels the replica call at once."""
+    before = server.replicas.cancelled
+    body = json.dumps({"model": MODEL, "prompt": [5] * 20, "max_tokens": 3000}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(0.2)  # the call is under way (3,000 tokens take 3 s)
+    s.close()
+    t0 = time.monotonic()
+    while server.replicas.cancelled == before and time.monotonic() < t0 + 10:
+        time.sleep(0.01)
+    assert server.replicas.cancelled == before + 1 and time.monotonic() - t0 < 1.0
+    assert not server.replicas.open
+
+
+# -- hostile input -----------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=30,
+)
+fields = {
+    "model": st.sampled_from([MODEL, "other", ""]) | json_values,
+    "prompt": st.text(max_size=200) | st.lists(st.integers(-5, 5000), max_size=50) | json_values,
+    "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+         "content": st.text(max_size=80) | json_values}), max_size=10) | json_values,
+    "max_tokens": st.integers(-3, 5000) | json_values,
+    "max_completion_tokens": st.integers(-3, 50) | json_values,
+    "stream": st.booleans() | json_values,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
+    "temperature": st.floats(-1, 3, allow_nan=False) | json_values,
+    "n": st.integers(-1, 3) | json_values,
+    "ignore_eos": st.booleans(),
+    "return_token_ids": st.booleans() | json_values,
+    "cache_salt": st.text(max_size=20) | json_values,
+}
+bodies = st.fixed_dictionaries({}, optional=fields)
+
+
+def check_answer(r: requests.Response) -> None:
+    """Every answer is a 2xx with a body, or a 4xx with an OpenAI error object that says why."""
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["message"], r.text
+        return
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        frames = [ln for ln in r.text.split("\n") if ln.startswith("data: ")]
+        assert frames[-1] == "data: [DONE]", r.text[-200:]
+    else:
+        assert r.json()["choices"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_fuzzed_bodies_never_get_a_5xx_and_always_a_clear_answer(server, body, path):
+    check_answer(post(server, path, body, timeout=10))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(read=st.integers(0, 3000), max_tokens=st.integers(1, 400), stream=st.booleans())
+def test_clients_that_stop_reading_anywhere_leave_no_call_open(server, read, max_tokens, stream):
+    """A client reads the first ``read`` bytes of a (streamed or whole) answer and closes: every
+    replica call ends, finished or cancelled, and the server answers the next request."""
+    body = json.dumps({"model": MODEL, "prompt": [5] * 20, "max_tokens": max_tokens, "stream": stream}).encode()
+    calls = len(server.replicas.calls)
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.settimeout(0.3)  # a whole answer shorter than ``read`` leaves a kept-alive connection idle
+    got = b""
+    try:
+        while len(got) < read and (chunk := s.recv(min(4096, read - len(got)))):
+            got += chunk
+    except TimeoutError:
+        pass
+    s.close()
+    deadline = time.monotonic() + 10
+    while (len(server.replicas.calls) == calls or server.replicas.open) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(server.replicas.calls) == calls + 1 and not server.replicas.open
+    check_answer(post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6], "max_tokens": 2}))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=300) | st.text(max_size=300).map(str.encode),
+       ctype=st.sampled_from(["application/json", "text/plain", "", "application/json; charset=latin-1"]))
+def test_fuzzed_raw_bytes_and_content_types_get_4xx_not_5xx(server, raw, ctype):
+    r = requests.post(server.url + "/v1/completions", data=raw, headers={"Content-Type": ctype} if ctype else {},
+                      timeout=10)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(headers=st.dictionaries(
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=20).filter(
+        lambda k: k not in ("content-length", "transfer-encoding", "host", "content-type", "connection")),
+    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=200).map(str.strip), max_size=8))
+def test_fuzzed_headers_do_not_change_the_answer(server, headers):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}, headers=headers)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_oversized_header_block_is_refused_with_431(server):
+    r = requests.get(server.url + "/health", headers={"x-junk": "a" * 200_000}, timeout=10)
+    assert_clear_error(r, 431, "the limit is 32768 bytes")
+
+
+# -- the OpenAPI schema, fuzzed (schemathesis) -------------------------------------------------
+
+
+def test_the_openapi_schema_fuzzed_never_gets_a_5xx(server):
+    """Every operation of the ingress's own OpenAPI schema, with inputs schemathesis generates
+    from it (valid and invalid; bodies sent once as generated and once naming the served model):
+    no 5xx, and an answer within 10 s each."""
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    before = len(server.replicas.calls)
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/health", "/v1/models"}
+    for op in ops:
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=op.as_strategy())
+        def fuzz(case):
+            case.call_and_validate(checks=[not_a_server_error], timeout=10)
+            if isinstance(case.body, dict):  # again with the served model, to get past the 404
+                case.body["model"] = MODEL
+                case.call_and_validate(checks=[not_a_server_error], timeout=10)
+
+        fuzz()
+    assert len(server.replicas.calls) > before  # some generated bodies were valid and served
