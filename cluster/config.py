@@ -24,6 +24,7 @@ from fairway.routing.fairway import router_options_for
 from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S
+from router.auth import AuthArgs, KeyTable
 from router.ingress import IngressArgs, ServedModel
 from router.limits import RequestLimits
 from router.tokenizer import resolve_path
@@ -77,10 +78,15 @@ class ClusterArgs(ServedModel):
                                                  "first token leaves at once (0: one item per engine step)")
     metrics: bool = True
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    auth: AuthArgs = Field(default_factory=AuthArgs)
 
     @model_validator(mode="after")
     def _resolve_policies(self) -> ClusterArgs:
-        """Resolve both policy specs to (name, options) and check them by building each once."""
+        """Resolve both policy specs to (name, options) and check them by building each once;
+        read the API keys once (a missing file or variable fails here)."""
+        if self.auth.keys_file:
+            self.auth.keys_file = resolve_path(self.auth.keys_file)
+        KeyTable(self.auth)
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
@@ -99,7 +105,8 @@ class ClusterArgs(ServedModel):
 
     def ingress_args(self) -> IngressArgs:
         served = self.model_dump(include=set(ServedModel.model_fields))
-        return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits)
+        return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
+                           auth=self.auth)
 
     def replica_args(self) -> ReplicaArgs:
         engine_args = dict(self.engine_args)

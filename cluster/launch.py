@@ -41,8 +41,10 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, Any], dict[str, str]]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+def post_json(url: str, body: dict[str, Any], timeout: float = 60.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read()), dict(r.headers)
@@ -50,10 +52,11 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[in
         return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
 
-def _ready(url: str, model: str) -> bool:
+def _ready(url: str, model: str, api_key: str | None = None) -> bool:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     try:
         status, body, _ = post_json(f"{url}/v1/completions",
-                                    {"model": model, "prompt": [20] * 40, "max_tokens": 2}, timeout=10)
+                                    {"model": model, "prompt": [20] * 40, "max_tokens": 2}, timeout=10, headers=headers)
     except (OSError, ValueError):
         return False
     return status == 200 and body.get("usage", {}).get("completion_tokens") == 2
@@ -76,8 +79,10 @@ def _wait_port_free(port: int, timeout_s: float = 120.0) -> None:
 
 @contextlib.contextmanager
 def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
+                    api_key: str | None = None, env: dict[str, str] | None = None,
                     **overrides: Any) -> Iterator[str]:
-    """The base URL of a running cluster built from ``config`` with ``overrides`` in its args."""
+    """The base URL of a running cluster built from ``config`` with ``overrides`` in its args
+    (``api_key``: the key its readiness probe sends; ``env``: extra environment for ``serve run``)."""
     port = port or DEFAULT_PORT
     url = f"http://127.0.0.1:{port}"
     _wait_port_free(port)
@@ -91,14 +96,14 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
         path = f.name
     log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
     serve = Path(sys.executable).with_name("serve")
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.setdefault("RAY_ADDRESS", "local")
     env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as scripts/run.sh; "0" in the environment turns it off
     proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while not _ready(url, model):
+        while not _ready(url, model, api_key):
             if proc.poll() is not None:
                 raise RuntimeError(f"serve run exited with {proc.returncode}; see {log.name}")
             if time.monotonic() > deadline:

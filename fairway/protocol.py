@@ -35,6 +35,7 @@ class GenerateCall:
     temperature: float = 0.0
     ignore_eos: bool = True
     cache_salt: str | None = None  # tenant salt folded into the first block's hash
+    tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
 
 
 @dataclass(slots=True)

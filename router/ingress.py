@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.hashing import block_hashes
 from fairway.protocol import GenerateCall, ReplicaError, TokenChunk
+from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.detokenize import IncrementalDetokenizer
 from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
@@ -122,6 +123,7 @@ class IngressArgs(ServedModel):
     router_policy: str = Field("fairway", description="the request router's policy (a metrics label)")
     metrics: bool = True
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    auth: AuthArgs = Field(default_factory=AuthArgs)
 
 
 class FairwayIngress:
@@ -134,6 +136,7 @@ class FairwayIngress:
         self.handle = replicas.options(stream=True)
         self.tokenizer = Tokenizer(a.tokenizer)
         self.block_size = a.block_size
+        self.keys = KeyTable(a.auth)
         self.name = ingress_name()
         self.stats = None
         self.exporter = None
@@ -174,7 +177,8 @@ class FairwayIngress:
             raise HTTPError(404, f"the model `{model}` does not exist; this server serves `{self.args.model}`",
                             reason="unknown_model")
 
-    def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int) -> GenerateCall:
+    def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int,
+              who: Principal = NO_AUTH) -> GenerateCall:
         n = len(ids)
         if n == 0:
             raise HTTPError(400, "prompt must not be empty", reason="bad_request")
@@ -186,23 +190,25 @@ class FairwayIngress:
         if max(ids) >= self.tokenizer.vocab_size:
             raise HTTPError(400, f"token id {max(ids)} is out of the vocabulary (size {self.tokenizer.vocab_size})",
                             reason="bad_request")
+        salt = who.salt(body.cache_salt)
         return GenerateCall(
             request_id=new_id("req"),
             prompt_token_ids=ids,
-            block_hashes=tuple(block_hashes(ids, self.block_size, body.cache_salt)),
+            block_hashes=tuple(block_hashes(ids, self.block_size, salt)),
             max_tokens=max_tokens,
             arrival_s=time.time(),
             model=body.model,
             temperature=body.temperature,
             ignore_eos=body.ignore_eos,
-            cache_salt=body.cache_salt,
+            cache_salt=salt,
+            tenant=who.tenant,
         )
 
     async def completions(self, body: CompletionRequest, request: Request | None = None) -> Any:
         try:
             self._check_model(body.model)
             ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-            call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS)
+            call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=False, request=request)
@@ -218,7 +224,7 @@ class FairwayIngress:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(DEFAULT_MAX_TOKENS * 16, self.args.max_model_len - len(ids)))
-            call = self._call(body, ids, max_tokens)
+            call = self._call(body, ids, max_tokens, principal_of(request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=True, request=request)
@@ -454,6 +460,21 @@ def current_ingress() -> FairwayIngress:
     return serve.get_replica_context().servable_object
 
 
+def principal_of(request: Request | None) -> Principal:
+    """Who sent ``request``, as ``AuthGuard`` found it (``NO_AUTH`` without keys)."""
+    if request is None:
+        return NO_AUTH
+    return request.scope.get("state", {}).get("principal", NO_AUTH)
+
+
+def current_keys() -> KeyTable | None:
+    """This ingress replica's API keys (None outside a Serve replica: nothing is checked)."""
+    try:
+        return current_ingress().keys
+    except Exception:  # noqa: BLE001 - not in a replica, or not constructed yet
+        return None
+
+
 def current_limits() -> RequestLimits:
     """This ingress replica's request limits (the defaults outside a Serve replica)."""
     try:
@@ -463,6 +484,7 @@ def current_limits() -> RequestLimits:
 
 
 app.add_middleware(RequestGuard, limits=current_limits)
+app.add_middleware(AuthGuard, keys=current_keys)  # outermost: no body is read for an unknown key
 
 
 Ingress = Annotated[FairwayIngress, Depends(current_ingress)]

@@ -24,6 +24,7 @@ from schemathesis.checks import not_a_server_error
 
 import router.ingress as ingress_mod
 from fairway.protocol import TokenChunk
+from router.auth import AuthArgs
 from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
 from router.limits import RequestLimits
 
@@ -82,10 +83,10 @@ class _Gen:
 class Server:
     """uvicorn serving ``app`` in a thread, on an ephemeral port."""
 
-    def __init__(self, limits: RequestLimits) -> None:
+    def __init__(self, limits: RequestLimits, auth: AuthArgs | None = None) -> None:
         self.replicas = ScriptedReplicas()
         self.ingress = FairwayIngress(self.replicas, IngressArgs(model=MODEL, max_model_len=4096, metrics=False,
-                                                                 limits=limits))
+                                                                 limits=limits, auth=auth or AuthArgs()))
         cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

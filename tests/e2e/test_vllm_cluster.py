@@ -31,6 +31,9 @@ VLLM_CPU_BLOCK = 128
 PREFIX = 2100  # shared tokens: 16 whole vLLM blocks (2,048 tokens) can hit
 # not the sim clusters' port, so a concurrent sim e2e run on this machine cannot answer for this one
 PORT = DEFAULT_PORT + 17
+# API keys on: two tenants, so the cache isolation between them is checked on vLLM's own cache
+KEYS_ENV = {"FAIRWAY_TEST_KEYS": "k-alice=alice,k-bob=bob"}
+ALICE, BOB = "k-alice", "k-bob"
 
 
 def _skip_reason() -> str | None:
@@ -67,20 +70,25 @@ def _wait_port_free(timeout_s: float = 600.0) -> None:
 @pytest.fixture(scope="module")
 def url():
     _wait_port_free()
-    with running_cluster(CONFIG, timeout_s=420, port=PORT, max_model_len=MAX_MODEL_LEN) as u:
-        with urllib.request.urlopen(f"{u}/v1/models", timeout=10) as r:
+    with running_cluster(CONFIG, timeout_s=420, port=PORT, api_key=ALICE, env=KEYS_ENV, max_model_len=MAX_MODEL_LEN,
+                         auth={"keys_env": "FAIRWAY_TEST_KEYS"}) as u:
+        with urllib.request.urlopen(_get(f"{u}/v1/models"), timeout=10) as r:
             served = json.loads(r.read())["data"][0]
         assert served["max_model_len"] == MAX_MODEL_LEN, f"another cluster answers on port {PORT}: {served}"
         yield u
 
 
-def complete(url: str, prompt, max_tokens: int = 4, **extra) -> tuple[int, dict, dict]:
+def _get(url: str, key: str = ALICE) -> urllib.request.Request:
+    return urllib.request.Request(url, headers={"authorization": f"Bearer {key}"})
+
+
+def complete(url: str, prompt, max_tokens: int = 4, key: str = ALICE, **extra) -> tuple[int, dict, dict]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
-    return post_json(f"{url}/v1/completions", body, timeout=180)
+    return post_json(f"{url}/v1/completions", body, timeout=180, headers={"authorization": f"Bearer {key}"})
 
 
 def test_served_by_vllm(url):
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+    with urllib.request.urlopen(_get(f"{url}/v1/models"), timeout=10) as r:
         body = json.loads(r.read())
     assert [m["id"] for m in body["data"]] == [MODEL]
     assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
@@ -108,7 +116,8 @@ def test_real_prefix_cache_hit_through_the_router(url):
 def test_streaming(url):
     body = json.dumps({"model": MODEL, "prompt": prompt_ids(5, 300), "max_tokens": 5, "stream": True,
                        "stream_options": {"include_usage": True}, "return_token_ids": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json",
+                                                                             "authorization": f"Bearer {ALICE}"})
     with urllib.request.urlopen(req, timeout=180) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln.decode().strip() for ln in r if ln.strip()]
@@ -123,3 +132,26 @@ def test_too_long_prompt_is_400(url):
     status, body, _ = complete(url, prompt_ids(9, MAX_MODEL_LEN - 4), max_tokens=8)
     assert status == 400
     assert f"maximum context length is {MAX_MODEL_LEN}" in body["error"]["message"]
+
+
+def test_tenants_never_hit_each_others_cached_prefixes(url):
+    """The prefix-cache timing side channel, closed: alice's repeat of a 2,100-token prefix hits
+    vLLM's cache (cached_tokens > 0, a short time to first token); bob's identical prompt right
+    after hits nothing (cached_tokens 0, a cold time to first token), then hits his own copy.
+    Without a key: 401."""
+    shared = prompt_ids(3, PREFIX)
+    ask = {"max_tokens": 1}
+    _, a1, _ = complete(url, shared + prompt_ids(301, 20), key=ALICE, **ask)
+    _, a2, _ = complete(url, shared + prompt_ids(302, 20), key=ALICE, **ask)
+    _, b1, _ = complete(url, shared + prompt_ids(302, 20), key=BOB, **ask)
+    _, b2, _ = complete(url, shared + prompt_ids(303, 20), key=BOB, **ask)
+    hit = PREFIX // VLLM_CPU_BLOCK * VLLM_CPU_BLOCK
+
+    def cached(r: dict) -> int:
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(r) for r in (a1, a2, b1, b2)] == [0, hit, 0, hit]
+    ttft = {k: r["fairway"]["ttft_s"] for k, r in {"a1": a1, "a2": a2, "b1": b1, "b2": b2}.items()}
+    assert ttft["b1"] > ttft["a2"] and ttft["b1"] > ttft["b2"], ttft  # bob's first is a cold prefill
+    status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert status == 401 and body["error"]["message"].startswith("missing API key")
