@@ -75,8 +75,12 @@ class FairwayReplica:
         self.engine = make_engine(a.engine, **a.engine_args)
         self.clock = clock = MonotonicClock()
         block_size = getattr(self.engine, "block_size", 16)
-        policy = make_policy(a.policy, clock=clock, cost=CostModel.from_profile(a.profile), block_size=block_size,
-                             **a.policy_options)
+        cost = CostModel.from_profile(a.profile)
+
+        def new_policy() -> Any:  # one per tenant (replicas/tenants.py)
+            return make_policy(a.policy, clock=clock, cost=cost, block_size=block_size, **a.policy_options)
+
+        policy = new_policy()
         self.stats = None
         self.exporter = None
         if a.metrics:
@@ -92,7 +96,7 @@ class FairwayReplica:
                 self.exporter = None
         self.gate = AdmissionGate(self.engine, policy, clock,
                                   GateConfig(a.max_queue, a.prefill_budget_tokens), replica=self.name,
-                                  stats=self.stats)
+                                  stats=self.stats, policy_factory=new_policy)
         await self.gate.start()
         logger.info("replica %s: engine %s, policy %s, max_queue %d", self.name, a.engine, a.policy, a.max_queue)
 

@@ -17,6 +17,10 @@ The queue is bounded: beyond ``max_queue`` waiting requests a new one is refused
 ``Overloaded`` (HTTP 429 with a Retry-After estimated from the queued prefill work), never
 parked. A client that goes away while waiting is removed from the queue.
 
+With API keys, each tenant has a queue of its own (``replicas/tenants.py``): the next admission
+is the policy's choice within the tenant that has received the least prefill service, so one
+tenant's flood cannot starve another's requests.
+
 The policy's view of the cache is the engine's (exact for ``sim``, the engine's estimate for
 ``vllm``), kept current by the engine's stored/removed events (``QueuePolicy`` hit tracking).
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +47,7 @@ from fairway.protocol import (
     RequestTooLarge,
     TokenChunk,
 )
+from replicas.tenants import TenantQueues
 
 RECENT_FEEDBACK = 512  # finished requests whose cached tokens the routing stats carry
 PUMP_TICK_S = 0.02  # safety re-check while requests wait (engines without step callbacks)
@@ -75,9 +80,11 @@ class AdmissionGate:
         config: GateConfig | None = None,
         replica: str = "replica",
         stats: Any = None,
+        policy_factory: Callable[[], QueuePolicy] | None = None,
     ) -> None:
         self.engine = engine
-        self.policy = policy
+        # the tenants' queues, each ordered by ``policy``'s kind (``policy`` serves requests without a key)
+        self.policy = TenantQueues(policy, policy_factory, block_size=getattr(engine, "block_size", 16))
         self.clock = clock
         self.config = config or GateConfig()
         self.replica = replica
@@ -95,8 +102,8 @@ class AdmissionGate:
         self.rejected = 0
         self.cancelled = 0  # requests whose consumer left before they finished
         self._ticker: asyncio.Task | None = None
-        policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
-        engine.set_cache_listener(policy.on_blocks_stored, policy.on_blocks_removed)
+        self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
+        engine.set_cache_listener(self.policy.on_blocks_stored, self.policy.on_blocks_removed)
         if hasattr(engine, "on_step"):
             engine.on_step = self.pump
 
@@ -176,7 +183,7 @@ class AdmissionGate:
         self._waiting[rid] = fut
         self._request_ids[rid] = call.request_id
         self.policy.add(QueuedRequest(rid=rid, arrival_s=self.clock.now(), prompt_tokens=n,
-                                      block_hashes=call.block_hashes, seq=rid))
+                                      block_hashes=call.block_hashes, seq=rid), call.tenant)
         self.pump()
         try:
             adm: Admission = await fut

@@ -244,3 +244,35 @@ async def test_a_stream_cancelled_after_admission_frees_its_slot():
     engine.release("b")
     await b
     assert [rid for rid, _ in out] == ["b", "b"]
+
+
+async def test_a_flooding_tenant_does_not_starve_a_quiet_one():
+    """Tenant a queues six requests, then tenant b two. FCFS within each tenant, fair queueing
+    across them: b, newly backlogged, starts at the system's virtual time, so it goes next, and
+    the two alternate while both wait (ties to the name). One shared queue would run all of a's
+    first."""
+    async def order(fair: bool) -> list[str]:
+        clock = ManualClock()
+
+        def pol():
+            return make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16)
+
+        engine = ScriptedEngine()
+        gate = AdmissionGate(engine, pol(), clock, GateConfig(prefill_budget_tokens=1), replica="r0",
+                             policy_factory=pol if fair else None)
+        out: list = []
+        tasks = []
+        for rid in ("a0", "a1", "a2", "a3", "a4", "a5", "b0", "b1"):
+            c = call(rid, 64)
+            c.tenant = rid[0]
+            tasks.append(asyncio.create_task(consume(gate, c, out)))
+            await settle()
+        assert gate.policy.tenant_sizes() == ({"a": 5, "b": 2} if fair else {"": 7})
+        for _ in range(8):
+            engine.release(engine.started[-1])
+            await settle()
+        await asyncio.gather(*tasks)
+        return engine.started
+
+    assert await order(True) == ["a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"]
+    assert await order(False) == ["a0", "a1", "a2", "a3", "a4", "a5", "b0", "b1"]

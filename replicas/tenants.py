@@ -1,0 +1,130 @@
+"""One replica queue shared fairly between tenants: fair queueing across tenants, the queue
+policy's own order within each.
+
+Why: with API keys, a tenant that floods a replica must not starve a quiet one. A single queue
+ordered by Fairway (or any policy) admits by cached work and waiting time, whoever sent it, so a
+tenant that sends five times its share takes about five sixths of the admissions and the quiet
+tenant waits behind its backlog. Here each tenant has its own queue (a policy object of the
+replica's kind), and the gate asks for the next request of the backlogged tenant that has received
+the least service so far:
+
+- service is counted in prefill work: an admission costs its uncached prompt tokens plus one
+  block (so a fully cached request is not free); each tenant's virtual time is its service so far;
+- start-time fair queueing: a tenant that becomes backlogged starts at the system's virtual time
+  (the virtual time of the last admission), so idling banks no credit and a newcomer is served
+  at once, not after catching up;
+- ties go to the tenant name's order, so the order is exact and reproducible.
+
+With one tenant (no API keys) this is the policy itself: the same order, the same admissions.
+
+Complexity: ``select`` is O(T) over the T backlogged tenants plus the chosen policy's own
+``select``; cache events fan out to every tenant's policy (O(T) each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
+
+
+class TenantQueues:
+    """The queue-policy calls the gate makes, over one policy per tenant (module docstring).
+    ``first`` serves the tenant ``""`` (requests without API keys); ``factory`` builds the
+    policy of each other tenant on its first request (None: every tenant shares ``first``, no
+    fairness between them)."""
+
+    def __init__(self, first: QueuePolicy, factory: Callable[[], QueuePolicy] | None = None,
+                 block_size: int = 16) -> None:
+        self.factory = factory
+        self.block_size = block_size
+        self.queues: dict[str, QueuePolicy] = {"": first}
+        self.vtime: dict[str, float] = {"": 0.0}
+        self.vnow = 0.0  # the system's virtual time: the last admission's start
+        self._tenant: dict[int, str] = {}  # rid -> tenant, while waiting
+        self._contains: Callable[[int], bool] | None = None
+
+    # -- the policy calls ----------------------------------------------------------------------
+
+    def _queue(self, tenant: str) -> QueuePolicy:
+        if self.factory is None:
+            return self.queues[""]
+        q = self.queues.get(tenant)
+        if q is None:
+            q = self.queues[tenant] = self.factory()
+            if self._contains is not None:
+                q.attach_cache(self._contains)
+            self.vtime[tenant] = self.vnow
+        return q
+
+    def add(self, req: QueuedRequest, tenant: str = "") -> None:
+        tenant = tenant if self.factory is not None else ""
+        q = self._queue(tenant)
+        if len(q) == 0:  # backlogged from now: start at the system's virtual time
+            self.vtime[tenant] = max(self.vtime[tenant], self.vnow)
+        q.add(req)
+        self._tenant[req.rid] = tenant
+
+    def remove(self, rid: int) -> QueuedRequest:
+        return self.queues[self._tenant.pop(rid)].remove(rid)
+
+    def select(self) -> QueuedRequest | None:
+        """The next request: from the backlogged tenant with the least virtual time."""
+        best = None
+        for t, q in self.queues.items():
+            if len(q) and (best is None or (self.vtime[t], t) < (self.vtime[best], best)):
+                best = t
+        return None if best is None else self.queues[best].select()
+
+    def admit(self, rid: int) -> Admission:
+        tenant = self._tenant.pop(rid)
+        adm = self.queues[tenant].admit(rid)
+        self.vnow = max(self.vnow, self.vtime[tenant])
+        self.vtime[tenant] += adm.prompt_tokens - adm.cached_tokens + self.block_size
+        return adm
+
+    def __len__(self) -> int:
+        return len(self._tenant)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._tenant
+
+    def tenant_sizes(self) -> dict[str, int]:
+        """Waiting requests per tenant ("" for requests without a key)."""
+        return {t: len(q) for t, q in self.queues.items() if len(q)}
+
+    # -- aggregates the gate reports -----------------------------------------------------------
+
+    def queued_prefill_s(self) -> float:
+        return sum(q.queued_prefill_s() for q in self.queues.values())
+
+    def lane_sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for q in self.queues.values():
+            for lane, n in q.lane_sizes().items():
+                out[lane] = out.get(lane, 0) + n
+        return out
+
+    @property
+    def promotions(self) -> int:
+        return sum(getattr(q, "promotions", 0) for q in self.queues.values())
+
+    # -- the engine's cache --------------------------------------------------------------------
+
+    def attach_cache(self, contains: Callable[[int], bool]) -> None:
+        self._contains = contains
+        for q in self.queues.values():
+            q.attach_cache(contains)
+
+    def on_blocks_stored(self, hashes: Iterable[int]) -> None:
+        hs = list(hashes)
+        for q in self.queues.values():
+            q.on_blocks_stored(hs)
+
+    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        hs = list(hashes)
+        for q in self.queues.values():
+            q.on_blocks_removed(hs)
+
+
+__all__ = ["TenantQueues"]
