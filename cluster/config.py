@@ -56,6 +56,9 @@ class ReplicaOptions(BaseModel):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
     prefill_budget_tokens: int | None = Field(None, ge=1)
+    stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests in "
+                                                           "it: fail them with 504, report unhealthy")
+    fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
 
 
 class ClusterArgs(ServedModel):
@@ -123,6 +126,8 @@ class ClusterArgs(ServedModel):
             policy=self.replica.policy,
             policy_options=self.replica.policy_options,
             max_queue=self.replica.max_queue,
+            stall_timeout_s=self.replica.stall_timeout_s,
+            fault_file=self.replica.fault_file,
             prefill_budget_tokens=self.replica.prefill_budget_tokens,
             profile=self.profile,
             metrics=self.metrics,

@@ -119,6 +119,13 @@ class EngineFailed(ReplicaError):
     status = 503
 
 
+class EngineStalled(ReplicaError):
+    """The engine made no progress for the gate's stall timeout while holding the request:
+    HTTP 504 (retryable elsewhere; the replica reports itself unhealthy)."""
+
+    status = 504
+
+
 class Engine(Protocol):
     """An engine behind the gate (``sim`` or ``vllm``).
 
@@ -169,6 +176,7 @@ class ReplicaRoutingStats:
     replica's real queue. ``prefilling`` maps the requests admitted into the engine and still
     without a first token at ``taken_at`` to their admission time (wall clock): a router dates
     their prefill from it and counts every other started request as past its prefill.
+    ``stalled``: the replica's engine is stalled (``replicas/gate.py``); routers avoid it.
     """
 
     replica: str
@@ -183,3 +191,4 @@ class ReplicaRoutingStats:
     recent_cached: dict[str, int] = field(default_factory=dict)
     waiting_ids: list[str] = field(default_factory=list)
     prefilling: dict[str, float] = field(default_factory=dict)
+    stalled: bool = False  # the gate found its engine stalled: routers leave it out until it recovers

@@ -8,8 +8,8 @@ answer, is lost. Every reliability test asserts lost = 0.
 Outcome kinds, from the client's ``StreamResult`` (``loadgen/http_client.py``):
 
 - ``completed``: a whole answer (the stream ended with ``[DONE]`` or its usage chunk);
-- ``refused``: a non-2xx status with an error message; ``retryable`` for 429 and 503 (which carry
-  Retry-After), not for a 4xx about the request itself;
+- ``refused``: a non-2xx status with an error message; ``retryable`` for 429, 503 and 504 (which carry
+  Retry-After, or name a stalled replica), not for a 4xx about the request itself;
 - ``failed``: a stream that began and then ended with the server's error event (a clear failure);
 - ``disconnected``: the client hung up on purpose (not the server's doing);
 - ``lost``: anything else: no answer within the client's time limit (a hang), a stream cut

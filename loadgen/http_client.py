@@ -33,7 +33,7 @@ import aiohttp
 
 from fairway.clock import Clock
 
-RETRYABLE = (429, 503)
+RETRYABLE = (429, 503, 504)
 DEFAULT_RETRY_AFTER_S = 1.0
 
 
@@ -244,7 +244,7 @@ async def stream_completion(
     hang_up = hang_up_after_s is not None and hang_up_after_s < timeout_s
     try:
         await asyncio.wait_for(go(), hang_up_after_s if hang_up else timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if hang_up:  # cancelling the read closed the connection: the client went away
             res.ok, res.status, res.error = False, "disconnected", f"client hung up after {hang_up_after_s:g} s"
         else:
@@ -267,7 +267,7 @@ async def first_model(http: aiohttp.ClientSession, url: str, *, timeout_s: float
 
     try:
         body = await asyncio.wait_for(get(), timeout_s)
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise ServerError(f"cannot reach {url}: {str(e) or type(e).__name__}") from e
     except ValueError:  # a body that is not JSON
         return None

@@ -243,7 +243,7 @@ class FairwayStats:
 
     def inc_reject(self, reason: str, replica: str = "") -> None:
         """One rejected request: "queue_full" | "too_long" | "bad_request" | "unknown_model" |
-        "replica_dead" | "overloaded"."""
+        "replica_dead" | "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal"."""
         self._inc("rejects", (reason, self._replica(replica)), 1)
 
     def set_engine(self, replica: str, running: int, waiting: int, kv_usage: float, preemptions_total: int = 0) -> None:

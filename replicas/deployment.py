@@ -46,6 +46,10 @@ class ReplicaArgs(BaseModel):
     metrics: bool = Field(True, description="serve /metrics for this replica")
     stream_interval_s: float = Field(DEFAULT_STREAM_INTERVAL_S, ge=0, le=1.0,
                                      description="merge a stream's tokens over this interval (0: every step)")
+    stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests "
+                                                           "in it: fail them (504) and report unhealthy")
+    fault_file: str | None = Field(None, description="test hook: a JSON file of injected faults "
+                                                     "(replicas/faults.py); off by default")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaArgs:
@@ -94,10 +98,16 @@ class FairwayReplica:
             except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
                 logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
                 self.exporter = None
-        self.gate = AdmissionGate(self.engine, policy, clock,
-                                  GateConfig(a.max_queue, a.prefill_budget_tokens), replica=self.name,
-                                  stats=self.stats, policy_factory=new_policy)
+        gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s)
+        self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
+                                  policy_factory=new_policy)
         await self.gate.start()
+        self.faults = None
+        if a.fault_file:
+            from replicas.faults import FaultFile
+
+            self.faults = FaultFile(a.fault_file, self.name, self.engine)
+            self.faults.start()
         logger.info("replica %s: engine %s, policy %s, max_queue %d", self.name, a.engine, a.policy, a.max_queue)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
@@ -111,6 +121,8 @@ class FairwayReplica:
         healthy = getattr(self.engine, "healthy", True)
         if not healthy:
             raise RuntimeError(f"replica {self.name}: engine is not running")
+        if self.gate.stalled:
+            raise RuntimeError(f"replica {self.name}: engine stalled")
 
     async def info(self) -> dict[str, Any]:
         e = self.engine

@@ -21,6 +21,11 @@ With API keys, each tenant has a queue of its own (``replicas/tenants.py``): the
 is the policy's choice within the tenant that has received the least prefill service, so one
 tenant's flood cannot starve another's requests.
 
+A stalled engine (requests in it, no output from any of them for ``stall_timeout_s``) is
+detected by the gate's ticker: the requests it holds end at once with ``EngineStalled`` (HTTP
+504), new ones are refused with 503 while it lasts, ``stalled`` is set (the replica's health
+check then fails, so Serve replaces it), and the first output after it clears the state.
+
 The policy's view of the cache is the engine's (exact for ``sim``, the engine's estimate for
 ``vllm``), kept current by the engine's stored/removed events (``QueuePolicy`` hit tracking).
 
@@ -30,6 +35,7 @@ Complexity: a pump is O(admitted) policy decisions, each O(waiting) vectorised.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +46,8 @@ from fairway.clock import Clock
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.protocol import (
     Engine,
+    EngineFailed,
+    EngineStalled,
     GenerateCall,
     Overloaded,
     ReplicaError,
@@ -48,6 +56,8 @@ from fairway.protocol import (
     TokenChunk,
 )
 from replicas.tenants import TenantQueues
+
+logger = logging.getLogger("ray.serve")
 
 RECENT_FEEDBACK = 512  # finished requests whose cached tokens the routing stats carry
 PUMP_TICK_S = 0.02  # safety re-check while requests wait (engines without step callbacks)
@@ -61,10 +71,13 @@ class GateConfig:
 
     max_queue: int = 512
     prefill_budget_tokens: int | None = None
+    stall_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if not self.stall_timeout_s > 0:
+            raise ValueError("stall_timeout_s must be > 0")
         if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
             raise ValueError("prefill_budget_tokens must be >= 1")
 
@@ -101,6 +114,10 @@ class AdmissionGate:
         self.finished = 0
         self.rejected = 0
         self.cancelled = 0  # requests whose consumer left before they finished
+        self.stalled = False  # the engine holds requests and produced nothing for stall_timeout_s
+        self.stalls = 0
+        self._progress_at = time.monotonic()  # the engine's last output (or its last idle moment)
+        self._deadlines: dict[int, Any] = {}  # admitted rid -> its asyncio.Timeout (fired on a stall)
         self._ticker: asyncio.Task | None = None
         self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
         engine.set_cache_listener(self.policy.on_blocks_stored, self.policy.on_blocks_removed)
@@ -126,7 +143,30 @@ class AdmissionGate:
             await asyncio.sleep(PUMP_TICK_S)
             if self._waiting:
                 self.pump()
+            self._watch()
             self._publish()
+
+    def _watch(self) -> None:
+        """Stall detection (see the module docstring). O(requests in the engine) on a stall."""
+        now = time.monotonic()
+        if self._in_engine == 0:
+            self._progress_at = now
+            return
+        if self.stalled or now - self._progress_at < self.config.stall_timeout_s:
+            return
+        self.stalled = True
+        self.stalls += 1
+        logger.error("replica %s: engine stalled (no output for %.1f s with %d requests in it); failing them",
+                     self.replica, now - self._progress_at, self._in_engine)
+        loop_now = asyncio.get_running_loop().time()
+        for timeout in self._deadlines.values():
+            timeout.reschedule(loop_now)
+
+    def _progress(self) -> None:
+        self._progress_at = time.monotonic()
+        if self.stalled:
+            self.stalled = False
+            logger.warning("replica %s: engine making progress again", self.replica)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -148,6 +188,8 @@ class AdmissionGate:
             if not self.engine.can_fit(q.prompt_tokens, q.block_hashes):
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
+            if self._in_engine == 0:
+                self._progress_at = time.monotonic()  # the stall clock starts with work
             self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
             self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
@@ -172,6 +214,9 @@ class AdmissionGate:
             raise RequestTooLarge(
                 f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds the model's context "
                 f"length {self.engine.max_model_len}")
+        if self.stalled:
+            self._reject("stalled")
+            raise EngineFailed(f"replica {self.replica}: engine stalled; retry", retry_after_s=1.0)
         if len(self._waiting) >= self.config.max_queue:
             self._reject("queue_full")
             raise Overloaded(
@@ -203,7 +248,7 @@ class AdmissionGate:
         status = "error"
         progress = {"prefilled": False}
         try:
-            async for chunk in self._stream(call, adm, progress):
+            async for chunk in self._stream_until_stall(call, adm, progress):
                 yield chunk
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -228,6 +273,29 @@ class AdmissionGate:
         self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
         self._prefilling.pop(adm.rid, None)
 
+    async def _stream_until_stall(self, call: GenerateCall, adm: Admission,
+                                  progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
+        """``_stream``, ended with ``EngineStalled`` when the watchdog finds the engine stalled
+        (an ``asyncio.Timeout`` per request, fired by ``_watch``: no task or timer per chunk)."""
+        stalled = False
+        gen = self._stream(call, adm, progress)
+        try:
+            async with asyncio.timeout(None) as t:
+                self._deadlines[adm.rid] = t
+                async for chunk in gen:
+                    # Serve's consumer may pause between chunks: only time inside the engine counts
+                    t.reschedule(None)
+                    yield chunk
+                    t.reschedule(None if not self.stalled else asyncio.get_running_loop().time())
+        except TimeoutError:
+            stalled = True
+        finally:
+            self._deadlines.pop(adm.rid, None)
+            await gen.aclose()
+        if stalled:
+            raise EngineStalled(f"replica {self.replica}: the engine made no progress for "
+                                f"{self.config.stall_timeout_s:g} s; the request was stopped, retry it")
+
     async def _stream(self, call: GenerateCall, adm: Admission, progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
         n = len(call.prompt_token_ids)
         first = True
@@ -235,6 +303,7 @@ class AdmissionGate:
         ttft = 0.0
         produced = 0
         async for out in self.engine.generate(call):
+            self._progress()
             produced += len(out.token_ids)
             if out.cached_tokens is not None:
                 cached = out.cached_tokens
@@ -308,4 +377,5 @@ class AdmissionGate:
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),
             prefilling=dict(self._prefilling.values()),
+            stalled=self.stalled,
         )

@@ -83,7 +83,7 @@ def map_error(e: BaseException) -> HTTPError:
     cause = getattr(e, "cause", None)
     for x in (e, cause):
         if isinstance(x, ReplicaError):
-            reason = {429: "queue_full", 400: "too_long"}.get(x.status, "engine_failed")
+            reason = {429: "queue_full", 400: "too_long", 504: "stalled"}.get(x.status, "engine_failed")
             return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason)
     name = type(e).__name__
     if name == "BackPressureError":

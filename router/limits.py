@@ -90,7 +90,7 @@ class RequestGuard:
         except _TooLarge:
             await _reply(send, 413, f"request body exceeds the limit of {limit} bytes")
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await _reply(send, 408, f"request body not received within {limits.body_timeout_s:g} s")
             return
         if body is None:  # the client went away while sending

@@ -95,6 +95,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
         404: "not_found_error",
         429: "rate_limit_error",
         503: "service_unavailable",
+        504: "timeout_error",
     }.get(status, "server_error")
     code = {404: "model_not_found", 429: "queue_full"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

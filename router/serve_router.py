@@ -222,12 +222,19 @@ class FairwayRequestRouter(RequestRouter):
             return []
         t0 = time.perf_counter()
         by_idx: dict[int, RunningReplica] = {}
+        stalled = []
         for rep in candidate_replicas:
             j = self._index_of(rep.replica_id)
             by_idx[j] = rep
             stats = rep.routing_stats
             if stats:
                 self._apply_stats(j, stats)
+                if stats.get("stalled"):
+                    stalled.append(j)
+        if stalled and len(stalled) < len(by_idx):  # avoid stalled engines while another replica is up
+            for j in stalled:
+                del by_idx[j]
+            candidate_replicas = list(by_idx.values())
         call = find_call(pending_request)
         if call is None:  # not a generation call (health, models): any replica
             return [candidate_replicas]

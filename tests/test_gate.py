@@ -276,3 +276,41 @@ async def test_a_flooding_tenant_does_not_starve_a_quiet_one():
 
     assert await order(True) == ["a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"]
     assert await order(False) == ["a0", "a1", "a2", "a3", "a4", "a5", "b0", "b1"]
+
+
+async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and_recovers():
+    """Two requests in an engine that stops producing: after the stall timeout both end with
+    EngineStalled (504) at once, the gate reports itself stalled and refuses a new request with
+    a retryable 503; the engine's next output clears the state."""
+    from fairway.protocol import EngineFailed, EngineStalled
+
+    gate, engine, _ = make_gate("fcfs", stall_timeout_s=0.2)
+    await gate.start()
+    try:
+        outcomes: list = []
+
+        async def one(rid: str) -> None:
+            try:
+                async for _ in gate.submit(call(rid, 64)):
+                    pass
+                outcomes.append((rid, "ok"))
+            except EngineStalled as e:
+                outcomes.append((rid, e.status))
+
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(one(r)) for r in ("a", "b")]
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert sorted(outcomes) == [("a", 504), ("b", 504)] and 0.2 <= time.monotonic() - t0 < 2
+        assert gate.stalled and gate.stalls == 1 and gate._in_engine == 0
+        with pytest.raises(EngineFailed) as e:
+            async for _ in gate.submit(call("c", 64)):
+                pass
+        assert e.value.status == 503 and e.value.retry_after_s == 1.0
+        gate._progress()  # the engine produced again
+        assert not gate.stalled
+        engine.release("d")
+        outcomes.clear()
+        await asyncio.wait_for(one("d"), 5)
+        assert outcomes == [("d", "ok")]
+    finally:
+        await gate.shutdown()

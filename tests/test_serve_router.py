@@ -209,3 +209,14 @@ async def test_the_requests_of_a_router_that_died_leave_the_others_load_view():
     b._apply_remote(("gone", a.router_id))  # what the hub says once a stops exchanging
     assert b.load.live().outstanding[j] == 0 and not any(k.startswith("remote:") for k in b._routed)
     assert b.index.match(c.block_hashes)[j] == 256  # where its prompt went is still known
+
+
+@pytest.mark.asyncio
+async def test_a_replica_that_reports_a_stalled_engine_is_left_out_while_another_is_up():
+    r, _ = router()
+    stalled = {"taken_at": T0, "stalled": True, "kv_blocks_total": 1000, "max_num_seqs": 8}
+    a, b = replica("a", stalled), replica("b", {"taken_at": T0, "kv_blocks_total": 1000, "max_num_seqs": 8})
+    ranks = await r.choose_replicas([a, b], pending(call("x", 64)))
+    assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"]]
+    alone = await r.choose_replicas([a], pending(call("y", 64)))  # nothing else: it may still be tried
+    assert [[x.replica_id.unique_id for x in rank] for rank in alone] == [["a"]]

@@ -115,6 +115,9 @@ class SimEngine:
         self.written_off_s = 0.0  # lateness beyond max_catchup_s, never repaid
         self.late_s: deque[float] = deque(maxlen=20_000)  # per step: wall end - deadline
         self.aborted = 0  # requests whose consumer left before they finished
+        self.slowdown = 1.0  # injected fault (replicas/faults.py): every step this many times longer
+        self._running = asyncio.Event()  # cleared while an injected stall holds the loop
+        self._running.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -189,17 +192,21 @@ class SimEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                if not self._running.is_set():  # an injected stall: no step until it is lifted
+                    self._idle()
+                    await self._running.wait()
+                    continue
                 dt = self.model.start_step()
                 if dt is None:  # memory-bound with nothing runnable: wait for a change
                     self._idle()
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), 0.05)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     continue
                 batch = [(r, r.generated) for r in self.model.scheduled]
-                await self._pace(dt / self.speed)
+                await self._pace(dt * self.slowdown / self.speed)
                 self.model.finish_step()
                 for r, before in batch:
                     self._emit(r, before)
@@ -229,6 +236,18 @@ class SimEngine:
             live.cached_sent = True
         live.out.put_nowait(EngineOutput(new, finished=done, finish_reason="length" if done else None,
                                          cached_tokens=cached))
+
+    def set_fault(self, stall: bool = False, slowdown: float = 1.0) -> None:
+        """Injected faults (``replicas/faults.py``): ``stall`` stops the steps (the actor and
+        its health check stay up); ``slowdown`` >= 1 stretches every step."""
+        if slowdown < 1.0:
+            raise ValueError("slowdown must be >= 1")
+        self.slowdown = slowdown
+        if stall:
+            self._running.clear()
+        else:
+            self._running.set()
+            self._wake.set()
 
     # -- EngineModel.listener ----------------------------------------------------------------
 
