@@ -106,7 +106,7 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
             sent_in_window = state["measuring"]
             try:
                 ttft = await _one(session, url, body, on_tokens)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 ttft = None
             if ttft is None:
                 errors += 1

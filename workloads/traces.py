@@ -16,7 +16,7 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
@@ -117,7 +117,7 @@ def _parse_time(text: str, where: str) -> float:
         pass
     main, _, frac = text.partition(".")
     try:
-        dt = datetime.fromisoformat(main).replace(tzinfo=timezone.utc)
+        dt = datetime.fromisoformat(main).replace(tzinfo=UTC)
         return dt.timestamp() + (float("0." + frac) if frac else 0.0)
     except ValueError:
         raise WorkloadError(f"{where}: bad TIMESTAMP {text!r}") from None
