@@ -1,41 +1,14 @@
-"""What a test reads from a live cluster besides HTTP answers: the replicas' own gauges.
-
-``replica_gauges(url)`` scrapes every replica's metrics endpoint (listed at the ingress's
-``/metrics/targets``) and sums, over replicas, the gauges that say whether anything is left in a
-replica: requests in the engine, requests waiting at its gate, and KV blocks in use.
-"""
+"""Polling helpers for the end-to-end tests; the replica gauges come from ``observability/probe.py``."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from observability.probe import idle, replica_gauges
 
-GAUGES = ("fairway_engine_running", "fairway_engine_waiting", "fairway_engine_kv_usage")
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def replica_gauges(url: str) -> dict[str, float]:
-    """``GAUGES`` summed over the replicas listed at ``{url}/metrics/targets`` (plus ``replicas``:
-    how many were scraped)."""
-    targets = [t for e in json.loads(_get(f"{url}/metrics/targets")) if e["labels"].get("level") == "replica"
-               for t in e["targets"]]
-    out = dict.fromkeys(GAUGES, 0.0)
-    for t in targets:
-        for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
-            for s in fam.samples:
-                if s.name in out:
-                    out[s.name] += s.value
-    out["replicas"] = float(len(targets))
-    return out
+__all__ = ["idle", "poll", "replica_gauges"]
 
 
 def poll(fn: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2,

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from cluster.launch import post_json, running_cluster
-from tests.e2e.probes import poll, replica_gauges
+from tests.e2e.probes import idle, poll, replica_gauges
 
 pytestmark = pytest.mark.e2e
 
@@ -189,8 +189,7 @@ def open_stream(url: str, prompt: list[int], max_tokens: int) -> socket.socket:
 
 
 def empty(g: dict[str, float]) -> bool:
-    return g["replicas"] == 2 and g["fairway_engine_running"] == g["fairway_engine_waiting"] == 0 \
-        and g["fairway_engine_kv_usage"] == 0
+    return idle(g, 2)
 
 
 def wait_empty(url: str, timeout_s: float, what: str) -> None:
@@ -294,3 +293,28 @@ def test_limits_on_the_cluster(url):
     msgs = [{"role": "user", "content": "hi"}] * 1025
     r = requests.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": msgs}, timeout=30)
     assert r.status_code == 400 and "too many messages" in r.json()["error"]["message"]
+
+
+def test_prompts_and_completions_appear_in_no_log_and_no_metric(url):
+    """A prompt with a unique word, sent as text: the word is in no metrics endpoint and in no
+    file of the Ray session's logs (Serve's access logs, the replicas' and routers' own)."""
+    import glob
+    import os
+
+    word = "zebraquokka7741"
+    status, body, _ = complete(url, f"tell me about the {word} please", max_tokens=3)
+    assert status == 200
+    completion = body["choices"][0]["text"]
+    targets = json.loads(urllib.request.urlopen(f"{url}/metrics/targets", timeout=10).read())
+    for t in (t for e in targets for t in e["targets"]):
+        metrics = urllib.request.urlopen(f"http://{t}/metrics", timeout=10).read().decode()
+        assert word not in metrics
+    time.sleep(1.5)  # Serve's buffered request logs reach their files
+    logs = [p for p in glob.glob("/tmp/ray/session_latest/logs/**/*", recursive=True) if os.path.isfile(p)]
+    assert logs, "no Ray session logs found"
+    for p in logs:
+        with open(p, "rb") as f:
+            data = f.read()
+        assert word.encode() not in data, p
+        if len(completion) >= 12:
+            assert completion.encode() not in data, p

@@ -1,0 +1,346 @@
+"""Reliability benchmarks on the real cluster (sim engine), every request accounted for.
+
+``python -m bench.reliability soak --minutes 10`` starts a cluster (2 engine replicas, 2 ingress
+replicas, the fault file on) and runs, at once: the load generator (``mixed``, 5% of clients
+hanging up on purpose), a hostile client (``HOSTILE``: malformed, oversized and forbidden
+requests, one every 0.2 s, each of which must get a 4xx with a message), and, at 25%, 45% and 65%
+of the run, a replica kill, an ingress-replica kill and a replica stall (lifted after 3 stall
+timeouts). It prints the accounting (``loadgen/accounting.py``), the hostile client's tally, the
+peak memory of the cluster's Ray workers, and whether the engines ended empty. CI runs a one-minute
+soak (``tests/e2e/test_soak.py``).
+
+``python -m bench.reliability overload`` starts a cluster whose engine runs at ``--speed`` of an
+H200 (default 0.1, so the 2-core machine can offer three times its capacity), takes the capacity
+from the simulator (the highest rate of a doubling sweep whose simulated p99 TTFT stays under
+2 s, times the speed: the same engine model), and offers half the capacity for 20 s, three times
+it for 60 s, half again for 30 s. It reports, per phase, accepted TTFT p50/p99, the refusals (429
+and 503) with the time they took, the peak memory, and the time after the drop until TTFT is back
+within twice its first-phase median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from cluster.launch import running_cluster
+from fairway.summary import pct
+from loadgen.accounting import format_report
+from loadgen.http_run import HttpLoadRun, HttpRunConfig
+
+MODEL = "fairway-tiny"
+PY = sys.executable
+
+#: Hostile requests: (name, path, body, headers). Each must be answered with a 4xx and a message.
+HOSTILE: list[tuple[str, str, Any, dict[str, str]]] = [
+    ("invalid json", "/v1/completions", b'{"model": "fairway-tiny", "prompt": [1, 2', {}),
+    ("not json", "/v1/completions", b"\x00\xff\xfe garbage", {}),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, {}),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, {}),
+    ("negative token", "/v1/completions", {"model": MODEL, "prompt": [1, -5]}, {}),
+    ("token out of vocab", "/v1/completions", {"model": MODEL, "prompt": [10**9]}, {}),
+    ("n=3", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3}, {}),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, {}),
+    ("too long", "/v1/completions", {"model": MODEL, "prompt": [20] * 40000, "max_tokens": 1}, {}),
+    ("body 9 MB", "/v1/completions", b'{"model": "fairway-tiny", "prompt": "' + b"a" * 9_000_000 + b'"}', {}),
+    ("headers 64 kB", "/v1/completions", {"model": MODEL, "prompt": "hi"}, {"x-junk": "j" * 65536}),
+    ("2000 messages", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 2000}, {}),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, {}),
+    ("temperature 9", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 9}, {}),
+]
+
+
+async def hostile_client(url: str, stop: asyncio.Event, period_s: float = 0.2) -> dict[str, Any]:
+    """Send ``HOSTILE`` requests round-robin until ``stop``; tally the answers: a 4xx with an
+    error message is right, anything else (5xx, 2xx, no message, no answer in 10 s) is wrong."""
+    tally: Counter = Counter()
+    wrong: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        i = 0
+        while not stop.is_set():
+            name, path, body, headers = HOSTILE[i % len(HOSTILE)]
+            i += 1
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            try:
+                async with s.post(url + path, data=data,
+                                  headers={"Content-Type": "application/json", **headers}) as r:
+                    raw = await r.read()
+                    try:
+                        msg = json.loads(raw)["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        msg = ""
+                    ok = 400 <= r.status < 500 and bool(msg)
+                    tally[f"{r.status}"] += 1
+                    if not ok:
+                        wrong.append(f"{name}: {r.status} {raw[:120]!r}")
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                tally[type(e).__name__] += 1
+                wrong.append(f"{name}: {type(e).__name__}")
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+            except TimeoutError:
+                pass
+    return {"sent": sum(tally.values()), "by_status": dict(sorted(tally.items())), "wrong": len(wrong),
+            "wrong_examples": wrong[:5]}
+
+
+def ray_worker_rss_bytes() -> int:
+    """Resident memory of the Ray worker processes (``ray::`` in their command line): the
+    cluster's replicas, ingress replicas, controller and proxy. Linux /proc; 0 elsewhere."""
+    total = 0
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ray::" not in f.read(200):
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
+
+
+class RssSampler:
+    """``ray_worker_rss_bytes`` once a second in a thread; ``peak`` and ``samples``."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - t0, ray_worker_rss_bytes()))
+            self._stop.wait(1.0)
+
+    @property
+    def peak(self) -> int:
+        return max((b for _, b in self.samples), default=0)
+
+
+def kill_actor(match: str) -> str:
+    """Kill the first live Serve actor whose name contains ``match`` (in a subprocess, so this
+    process never joins the Ray cluster); its name, or "" if none matched."""
+    script = (
+        "import ray,sys\n"
+        "ray.init(address='auto', namespace='serve', logging_level='ERROR')\n"
+        f"names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True) "
+        f"if a['namespace'] == 'serve' and {match!r} in a['name'])\n"
+        "if names: ray.kill(ray.get_actor(names[0], namespace='serve'), no_restart=True)\n"
+        "print(names[0] if names else '')\n"
+    )
+    out = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+
+
+def replica_names(url: str) -> list[str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics/targets", timeout=10) as r:
+        targets = json.loads(r.read())
+    return sorted(t["labels"]["component"] for t in targets if t["labels"].get("level") == "replica")
+
+
+def _inject(path: Path, faults: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(faults))
+    tmp.replace(path)
+
+
+async def soak(url: str, faults: Path, duration_s: float, rate: float, seed: int = 0,
+               stall_timeout_s: float = 5.0) -> dict[str, Any]:
+    """The soak of the module docstring against a running cluster; returns its report."""
+    cfg = HttpRunConfig(url=url, workload="mixed", rate=rate, duration_s=duration_s, seed=seed, model=MODEL,
+                        timeout_s=120, disconnect_fraction=0.05)
+    load = HttpLoadRun(cfg)
+    stop = asyncio.Event()
+    events: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+
+    async def chaos() -> None:
+        plan = [(0.25, "kill replica"), (0.45, "kill ingress"), (0.65, "stall replica")]
+        for frac, what in plan:
+            await asyncio.sleep(max(0.0, t0 + frac * duration_s - time.monotonic()))
+            at = round(time.monotonic() - t0, 1)
+            if what.startswith("kill"):
+                match = "FairwayReplica" if what == "kill replica" else "FairwayIngress"
+                events.append({"at_s": at, "event": what, "actor": await asyncio.to_thread(kill_actor, match)})
+            else:
+                victim = (await asyncio.to_thread(replica_names, url) or [""])[0]
+                _inject(faults, {victim: {"stall": True}})
+                events.append({"at_s": at, "event": what, "replica": victim})
+                await asyncio.sleep(3 * stall_timeout_s)
+                _inject(faults, {})
+                events.append({"at_s": round(time.monotonic() - t0, 1), "event": "stall lifted"})
+
+    with RssSampler() as rss:
+        hostile = asyncio.create_task(hostile_client(url, stop))
+        chaos_task = asyncio.create_task(chaos())
+        res = await load.run()
+        await chaos_task
+        stop.set()
+        hostile_report = await hostile
+    return {"duration_s": duration_s, "rate": rate, "accounting": res["accounting"], "hostile": hostile_report,
+            "events": events, "peak_rss_mb": round(rss.peak / 2**20, 1), "ttft_s": res["ttft_s"],
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def wait_idle(url: str, replicas: int, timeout_s: float) -> float | None:
+    """Seconds until the replicas' gates and engines are empty (``observability/probe.py``), or
+    None if they are not within ``timeout_s``."""
+    from observability.probe import idle, replica_gauges
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if idle(replica_gauges(url), replicas):
+                return round(time.monotonic() - t0, 1)
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return None
+
+
+def sim_capacity(workload: str, replicas: int, kv_blocks: int, seed: int = 0) -> float:
+    """The highest rate (req/s) of a doubling sweep from 1 whose simulated p99 TTFT stays under
+    2 s, on H200 speed (module docstring)."""
+    from sim.runner import RunConfig, run
+
+    best, rate = 0.0, 1.0
+    while rate <= 1024:
+        r = run(RunConfig(workload=workload, rate=rate, duration_s=60.0, replicas=replicas, router="fairway",
+                          policy="fairway", kv_blocks=kv_blocks, seed=seed))
+        if r["ttft_s"]["p99"] >= 2.0:
+            break
+        best, rate = rate, rate * 2
+    return best
+
+
+def _phase_stats(records: list[tuple[float, float, Any]], lo: float, hi: float) -> dict[str, Any]:
+    """Records (absolute send time, finish time, result) sent in [lo, hi): accepted TTFT and refusals."""
+    sel = [(s, f, r) for s, f, r in records if lo <= s < hi]
+    ok = [r.ttft_s for _, _, r in sel if r.ok and r.ttft_s is not None]
+    refused = [f - s for s, f, r in sel if r.status in ("429", "503")]
+    other = Counter(r.status for _, _, r in sel if not r.ok and r.status not in ("429", "503"))
+    return {"sent": len(sel), "accepted": len(ok), "ttft_s": pct(ok), "refused": len(refused),
+            "refusal_time_s": pct(refused), "other": dict(other)}
+
+
+def overload(url: str, capacity: float, seed: int = 0, pre_s: float = 20.0, over_s: float = 60.0,
+             post_s: float = 30.0, factor: float = 3.0, normal: float = 0.5) -> dict[str, Any]:
+    """The overload run of the module docstring against a running cluster."""
+    total = pre_s + over_s + post_s
+    runs: list[HttpLoadRun] = []
+    starts: list[float] = []
+
+    def go(rate: float, duration: float, delay: float, s: int) -> None:
+        time.sleep(delay)
+        cfg = HttpRunConfig(url=url, workload="mixed", rate=rate, duration_s=duration, seed=s, model=MODEL,
+                            timeout_s=300)
+        run = HttpLoadRun(cfg)
+        runs.append(run)
+        starts.append(time.monotonic())
+        asyncio.run(run.run())
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=go, args=(normal * capacity, total, 0.0, seed)),
+               threading.Thread(target=go, args=((factor - normal) * capacity, over_s, pre_s, seed + 1))]
+    with RssSampler() as rss:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    records = []
+    for run in runs:
+        base = run._start  # the run's own clock origin (monotonic)
+        for rec in run.records:
+            records.append((base + rec.sent_s - t0, base + rec.finish_s - t0, rec.result))
+    phases = {"normal before": _phase_stats(records, 0, pre_s),
+              f"{factor:g}x": _phase_stats(records, pre_s, pre_s + over_s),
+              "normal after": _phase_stats(records, pre_s + over_s, total + 1)}
+    base_p50 = phases["normal before"]["ttft_s"]["p50"]
+    recovery = None
+    for w in np.arange(pre_s + over_s, total, 1.0):
+        win = _phase_stats(records, w, w + 5.0)
+        if win["accepted"] and win["refused"] == 0 and win["ttft_s"]["p50"] <= 2 * base_p50:
+            recovery = float(w - (pre_s + over_s))
+            break
+    ledger = [run.ledger.report() for run in runs]
+    return {"capacity_rps": capacity, "phases": phases, "recovery_s": recovery,
+            "peak_rss_mb": round(rss.peak / 2**20, 1), "rss_mb_first": round(rss.samples[0][1] / 2**20, 1),
+            "lost": sum(x["lost"] for x in ledger), "accounting": ledger}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("soak")
+    s.add_argument("--minutes", type=float, default=10.0)
+    s.add_argument("--rate", type=float, default=4.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="out/reliability")
+    o = sub.add_parser("overload")
+    o.add_argument("--speed", type=float, default=0.1)
+    o.add_argument("--factor", type=float, default=3.0)
+    o.add_argument("--over-s", type=float, default=60.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--out", default="out/reliability")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.cmd == "soak":
+        faults = Path(tempfile.mkdtemp()) / "faults.json"
+        stall = 5.0
+        with running_cluster(num_replicas=2, ingress_replicas=2, engine_args={"kv_blocks": 4000},
+                             replica={"stall_timeout_s": stall, "fault_file": str(faults)}) as url:
+            rep = asyncio.run(soak(url, faults, a.minutes * 60, a.rate, a.seed, stall))
+            rep["engines_idle_after_s"] = wait_idle(url, 2, 60.0)
+        (out / "soak.json").write_text(json.dumps(rep, indent=1))
+        print(f"soak {a.minutes:g} min at {a.rate:g} req/s: {format_report(rep['accounting'])}")
+        print(f"hostile: {rep['hostile']['sent']} sent, {rep['hostile']['wrong']} wrong {rep['hostile']['by_status']}")
+        print(f"events: {rep['events']}\npeak RSS of the Ray workers: {rep['peak_rss_mb']} MB")
+        print(f"engines idle after the load: {rep['engines_idle_after_s']} s")
+        good = (rep["accounting"]["lost"] == 0 and rep["hostile"]["wrong"] == 0
+                and rep["engines_idle_after_s"] is not None)
+        return 0 if good else 1
+    kv = 4000
+    cap = sim_capacity("mixed", 2, kv, a.seed) * a.speed
+    with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": a.speed}) as url:
+        rep = overload(url, cap, a.seed, over_s=a.over_s, factor=a.factor)
+    (out / "overload.json").write_text(json.dumps(rep, indent=1, default=str))
+    print(json.dumps({k: v for k, v in rep.items() if k != "accounting"}, indent=1, default=str))
+    return 0 if rep["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""A one-minute soak on the real cluster (``bench/reliability.py``): load with hang-ups, a hostile
+client, a replica kill, an ingress-replica kill and a replica stall, all at once. Every request is
+accounted for, every hostile request gets a 4xx with a message, and the engines end empty.
+``python -m bench.reliability soak --minutes 10`` is the long version."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench.reliability import soak, wait_idle
+from cluster.launch import running_cluster
+
+pytestmark = pytest.mark.e2e
+
+STALL_TIMEOUT_S = 4.0
+
+
+def test_one_minute_soak_loses_nothing():
+    faults = Path(tempfile.mkdtemp()) / "faults.json"
+    with running_cluster(num_replicas=2, ingress_replicas=2, engine_args={"kv_blocks": 4000},
+                         replica={"stall_timeout_s": STALL_TIMEOUT_S, "fault_file": str(faults)}) as url:
+        rep = asyncio.run(soak(url, faults, duration_s=60, rate=4, seed=3, stall_timeout_s=STALL_TIMEOUT_S))
+        idle_after = wait_idle(url, 2, 60.0)
+    print("soak:", rep)
+    acc = rep["accounting"]
+    assert acc["lost"] == 0, acc
+    assert acc["completed"] >= 0.6 * acc["sent"], acc
+    assert [e["event"] for e in rep["events"]] == ["kill replica", "kill ingress", "stall replica", "stall lifted"]
+    assert all(e.get("actor", e.get("replica")) for e in rep["events"][:3]), rep["events"]
+    assert rep["hostile"]["sent"] >= 100 and rep["hostile"]["wrong"] == 0, rep["hostile"]
+    assert idle_after is not None
