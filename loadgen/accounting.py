@@ -12,9 +12,16 @@ Outcome kinds, from the client's ``StreamResult`` (``loadgen/http_client.py``):
   Retry-After, or name a stalled replica), not for a 4xx about the request itself;
 - ``failed``: a stream that began and then ended with the server's error event (a clear failure);
 - ``disconnected``: the client hung up on purpose (not the server's doing);
-- ``lost``: anything else: no answer within the client's time limit (a hang), a stream cut
-  without ``[DONE]`` or an error event, a connection that failed, an error status without a
-  message, or a request with no outcome recorded at all.
+- ``cut``: a stream that began and whose HTTP response then broke off (an incomplete chunked
+  body, a reset): the client's HTTP library reports it at once as a transport error, so nothing
+  hangs and the client can retry; it is what a process that dies while holding the stream (a
+  killed ingress replica) leaves. Counted apart from ``lost`` because it is not silent, and
+  reported beside it, since a stricter reading ("every stream ends with ``[DONE]`` or an error
+  event") counts it as lost;
+- ``lost``: anything else: no answer within the client's time limit (a hang), a stream that
+  ended cleanly without ``[DONE]`` or an error event (a silent truncation), a connection that
+  failed before any answer, an error status without a message, or a request with no outcome
+  recorded at all.
 
 Complexity: O(1) per request; memory O(requests) for the outcomes (a few fields each).
 """
@@ -27,7 +34,7 @@ from typing import Any
 
 from loadgen.http_client import RETRYABLE, StreamResult
 
-KINDS = ("completed", "refused", "failed", "disconnected", "lost")
+KINDS = ("completed", "refused", "failed", "disconnected", "cut", "lost")
 #: Lost requests whose details a report lists (the count is always exact).
 LOST_EXAMPLES = 5
 
@@ -55,6 +62,8 @@ def classify(res: StreamResult) -> Outcome:
         return Outcome("refused", res.status, res.error, retryable=int(res.status) in RETRYABLE)
     if res.status == "stream" and res.error_event:
         return Outcome("failed", res.status, res.error, retryable=True)
+    if res.status == "connection" and res.started:
+        return Outcome("cut", res.status, res.error, retryable=True)
     return Outcome("lost", res.status, res.error)
 
 

@@ -29,6 +29,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.hashing import block_hashes
 from fairway.protocol import GenerateCall, ReplicaError, TokenChunk
@@ -61,6 +62,15 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
     else:
         msg = f"invalid request: {loc + ': ' if loc else ''}{first.get('msg', 'bad value')}"
     return JSONResponse(error_body(msg, 400, loc or None), status_code=400)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own errors (a body it cannot parse, an unknown path or method) in OpenAI's
+    error shape, like every other answer of this API."""
+    body = error_body(str(exc.detail), exc.status_code)
+    body["error"]["code"] = None  # not a model or queue error, whatever the status
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 class HTTPError(Exception):

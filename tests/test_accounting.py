@@ -17,7 +17,8 @@ from loadgen.http_client import StreamResult
     (StreamResult("stream", error="engine failed", error_event=True, started=True), "failed", True),
     (StreamResult("stream", error="stream ended without [DONE]", started=True), "lost", False),
     (StreamResult("timeout", error="no complete answer within 5 s"), "lost", False),
-    (StreamResult("connection", error="reset"), "lost", False),
+    (StreamResult("connection", error="reset"), "lost", False),  # before any answer
+    (StreamResult("connection", error="payload not completed", started=True), "cut", True),
     (StreamResult("disconnected", error="client hung up"), "disconnected", False),
 ])
 def test_classify(res, kind, retryable):
@@ -42,4 +43,4 @@ def test_a_request_without_an_outcome_is_lost_and_double_entries_are_refused():
     assert (rep["sent"], rep["completed"], rep["refused"], rep["lost"], rep["retryable"]) == (4, 1, 1, 2, 1)
     assert rep["lost_examples"] == [{"request": "2", "status": "timeout", "message": "no answer"},
                                     {"request": "3", "status": "", "message": "no outcome recorded"}]
-    assert format_report(rep) == ("sent 4: completed 1, refused 1 (429: 1), failed 0, disconnected 0, lost 2")
+    assert format_report(rep) == "sent 4: completed 1, refused 1 (429: 1), failed 0, disconnected 0, cut 0, lost 2"

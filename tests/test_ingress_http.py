@@ -290,6 +290,7 @@ def test_fuzzed_raw_bytes_and_content_types_get_4xx_not_5xx(server, raw, ctype):
     r = requests.post(server.url + "/v1/completions", data=raw, headers={"Content-Type": ctype} if ctype else {},
                       timeout=10)
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
+    assert r.json()["error"]["message"], r.text[:200]  # OpenAI's error shape, whatever failed
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -300,6 +301,16 @@ def test_fuzzed_raw_bytes_and_content_types_get_4xx_not_5xx(server, raw, ctype):
 def test_fuzzed_headers_do_not_change_the_answer(server, headers):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}, headers=headers)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_bytes_that_are_not_json_and_unknown_paths_get_openai_shaped_errors(server):
+    r = requests.post(server.url + "/v1/completions", data=b"\x00\xff\xfe garbage", timeout=10,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    r = requests.get(server.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    r = requests.get(server.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["message"]
 
 
 def test_an_oversized_header_block_is_refused_with_431(server):

@@ -919,3 +919,19 @@ def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
     for t in (0.0, 1.0, 2.0):
         off.clock.set(t)
         assert choice(ranked(off, req(1000), busy(t))) == 0
+
+
+def test_another_routers_decisions_count_in_the_fairway_prefix_shares():
+    """With a shared view, K routers replicate on the whole traffic: three decisions adopted
+    from other routers (a 65-token prompt, 4 cacheable blocks, all matched) count as sightings
+    and decisions, so the fourth, this router's own, already has a share: prefix rate 3 / 3 s
+    over the decision rate (3 - 1) / 3 s = 1.5."""
+    r = router("fairway")
+    hashes = chain("x", 5)
+    for t in (0.0, 1.0, 2.0):
+        r.clock.set(t)
+        r.on_adopted(hashes, 5, 65)
+    assert r.shares.share(int(hashes[3]), 3.0) == pytest.approx(1.5)
+    unused = router("fairway")
+    unused.on_adopted(hashes, 0, 65)  # nothing matched: a decision, but no prefix sighting
+    assert len(unused.shares) == 0
