@@ -149,6 +149,10 @@ class ClusterRouter:
         if self.sync_delay_s > 0.0:
             rid, pick, n, est = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks
             self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est))
+        elif self.view == SHARED:  # one index and load view: only the policies' own statistics
+            for other in self.instances:
+                if other is not inst:
+                    other.policy.on_adopted(hashes, d.matched_blocks, spec.prompt_tokens)
         return d.pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------

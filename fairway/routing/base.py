@@ -128,6 +128,12 @@ class RouterPolicy(ABC):
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         """Ranked replica ids for ``req`` among ``states`` (see the module's conventions)."""
 
+    def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
+        """Another router instance routed a request of ``prompt_tokens`` tokens (``hashes``) to a
+        replica where ``matched_blocks`` of them were cached (a shared view): a policy that keeps
+        its own statistics of the traffic learns of it. Default: nothing. O(1)."""
+        return None
+
     # -- helpers shared by the policies -----------------------------------------------------
 
     def cached_tokens(self, req: RouteRequest, s: ReplicaState) -> int:

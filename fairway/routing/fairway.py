@@ -237,6 +237,17 @@ class FairwayRouter(RouterPolicy):
         self.last_wait = wait
         return ranks_of([pick], (r for r in order if r != pick))
 
+    def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
+        """A decision of another router instance counts in the prefix shares as one of ours, so
+        K routers that share a view replicate on the whole traffic's shares, not on 1/K of it.
+        The prefix is named by the pick's match (the best match of that decision, except when
+        it seeded a new holder). O(1)."""
+        now = self.clock.now()
+        self.shares.observe(now)
+        b = min(matched_blocks, max(0, (prompt_tokens - 1) // self.block_size))
+        if b > 0:
+            self.shares.share(int(hashes[b - 1]), now)
+
     def _seed_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int], best: int,
                      ttft: dict[int, float], fullness: dict[int, float]) -> int | None:
         """The non-holder that should get one more copy of the prefix ``req`` shares with its

@@ -79,9 +79,11 @@ class RoutingHost:
 
     def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int) -> None:
         """Another router instance sent this request to ``replica`` (a shared view): the index
-        and the load view learn it as if routed here; it is not one of this policy's decisions."""
+        and the load view learn it as if routed here, and the policy's own traffic statistics
+        count it (``RouterPolicy.on_adopted``); it is not one of this policy's decisions."""
         self.index.record_routed(replica, hashes)
         self.book(rid, replica, prompt_tokens, matched_blocks)
+        self.policy.on_adopted(hashes, matched_blocks, prompt_tokens)
 
     def finished(self, rid: int, replica: int, hashes: Sequence[int], cached_tokens: int,
                  estimated_blocks: int | None) -> None:
