@@ -5,8 +5,11 @@ client that trickles its body in forever must cost a bounded amount of memory an
 clear answer. What the limits are:
 
 - ``max_body_bytes`` (default 8 MiB: a 32k-token prompt is about 200 kB as token ids, 150 kB as
-  text): a larger ``Content-Length`` is refused with 413 before the body is read; a chunked body
-  is counted as it arrives and refused with 413 at the first byte past the limit.
+  text): a larger ``Content-Length`` is refused with 413 without keeping the body: up to
+  ``DRAIN_FACTOR`` times the limit it is read and discarded first (a client still sending would
+  otherwise see a broken pipe instead of the 413), beyond that the answer goes at once and the
+  connection closes; a chunked body is counted as it arrives and refused with 413 at the first
+  byte past the limit.
 - ``body_timeout_s`` (default 30 s): a body that has not fully arrived by then is refused with 408
   (the slow client's connection is then closed by the HTTP server).
 - ``max_messages`` (default 1,024): a chat with more messages gets 400.
@@ -30,6 +33,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+#: A declared body up to this many times the limit is drained before the 413 (module docstring).
+DRAIN_FACTOR = 8
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -83,6 +89,11 @@ class RequestGuard:
         limit = limits.max_body_bytes
         declared = _content_length(scope)
         if declared is not None and declared > limit:
+            if declared <= DRAIN_FACTOR * limit:
+                try:
+                    await asyncio.wait_for(_drain(receive), limits.body_timeout_s)
+                except TimeoutError:
+                    pass
             await _reply(send, 413, f"request body is {declared} bytes; the limit is {limit} bytes")
             return
         try:
@@ -136,6 +147,14 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(part)
         if not msg.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _drain(receive: Receive) -> None:
+    """Read the body to its end (or the client's disconnect), keeping nothing."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+            return
 
 
 async def _reply(send: Send, status: int, message: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from bench.reliability import kill_actor
 from cluster.launch import post_json, running_cluster
 from loadgen.http_run import HttpLoadRun, HttpRunConfig
 from tests.e2e.probes import poll, replica_gauges
@@ -117,24 +118,15 @@ def test_a_slow_replica_gets_less_of_the_work_and_nothing_is_lost(cluster):
 
 
 def test_a_killed_replica_loses_no_request(cluster):
-    import ray
-
     url, _ = cluster
     victim = replicas(url)[0]
     thread, out = load_in_background(url, seconds=15, rate=6, seed=13)
     time.sleep(4)
-    ray.init(address="auto", namespace="serve", ignore_reinit_error=True, logging_level="ERROR")
-    try:
-        actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and victim in a["name"]]
-        assert len(actors) == 1, actors
-        ray.kill(ray.get_actor(actors[0]["name"], namespace="serve"), no_restart=True)
-    finally:
-        ray.shutdown()
+    assert victim in kill_actor(f"FairwayReplica#{victim}")  # in a subprocess: this one never joins Ray
     thread.join(120)
     assert not thread.is_alive(), "the load generator hung"
     acc = out["res"]["accounting"]
-    assert acc["lost"] == 0, acc
+    assert acc["lost"] == 0 and acc["cut"] == 0, acc
     poll(lambda: victim not in replicas(url) and len(replicas(url)) == 2, 120, "the killed replica replaced",
          interval_s=1.0)
     served(url)
