@@ -16,6 +16,12 @@ from the simulator (the highest rate of a doubling sweep whose simulated p99 TTF
 it for 60 s, half again for 30 s. It reports, per phase, accepted TTFT p50/p99, the refusals (429
 and 503) with the time they took, the peak memory, and the time after the drop until TTFT is back
 within twice its first-phase median.
+
+``python -m bench.reliability tenants`` starts a cluster with two API keys (tenants "quiet" and
+"flood") at the same speed and capacity, and measures the quiet tenant's TTFT (it sends a quarter
+of the capacity) alone, then while the other tenant sends five times its fair share (2.5 times the
+capacity), once with the gate's tenant queues (the default) and once with one shared queue
+(``replica.tenant_fair: false``).
 """
 
 from __future__ import annotations
@@ -300,6 +306,41 @@ def overload(url: str, capacity: float, seed: int = 0, pre_s: float = 20.0, over
             "lost": sum(x["lost"] for x in ledger), "accounting": ledger}
 
 
+def tenants(speed: float, seconds: float, seed: int = 0, kv: int = 4000) -> dict[str, Any]:
+    """Per-tenant fairness (module docstring, ``tenants``): the quiet tenant's TTFT alone, then
+    beside a tenant sending five times its fair share, with the gate's tenant queues on and off."""
+    cap = sim_capacity("mixed", 2, kv, seed) * speed
+    quiet_rate, flood_rate = 0.25 * cap, 5 * 0.5 * cap
+    env = {"FAIRWAY_BENCH_KEYS": "k-quiet=quiet,k-flood=flood"}
+    auth = {"keys_env": "FAIRWAY_BENCH_KEYS"}
+
+    def run(url: str, rate: float, key: str, s: int) -> dict[str, Any]:
+        cfg = HttpRunConfig(url=url, workload="mixed", rate=rate, duration_s=seconds, seed=s, model=MODEL,
+                            timeout_s=600, api_key=key)
+        return asyncio.run(HttpLoadRun(cfg).run())
+
+    out: dict[str, Any] = {"capacity_rps": cap, "quiet_rps": quiet_rate, "flood_rps": flood_rate}
+    for fair in (True, False):
+        with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": speed}, api_key="k-quiet",
+                             env=env, auth=auth, replica={"tenant_fair": fair}) as url:
+            if fair:
+                out["quiet alone"] = run(url, quiet_rate, "k-quiet", seed)["ttft_s"]
+            box: dict[str, Any] = {}
+
+            def flooding(b: dict[str, Any] = box, u: str = url) -> None:
+                b["res"] = run(u, flood_rate, "k-flood", seed + 1)
+
+            flood = threading.Thread(target=flooding)
+            flood.start()
+            quiet = run(url, quiet_rate, "k-quiet", seed)
+            flood.join()
+            key = "fair queues" if fair else "one shared queue"
+            out[key] = {"quiet": quiet["ttft_s"], "flood": box["res"]["ttft_s"],
+                        "flood refused": box["res"]["n_rejected"], "lost": quiet["accounting"]["lost"]
+                        + box["res"]["accounting"]["lost"]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -315,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--over-s", type=float, default=60.0)
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--out", default="out/reliability")
+    t = sub.add_parser("tenants")
+    t.add_argument("--speed", type=float, default=0.1)
+    t.add_argument("--seconds", type=float, default=40.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default="out/reliability")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -333,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         good = (rep["accounting"]["lost"] == 0 and rep["hostile"]["wrong"] == 0
                 and rep["engines_idle_after_s"] is not None)
         return 0 if good else 1
+    if a.cmd == "tenants":
+        rep = tenants(a.speed, a.seconds, a.seed)
+        (out / "tenants.json").write_text(json.dumps(rep, indent=1))
+        print(json.dumps(rep, indent=1))
+        return 0
     kv = 4000
     cap = sim_capacity("mixed", 2, kv, a.seed) * a.speed
     with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": a.speed}) as url:

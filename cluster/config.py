@@ -59,6 +59,7 @@ class ReplicaOptions(BaseModel):
     stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests in "
                                                            "it: fail them with 504, report unhealthy")
     fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
+    tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
 
 
 class ClusterArgs(ServedModel):
@@ -128,6 +129,7 @@ class ClusterArgs(ServedModel):
             max_queue=self.replica.max_queue,
             stall_timeout_s=self.replica.stall_timeout_s,
             fault_file=self.replica.fault_file,
+            tenant_fair=self.replica.tenant_fair,
             prefill_budget_tokens=self.replica.prefill_budget_tokens,
             profile=self.profile,
             metrics=self.metrics,

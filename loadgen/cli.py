@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -39,6 +40,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop-after", type=float, default=None, help="send nothing after this many seconds")
     r.add_argument("--timeout-s", type=float, default=600.0, help="total time limit per request")
     r.add_argument("--retries", type=int, default=0, help="retries of a 429/503, after its Retry-After")
+    r.add_argument("--api-key-env", default=None, help="environment variable holding the API key to send")
     r.add_argument("--disconnect-fraction", type=float, default=0.0,
                    help="share of clients that hang up on purpose (half at a random time, half mid-stream)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -64,6 +66,7 @@ def config_from(args: argparse.Namespace) -> HttpRunConfig:
         timeout_s=args.timeout_s,
         retries=args.retries,
         disconnect_fraction=args.disconnect_fraction,
+        api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
     )
 
 

@@ -83,6 +83,7 @@ class HttpRunConfig(BaseModel):
     connect_timeout_s: float = Field(10.0, gt=0, description="limit of the GET /v1/models probe")
     disconnect_fraction: float = Field(0.0, ge=0, le=1, description="share of clients that hang up on purpose")
     disconnect_within_s: float = Field(0.5, gt=0, description="a timed hang-up comes within this (s)")
+    api_key: str | None = Field(None, description="sent as 'Authorization: Bearer <key>'", repr=False)
 
 
 def build_workload(cfg: HttpRunConfig) -> Workload:
@@ -231,7 +232,8 @@ class HttpLoadRun:
         ``ServerError`` if the server cannot be reached (before anything is sent)."""
         connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on open connections
         timeout = aiohttp.ClientTimeout(total=None)  # each request is bounded by timeout_s instead
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http:
             self._http = http
             listed = await first_model(http, self.cfg.url, timeout_s=self.cfg.connect_timeout_s)
             if self.model is None:

@@ -50,6 +50,7 @@ class ReplicaArgs(BaseModel):
                                                            "in it: fail them (504) and report unhealthy")
     fault_file: str | None = Field(None, description="test hook: a JSON file of injected faults "
                                                      "(replicas/faults.py); off by default")
+    tenant_fair: bool = Field(True, description="one queue per tenant, fair queueing across them (API keys)")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaArgs:
@@ -100,7 +101,7 @@ class FairwayReplica:
                 self.exporter = None
         gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s)
         self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
-                                  policy_factory=new_policy)
+                                  policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()
         self.faults = None
         if a.fault_file:

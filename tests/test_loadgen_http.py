@@ -53,6 +53,7 @@ class Received:
     cached: int = 0
     lane: str = ""
     chunks: int = 0
+    authorization: str | None = None
 
 
 @dataclass
@@ -94,7 +95,8 @@ class FakeOpenAI:
         body = await request.json()
         assert body["stream"] is True and body["return_token_ids"] is True and body["ignore_eos"] is True
         assert body["model"] == "fake-model"
-        rec = Received(len(self.received), list(body["prompt"]), int(body["max_tokens"]))
+        rec = Received(len(self.received), list(body["prompt"]), int(body["max_tokens"]),
+                       authorization=request.headers.get("Authorization"))
         self.received.append(rec)
         if self.hang(rec.index):
             await self._stop.wait()
@@ -355,6 +357,15 @@ async def test_a_disconnect_fraction_hangs_up_that_share_of_clients(serve):
     acc = res["accounting"]
     assert acc["lost"] == 0 and acc["sent"] == 60 and acc["completed"] + acc["disconnected"] == 60
     assert 15 <= acc["disconnected"] <= 45
+
+
+@pytest.mark.asyncio
+async def test_an_api_key_goes_with_every_request(serve):
+    fake = await serve(FakeOpenAI())
+    specs = [spec(i, 0.01 * i, 40, 4, chain(f"k{i}", 2)) for i in range(3)]
+    res = await HttpLoadRun(cfg(fake.url, api_key="k-123"), ListWorkload(specs)).run()
+    assert res["n_finished"] == 3 and [r.authorization for r in fake.received] == ["Bearer k-123"] * 3
+    assert "k-123" not in repr(cfg(fake.url, api_key="k-123"))  # never printed with the config
 
 
 @pytest.mark.asyncio
