@@ -13,7 +13,8 @@ soak (``tests/e2e/test_soak.py``).
 H200 (default 0.1, so the 2-core machine can offer three times its capacity), takes the capacity
 from the simulator (the highest rate of a doubling sweep whose simulated p99 TTFT stays under
 2 s, times the speed: the same engine model), and offers half the capacity for 20 s, three times
-it for 60 s, half again for 30 s. It reports, per phase, accepted TTFT p50/p99, the refusals (429
+it for 60 s, half again for 30 s; the gates' queued-work bound is set to 10 s of wall time (10 x
+the speed in the cost model's seconds). It reports, per phase, accepted TTFT p50/p99, the refusals (429
 and 503) with the time they took, the peak memory, and the time after the drop until TTFT is back
 within twice its first-phase median.
 
@@ -386,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     kv = 4000
     cap = sim_capacity("mixed", 2, kv, a.seed) * a.speed
-    with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": a.speed}) as url:
+    # the gate's bound is in the cost model's (H200) seconds; an engine at speed s takes 1/s as long
+    bound = 10.0 * a.speed
+    with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": a.speed},
+                         replica={"max_queued_prefill_s": bound}) as url:
         rep = overload(url, cap, a.seed, over_s=a.over_s, factor=a.factor)
     (out / "overload.json").write_text(json.dumps(rep, indent=1, default=str))
     print(json.dumps({k: v for k, v in rep.items() if k != "accounting"}, indent=1, default=str))

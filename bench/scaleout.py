@@ -3,7 +3,7 @@
 ``python -m bench.scaleout --routers 1,2,4,8 --out out/scaleout`` runs, for each workload point
 and each K, the 8-replica cluster with K router instances, view "own" (each instance learns from
 its own decisions, as K Ray Serve ingress replicas do without the shared view) and "shared"
-(``--sync-delay``, default 0.02 s: the Ray host's exchange period), and prints p50 / p99 / hit
+(``--sync-delay``, default 0.01 s: the Ray host's exchange period), and prints p50 / p99 / hit
 against K = 1. Points: Mooncake x3 by default (``--points``; a point is ``workload@load``, the load
 a time scale for ``trace:``, else a rate). Runs are independent processes (``--jobs``).
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="mooncake@3", help="comma-separated workload@load")
     ap.add_argument("--routers", default="1,2,4,8")
-    ap.add_argument("--sync-delay", type=float, default=0.02)
+    ap.add_argument("--sync-delay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ensemble", type=int, default=5, help="members per point (see the module docstring)")
     ap.add_argument("--views", default="own,shared", help="views for K > 1: own, shared or both")

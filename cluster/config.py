@@ -44,7 +44,7 @@ class RouterArgs(BaseModel):
     shared_view: bool | None = Field(
         None, description="the request routers of all ingress replicas share one routing view (a Ray actor); "
                           "default: on when ingress_replicas > 1")
-    sync_period_s: float = Field(0.02, gt=0, le=1.0, description="how often each router exchanges with the shared view")
+    sync_period_s: float = Field(0.01, gt=0, le=1.0, description="how often each router exchanges with the shared view")
 
 
 class ReplicaOptions(BaseModel):
@@ -60,6 +60,8 @@ class ReplicaOptions(BaseModel):
                                                            "it: fail them with 504, report unhealthy")
     fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
     tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
+    max_queued_prefill_s: float | None = Field(10.0, gt=0, description="queued prefill work (cost-model seconds) "
+                                               "beyond which new requests get 429; null: no bound")
 
 
 class ClusterArgs(ServedModel):
@@ -130,6 +132,7 @@ class ClusterArgs(ServedModel):
             stall_timeout_s=self.replica.stall_timeout_s,
             fault_file=self.replica.fault_file,
             tenant_fair=self.replica.tenant_fair,
+            max_queued_prefill_s=self.replica.max_queued_prefill_s,
             prefill_budget_tokens=self.replica.prefill_budget_tokens,
             profile=self.profile,
             metrics=self.metrics,

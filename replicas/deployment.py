@@ -51,6 +51,8 @@ class ReplicaArgs(BaseModel):
     fault_file: str | None = Field(None, description="test hook: a JSON file of injected faults "
                                                      "(replicas/faults.py); off by default")
     tenant_fair: bool = Field(True, description="one queue per tenant, fair queueing across them (API keys)")
+    max_queued_prefill_s: float | None = Field(10.0, gt=0, description="queued prefill work (cost-model "
+                                               "seconds) beyond which new requests get 429; None: no bound")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaArgs:
@@ -99,7 +101,7 @@ class FairwayReplica:
             except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
                 logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
                 self.exporter = None
-        gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s)
+        gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s, a.max_queued_prefill_s)
         self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
                                   policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()

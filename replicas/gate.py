@@ -13,9 +13,12 @@ near empty. "Room" is, in order:
    behind it jumps ahead (vLLM's head-of-line rule), so a large request is never starved by
    small ones slipping into freed memory.
 
-The queue is bounded: beyond ``max_queue`` waiting requests a new one is refused at once with
-``Overloaded`` (HTTP 429 with a Retry-After estimated from the queued prefill work), never
-parked. A client that goes away while waiting is removed from the queue.
+The queue is bounded twice: beyond ``max_queue`` waiting requests, or once the queued prefill work
+(the policy's estimate, in the cost model's seconds) reaches ``max_queued_prefill_s``, a new one is
+refused at once with ``Overloaded`` (HTTP 429 with a Retry-After estimated from the queued prefill
+work), never parked. The second bound is the one that keeps the wait of accepted requests bounded
+in an overload: a count of waiting requests says little when their prompts differ 100x. A client
+that goes away while waiting is removed from the queue.
 
 With API keys, each tenant has a queue of its own (``replicas/tenants.py``): the next admission
 is the policy's choice within the tenant that has received the least prefill service, so one
@@ -72,12 +75,15 @@ class GateConfig:
     max_queue: int = 512
     prefill_budget_tokens: int | None = None
     stall_timeout_s: float = 15.0
+    max_queued_prefill_s: float | None = 10.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if not self.stall_timeout_s > 0:
             raise ValueError("stall_timeout_s must be > 0")
+        if self.max_queued_prefill_s is not None and not self.max_queued_prefill_s > 0:
+            raise ValueError("max_queued_prefill_s must be > 0 (or None: no bound)")
         if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
             raise ValueError("prefill_budget_tokens must be >= 1")
 
@@ -222,6 +228,12 @@ class AdmissionGate:
             raise Overloaded(
                 f"replica {self.replica} queue is full ({self.config.max_queue} waiting)",
                 retry_after_s=self._retry_after_s())
+        bound = self.config.max_queued_prefill_s
+        if bound is not None and self._waiting and (queued := self.policy.queued_prefill_s()) >= bound:
+            self._reject("queue_full")
+            raise Overloaded(
+                f"replica {self.replica} queue is full ({queued:.1f} s of prefill work waiting, the bound is "
+                f"{bound:g} s)", retry_after_s=self._retry_after_s())
         rid = self._seq
         self._seq += 1
         fut: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -93,7 +93,7 @@ class FairwayRequestRouter(RequestRouter):
         seed: int = 0,
         metrics: bool = True,
         shared_view: bool = False,
-        sync_period_s: float = 0.02,
+        sync_period_s: float = 0.01,
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
         exchange: Callable[[str, list, int], Awaitable[Exchange]] | None = None,

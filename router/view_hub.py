@@ -4,7 +4,7 @@ Every ``FairwayRequestRouter`` of an application finds the same named actor (cre
 first one, ``get_if_exists``; detached, so it outlives the ingress replica that created it and a
 restarted router finds the log intact) and calls ``exchange`` every ``sync_period_s``: one actor
 call carries its batch of events out and the other routers' events in. A router silent for
-``ttl_s`` (3 s; a live one exchanges every 20 ms) is announced gone, and the others drop the
+``ttl_s`` (3 s; a live one exchanges every 10 ms) is announced gone, and the others drop the
 requests it had in flight. Why an actor: it is what
 Ray gives for shared state (Ray's own prefix-aware router keeps its tree in one), it needs no
 broker or port of ours, and one round trip per period per router costs far less than a decision.

@@ -314,3 +314,21 @@ async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and
         assert outcomes == [("d", "ok")]
     finally:
         await gate.shutdown()
+
+
+async def test_queued_prefill_work_beyond_the_bound_is_refused_at_once():
+    """LinearCost prices a 500-token prompt at 0.51 s: with 1.02 s of prefill work waiting, the
+    fourth request is refused with 429, however short the queue."""
+    gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1, max_queued_prefill_s=1.0)
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(r, 500), out)) for r in "abc"]
+    await settle()
+    assert engine.started == ["a"] and len(gate.policy) == 2
+    with pytest.raises(Overloaded) as e:
+        async for _ in gate.submit(call("d", 500)):
+            pass
+    assert e.value.status == 429 and "s of prefill work waiting" in e.value.message
+    for r in "abc":
+        engine.release(r)
+        await settle()
+    await asyncio.gather(*tasks)

@@ -419,6 +419,12 @@ class VllmEngine:
             self._estimate.set_listener(on_stored, on_removed)
 
     @property
+    def healthy(self) -> bool:
+        """Started and its engine process alive (vLLM sets ``errored`` once its engine core died);
+        the replica's health check fails otherwise, so Serve replaces the replica."""
+        return self._llm is not None and not getattr(self._llm, "errored", False)
+
+    @property
     def cache_estimate(self) -> CacheEstimate | KvEventMirror | None:
         """The prefix view in our hashes: the estimate, or with ``kv_events`` the exact mirror."""
         return self._estimate

@@ -156,3 +156,43 @@ def test_tenants_never_hit_each_others_cached_prefixes(url):
     assert ttft["b1"] > ttft["a2"] and ttft["b1"] > ttft["b2"], ttft  # bob's first is a cold prefill
     status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert status == 401 and body["error"]["message"].startswith("missing API key")
+
+
+def _engine_core_pids() -> list[int]:
+    """vLLM's engine-core processes (their title is ``VLLM::EngineCore``)."""
+    import os
+
+    pids = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"EngineCore" in f.read(300):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_zz_killing_the_engine_process_fails_requests_clearly_and_the_replica_is_replaced(url):
+    """Last in the module (it takes the engine down): kill -9 vLLM's engine-core process under the
+    replica. Requests then get a 503 with a message at once (no hang) until Serve, whose health
+    check now fails, has replaced the replica; then they are served again."""
+    import os
+    import signal
+
+    pids = _engine_core_pids()
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    statuses = []
+    while time.monotonic() - t0 < 420:
+        t1 = time.monotonic()
+        status, body, _ = complete(url, prompt_ids(77, 50), max_tokens=2)
+        assert time.monotonic() - t1 < 60, "a request hung on the dead engine"
+        statuses.append(status)
+        if status == 200:
+            break
+        assert status == 503 and body["error"]["message"], (status, body)
+        time.sleep(2)
+    print(f"engine killed: {statuses.count(503)} x 503, then served after {time.monotonic() - t0:.0f} s")
+    assert statuses[-1] == 200 and 503 in statuses, statuses
