@@ -10,7 +10,7 @@ peak memory of the cluster's Ray workers, and whether the engines ended empty. C
 soak (``tests/e2e/test_soak.py``).
 
 ``python -m bench.reliability overload`` starts a cluster whose engine runs at ``--speed`` of an
-H200 (default 0.1, so the 2-core machine can offer three times its capacity), takes the capacity
+H200 (default 0.25, so the 2-core machine can offer three times its capacity), takes the capacity
 from the simulator (the highest rate of a doubling sweep whose simulated p99 TTFT stays under
 2 s, times the speed: the same engine model), and offers half the capacity for 20 s, three times
 it for 60 s, half again for 30 s; the gates' queued-work bound is set to 10 s of wall time (10 x
@@ -352,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="out/reliability")
     o = sub.add_parser("overload")
-    o.add_argument("--speed", type=float, default=0.1)
+    o.add_argument("--speed", type=float, default=0.25)
     o.add_argument("--factor", type=float, default=3.0)
     o.add_argument("--over-s", type=float, default=60.0)
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--out", default="out/reliability")
     t = sub.add_parser("tenants")
-    t.add_argument("--speed", type=float, default=0.1)
+    t.add_argument("--speed", type=float, default=0.25)
     t.add_argument("--seconds", type=float, default=40.0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="out/reliability")
