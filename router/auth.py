@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from router.openai_api import send_error
 
 GROUP_HEADER = "x-fairway-prefix-group"
 
@@ -174,14 +175,8 @@ class AuthGuard:
         try:
             principal = keys.principal(headers.get("authorization"), headers.get(GROUP_HEADER))
         except AuthError as e:
-            body = json.dumps({"error": {"message": e.message, "param": None,
-                                         "type": "authentication_error" if e.status == 401 else "permission_error",
-                                         "code": "invalid_api_key" if e.status == 401 else None}}).encode()
-            extra = [(b"www-authenticate", b"Bearer")] if e.status == 401 else []
-            await send({"type": "http.response.start", "status": e.status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()), *extra]})
-            await send({"type": "http.response.body", "body": body})
+            await send_error(send, e.status, e.message,
+                             headers=[(b"www-authenticate", b"Bearer")] if e.status == 401 else ())
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)

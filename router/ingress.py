@@ -68,9 +68,8 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """FastAPI's own errors (a body it cannot parse, an unknown path or method) in OpenAI's
     error shape, like every other answer of this API."""
-    body = error_body(str(exc.detail), exc.status_code)
-    body["error"]["code"] = None  # not a model or queue error, whatever the status
-    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    return JSONResponse(error_body(str(exc.detail), exc.status_code, code=None),  # not a model or queue error
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 class HTTPError(Exception):
@@ -477,20 +476,24 @@ def principal_of(request: Request | None) -> Principal:
     return request.scope.get("state", {}).get("principal", NO_AUTH)
 
 
+def _current(attr: str, default: Any) -> Any:
+    """An attribute of this ingress replica (``default`` outside a Serve replica, or before it
+    is constructed): the guards read its limits and keys per request."""
+    try:
+        return getattr(current_ingress(), attr)
+    except Exception:  # noqa: BLE001 - not in a replica, or not constructed yet
+        return default
+
+
 def current_keys() -> KeyTable | None:
     """This ingress replica's API keys (None outside a Serve replica: nothing is checked)."""
-    try:
-        return current_ingress().keys
-    except Exception:  # noqa: BLE001 - not in a replica, or not constructed yet
-        return None
+    return _current("keys", None)
 
 
 def current_limits() -> RequestLimits:
     """This ingress replica's request limits (the defaults outside a Serve replica)."""
-    try:
-        return current_ingress().args.limits
-    except Exception:  # noqa: BLE001 - not in a replica, or not constructed yet
-        return RequestLimits()
+    args = _current("args", None)
+    return args.limits if args is not None else RequestLimits()
 
 
 app.add_middleware(RequestGuard, limits=current_limits)

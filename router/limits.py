@@ -28,11 +28,12 @@ request.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from router.openai_api import send_error
 
 #: A declared body up to this many times the limit is drained before the 413 (module docstring).
 DRAIN_FACTOR = 8
@@ -53,11 +54,6 @@ class RequestLimits(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, description="a body not fully received by then gets 408")
     max_messages: int = Field(1024, ge=1, description="chats with more messages get 400")
     max_header_bytes: int = Field(32 * 1024, ge=1024, description="larger header blocks get 431")
-
-
-def _error(status: int, message: str) -> bytes:
-    kind = {408: "timeout_error"}.get(status, "invalid_request_error")
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
 
 
 class RequestGuard:
@@ -158,11 +154,7 @@ async def _drain(receive: Receive) -> None:
 
 
 async def _reply(send: Send, status: int, message: str) -> None:
-    body = _error(status, message)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, status, message, headers=[(b"connection", b"close")])
 
 
 __all__ = ["RequestGuard", "RequestLimits"]

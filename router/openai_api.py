@@ -9,8 +9,10 @@ OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``retur
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -88,17 +90,31 @@ class ChatCompletionRequest(_Common):
         return v
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    kind = {
-        400: "invalid_request_error",
-        404: "not_found_error",
-        429: "rate_limit_error",
-        503: "service_unavailable",
-        504: "timeout_error",
-    }.get(status, "server_error")
-    code = {404: "model_not_found", 429: "queue_full"}.get(status)
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+#: ``error_body``'s default: the code that goes with the status (``CODES``).
+BY_STATUS = "by status"
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 431: "invalid_request_error", 503: "service_unavailable",
+         504: "timeout_error"}
+CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "queue_full"}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = BY_STATUS) -> dict[str, Any]:
+    """OpenAI's error object (``code``: the status's usual code unless given, None for none)."""
+    if code == BY_STATUS:
+        code = CODES.get(status)
+    return {"error": {"message": message, "type": KINDS.get(status, "server_error"), "param": param, "code": code}}
+
+
+async def send_error(send: Any, status: int, message: str, headers: Sequence[tuple[bytes, bytes]] = (),
+                     code: str | None = BY_STATUS) -> None:
+    """Answer an ASGI request with ``error_body`` (for middleware that refuses before the app
+    runs)."""
+    body = json.dumps(error_body(message, status, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def new_id(prefix: str) -> str:
