@@ -47,6 +47,8 @@ from cluster.launch import running_cluster
 from fairway.summary import pct
 from loadgen.accounting import format_report
 from loadgen.http_run import HttpLoadRun, HttpRunConfig
+from observability.probe import replica_names, wait_idle
+from replicas.faults import write_faults
 
 MODEL = "fairway-tiny"
 PY = sys.executable
@@ -169,20 +171,6 @@ def kill_actor(match: str) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
 
 
-def replica_names(url: str) -> list[str]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics/targets", timeout=10) as r:
-        targets = json.loads(r.read())
-    return sorted(t["labels"]["component"] for t in targets if t["labels"].get("level") == "replica")
-
-
-def _inject(path: Path, faults: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(faults))
-    tmp.replace(path)
-
-
 async def soak(url: str, faults: Path, duration_s: float, rate: float, seed: int = 0,
                stall_timeout_s: float = 5.0) -> dict[str, Any]:
     """The soak of the module docstring against a running cluster; returns its report."""
@@ -203,10 +191,10 @@ async def soak(url: str, faults: Path, duration_s: float, rate: float, seed: int
                 events.append({"at_s": at, "event": what, "actor": await asyncio.to_thread(kill_actor, match)})
             else:
                 victim = (await asyncio.to_thread(replica_names, url) or [""])[0]
-                _inject(faults, {victim: {"stall": True}})
+                write_faults(faults, {victim: {"stall": True}})
                 events.append({"at_s": at, "event": what, "replica": victim})
                 await asyncio.sleep(3 * stall_timeout_s)
-                _inject(faults, {})
+                write_faults(faults, {})
                 events.append({"at_s": round(time.monotonic() - t0, 1), "event": "stall lifted"})
 
     with RssSampler() as rss:
@@ -219,22 +207,6 @@ async def soak(url: str, faults: Path, duration_s: float, rate: float, seed: int
     return {"duration_s": duration_s, "rate": rate, "accounting": res["accounting"], "hostile": hostile_report,
             "events": events, "peak_rss_mb": round(rss.peak / 2**20, 1), "ttft_s": res["ttft_s"],
             "wall_s": round(time.monotonic() - t0, 1)}
-
-
-def wait_idle(url: str, replicas: int, timeout_s: float) -> float | None:
-    """Seconds until the replicas' gates and engines are empty (``observability/probe.py``), or
-    None if they are not within ``timeout_s``."""
-    from observability.probe import idle, replica_gauges
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            if idle(replica_gauges(url), replicas):
-                return round(time.monotonic() - t0, 1)
-        except OSError:
-            pass
-        time.sleep(0.5)
-    return None
 
 
 def sim_capacity(workload: str, replicas: int, kv_blocks: int, seed: int = 0) -> float:

@@ -1,13 +1,15 @@
 """Read a live cluster's replica gauges over HTTP (tests and benchmarks).
 
-``replica_gauges(url)`` scrapes every replica's metrics endpoint listed at the ingress's
-``/metrics/targets`` and sums, over replicas, the gauges that say whether anything is left in a
-replica: requests in its engine, requests waiting at its gate, and KV blocks in use.
+``replica_names(url)`` lists the live replicas; ``replica_gauges(url)`` scrapes every replica's
+metrics endpoint listed at the ingress's ``/metrics/targets`` and sums, over replicas, the gauges
+that say whether anything is left in a replica: requests in its engine, requests waiting at its
+gate, and KV blocks in use; ``wait_idle`` waits until nothing is.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,11 +23,20 @@ def _get(url: str, headers: dict[str, str] | None = None) -> str:
         return r.read().decode()
 
 
+def _replica_targets(url: str) -> list[dict]:
+    """The replica entries of ``{url}/metrics/targets`` (Prometheus http_sd JSON)."""
+    return [e for e in json.loads(_get(f"{url}/metrics/targets")) if e["labels"].get("level") == "replica"]
+
+
+def replica_names(url: str) -> list[str]:
+    """The live replicas' names (their Serve replica ids: the ``component`` label), sorted."""
+    return sorted(e["labels"]["component"] for e in _replica_targets(url))
+
+
 def replica_gauges(url: str) -> dict[str, float]:
     """``GAUGES`` summed over the replicas listed at ``{url}/metrics/targets``, plus ``replicas``:
     how many were scraped."""
-    targets = [t for e in json.loads(_get(f"{url}/metrics/targets")) if e["labels"].get("level") == "replica"
-               for t in e["targets"]]
+    targets = [t for e in _replica_targets(url) for t in e["targets"]]
     out = dict.fromkeys(GAUGES, 0.0)
     for t in targets:
         for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
@@ -42,4 +53,18 @@ def idle(g: dict[str, float], replicas: int) -> bool:
         and g["fairway_engine_kv_usage"] == 0
 
 
-__all__ = ["GAUGES", "idle", "replica_gauges"]
+def wait_idle(url: str, replicas: int, timeout_s: float) -> float | None:
+    """Seconds until ``idle`` holds for ``replicas`` replicas, or None if not within ``timeout_s``
+    (polled every 0.2 s)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if idle(replica_gauges(url), replicas):
+                return round(time.monotonic() - t0, 1)
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return None
+
+
+__all__ = ["GAUGES", "idle", "replica_gauges", "replica_names", "wait_idle"]

@@ -39,10 +39,6 @@ class FaultFile:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
     def check(self) -> dict[str, Any] | None:
         """Apply the file's entry for this replica if the file changed; the entry applied, or None."""
         try:
@@ -71,3 +67,11 @@ class FaultFile:
         while True:
             self.check()
             await asyncio.sleep(POLL_S)
+
+
+def write_faults(path: str | os.PathLike, faults: dict[str, Any]) -> None:
+    """Replace the fault file at once (a rename), so a replica never reads half of it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(faults, f)
+    os.replace(tmp, path)

@@ -1,4 +1,4 @@
-"""Polling helpers for the end-to-end tests; the replica gauges come from ``observability/probe.py``."""
+"""Polling for the end-to-end tests (the replicas' gauges: ``observability/probe.py``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from observability.probe import idle, replica_gauges
-
-__all__ = ["idle", "poll", "replica_gauges"]
+__all__ = ["poll"]
 
 
 def poll(fn: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2,

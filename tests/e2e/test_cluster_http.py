@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from cluster.launch import post_json, running_cluster
-from tests.e2e.probes import idle, poll, replica_gauges
+from observability.probe import replica_gauges, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -188,12 +188,9 @@ def open_stream(url: str, prompt: list[int], max_tokens: int) -> socket.socket:
     return s
 
 
-def empty(g: dict[str, float]) -> bool:
-    return idle(g, 2)
-
-
 def wait_empty(url: str, timeout_s: float, what: str) -> None:
-    poll(lambda: empty(replica_gauges(url)), timeout_s, what, describe=lambda: replica_gauges(url))
+    """Every gate and engine empty within ``timeout_s`` (``observability/probe.py``)."""
+    assert wait_idle(url, 2, timeout_s) is not None, f"{what}: {replica_gauges(url)}"
 
 
 def test_client_disconnects_abort_the_requests_in_the_engines(url):

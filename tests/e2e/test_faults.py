@@ -9,18 +9,18 @@ a clear, status-carrying error), and the cluster must route around the fault and
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bench.reliability import kill_actor
 from cluster.launch import post_json, running_cluster
 from loadgen.http_run import HttpLoadRun, HttpRunConfig
-from tests.e2e.probes import poll, replica_gauges
+from observability.probe import replica_gauges, replica_names
+from replicas.faults import write_faults
+from tests.e2e.probes import poll
 
 pytestmark = pytest.mark.e2e
 
@@ -34,19 +34,6 @@ def cluster(tmp_path_factory) -> tuple[str, Path]:
     with running_cluster(num_replicas=2, engine_args={"kv_blocks": 4000},
                          replica={"stall_timeout_s": STALL_TIMEOUT_S, "fault_file": str(faults)}) as url:
         yield url, faults
-
-
-def replicas(url: str) -> list[str]:
-    """The replicas' names (their Serve ids), from the metrics targets."""
-    with __import__("urllib.request").request.urlopen(f"{url}/metrics/targets", timeout=10) as r:
-        targets = json.loads(r.read())
-    return sorted(t["labels"]["component"] for t in targets if t["labels"].get("level") == "replica")
-
-
-def inject(path: Path, faults: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(faults))
-    tmp.replace(path)  # one atomic change for the replicas' pollers
 
 
 def load_in_background(url: str, seconds: float, rate: float, seed: int) -> tuple[threading.Thread, dict]:
@@ -75,13 +62,13 @@ def served(url: str, n: int = 4) -> list[str]:
 
 def test_a_stalled_replica_fails_its_requests_with_504_is_avoided_and_replaced(cluster):
     url, faults = cluster
-    before = replicas(url)
+    before = replica_names(url)
     assert len(before) == 2
     victim = before[0]
     thread, out = load_in_background(url, seconds=20, rate=6, seed=11)
     time.sleep(5)
     t_stall = time.monotonic()
-    inject(faults, {victim: {"stall": True}})
+    write_faults(faults, {victim: {"stall": True}})
     thread.join(120)
     assert not thread.is_alive(), "the load generator hung"
     acc = out["res"]["accounting"]
@@ -91,24 +78,24 @@ def test_a_stalled_replica_fails_its_requests_with_504_is_avoided_and_replaced(c
     assert acc["refused_by_status"].get("504", 0) + acc["failed"] >= 1, acc
     assert acc["completed"] >= 0.7 * acc["sent"], acc
     # Serve replaces the replica whose health check fails; the new one serves
-    poll(lambda: victim not in replicas(url) and len(replicas(url)) == 2, 120, "the stalled replica replaced",
+    poll(lambda: victim not in replica_names(url) and len(replica_names(url)) == 2, 120, "the stalled replica replaced",
          interval_s=1.0)
     print(f"stall -> replaced in {time.monotonic() - t_stall:.1f} s; accounting {acc}")
-    inject(faults, {})
+    write_faults(faults, {})
     assert victim not in served(url)
 
 
 def test_a_slow_replica_gets_less_of_the_work_and_nothing_is_lost(cluster):
     url, faults = cluster
-    names = replicas(url)
+    names = replica_names(url)
     slow = names[0]
-    inject(faults, {slow: {"slowdown": 5}})
+    write_faults(faults, {slow: {"slowdown": 5}})
     try:
         thread, out = load_in_background(url, seconds=20, rate=14, seed=12)
         thread.join(180)
         assert not thread.is_alive(), "the load generator hung"
     finally:
-        inject(faults, {})
+        write_faults(faults, {})
     res = out["res"]
     assert res["accounting"]["lost"] == 0 and res["accounting"]["completed"] == res["accounting"]["sent"]
     per = {p["replica"]: p["requests"] for p in res["per_replica"]}
@@ -119,7 +106,7 @@ def test_a_slow_replica_gets_less_of_the_work_and_nothing_is_lost(cluster):
 
 def test_a_killed_replica_loses_no_request(cluster):
     url, _ = cluster
-    victim = replicas(url)[0]
+    victim = replica_names(url)[0]
     thread, out = load_in_background(url, seconds=15, rate=6, seed=13)
     time.sleep(4)
     assert victim in kill_actor(f"FairwayReplica#{victim}")  # in a subprocess: this one never joins Ray
@@ -127,7 +114,7 @@ def test_a_killed_replica_loses_no_request(cluster):
     assert not thread.is_alive(), "the load generator hung"
     acc = out["res"]["accounting"]
     assert acc["lost"] == 0 and acc["cut"] == 0, acc
-    poll(lambda: victim not in replicas(url) and len(replicas(url)) == 2, 120, "the killed replica replaced",
+    poll(lambda: victim not in replica_names(url) and len(replica_names(url)) == 2, 120, "the killed replica replaced",
          interval_s=1.0)
     served(url)
     poll(lambda: replica_gauges(url)["fairway_engine_running"] == 0, 30, "engines idle after the kill")

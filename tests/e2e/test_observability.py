@@ -29,6 +29,7 @@ import pytest
 from dashboards.demo import check_queries
 from dashboards.prom import PrometheusServer, config_for, find_prometheus
 from observability.stats import FairwayStats
+from tests.e2e.probes import poll
 
 pytestmark = pytest.mark.e2e
 
@@ -40,17 +41,6 @@ RATE = 4.0
 def _get_json(url: str):
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.load(r)
-
-
-def _poll(fn, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise TimeoutError(f"{what} not met after {timeout_s}s (last: {last!r})")
 
 
 @pytest.fixture
@@ -95,7 +85,7 @@ def test_targets_registered_in_ray_kv_and_expire():
             raw = [json.loads(v) for _, v in RayKVStore().items()]
             return next((e["expires_at"] for e in raw if e.get("target") == addr), None)
 
-        (entry,) = _poll(mine, 10, what="target in Ray's KV")
+        (entry,) = poll(mine, 10, what="target in Ray's KV")
         assert entry["labels"] == {"component": "kv-test-replica", "level": "replica"}
         first_expiry = expires_at()
         assert first_expiry is not None, "target listed but its KV entry has no expires_at"
@@ -103,16 +93,16 @@ def test_targets_registered_in_ray_kv_and_expire():
             assert b'fairway_ttft_seconds_count{lane="fast",level="replica"' in r.read()
         # the refresher keeps it alive: the stored expiry moves forward, and past the first expiry
         # time the target is still listed (ttl 3 s, refresh 0.5 s)
-        _poll(
+        poll(
             lambda: (expires_at() or 0.0) > first_expiry,
             10,
             interval_s=0.1,
             what="the refresher pushing the target's expires_at forward",
         )
-        _poll(lambda: time.time() > first_expiry, 10, interval_s=0.1, what="the wall clock passing the first expiry")
+        poll(lambda: time.time() > first_expiry, 10, interval_s=0.1, what="the wall clock passing the first expiry")
         assert mine(), "target dropped after its first expiry time: the refresher did not keep it alive"
         ray.kill(actor, no_restart=True)
-        _poll(lambda: not mine(), 10, what="target expired after the actor died")
+        poll(lambda: not mine(), 10, what="target expired after the actor died")
     finally:
         if started_here:
             ray.shutdown()
@@ -134,7 +124,7 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
             found = {t["labels"].get("level") for t in targets}
             return targets if {"router", "replica"} <= found else None
 
-        targets = _poll(levels, 60, what="router and replica targets at /metrics/targets")
+        targets = poll(levels, 60, what="router and replica targets at /metrics/targets")
         cfg = config_for(targets_url, scrape_interval="1s")
         with PrometheusServer(cfg, binary=prometheus_binary, data_dir=tmp_path / "prom") as prom:
             prom.wait_for_targets(len(targets), timeout_s=30)
@@ -156,7 +146,7 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
                 return listed <= fresh
 
             # the baseline: a scrape of every target after the warm-up shows all of its requests
-            _poll(lambda: scraped_after(ready_at), 30, interval_s=0.25, what="a scrape of every target after warm-up")
+            poll(lambda: scraped_after(ready_at), 30, interval_s=0.25, what="a scrape of every target after warm-up")
             before = router_counts()
 
             out_json = tmp_path / "load.json"
@@ -180,7 +170,7 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
 
             # the load generator has exited: a scrape of every target after now shows every request
             load_done_at = time.time()
-            _poll(
+            poll(
                 lambda: scraped_after(load_done_at), 30, interval_s=0.25, what="a scrape of every target after the load"
             )
             got = delta()

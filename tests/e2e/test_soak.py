@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.reliability import soak, wait_idle
+from bench.reliability import soak
 from cluster.launch import running_cluster
+from observability.probe import wait_idle
 
 pytestmark = pytest.mark.e2e
 
