@@ -194,8 +194,6 @@ class AdmissionGate:
             if not self.engine.can_fit(q.prompt_tokens, q.block_hashes):
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
-            if self._in_engine == 0:
-                self._progress_at = time.monotonic()  # the stall clock starts with work
             self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
             self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
@@ -204,6 +202,17 @@ class AdmissionGate:
                 fut.set_result(adm)
             n += 1
         return n
+
+    def _full(self) -> str:
+        """Why the queue takes no more requests (``max_queue`` waiting, or ``max_queued_prefill_s``
+        of prefill work waiting), or "". O(waiting) for the work's sum."""
+        cfg = self.config
+        if len(self._waiting) >= cfg.max_queue:
+            return f"{cfg.max_queue} waiting"
+        bound = cfg.max_queued_prefill_s
+        if bound is not None and self._waiting and (queued := self.policy.queued_prefill_s()) >= bound:
+            return f"{queued:.1f} s of prefill work waiting, the bound is {bound:g} s"
+        return ""
 
     def _retry_after_s(self) -> float:
         return max(1.0, round(self.policy.queued_prefill_s(), 1))
@@ -223,17 +232,10 @@ class AdmissionGate:
         if self.stalled:
             self._reject("stalled")
             raise EngineFailed(f"replica {self.replica}: engine stalled; retry", retry_after_s=1.0)
-        if len(self._waiting) >= self.config.max_queue:
+        full = self._full()
+        if full:
             self._reject("queue_full")
-            raise Overloaded(
-                f"replica {self.replica} queue is full ({self.config.max_queue} waiting)",
-                retry_after_s=self._retry_after_s())
-        bound = self.config.max_queued_prefill_s
-        if bound is not None and self._waiting and (queued := self.policy.queued_prefill_s()) >= bound:
-            self._reject("queue_full")
-            raise Overloaded(
-                f"replica {self.replica} queue is full ({queued:.1f} s of prefill work waiting, the bound is "
-                f"{bound:g} s)", retry_after_s=self._retry_after_s())
+            raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=self._retry_after_s())
         rid = self._seq
         self._seq += 1
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -287,26 +289,29 @@ class AdmissionGate:
 
     async def _stream_until_stall(self, call: GenerateCall, adm: Admission,
                                   progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
-        """``_stream``, ended with ``EngineStalled`` when the watchdog finds the engine stalled
-        (an ``asyncio.Timeout`` per request, fired by ``_watch``: no task or timer per chunk)."""
-        stalled = False
+        """``_stream``, ended with ``EngineStalled`` when the watchdog finds the engine stalled.
+        While the request waits for the engine (not while its consumer holds a chunk), its
+        ``asyncio.Timeout`` is in ``_deadlines``, where ``_watch`` fires it: no task or timer per
+        chunk."""
         gen = self._stream(call, adm, progress)
         try:
             async with asyncio.timeout(None) as t:
-                self._deadlines[adm.rid] = t
-                async for chunk in gen:
-                    # Serve's consumer may pause between chunks: only time inside the engine counts
-                    t.reschedule(None)
+                while True:
+                    if self.stalled:  # stalled while the consumer held the last chunk
+                        t.reschedule(asyncio.get_running_loop().time())
+                    self._deadlines[adm.rid] = t
+                    try:
+                        chunk = await anext(gen)
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        del self._deadlines[adm.rid]
                     yield chunk
-                    t.reschedule(None if not self.stalled else asyncio.get_running_loop().time())
         except TimeoutError:
-            stalled = True
-        finally:
-            self._deadlines.pop(adm.rid, None)
-            await gen.aclose()
-        if stalled:
             raise EngineStalled(f"replica {self.replica}: the engine made no progress for "
-                                f"{self.config.stall_timeout_s:g} s; the request was stopped, retry it")
+                                f"{self.config.stall_timeout_s:g} s; the request was stopped, retry it") from None
+        finally:
+            await gen.aclose()
 
     async def _stream(self, call: GenerateCall, adm: Admission, progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:
         n = len(call.prompt_token_ids)

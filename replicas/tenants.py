@@ -117,12 +117,12 @@ class TenantQueues:
             q.attach_cache(contains)
 
     def on_blocks_stored(self, hashes: Iterable[int]) -> None:
-        hs = list(hashes)
+        hs = hashes if len(self.queues) == 1 else list(hashes)  # iterated once per queue
         for q in self.queues.values():
             q.on_blocks_stored(hs)
 
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
-        hs = list(hashes)
+        hs = hashes if len(self.queues) == 1 else list(hashes)
         for q in self.queues.values():
             q.on_blocks_removed(hs)
 

@@ -356,11 +356,10 @@ class VllmEngine:
             # Closing vLLM's stream aborts the request there (no-op after it finished).
             try:
                 await stream.aclose()
-                if not done:  # the consumer left (client disconnect): say so explicitly as well
-                    await llm.abort(rid)
-                    self.aborted += 1
             except Exception:  # pragma: no cover - engine already gone
                 pass
+            if not done:  # the consumer left (client disconnect): vLLM aborted it on the close
+                self.aborted += 1
             if st.first_s is not None and self._estimate is not None:
                 self._estimate.touch(st.hashes[: est.stored_blocks(n)])
 
