@@ -318,22 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("soak")
-    s.add_argument("--minutes", type=float, default=10.0)
-    s.add_argument("--rate", type=float, default=4.0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default="out/reliability")
-    o = sub.add_parser("overload")
-    o.add_argument("--speed", type=float, default=0.25)
-    o.add_argument("--factor", type=float, default=3.0)
-    o.add_argument("--over-s", type=float, default=60.0)
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--out", default="out/reliability")
-    t = sub.add_parser("tenants")
-    t.add_argument("--speed", type=float, default=0.25)
-    t.add_argument("--seconds", type=float, default=40.0)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", default="out/reliability")
+    commands = {"soak": {"--minutes": 10.0, "--rate": 4.0},
+                "overload": {"--speed": 0.25, "--factor": 3.0, "--over-s": 60.0},
+                "tenants": {"--speed": 0.25, "--seconds": 40.0}}
+    for name, options in commands.items():
+        p = sub.add_parser(name)
+        for flag, default in options.items():
+            p.add_argument(flag, type=float, default=default)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", default="out/reliability")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

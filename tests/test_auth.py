@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-import router.ingress as ingress_mod
 from router.auth import AuthArgs, AuthError, KeyTable, TenantArgs, parse_keys
-from router.ingress import app, current_ingress
 from router.limits import RequestLimits
 from tests.test_ingress_http import MODEL, Server, assert_clear_error
 
@@ -58,27 +56,13 @@ def test_salts_separate_tenants_nest_client_salts_and_join_a_shared_group():
 
 
 @pytest.fixture(scope="module")
-def server(monkeypatch_module):
-    monkeypatch_module.setenv("FAIRWAY_KEYS", ENV["FAIRWAY_KEYS"])
-    auth = AuthArgs(keys_env="FAIRWAY_KEYS", tenants={"alice": TenantArgs(prefix_groups=["handbook"]),
-                                                      "bob": TenantArgs(prefix_groups=["handbook"])})
-    srv = Server(RequestLimits(), auth=auth)
-    app.dependency_overrides[current_ingress] = lambda: srv.ingress
-    original = ingress_mod.current_ingress
-    ingress_mod.current_ingress = lambda: srv.ingress
-    try:
-        with srv:
-            yield srv
-    finally:
-        ingress_mod.current_ingress = original
-        app.dependency_overrides.clear()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+def server(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("auth") / "keys"
+    keys.write_text("k-alice alice\nk-bob bob\nk-carol carol\n")
+    auth = AuthArgs(keys_file=str(keys), tenants={"alice": TenantArgs(prefix_groups=["handbook"]),
+                                                  "bob": TenantArgs(prefix_groups=["handbook"])})
+    with Server(RequestLimits(), auth=auth) as srv:
+        yield srv
 
 
 def ask(server, key: str | None, group: str | None = None, **body) -> requests.Response:

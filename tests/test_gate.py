@@ -142,16 +142,21 @@ async def test_fcfs_order_and_queue_waits():
     assert waits == {"a": 0.0, "b": 2.5, "c": 1.5}  # b arrived at 0.5, c at 1.5; both admitted at 3.0
 
 
-async def test_full_queue_refuses_at_once_with_retry_after():
-    gate, engine, _ = make_gate("fcfs", max_queue=2, prefill_budget_tokens=1)
+@pytest.mark.parametrize(("bound", "tokens", "why"), [
+    ({"max_queue": 2}, 64, "2 waiting"),
+    # LinearCost prices a 500-token prompt at 0.51 s: 1.02 s of prefill work waits, however short the queue
+    ({"max_queued_prefill_s": 1.0}, 500, "1.0 s of prefill work waiting, the bound is 1 s"),
+])
+async def test_full_queue_refuses_at_once_with_retry_after(bound, tokens, why):
+    gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1, **bound)
     out: list = []
-    tasks = [asyncio.create_task(consume(gate, call(r, 64), out)) for r in "abc"]
+    tasks = [asyncio.create_task(consume(gate, call(r, tokens), out)) for r in "abc"]
     await settle()
     assert engine.started == ["a"] and len(gate.policy) == 2
     with pytest.raises(Overloaded) as e:
-        async for _ in gate.submit(call("d", 64)):
+        async for _ in gate.submit(call("d", tokens)):
             pass
-    assert e.value.status == 429 and e.value.retry_after_s >= 1.0
+    assert e.value.status == 429 and e.value.retry_after_s >= 1.0 and why in e.value.message
     for r in "abc":
         engine.release(r)
         await settle()
@@ -314,21 +319,3 @@ async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and
         assert outcomes == [("d", "ok")]
     finally:
         await gate.shutdown()
-
-
-async def test_queued_prefill_work_beyond_the_bound_is_refused_at_once():
-    """LinearCost prices a 500-token prompt at 0.51 s: with 1.02 s of prefill work waiting, the
-    fourth request is refused with 429, however short the queue."""
-    gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1, max_queued_prefill_s=1.0)
-    out: list = []
-    tasks = [asyncio.create_task(consume(gate, call(r, 500), out)) for r in "abc"]
-    await settle()
-    assert engine.started == ["a"] and len(gate.policy) == 2
-    with pytest.raises(Overloaded) as e:
-        async for _ in gate.submit(call("d", 500)):
-            pass
-    assert e.value.status == 429 and "s of prefill work waiting" in e.value.message
-    for r in "abc":
-        engine.release(r)
-        await settle()
-    await asyncio.gather(*tasks)

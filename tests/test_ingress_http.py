@@ -92,6 +92,10 @@ class Server:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> Server:
+        # the app's routes and guards find this ingress as Serve's replica context would give it
+        app.dependency_overrides[current_ingress] = lambda: self.ingress
+        self._current = ingress_mod.current_ingress
+        ingress_mod.current_ingress = lambda: self.ingress
         self.thread.start()
         deadline = time.monotonic() + 20
         while not (self.server.started and self.server.servers):
@@ -105,21 +109,14 @@ class Server:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        ingress_mod.current_ingress = self._current
+        app.dependency_overrides.clear()
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    limits = RequestLimits(max_body_bytes=64 * 1024, body_timeout_s=1.0, max_messages=8)
-    srv = Server(limits)
-    app.dependency_overrides[current_ingress] = lambda: srv.ingress
-    original = ingress_mod.current_ingress
-    ingress_mod.current_ingress = lambda: srv.ingress  # the body limit reads this replica's limits
-    try:
-        with srv:
-            yield srv
-    finally:
-        ingress_mod.current_ingress = original
-        app.dependency_overrides.clear()
+    with Server(RequestLimits(max_body_bytes=64 * 1024, body_timeout_s=1.0, max_messages=8)) as srv:
+        yield srv
 
 
 def post(server: Server, path: str, body: Any, headers: dict[str, str] | None = None,
