@@ -242,7 +242,8 @@ class AdmissionGate:
         self._waiting[rid] = fut
         self._request_ids[rid] = call.request_id
         self.policy.add(QueuedRequest(rid=rid, arrival_s=self.clock.now(), prompt_tokens=n,
-                                      block_hashes=call.block_hashes, seq=rid), call.tenant)
+                                      block_hashes=call.block_hashes, seq=rid,
+                                      output_tokens=call.max_tokens), call.tenant)
         self.pump()
         try:
             adm: Admission = await fut

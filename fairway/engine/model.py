@@ -162,6 +162,8 @@ class EngineModel:
                 prompt_tokens=n_known,
                 block_hashes=r.spec.block_hashes[: n_known // bs],
                 seq=r.seq,
+                output_tokens=r.spec.output_tokens,
+                session=r.spec.session,
             )
         )
 

@@ -52,6 +52,8 @@ class QueuedRequest:
     prompt_tokens: int
     block_hashes: Sequence[int]
     seq: int = 0  # host-owned tie-break counter; equal keys go to the smaller seq
+    output_tokens: int = 0  # the host's output-length hint (the spec's length, or max_tokens); 0 = unknown
+    session: int = -1  # the conversation/agent session this turn belongs to; -1 = none
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class QueuePolicy(ABC):
     name: ClassVar[str] = "base"
     has_lanes: ClassVar[bool] = False
     is_bound: ClassVar[bool] = False  # an oracle reference, not a product policy
+    retention: ClassVar[str] = "lru"  # the engine model's eviction strategy this policy comes with
 
     def __init__(self, clock: Clock, cost: CostModel, block_size: int = 16) -> None:
         self.clock = clock
