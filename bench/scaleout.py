@@ -31,12 +31,12 @@ from fairway.spec import split_specs
 from sim.runner import RunConfig, run
 
 
-def config(point: str, routers: int, view: str, delay: float, seed: int) -> RunConfig:
+def config(point: str, routers: int, view: str, delay: float, seed: int, index: str = "approx") -> RunConfig:
     workload, _, load = point.rpartition("@")
     workload = workload.replace("mooncake", f"trace:{TRACE}")
     trace = workload.startswith("trace:")
     return RunConfig(workload=workload, policy="fairway", replicas=8, router="fairway", routers=routers,
-                     router_view=view, sync_delay_s=delay if view == "shared" else 0.0, seed=seed,
+                     router_view=view, sync_delay_s=delay if view == "shared" else 0.0, seed=seed, index_mode=index,
                      time_scale=float(load) if trace else 1.0, rate=4.0 if trace else float(load),
                      duration_s=None if trace else 300.0)
 
@@ -57,7 +57,7 @@ def members(point: str, n: int, seed: int) -> list[tuple[str, int]]:
 
 def _one(cfg_json: str) -> dict[str, Any]:
     res = run(RunConfig.model_validate_json(cfg_json))
-    keys = ("workload", "routers", "router_view", "sync_delay_s", "rate_rps", "ttft_s", "cache_hit_ratio",
+    keys = ("workload", "routers", "router_view", "index_mode", "sync_delay_s", "rate_rps", "ttft_s", "cache_hit_ratio",
             "hit_bound_capacity", "ceiling_hit_ratio")
     return {k: res[k] for k in keys}
 
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ensemble", type=int, default=5, help="members per point (see the module docstring)")
     ap.add_argument("--views", default="own,shared", help="views for K > 1: own, shared or both")
+    ap.add_argument("--index", default="approx", help="prefix index modes: approx, events (KV events, which "
+                                                      "travel with the shared view's delay) or both")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="out/scaleout")
     a = ap.parse_args(argv)
@@ -78,21 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     views = split_specs(a.views)
     if not views or set(views) - {"own", "shared"}:
         ap.error("--views takes own, shared or both")
+    indexes = split_specs(a.index)
+    if not indexes or set(indexes) - {"approx", "events"}:
+        ap.error("--index takes approx, events or both")
     plan = []
     for point in split_specs(a.points):
-        for k in ks:
-            for view in (["own"] if k == 1 else views):
-                for i, (member, seed) in enumerate(members(point, a.ensemble, a.seed)):
-                    plan.append((point, k, view, i, config(member, k, view, a.sync_delay, seed)))
+        for index in indexes:
+            for k in ks:
+                for view in (["own"] if k == 1 else views):
+                    for i, (member, seed) in enumerate(members(point, a.ensemble, a.seed)):
+                        plan.append((point, index, k, view, i, config(member, k, view, a.sync_delay, seed, index)))
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         results = list(pool.map(_one, [c.model_dump_json() for *_, c in plan]))
-    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    for (point, k, view, _i, _c), r in zip(plan, results, strict=True):
-        groups.setdefault((point, k, view), []).append(r)
-    rows = [summary_row(point, k, view, rs, groups.get((point, 1, "own")))
-            for (point, k, view), rs in groups.items()]
-    table = md_table(["point", "routers", "view", "p50 s", "p99 s", "hit", "hit bound", "p99 / K=1",
-                      "members' ratios"], rows, align="lrlrrrrrl")
+    groups: dict[tuple[str, str, int, str], list[dict[str, Any]]] = {}
+    for (point, index, k, view, _i, _c), r in zip(plan, results, strict=True):
+        groups.setdefault((point, index, k, view), []).append(r)
+    base_index = indexes[0]  # "p99 / K=1": against one router on the first index mode listed
+    rows = [[index] + summary_row(point, k, view, rs, groups.get((point, base_index, 1, "own")))
+            for (point, index, k, view), rs in groups.items()]
+    rows = [r[1:2] + r[:1] + r[2:] for r in rows]  # point first, then the index mode
+    table = md_table(["point", "index", "routers", "view", "p50 s", "p99 s", "hit", "hit bound",
+                      f"p99 / K=1 {base_index}", "members' ratios"], rows, align="llrlrrrrrl")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaleout.json").write_text(json.dumps({"argv": a.__dict__, "results": results}, indent=1))

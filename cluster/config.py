@@ -13,7 +13,7 @@ and ``policy_options`` holds every option.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +45,10 @@ class RouterArgs(BaseModel):
         None, description="the request routers of all ingress replicas share one routing view (a Ray actor); "
                           "default: on when ingress_replicas > 1")
     sync_period_s: float = Field(0.01, gt=0, le=1.0, description="how often each router exchanges with the shared view")
+    prefix_view: Literal["approx", "events"] = Field(
+        "approx", description="approx: the index learns from routings and cached-token reports; events: the "
+                              "replicas' exact KV events through the shared view (which it turns on), the "
+                              "approximate index as the fallback while they are not current")
 
 
 class ReplicaOptions(BaseModel):
@@ -93,6 +97,10 @@ class ClusterArgs(ServedModel):
         if self.auth.keys_file:
             self.auth.keys_file = resolve_path(self.auth.keys_file)
         KeyTable(self.auth)
+        if self.router.prefix_view == "events" and (self.router.shared_view is False
+                                                    or self.router.policy == RAY_DEFAULT_ROUTER):
+            raise ValueError("router.prefix_view: events needs Fairway's request router with its shared view "
+                             "(the replicas' KV events travel through it)")
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
@@ -133,6 +141,8 @@ class ClusterArgs(ServedModel):
             fault_file=self.replica.fault_file,
             tenant_fair=self.replica.tenant_fair,
             max_queued_prefill_s=self.replica.max_queued_prefill_s,
+            publish_kv_events=self.router.prefix_view == "events",
+            kv_publish_period_s=self.router.sync_period_s,
             prefill_budget_tokens=self.replica.prefill_budget_tokens,
             profile=self.profile,
             metrics=self.metrics,
@@ -150,9 +160,11 @@ class ClusterArgs(ServedModel):
             "metrics": self.metrics,
             "shared_view": self.shared_view(),
             "sync_period_s": self.router.sync_period_s,
+            "prefix_view": self.router.prefix_view,
         }
 
     def shared_view(self) -> bool:
-        """Whether the request routers share one view: as configured, else with > 1 ingress replica."""
+        """Whether the request routers share one view: as configured, else with > 1 ingress replica
+        or the exact prefix view (its events travel through the shared view)."""
         v = self.router.shared_view
-        return self.ingress_replicas > 1 if v is None else v
+        return (self.ingress_replicas > 1 or self.router.prefix_view == "events") if v is None else v

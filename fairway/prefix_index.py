@@ -309,6 +309,20 @@ class PrefixIndex:
                 if (replica, h) not in self._fly:
                     self._unset(replica, h)
 
+    def replace_blocks(self, replica: int, hashes: Iterable[int]) -> None:
+        """Events mode: ``replica``'s engine holds exactly ``hashes`` (a snapshot, or a replica's
+        full resend after its events were lost); the prompts in flight to it stay counted.
+        No-op in approx mode. O(blocks held before + len(hashes))."""
+        if self._mode != EVENTS:
+            return
+        keep = set(hashes)
+        lru = self._lru[replica]
+        for h in [h for h in lru if h not in keep]:
+            del lru[h]
+            if (replica, h) not in self._fly:
+                self._unset(replica, h)
+        self.on_kv_events(replica, ((True, h) for h in keep))
+
     # -- internals ---------------------------------------------------------------------------
 
     def _unset(self, replica: int, h: int) -> None:

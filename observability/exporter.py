@@ -99,6 +99,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Exchanges of a request router with the shared routing view, by status (ok, failed)."),
     MetricSpec("view_degraded", "gauge", "fairway_router_view_degraded",
                "1 while a request router routes on its own view because the shared view is unreachable."),
+    MetricSpec("prefix_view_exact", "gauge", "fairway_router_prefix_view_exact",
+               "1 while a request router routes on the replicas' KV events (router.prefix_view: events); "
+               "0 while it falls back to its approximate prefix index."),
     MetricSpec("engine_running", "gauge", "fairway_engine_running", "Requests running in the engine."),
     MetricSpec("engine_waiting", "gauge", "fairway_engine_waiting", "Requests waiting inside the engine."),
     MetricSpec("engine_kv_usage", "gauge", "fairway_engine_kv_usage_ratio", "Engine KV cache usage (0-1)."),

@@ -109,6 +109,7 @@ _GAUGES = (
     "engine_waiting",  # (replica,)
     "engine_kv_usage",  # (replica,)
     "view_degraded",  # (): 1 while the shared view is unreachable
+    "prefix_view_exact",  # (): 1 while routing on the replicas' KV events (prefix_view: events)
 )
 _HISTOGRAMS = {
     "ttft": TTFT_BUCKETS_S,  # (lane, replica)
@@ -132,6 +133,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_kv_usage": ("replica",),
     "view_syncs": ("status",),
     "view_degraded": (),
+    "prefix_view_exact": (),
     "ttft": ("lane", "replica"),
     "queue_wait": ("lane", "replica"),
     "cache_estimate_error": ("replica",),
@@ -240,6 +242,11 @@ class FairwayStats:
     def set_view_degraded(self, degraded: bool) -> None:
         """Whether the request router routes on its own view because the shared one is unreachable."""
         self._set("view_degraded", (), 1.0 if degraded else 0.0)
+
+    def set_prefix_view_exact(self, exact: bool) -> None:
+        """Whether the request router routes on the exact prefix view (the replicas' KV events are
+        current) rather than its approximate index."""
+        self._set("prefix_view_exact", (), 1.0 if exact else 0.0)
 
     def inc_reject(self, reason: str, replica: str = "") -> None:
         """One rejected request: "queue_full" | "too_long" | "bad_request" | "unknown_model" |

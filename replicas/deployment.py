@@ -53,6 +53,9 @@ class ReplicaArgs(BaseModel):
     tenant_fair: bool = Field(True, description="one queue per tenant, fair queueing across them (API keys)")
     max_queued_prefill_s: float | None = Field(10.0, gt=0, description="queued prefill work (cost-model "
                                                "seconds) beyond which new requests get 429; None: no bound")
+    publish_kv_events: bool = Field(False, description="send the engine's KV events to the routers' shared "
+                                                       "view (router.prefix_view: events)")
+    kv_publish_period_s: float = Field(0.01, gt=0, le=1.0, description="how often KV events are sent")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaArgs:
@@ -70,6 +73,15 @@ def replica_name() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside a Serve replica
         return "replica"
+
+
+def _tee(*listeners: Any) -> Any:
+    """One cache listener that calls every ``listeners`` with the same hashes."""
+    def call(hashes: Any) -> None:
+        hs = hashes if isinstance(hashes, list) else list(hashes)
+        for f in listeners:
+            f(hs)
+    return call
 
 
 class FairwayReplica:
@@ -105,6 +117,7 @@ class FairwayReplica:
         self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
                                   policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()
+        self.kv_publisher = self._publish_kv() if a.publish_kv_events else None
         self.faults = None
         if a.fault_file:
             from replicas.faults import FaultFile
@@ -112,6 +125,39 @@ class FairwayReplica:
             self.faults = FaultFile(a.fault_file, self.name, self.engine)
             self.faults.start()
         logger.info("replica %s: engine %s, policy %s, max_queue %d", self.name, a.engine, a.policy, a.max_queue)
+
+    def _publish_kv(self) -> Any:
+        """Tee the engine's stored / removed events to a ``KvPublisher`` (the policy keeps its own
+        listener) that sends them to the application's hub actor, found by name; until a router
+        has created the hub, publishing fails quietly and retries."""
+        from ray import serve
+
+        from fairway.routing.view_log import HUB_NAMESPACE, REPLICA_SOURCE, hub_name
+        from replicas.kv_publisher import HubNotReady, KvPublisher
+
+        name, source = hub_name(serve.get_replica_context().app_name), REPLICA_SOURCE + self.name
+        hub: list[Any] = []
+
+        async def send(events: list[tuple]) -> bool:
+            import ray
+
+            if not hub:
+                try:
+                    hub.append(ray.get_actor(name, namespace=HUB_NAMESPACE))
+                except ValueError as e:  # no router has created it yet
+                    raise HubNotReady(name) from e
+            try:
+                return await hub[0].publish.remote(source, events)
+            except Exception:
+                hub.clear()  # find it again: it may have restarted
+                raise
+
+        pub = KvPublisher(self.name, send, self.engine.cached_hashes, period_s=self.args.kv_publish_period_s)
+        policy = self.gate.policy
+        self.engine.set_cache_listener(_tee(policy.on_blocks_stored, pub.on_stored),
+                                       _tee(policy.on_blocks_removed, pub.on_removed))
+        pub.start()
+        return pub
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
         async for chunk in coalesce(self.gate.submit(call), self.args.stream_interval_s, self.clock):

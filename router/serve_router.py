@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +41,9 @@ from fairway.load_view import LoadView
 from fairway.prefix_index import PrefixIndex
 from fairway.protocol import GenerateCall
 from fairway.routing import make_router
+from fairway.routing.fallback_index import FallbackIndex
 from fairway.routing.host import RoutingHost
-from fairway.routing.view_log import Exchange
+from fairway.routing.view_log import REPLICA_SOURCE, Exchange
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
@@ -79,7 +80,10 @@ class FairwayRequestRouter(RequestRouter):
     ``request_router_kwargs`` (built by ``cluster/config.py``): ``policy`` (default "fairway"),
     ``policy_options`` (dict), ``profile`` (cost profile), ``block_size`` (16), ``seed``,
     ``metrics``, ``shared_view`` (share routing with the application's other request routers
-    through ``router/view_hub.py``) and ``sync_period_s``. Tests inject ``clock`` (the load
+    through ``router/view_hub.py``), ``sync_period_s`` and ``prefix_view``: ``"approx"`` (the
+    index learns from the routings and the engines' cached-token reports) or ``"events"`` (the
+    replicas' exact KV events through the hub, with the approximate index as the fallback while
+    they are not current: ``fairway/routing/fallback_index.py``). Tests inject ``clock`` (the load
     view's time, default monotonic), ``wall`` (the time base of the replicas' stats stamps,
     default ``time.time``) and ``exchange`` (the hub call).
     """
@@ -94,9 +98,10 @@ class FairwayRequestRouter(RequestRouter):
         metrics: bool = True,
         shared_view: bool = False,
         sync_period_s: float = 0.01,
+        prefix_view: str = "approx",
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
-        exchange: Callable[[str, list, int], Awaitable[Exchange]] | None = None,
+        exchange: Callable[[str, list, int, bool], Awaitable[Exchange]] | None = None,
         **unused: Any,
     ) -> None:
         if unused:
@@ -106,10 +111,13 @@ class FairwayRequestRouter(RequestRouter):
         self.cost = CostModel.from_profile(profile)
         self.block_size = block_size
         self.policy_name = policy
+        if prefix_view not in ("approx", "events"):
+            raise ValueError(f"unknown prefix_view {prefix_view!r}; known: approx, events")
+        self.exact = prefix_view == "events"  # the replicas' KV events come through the shared view
         self.host = RoutingHost(
             make_router(policy, clock=self.clock, cost=self.cost, block_size=block_size,
                         rng=np.random.default_rng(seed), **(policy_options or {})),
-            PrefixIndex(0),
+            FallbackIndex(0) if self.exact else PrefixIndex(0),
             LoadView(0, self.clock, self.cost, block_size=block_size),
             block_size=block_size,
         )
@@ -127,7 +135,7 @@ class FairwayRequestRouter(RequestRouter):
         if metrics:
             self._start_metrics()
         # shared view (router/view_hub.py): events out, the other routers' events in
-        self.shared_view = shared_view
+        self.shared_view = shared_view or self.exact
         self.sync_period_s = sync_period_s
         self.router_id = uuid.uuid4().hex[:12]
         self._exchange = exchange
@@ -138,6 +146,8 @@ class FairwayRequestRouter(RequestRouter):
         self._sync_task: asyncio.Task | None = None
         self.view_degraded = False
         self.view_gaps = 0
+        self._need_snapshot = self.exact  # the replicas' block sets, before the exact view is used
+        self.kv_hashes_applied = 0
 
     def _start_metrics(self) -> None:
         from observability.exporter import MetricsExporter
@@ -339,13 +349,15 @@ class FairwayRequestRouter(RequestRouter):
 
                 hub = get_hub(getattr(getattr(self, "_deployment_id", None), "app_name", "") or "default")
                 self._exchange = hub.exchange.remote
-            ex = await asyncio.wait_for(self._exchange(self.router_id, batch, self._seq), timeout_s)
+            ex = await asyncio.wait_for(self._exchange(self.router_id, batch, self._seq, self._need_snapshot),
+                                        timeout_s)
         except Exception as e:  # noqa: BLE001 - routing goes on with this router's own view
             self._outbox = (batch + self._outbox)[-MAX_TRACKED:]
             if not self.view_degraded:
                 logger.warning("fairway router %s: shared view unavailable (%s: %s); routing on its own view",
                                self.router_id, type(e).__name__, e)
             self.view_degraded = True
+            self._use_exact(False)
             if self.stats is not None:
                 self.stats.inc_view_sync("failed")
                 self.stats.set_view_degraded(True)
@@ -355,9 +367,16 @@ class FairwayRequestRouter(RequestRouter):
         if ex.gap:
             self.view_gaps += 1
         self._seq = ex.head
+        if ex.kv is not None:  # a snapshot of every replica's blocks, as of before ex.events
+            for uid, hashes in ex.kv.items():
+                self.index.replace_blocks(self._slot(uid), hashes)
+            self._need_snapshot = False
+        elif ex.gap and self.exact:  # KV events were lost: exact again after the next snapshot
+            self._need_snapshot = True
         for event in ex.events:
             self._apply_remote(event)
         self._synced = True
+        self._use_exact(not self._need_snapshot)
         if self.view_degraded:
             logger.info("fairway router %s: shared view recovered", self.router_id)
         self.view_degraded = False
@@ -366,12 +385,35 @@ class FairwayRequestRouter(RequestRouter):
             self.stats.set_view_degraded(False)
         return True
 
+    def _use_exact(self, on: bool) -> None:
+        """Route on the exact prefix view (events mode, events current) or the approximate one."""
+        if self.exact:
+            if on and self.index.mode != "events":
+                logger.info("fairway router %s: exact prefix view (KV events) in use", self.router_id)
+            elif not on and self.index.mode == "events":
+                logger.warning("fairway router %s: KV events not current; routing on the approximate prefix view",
+                               self.router_id)
+            self.index.use_exact(on)
+            if self.stats is not None:
+                self.stats.set_prefix_view_exact(on)
+
     def _apply_remote(self, event: tuple) -> None:
-        """Another router's event: "r" (a request routed: its prompt on that replica, its work
-        queued there), "f" (it finished: it leaves the load view and awaits its feedback) or
-        "gone" (that router stopped exchanging: its requests in flight leave the load view)."""
+        """An event from the shared view: another router's "r" (a request routed: its prompt on
+        that replica, its work queued there), "f" (it finished: it leaves the load view and
+        awaits its feedback); a replica's "kv" (blocks stored and removed) or "kv-full" (its
+        whole block set); or "gone" (a router stopped exchanging: its requests in flight leave
+        the load view; a replica stopped publishing: its blocks are no longer known)."""
         kind = event[0]
-        if kind == "r":
+        if kind == "kv":
+            if self.exact:
+                _, uid, stored, removed = event
+                self.index.on_kv_events(self._slot(uid), _kv_events(stored, removed))
+                self.kv_hashes_applied += len(stored) + len(removed)
+        elif kind == "kv-full":
+            if self.exact:
+                self.index.replace_blocks(self._slot(event[1]), event[2])
+                self.kv_hashes_applied += len(event[2])
+        elif kind == "r":
             _, uid, key, hashes, prompt_tokens, est, request_id, routed_at = event
             if "remote:" + key in self._routed:  # a batch sent twice (its first exchange timed out)
                 return
@@ -385,7 +427,20 @@ class FairwayRequestRouter(RequestRouter):
             r = self._routed.pop("remote:" + event[1], None)
             if r is not None:
                 self._finished(r)
+        elif kind == "gone" and event[1].startswith(REPLICA_SOURCE):
+            j = self._ids.get(event[1][len(REPLICA_SOURCE):])
+            if self.exact and j is not None:
+                self.index.replace_blocks(j, ())
         elif kind == "gone" and event[1] != self.router_id:  # a router died: drop what it had in flight
             prefix = f"remote:{event[1]}:"
             for key in [k for k in self._routed if k.startswith(prefix)]:
                 self.host.unbook(self._routed.pop(key).rid)
+
+
+def _kv_events(stored: list[int], removed: list[int]) -> Iterator[tuple[bool, int]]:
+    """A replica's batch as the index's (stored, hash) events: removals first (a batch holds one
+    event per hash, so the order only matters across hashes, where it does not). O(1) each."""
+    for h in removed:
+        yield False, h
+    for h in stored:
+        yield True, h

@@ -5,9 +5,18 @@ first one, ``get_if_exists``; detached, so it outlives the ingress replica that 
 restarted router finds the log intact) and calls ``exchange`` every ``sync_period_s``: one actor
 call carries its batch of events out and the other routers' events in. A router silent for
 ``ttl_s`` (3 s; a live one exchanges every 10 ms) is announced gone, and the others drop the
-requests it had in flight. Why an actor: it is what
-Ray gives for shared state (Ray's own prefix-aware router keeps its tree in one), it needs no
-broker or port of ours, and one round trip per period per router costs far less than a decision.
+requests it had in flight. Why an actor: it is what Ray gives for shared state (Ray's own
+prefix-aware router keeps its tree in one), it needs no broker or port of ours, and one round
+trip per period per router costs far less than a decision.
+
+With the exact prefix view (``router.prefix_view: events``) the replicas ``publish`` their engines'
+KV events here too (``replicas/kv_publisher.py``): ``("kv", replica, stored, removed)`` batches,
+or ``("kv-full", replica, hashes)`` when the hub did not know the replica (its first call, the hub
+restarted, or the replica was silent past ``ttl_s`` and announced gone). The hub keeps every
+replica's block set from them, so a router that starts, restarts or fell behind the log asks
+for a snapshot (``exchange(..., snapshot=True)``) and routes exactly from its first request.
+Costs: an exchange O(events in + events out + replicas), a snapshot O(blocks cached in the
+cluster); a publish O(hashes in it).
 """
 
 from __future__ import annotations
@@ -15,23 +24,43 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fairway.routing.view_log import Event, Exchange, ViewLog
-
-NAMESPACE = "fairway"
+from fairway.routing.view_log import HUB_NAMESPACE, REPLICA_SOURCE, Event, Exchange, ViewLog, hub_name
 
 
 class ViewHub:
-    """The actor's class: a ``ViewLog`` behind ``exchange`` (see ``fairway/routing/view_log.py``)."""
+    """The actor's class: a ``ViewLog`` behind ``exchange``, and the replicas' cached blocks."""
 
     def __init__(self, capacity: int = 200_000, ttl_s: float = 3.0) -> None:
         self.log = ViewLog(capacity, ttl_s)
+        self.kv: dict[str, set[int]] = {}  # replica unique id -> block hashes its engine holds
 
-    def exchange(self, source: str, events: list[Event], after: int) -> Exchange:
-        return self.log.exchange(source, events, after, time.monotonic())
+    def exchange(self, source: str, events: list[Event], after: int, snapshot: bool = False,
+                 now: float | None = None) -> Exchange:
+        self._forget(self.log.expire(time.monotonic() if now is None else now, keep=source))
+        ex = self.log.exchange(source, events, after, time.monotonic() if now is None else now)
+        if snapshot:
+            ex.kv = {uid: list(blocks) for uid, blocks in self.kv.items()}
+        return ex
 
+    def publish(self, source: str, events: list[Event], now: float | None = None) -> bool:
+        """A replica's KV events. Returns True when the hub wants the replica's whole block set
+        (it did not know the replica): the replica then sends ``("kv-full", uid, hashes)``."""
+        now = time.monotonic() if now is None else now
+        self._forget(self.log.expire(now, keep=source))
+        for e in events:
+            if e[0] == "kv":
+                blocks = self.kv.setdefault(e[1], set())
+                blocks.difference_update(e[3])
+                blocks.update(e[2])
+            elif e[0] == "kv-full":
+                self.kv[e[1]] = set(e[2])
+        unknown = self.log.publish(source, events, now)
+        return unknown and not any(e[0] == "kv-full" for e in events)
 
-def hub_name(app_name: str) -> str:
-    return f"fairway-view-{app_name or 'default'}"
+    def _forget(self, gone: list[str]) -> None:
+        for src in gone:
+            if src.startswith(REPLICA_SOURCE):
+                self.kv.pop(src[len(REPLICA_SOURCE):], None)
 
 
 def get_hub(app_name: str, capacity: int = 200_000) -> Any:
@@ -39,5 +68,5 @@ def get_hub(app_name: str, capacity: int = 200_000) -> Any:
     import ray
 
     return ray.remote(ViewHub).options(
-        name=hub_name(app_name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1).remote(capacity)

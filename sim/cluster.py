@@ -181,9 +181,19 @@ class ClusterRouter:
                 load.report_kv_usage(replica, min(1.0, max(0.0, usage)))
 
     def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
-        if self.index_mode == "events":
-            for index in self._indexes:
-                index.on_kv_events(replica, events)
+        """Events mode: the engine's stored / removed blocks reach every instance's index, after
+        ``sync_delay_s`` in a shared view with a delay (a replica's events travel through the
+        shared view as the routers' do)."""
+        if self.index_mode != "events":
+            return
+        if self.sync_delay_s > 0.0:
+            batch = tuple(events)
+            due = self.clock.now() + self.sync_delay_s
+            for box in self._inbox:
+                box.append((due, lambda h: h.index.on_kv_events(replica, batch)))
+            return
+        for index in self._indexes:
+            index.on_kv_events(replica, events)
 
     def reasons(self) -> dict[str, int]:
         total: Counter = Counter()

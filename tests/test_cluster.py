@@ -152,3 +152,15 @@ def test_shared_view_with_a_delay_learns_after_the_delay_in_order():
     clock.set(1.1)
     host._deliver(0)
     assert 3 in host.instances[0].load
+
+
+def test_a_shared_view_with_a_delay_delivers_kv_events_after_the_delay():
+    host, clock = two_routers(view="shared", sync_delay_s=0.5, index_mode="events")
+    host.on_kv_events(2, [(True, 7), (True, 8), (False, 7)])
+    clock.set(0.4)
+    host._deliver(0)
+    assert list(host.instances[0].index.blocks(2)) == []
+    clock.set(0.5)
+    host._deliver(0)
+    host._deliver(1)
+    assert [list(i.index.blocks(2)) for i in host.instances] == [[8], [8]]

@@ -79,3 +79,13 @@ def test_bad_policy_options_fail_when_the_config_is_parsed(args, needle):
 
 def test_ray_default_router_is_not_a_policy_spec():
     assert ClusterArgs(router={"policy": "ray-default"}).router.policy == "ray-default"
+
+
+def test_the_exact_prefix_view_turns_on_the_shared_view_and_the_replicas_publishing():
+    a = ClusterArgs(router={"prefix_view": "events"})
+    assert a.router_kwargs()["prefix_view"] == "events" and a.router_kwargs()["shared_view"] is True
+    assert a.replica_args().publish_kv_events and a.replica_args().kv_publish_period_s == a.router.sync_period_s
+    assert not ClusterArgs().replica_args().publish_kv_events  # approx (the default): nothing published
+    for bad in ({"prefix_view": "events", "shared_view": False}, {"prefix_view": "events", "policy": "ray-default"}):
+        with pytest.raises(ValidationError, match="prefix_view: events needs"):
+            ClusterArgs(router=bad)

@@ -126,24 +126,26 @@ async def test_a_call_without_a_generate_call_may_go_anywhere():
 # -- the shared view: two routers (two ingress replicas) over one log ----------------------------
 
 
-def shared_pair(fail: list[bool] | None = None):
-    from fairway.routing.view_log import ViewLog
+def shared_pair(fail: list[bool] | None = None, prefix_view: str = "approx", hub=None):
+    """Two routers over one hub (the actor's class, called directly; its clock is pinned so no
+    source is ever announced gone unless a test says so)."""
+    from router.view_hub import ViewHub
 
-    log, clock = ViewLog(), ManualClock(T0)
+    hub, clock = hub or ViewHub(), ManualClock(T0)
 
-    async def exchange(source, events, after):
+    async def exchange(source, events, after, snapshot=False):
         if fail and fail[0]:
             raise ConnectionError("hub down")
-        return log.exchange(source, list(events), after)
+        return hub.exchange(source, list(events), after, snapshot, now=0.0)
 
     routers = []
     for _ in range(2):
         r = object.__new__(FairwayRequestRouter)
         r.initialize_state(policy="ray-prefix", metrics=False, clock=clock, wall=clock.now, shared_view=True,
-                           exchange=exchange)
+                           exchange=exchange, prefix_view=prefix_view)
         r._sync_task = False  # tests call sync_once themselves; no background task
         routers.append(r)
-    return routers, log
+    return routers, hub
 
 
 async def route(r: FairwayRequestRouter, reps: list, c: GenerateCall):
@@ -220,3 +222,81 @@ async def test_a_replica_that_reports_a_stalled_engine_is_left_out_while_another
     assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"]]
     alone = await r.choose_replicas([a], pending(call("y", 64)))  # nothing else: it may still be tried
     assert [[x.replica_id.unique_id for x in rank] for rank in alone] == [["a"]]
+
+
+# -- the exact prefix view: the replicas' KV events through the hub --------------------------------
+
+
+def test_the_exact_view_routes_on_the_replicas_kv_events_from_a_snapshot_then_deltas():
+    import asyncio
+
+    async def run():
+        from router.view_hub import ViewHub
+
+        hub = ViewHub()
+        doc = chain("doc", 64)
+        # replica-1 computed the prompt before any router started (another path, a restart)
+        assert hub.publish("replica:replica-1", [("kv", "replica-1", doc, [])], now=0.0)  # unknown: send all
+        assert not hub.publish("replica:replica-1", [("kv-full", "replica-1", doc)], now=0.0)
+        (a, b), _ = shared_pair(prefix_view="events", hub=hub)
+        reps = [replica("replica-0"), replica("replica-1")]
+        assert a.index.mode == "approx"  # no snapshot yet: the fallback
+        assert await a.sync_once()
+        assert a.index.mode == "events" and not a._need_snapshot
+        j1 = a._ids["replica-1"]
+        c = GenerateCall(request_id="x", prompt_token_ids=[1] * 1024, block_hashes=tuple(doc), max_tokens=4,
+                         arrival_s=T0)
+        assert (await a.choose_replicas(reps, pending(c)))[0] == [reps[1]]
+        assert a._routed["iid-x"].estimated_blocks == 64
+        # replica-1 evicts the tail: a delta, and the next exchange applies it
+        assert not hub.publish("replica:replica-1", [("kv", "replica-1", [], doc[32:])], now=0.0)
+        assert await a.sync_once()
+        assert a.index.match(doc)[j1] == 32
+        assert a.kv_hashes_applied == 64 + 64 + 32  # the log's two batches replayed onto the snapshot, the delta
+        # the approximate index never saw replica-1's blocks: exact routing was the events' doing
+        assert a.index.approx.match(doc)[j1] == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.asyncio
+async def test_lost_kv_events_fall_back_to_the_approximate_view_until_a_new_snapshot():
+    from router.view_hub import ViewHub
+
+    hub = ViewHub(capacity=2)  # a ring of two events: a router that falls behind has a gap
+    (a, b), _ = shared_pair(prefix_view="events", hub=hub)
+    assert await a.sync_once() and a.index.mode == "events"
+    for i in range(3):  # three batches while a does not exchange: the first is dropped
+        hub.publish("replica:replica-0", [("kv", "replica-0", [i], [])], now=0.0)
+    assert await a.sync_once()
+    assert a.view_gaps == 1 and a._need_snapshot and a.index.mode == "approx"
+    assert await a.sync_once()  # this exchange carries the snapshot
+    assert a.index.mode == "events" and sorted(a.index.blocks(a._ids["replica-0"])) == [0, 1, 2]
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_hub_falls_back_to_the_approximate_view_and_returns_to_the_exact_one():
+    fail = [False]
+    (a, b), hub = shared_pair(fail, prefix_view="events")
+    assert await a.sync_once() and a.index.mode == "events"
+    fail[0] = True
+    assert not await a.sync_once() and a.view_degraded and a.index.mode == "approx"
+    fail[0] = False
+    assert await a.sync_once() and not a.view_degraded and a.index.mode == "events"
+
+
+@pytest.mark.asyncio
+async def test_a_replica_that_stops_publishing_is_forgotten_and_resends_its_whole_set():
+    from router.view_hub import ViewHub
+
+    hub = ViewHub(ttl_s=3.0)
+    (a, b), _ = shared_pair(prefix_view="events", hub=hub)
+    a._slot("replica-0")
+    assert hub.publish("replica:replica-0", [("kv-full", "replica-0", [7, 8])], now=0.0) is False
+    hub.exchange(a.router_id, [], 0, now=10.0)  # the replica has been silent 10 s > 3 s: gone
+    assert "replica-0" not in hub.kv
+    ex = hub.exchange(b.router_id, [], 0, now=10.0)
+    for e in ex.events:
+        b._apply_remote(e)
+    assert ("gone", "replica:replica-0") in ex.events and list(b.index.exact.blocks(b._ids["replica-0"])) == []
+    assert hub.publish("replica:replica-0", [], now=11.0) is True  # back: the hub asks for everything

@@ -24,6 +24,14 @@ from itertools import islice
 from typing import Any
 
 Event = tuple[Any, ...]
+HUB_NAMESPACE = "fairway"  # the Ray namespace of the hub actor that holds an application's log
+REPLICA_SOURCE = "replica:"  # the prefix of a replica's source name (its KV events)
+
+
+def hub_name(app_name: str) -> str:
+    """The name of the actor holding application ``app_name``'s log (routers and replicas find it
+    by this name)."""
+    return f"fairway-view-{app_name or 'default'}"
 
 
 @dataclass(slots=True)
@@ -35,6 +43,7 @@ class Exchange:
     events: list[Event]
     head: int
     gap: bool
+    kv: dict[str, list[int]] | None = None  # every replica's cached blocks, when asked (a snapshot)
 
 
 class ViewLog:
@@ -61,17 +70,36 @@ class ViewLog:
     def exchange(self, source: str, events: Sequence[Event], after: int, now: float = 0.0) -> Exchange:
         """Append ``source``'s ``events``; return the other sources' events with seq > ``after``
         that are still retained. ``now`` (seconds, any monotonic base) dates the call."""
-        for other, seen in list(self._seen.items()):
-            if other != source and now - seen > self.ttl_s:
-                del self._seen[other]
-                self._ring.append((self._next, "", ("gone", other)))
-                self._next += 1
+        self.expire(now, keep=source)
         self._seen[source] = now
         first_kept = self._ring[0][0] if self._ring else self._next
         gap = after + 1 < first_kept
         start = max(after + 1, first_kept) - first_kept  # position in the ring
         out = [e for _, src, e in islice(self._ring, start, None) if src != source]
+        self._append(source, events)
+        return Exchange(out, self.head, gap)
+
+    def publish(self, source: str, events: Sequence[Event], now: float = 0.0) -> bool:
+        """Append ``source``'s ``events`` without reading (a source that only writes, such as a
+        replica's KV events). Returns whether ``source`` was unknown (new, or announced gone
+        since its last call): its readers have nothing of it, so it should send its whole state.
+        O(len(events) + sources)."""
+        self.expire(now, keep=source)
+        new = source not in self._seen
+        self._seen[source] = now
+        self._append(source, events)
+        return new
+
+    def expire(self, now: float, keep: str = "") -> list[str]:
+        """Announce every source but ``keep`` silent for more than ``ttl_s`` with ``("gone", source)``
+        and forget it; return those sources. O(sources)."""
+        gone = [src for src, seen in self._seen.items() if src != keep and now - seen > self.ttl_s]
+        for src in gone:
+            del self._seen[src]
+            self._append("", (("gone", src),))
+        return gone
+
+    def _append(self, source: str, events: Sequence[Event]) -> None:
         for e in events:
             self._ring.append((self._next, source, e))
             self._next += 1
-        return Exchange(out, self.head, gap)

@@ -352,6 +352,10 @@ class SimEngine:
     def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         return len(self.model.pool.longest_hit(block_hashes))
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the engine's prefix cache. O(cached blocks)."""
+        return list(self.model.pool.cached)
+
     def set_cache_listener(
         self,
         on_stored: Callable[[Iterable[int]], None],

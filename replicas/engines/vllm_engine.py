@@ -408,6 +408,10 @@ class VllmEngine:
     def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         return 0 if self._estimate is None else self._estimate.cached_prefix_blocks(block_hashes)
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash (ours) the prefix view holds: the estimate's, or vLLM's with events."""
+        return [] if self._estimate is None else list(self._estimate.blocks())
+
     def set_cache_listener(
         self,
         on_stored: Callable[[Iterable[int]], None],
