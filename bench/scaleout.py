@@ -56,7 +56,8 @@ def members(point: str, n: int, seed: int) -> list[tuple[str, int]]:
 
 
 def _one(cfg_json: str) -> dict[str, Any]:
-    res = run(RunConfig.model_validate_json(cfg_json))
+    cfg = RunConfig.model_validate_json(cfg_json)
+    res = run(cfg) | {"index_mode": cfg.index_mode}
     keys = ("workload", "routers", "router_view", "index_mode", "sync_delay_s", "rate_rps", "ttft_s", "cache_hit_ratio",
             "hit_bound_capacity", "ceiling_hit_ratio")
     return {k: res[k] for k in keys}
