@@ -64,6 +64,9 @@ class ReplicaOptions(BaseModel):
                                                            "it: fail them with 504, report unhealthy")
     fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
     tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
+    tenant_recent_s: float = Field(30.0, gt=0, description="with tenant_fair: a tenant seen this recently that "
+                                                        "holds less of the engine is owed one slot and room for "
+                                                        "its largest recent prompt")
     max_queued_prefill_s: float | None = Field(10.0, gt=0, description="queued prefill work (cost-model seconds) "
                                                "beyond which new requests get 429; null: no bound")
 
@@ -140,6 +143,7 @@ class ClusterArgs(ServedModel):
             stall_timeout_s=self.replica.stall_timeout_s,
             fault_file=self.replica.fault_file,
             tenant_fair=self.replica.tenant_fair,
+            tenant_recent_s=self.replica.tenant_recent_s,
             max_queued_prefill_s=self.replica.max_queued_prefill_s,
             publish_kv_events=self.router.prefix_view == "events",
             kv_publish_period_s=self.router.sync_period_s,

@@ -51,6 +51,7 @@ class ReplicaArgs(BaseModel):
     fault_file: str | None = Field(None, description="test hook: a JSON file of injected faults "
                                                      "(replicas/faults.py); off by default")
     tenant_fair: bool = Field(True, description="one queue per tenant, fair queueing across them (API keys)")
+    tenant_recent_s: float = Field(30.0, gt=0, description="a recent tenant holding less is owed room in the engine")
     max_queued_prefill_s: float | None = Field(10.0, gt=0, description="queued prefill work (cost-model "
                                                "seconds) beyond which new requests get 429; None: no bound")
     publish_kv_events: bool = Field(False, description="send the engine's KV events to the routers' shared "
@@ -113,7 +114,8 @@ class FairwayReplica:
             except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
                 logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
                 self.exporter = None
-        gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s, a.max_queued_prefill_s)
+        gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s, a.max_queued_prefill_s,
+                                 a.tenant_recent_s)
         self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
                                   policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()

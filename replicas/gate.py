@@ -76,6 +76,7 @@ class GateConfig:
     prefill_budget_tokens: int | None = None
     stall_timeout_s: float = 15.0
     max_queued_prefill_s: float | None = 10.0
+    tenant_recent_s: float = 30.0  # a tenant seen this recently is owed room (replicas/tenants.py)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -103,9 +104,10 @@ class AdmissionGate:
     ) -> None:
         self.engine = engine
         # the tenants' queues, each ordered by ``policy``'s kind (``policy`` serves requests without a key)
-        self.policy = TenantQueues(policy, policy_factory, block_size=getattr(engine, "block_size", 16))
-        self.clock = clock
         self.config = config or GateConfig()
+        self.policy = TenantQueues(policy, policy_factory, block_size=getattr(engine, "block_size", 16),
+                                   recent_s=self.config.tenant_recent_s)
+        self.clock = clock
         self.replica = replica
         self.stats = stats  # a observability.stats.FairwayStats, or None
         self._waiting: dict[int, asyncio.Future] = {}
@@ -191,7 +193,11 @@ class AdmissionGate:
             q = self.policy.select()
             if q is None:
                 break
-            if not self.engine.can_fit(q.prompt_tokens, q.block_hashes):
+            # room kept for quieter tenants (replicas/tenants.py): a slot each, their next prompt
+            tokens, slots = self.policy.reserve(self.policy.tenant_of(q.rid), self.clock.now())
+            if slots and self._in_engine + slots >= self.engine.max_num_seqs:
+                break
+            if not self.engine.can_fit(q.prompt_tokens + tokens, q.block_hashes):
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
             self._in_engine += 1
@@ -279,6 +285,7 @@ class AdmissionGate:
 
     def _release(self, adm: Admission, prefilled: bool) -> None:
         self._in_engine -= 1
+        self.policy.release(adm.rid)
         if not prefilled:
             self._prefill_over(adm)
 

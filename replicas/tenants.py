@@ -15,10 +15,20 @@ the least service so far:
   at once, not after catching up;
 - ties go to the tenant name's order, so the order is exact and reproducible.
 
+Fair queueing orders who enters the engine next, but entering needs room: in an overload the
+flood's running requests hold every sequence slot and all the KV memory, and the quiet tenant's
+request, first in line, waits for them to finish. So the gate keeps room for a quiet tenant
+(``reserve``): a tenant seen within ``recent_s`` that holds fewer prompt tokens in the engine
+than the one being admitted is owed one sequence slot and room for the largest prompt it sent
+recently; the admission must leave that much free. A quiet tenant's next request then finds room
+at once, and the flood loses only that margin. A tenant that holds more is owed nothing, so the
+reserve never holds back the quiet tenant itself, and a tenant gone quiet for ``recent_s`` is
+owed nothing either (the engine is whole again for the others).
+
 With one tenant (no API keys) this is the policy itself: the same order, the same admissions.
 
 Complexity: ``select`` is O(T) over the T backlogged tenants plus the chosen policy's own
-``select``; cache events fan out to every tenant's policy (O(T) each).
+``select``; ``reserve`` O(T); cache events fan out to every tenant's policy (O(T) each).
 """
 
 from __future__ import annotations
@@ -35,9 +45,13 @@ class TenantQueues:
     fairness between them)."""
 
     def __init__(self, first: QueuePolicy, factory: Callable[[], QueuePolicy] | None = None,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, recent_s: float = 30.0) -> None:
         self.factory = factory
         self.block_size = block_size
+        self.recent_s = recent_s
+        self.seen: dict[str, tuple[float, int]] = {}  # tenant -> (last arrival, largest prompt since recent_s)
+        self.held: dict[str, int] = {}  # tenant -> prompt tokens of its requests in the engine
+        self._admitted: dict[int, tuple[str, int]] = {}  # rid in the engine -> (tenant, prompt tokens)
         self.queues: dict[str, QueuePolicy] = {"": first}
         self.vtime: dict[str, float] = {"": 0.0}
         self.vnow = 0.0  # the system's virtual time: the last admission's start
@@ -64,6 +78,9 @@ class TenantQueues:
             self.vtime[tenant] = max(self.vtime[tenant], self.vnow)
         q.add(req)
         self._tenant[req.rid] = tenant
+        now = req.arrival_s
+        last, biggest = self.seen.get(tenant, (now, 0))
+        self.seen[tenant] = (now, req.prompt_tokens if now - last > self.recent_s else max(biggest, req.prompt_tokens))
 
     def remove(self, rid: int) -> QueuedRequest:
         return self.queues[self._tenant.pop(rid)].remove(rid)
@@ -81,7 +98,32 @@ class TenantQueues:
         adm = self.queues[tenant].admit(rid)
         self.vnow = max(self.vnow, self.vtime[tenant])
         self.vtime[tenant] += adm.prompt_tokens - adm.cached_tokens + self.block_size
+        self._admitted[rid] = (tenant, adm.prompt_tokens)
+        self.held[tenant] = self.held.get(tenant, 0) + adm.prompt_tokens
         return adm
+
+    def release(self, rid: int) -> None:
+        """An admitted request left the engine (finished, failed or cancelled). O(1)."""
+        got = self._admitted.pop(rid, None)
+        if got is not None:
+            self.held[got[0]] -= got[1]
+
+    def tenant_of(self, rid: int) -> str:
+        """The tenant of a waiting request."""
+        return self._tenant[rid]
+
+    def reserve(self, tenant: str, now: float) -> tuple[int, int]:
+        """(prompt tokens, sequence slots) that admitting a request of ``tenant`` must leave free
+        for the other recent tenants holding less than it (the module docstring). O(T)."""
+        if self.factory is None:
+            return 0, 0
+        mine = self.held.get(tenant, 0)
+        tokens = slots = 0
+        for t, (last, biggest) in self.seen.items():
+            if t != tenant and now - last <= self.recent_s and self.held.get(t, 0) < mine:
+                tokens += biggest
+                slots += 1
+        return tokens, slots
 
     def __len__(self) -> int:
         return len(self._tenant)

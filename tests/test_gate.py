@@ -319,3 +319,67 @@ async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and
         assert outcomes == [("d", "ok")]
     finally:
         await gate.shutdown()
+
+
+class MemoryEngine(ScriptedEngine):
+    """A scripted engine with ``capacity`` prompt tokens of KV: a request holds its prompt's tokens
+    from admission until it finishes."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.held: dict[str, int] = {}
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
+        self.held[call.request_id] = len(call.prompt_token_ids)
+        async for out in super().generate(call):
+            if out.finished:  # its memory is free before the gate hears of the finish
+                del self.held[call.request_id]
+            yield out
+
+    def can_fit(self, prompt_tokens: int, block_hashes: Sequence[int]) -> bool:
+        return prompt_tokens <= self.capacity - sum(self.held.values())
+
+
+@pytest.mark.parametrize("recent_s", [30.0, 0.5])
+async def test_a_flooding_tenant_leaves_room_for_a_recent_quiet_one(recent_s):
+    """Tenant b was seen (one 64-token request, finished); tenant a then floods an engine with room
+    for 200 prompt tokens. a holds more than b, so each of a's admissions must leave b's largest
+    prompt (64) free: a0 and a1 enter, a2 waits with 72 tokens free; b1 then enters at once. Once
+    b has been quiet for ``recent_s`` it is owed nothing and a2 enters as room allows."""
+    clock = ManualClock()
+
+    def pol():
+        return make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16)
+
+    engine = MemoryEngine(200)
+    gate = AdmissionGate(engine, pol(), clock, GateConfig(prefill_budget_tokens=10_000, tenant_recent_s=recent_s),
+                         replica="r0", policy_factory=pol)
+    out: list = []
+
+    def submit(rid: str) -> asyncio.Task:
+        c = call(rid, 64)
+        c.tenant = rid[0]
+        return asyncio.create_task(consume(gate, c, out))
+
+    first = submit("b0")
+    await settle()
+    engine.release("b0")
+    await first
+    clock.set(1.0)
+    tasks = [submit(rid) for rid in ("a0", "a1", "a2")]
+    await settle()
+    if recent_s == 30.0:
+        assert engine.started == ["b0", "a0", "a1"] and gate.policy.reserve("a", clock.now()) == (64, 1)
+        tasks.append(submit("b1"))
+        await settle()
+        assert engine.started == ["b0", "a0", "a1", "b1"]  # at once, ahead of a2
+    else:  # b was seen 1 s ago, longer than recent_s: nothing is kept for it
+        assert engine.started == ["b0", "a0", "a1", "a2"] and gate.policy.reserve("a", clock.now()) == (0, 0)
+    for _ in range(4):
+        for rid in list(engine.held):
+            engine.release(rid)
+        await settle()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+    assert len(engine.started) == 5 if recent_s == 30.0 else 4
+    assert gate.policy.held == {"a": 0, "b": 0}  # every admission released
