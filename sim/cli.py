@@ -1,4 +1,4 @@
-"""``python -m sim run|sweep``: the simulator's command line. Deterministic under ``--seed``."""
+"""``python -m sim run|sweep|offline``: the simulator's command line. Deterministic under ``--seed``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from fairway.policies import PolicyError
 from fairway.routing import RouterError
 from fairway.spec import SpecError
+from sim.offline import add_offline_args, cmd_offline
 from sim.options import HEADER, add_common_args, config_from, format_row
 from sim.runner import dump, run
 from sim.sweep import cmd_sweep
@@ -37,6 +38,8 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
     s.add_argument("--out", required=True, help="output folder for JSON and PNG plots")
     s.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    o = sub.add_parser("offline", help="plan a backlog at t=0 under a KV budget (Sorted-F, FCFS, ...) vs a lower bound")
+    add_offline_args(o)
     return ap
 
 
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             return cmd_run(args)
+        if args.cmd == "offline":
+            return cmd_offline(args)
         return cmd_sweep(args)
     except ValidationError as e:
         err = e.errors()[0]
