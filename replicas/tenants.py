@@ -86,12 +86,17 @@ class TenantQueues:
         return self.queues[self._tenant.pop(rid)].remove(rid)
 
     def select(self) -> QueuedRequest | None:
-        """The next request: from the backlogged tenant with the least virtual time."""
-        best = None
-        for t, q in self.queues.items():
-            if len(q) and (best is None or (self.vtime[t], t) < (self.vtime[best], best)):
-                best = t
-        return None if best is None else self.queues[best].select()
+        """The next request: from the backlogged tenant with the least virtual time whose policy
+        offers one (a policy may hold its whole queue back, e.g. PEEK's siblings waiting for a
+        pioneer's blocks: the next tenant goes then). O(T) with one tenant offering, O(T log T)
+        at worst."""
+        if len(self.queues) == 1:
+            return self.queues[""].select()
+        for t in sorted((t for t, q in self.queues.items() if len(q)), key=lambda t: (self.vtime[t], t)):
+            req = self.queues[t].select()
+            if req is not None:
+                return req
+        return None
 
     def admit(self, rid: int) -> Admission:
         tenant = self._tenant.pop(rid)

@@ -383,3 +383,22 @@ async def test_a_flooding_tenant_leaves_room_for_a_recent_quiet_one(recent_s):
     await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
     assert len(engine.started) == 5 if recent_s == 30.0 else 4
     assert gate.policy.held == {"a": 0, "b": 0}  # every admission released
+
+
+async def test_a_tenant_whose_policy_holds_its_queue_back_does_not_block_the_others():
+    """A policy may offer nothing while requests wait (PEEK holds siblings until their pioneer's
+    blocks are stored): fair queueing then serves the next tenant instead of stopping."""
+    from fairway.policies.baselines import FCFS
+    from replicas.tenants import TenantQueues
+    from tests.factories import queued
+
+    class Holding(FCFS):
+        def select(self):
+            return None
+
+    clock = ManualClock()
+    pols = iter([Holding(clock, LinearCost()), FCFS(clock, LinearCost())])
+    tq = TenantQueues(FCFS(clock, LinearCost()), lambda: next(pols))
+    tq.add(queued(1, 0.0, 64), "a")  # a: least virtual time (first), but held
+    tq.add(queued(2, 0.0, 64), "b")
+    assert tq.select().rid == 2

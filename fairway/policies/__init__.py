@@ -22,6 +22,9 @@ from fairway.policies.baselines import (
     SRPTOracle,
 )
 from fairway.policies.fairway import Fairway, FairwayConfig
+from fairway.policies.peek import PEEK
+from fairway.policies.prism import PRISM
+from fairway.policies.svf import SVF, SVF1Bit
 from fairway.registry import checked_spec, resolve_class
 
 POLICIES: dict[str, type[QueuePolicy]] = {}
@@ -33,7 +36,8 @@ def register_policy(cls: type[QueuePolicy]) -> type[QueuePolicy]:
     return cls
 
 
-for _cls in (FCFS, LPM, DFSWeight, HRRN, KLPM, LPMAging, VLLMSJF, SRPTOracle, Fairway):
+for _cls in (FCFS, LPM, DFSWeight, HRRN, KLPM, LPMAging, VLLMSJF, SRPTOracle, Fairway,
+             PEEK, PRISM, SVF, SVF1Bit):  # the last four: published schedulers rebuilt (docs/design.md)
     register_policy(_cls)
 
 

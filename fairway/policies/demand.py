@@ -1,0 +1,200 @@
+"""Shared state of the demand-aware policies (PEEK, PRISM): queued demand and in-flight blocks.
+
+- **Queued demand.** A ``PendingTree`` over the waiting requests' cacheable blocks. Each waiting
+  request's *frontier* is its first uncached cacheable block; ``front_demand`` (a column) is how
+  many waiting requests need that block, itself included: 2 or more means the request heads a
+  prefix-sharing cluster whose next block nobody has computed yet.
+- **In flight.** An admitted request will store the uncached cacheable blocks of its prompt. Until
+  the cache reports them stored, a waiting request whose frontier is one of them would compute
+  the same block again; ``held`` (a column) marks such requests. A hold ends when the block is
+  stored, when the admitted request comes back to the queue (preempted), or at its deadline,
+  admission + ``hold_factor`` x max(P, ``p_floor_s``) (P: the admitted request's estimated
+  prefill time), so a request the host dropped without telling the policy holds nobody forever.
+  Holds that end by deadline are counted in ``hold_expiries``.
+- **For retention.** ``queued_demand(h)`` is the engine's view of the same tree: the number of
+  waiting requests whose cacheable prefix holds block ``h``.
+
+Complexity: ``add`` / ``remove`` O(blocks of the request + requests whose frontier is one of
+them); a cache event O(requests whose frontier it is), on top of the base class's hit tracking;
+``admit`` O(uncached blocks); expiry O(log holds) per hold; the columns make ``select`` a few
+vectorised passes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+import numpy as np
+
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+from fairway.policies.base import Admission, QueuedRequest, QueuePolicy, grow_column
+from fairway.policies.pending_tree import PendingTree
+
+NO_FRONTIER = None
+
+
+class DemandQueue(QueuePolicy):
+    """Base class: pending tree, frontier demand and in-flight holds. Subclasses implement
+    ``_choose`` (call ``_expire(now)`` first)."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        block_size: int = 16,
+        hold_factor: float = 4.0,
+        p_floor_s: float = 0.1,
+    ) -> None:
+        super().__init__(clock, cost, block_size)
+        if not hold_factor >= 0:
+            raise ValueError("hold_factor must be >= 0")
+        if not p_floor_s >= 0:
+            raise ValueError("p_floor_s must be >= 0")
+        self.hold_factor = hold_factor
+        self.p_floor_s = p_floor_s
+        self.tree = PendingTree()
+        self.front_demand = np.zeros(len(self.active), dtype=np.int64)
+        self.held = np.zeros(len(self.active), dtype=bool)
+        self._front: dict[int, int] = {}  # rid -> frontier hash (absent: fully cached prefix)
+        self._at_front: dict[int, set[int]] = {}  # frontier hash -> rids
+        self._inflight: dict[int, set[int]] = {}  # hash -> admitted rids computing it
+        self._holders: dict[int, tuple[int, list[int]]] = {}  # admitted rid -> (generation, hashes)
+        self._expiry: list[tuple[float, int, int]] = []  # (deadline, generation, rid) min-heap
+        self._gen = 0
+        self.hold_expiries = 0
+
+    # -- public views ----------------------------------------------------------------------
+
+    def queued_demand(self, h: int) -> int:
+        """Waiting requests whose cacheable prefix holds block ``h`` (for retention). O(1)."""
+        return self.tree.demand(h)
+
+    def in_flight(self, h: int) -> bool:
+        """Whether an admitted request is computing block ``h`` and has not stored it. O(1)."""
+        return h in self._inflight
+
+    # -- columns ---------------------------------------------------------------------------
+
+    def _grow_extra(self, n: int) -> None:
+        self.front_demand = grow_column(self.front_demand, n)
+        self.held = grow_column(self.held, n)
+
+    def _set_front(self, rid: int, slot: int) -> None:
+        """Recompute ``rid``'s frontier from its hit. O(1)."""
+        old = self._front.pop(rid, NO_FRONTIER)
+        if old is not NO_FRONTIER:
+            self._discard(self._at_front, old, rid)
+        hashes = self.tree.path(rid)
+        hit = int(self.cached[slot]) // self.block_size
+        if hit < len(hashes):
+            h = hashes[hit]
+            self._front[rid] = h
+            self._at_front.setdefault(h, set()).add(rid)
+            self.front_demand[slot] = self.tree.demand(h)
+            self.held[slot] = h in self._inflight
+        else:
+            self.front_demand[slot] = 0
+            self.held[slot] = False
+
+    def _refresh_demand(self, hashes: Iterable[int]) -> None:
+        """Demand changed on ``hashes``: update the requests whose frontier is one of them."""
+        at_front, slot_of, fd, tree = self._at_front, self._slot_of, self.front_demand, self.tree
+        for h in hashes:
+            rids = at_front.get(h)
+            if rids:
+                d = tree.demand(h)
+                for r in rids:
+                    fd[slot_of[r]] = d
+
+    def _set_held(self, h: int, value: bool) -> None:
+        rids = self._at_front.get(h)
+        if rids:
+            for r in rids:
+                self.held[self._slot_of[r]] = value
+
+    @staticmethod
+    def _discard(index: dict[int, set[int]], h: int, rid: int) -> None:
+        s = index.get(h)
+        if s is not None:
+            s.discard(rid)
+            if not s:
+                del index[h]
+
+    # -- queue hooks -----------------------------------------------------------------------
+
+    def _on_add(self, slot: int, req: QueuedRequest) -> None:
+        if req.rid in self._holders:  # back from preemption: its blocks are not coming
+            self._release(req.rid)
+        hashes = self._cacheable(req)
+        self.tree.add(req.rid, hashes)
+        self._refresh_demand(hashes)
+        self._set_front(req.rid, slot)
+
+    def remove(self, rid: int) -> QueuedRequest:
+        req = super().remove(rid)
+        old = self._front.pop(rid, NO_FRONTIER)
+        if old is not NO_FRONTIER:
+            self._discard(self._at_front, old, rid)
+        self._refresh_demand(self.tree.remove(rid))
+        return req
+
+    def _on_hit_change(self, rid: int, old: int, new: int) -> None:
+        super()._on_hit_change(rid, old, new)
+        self._set_front(rid, self._slot_of[rid])
+
+    def _on_admit(self, slot: int, adm: Admission) -> None:
+        rid = adm.rid
+        hashes = list(self.tree.path(rid)[adm.cached_tokens // self.block_size:])
+        if not hashes or self.hold_factor == 0:
+            return
+        if rid in self._holders:
+            self._release(rid)
+        self._gen += 1
+        self._holders[rid] = (self._gen, hashes)
+        deadline = self.clock.now() + self.hold_factor * max(adm.est_prefill_s, self.p_floor_s)
+        heapq.heappush(self._expiry, (deadline, self._gen, rid))
+        inflight, at_front = self._inflight, self._at_front
+        for h in hashes:
+            s = inflight.get(h)
+            if s is None:
+                inflight[h] = {rid}
+                if h in at_front:
+                    self._set_held(h, True)
+            else:
+                s.add(rid)
+
+    def on_blocks_stored(self, hashes: Iterable[int]) -> None:
+        hs = list(hashes)
+        for h in hs:
+            if self._inflight.pop(h, None) is not None:
+                self._set_held(h, False)
+        super().on_blocks_stored(hs)
+
+    # -- holds -----------------------------------------------------------------------------
+
+    def _release(self, rid: int) -> bool:
+        """End ``rid``'s hold on the blocks it has not stored; True if any was still held."""
+        _, hashes = self._holders.pop(rid)
+        inflight, at_front = self._inflight, self._at_front
+        any_held = False
+        for h in hashes:
+            s = inflight.get(h)
+            if s is not None and rid in s:
+                s.discard(rid)
+                if not s:
+                    del inflight[h]
+                    if h in at_front:
+                        self._set_held(h, False)
+                        any_held = True
+        return any_held
+
+    def _expire(self, now: float) -> None:
+        """End the holds whose deadline passed. O(log holds) each."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, gen, rid = heapq.heappop(heap)
+            entry = self._holders.get(rid)
+            if entry is not None and entry[0] == gen and self._release(rid):
+                self.hold_expiries += 1
