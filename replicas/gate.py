@@ -183,21 +183,33 @@ class AdmissionGate:
         # when its coroutine next runs, so the engine's own figures lag this loop.
         if self._in_engine >= self.engine.max_num_seqs:
             return False
-        budget = self.config.prefill_budget_tokens or self.engine.max_num_batched_tokens
-        return self._pending_prefill < budget
+        return self._pending_prefill < self._budget()
+
+    def _budget(self) -> int:
+        """Admitted-but-unprefilled tokens the engine may hold (one step's worth by default)."""
+        return self.config.prefill_budget_tokens or self.engine.max_num_batched_tokens
 
     def pump(self) -> int:
         """Admit waiting requests while the engine has room; return how many."""
         n = 0
+        owing: set[str] = set()  # tenants that must leave room for quieter ones: not this pass
         while self._waiting and self._has_room():
-            q = self.policy.select()
+            q = self.policy.select(skip=owing)
             if q is None:
                 break
             # room kept for quieter tenants (replicas/tenants.py): a slot each, their next prompt
-            tokens, slots = self.policy.reserve(self.policy.tenant_of(q.rid), self.clock.now())
-            if slots and self._in_engine + slots >= self.engine.max_num_seqs:
-                break
+            # in KV memory, and up to half of the prefill budget (so their prefill does not queue
+            # behind a full budget of the others' inside the engine)
+            tenant = self.policy.tenant_of(q.rid)
+            tokens, slots = self.policy.reserve(tenant, self.clock.now())
+            if slots and (self._in_engine + slots >= self.engine.max_num_seqs
+                          or self._pending_prefill + min(tokens, self._budget() // 2) >= self._budget()):
+                owing.add(tenant)
+                continue
             if not self.engine.can_fit(q.prompt_tokens + tokens, q.block_hashes):
+                if tokens and self.engine.can_fit(q.prompt_tokens, q.block_hashes):
+                    owing.add(tenant)  # it fits, but only in the room kept for the quieter tenants
+                    continue
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
             self._in_engine += 1

@@ -33,7 +33,7 @@ Complexity: ``select`` is O(T) over the T backlogged tenants plus the chosen pol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 
@@ -85,14 +85,15 @@ class TenantQueues:
     def remove(self, rid: int) -> QueuedRequest:
         return self.queues[self._tenant.pop(rid)].remove(rid)
 
-    def select(self) -> QueuedRequest | None:
-        """The next request: from the backlogged tenant with the least virtual time whose policy
-        offers one (a policy may hold its whole queue back, e.g. PEEK's siblings waiting for a
-        pioneer's blocks: the next tenant goes then). O(T) with one tenant offering, O(T log T)
-        at worst."""
+    def select(self, skip: Collection[str] = ()) -> QueuedRequest | None:
+        """The next request: from the backlogged tenant (not in ``skip``) with the least virtual
+        time whose policy offers one (a policy may hold its whole queue back, e.g. PEEK's
+        siblings waiting for a pioneer's blocks: the next tenant goes then). O(T) with one
+        tenant offering, O(T log T) at worst."""
         if len(self.queues) == 1:
-            return self.queues[""].select()
-        for t in sorted((t for t, q in self.queues.items() if len(q)), key=lambda t: (self.vtime[t], t)):
+            return None if "" in skip else self.queues[""].select()
+        ready = (t for t, q in self.queues.items() if len(q) and t not in skip)
+        for t in sorted(ready, key=lambda t: (self.vtime[t], t)):
             req = self.queues[t].select()
             if req is not None:
                 return req

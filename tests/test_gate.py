@@ -402,3 +402,40 @@ async def test_a_tenant_whose_policy_holds_its_queue_back_does_not_block_the_oth
     tq.add(queued(1, 0.0, 64), "a")  # a: least virtual time (first), but held
     tq.add(queued(2, 0.0, 64), "b")
     assert tq.select().rid == 2
+
+
+async def test_a_flooding_tenant_leaves_half_the_prefill_budget_to_a_recent_quiet_one():
+    """Budget 100 unprefilled tokens; b was seen (a 64-token prompt). a0 enters (0 + min(64, 50)
+    < 100); a1 would leave less than 50 tokens of budget for b (64 pending), so it waits; b1,
+    which owes nobody, enters at once."""
+    clock = ManualClock()
+
+    def pol():
+        return make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16)
+
+    engine = ScriptedEngine()
+    gate = AdmissionGate(engine, pol(), clock, GateConfig(prefill_budget_tokens=100), replica="r0",
+                         policy_factory=pol)
+    out: list = []
+
+    def submit(rid: str) -> asyncio.Task:
+        c = call(rid, 64)
+        c.tenant = rid[0]
+        return asyncio.create_task(consume(gate, c, out))
+
+    tasks = [submit("b0")]
+    await settle()
+    engine.release("b0")
+    await tasks.pop()
+    tasks += [submit("a0"), submit("a1")]
+    await settle()
+    assert engine.started == ["b0", "a0"]
+    tasks.append(submit("b1"))
+    await settle()
+    assert engine.started == ["b0", "a0", "b1"]
+    for _ in range(4):
+        for rid in engine.started:
+            engine.release(rid)
+        await settle()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+    assert engine.started == ["b0", "a0", "b1", "a1"]

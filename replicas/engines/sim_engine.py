@@ -353,8 +353,10 @@ class SimEngine:
         return len(self.model.pool.longest_hit(block_hashes))
 
     def cached_hashes(self) -> list[int]:
-        """Every block hash in the engine's prefix cache. O(cached blocks)."""
-        return list(self.model.pool.cached)
+        """Every block hash in the engine's prefix cache, in either tier (the KV events cover
+        both). O(cached blocks)."""
+        pool = self.model.pool
+        return list(pool.cached) + [h for h in pool.host if h not in pool.cached]
 
     def set_cache_listener(
         self,
