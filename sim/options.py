@@ -31,6 +31,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission", default="off",
+                   help="engine admission gate: off, or session[cold_fraction=..;hold_factor=..;min_hold_s=..;"
+                        "max_hold_s=..;session_horizon_s=..;hold_first_turn=..] (fairway.admission)")
+    p.add_argument("--retention", default=None, choices=["lru", "peek", "prism", "session"],
+                   help="KV eviction strategy (default: the queue policy's)")
+    p.add_argument("--host-kv-blocks", type=int, default=0, help="host (CPU) KV tier per replica, blocks; 0 = off")
 
 
 def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: int,
@@ -59,6 +65,10 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=seed,
+        admission=parse_spec(args.admission)[0],
+        admission_options=parse_spec(args.admission)[1],
+        retention=args.retention,
+        host_kv_blocks=args.host_kv_blocks,
     )
 
 

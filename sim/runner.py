@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineConfig, EngineModel
@@ -48,12 +49,29 @@ class RunConfig(BaseModel):
     max_num_batched_tokens: int = Field(8192, ge=1)
     max_num_seqs: int = Field(256, ge=1)
     seed: int = 0
+    admission: Literal["off", "session"] = Field("off", description="engine admission gate (fairway.admission)")
+    admission_options: dict[str, Any] = Field(default_factory=dict)
+    retention: Literal["lru", "peek", "prism", "session"] | None = Field(
+        None, description="KV eviction strategy; None = the queue policy's")
+    host_kv_blocks: int = Field(0, ge=0, description="host (CPU) KV tier per replica, in blocks; 0 = off")
 
 
 def router_options(cfg: RunConfig) -> dict[str, Any]:
     """The router policy's options: the run's, plus (for ``fairway``, where the run leaves them
     out) the wait model that matches the replicas' queue policy."""
     return router_options_for(cfg.router, cfg.router_options, cfg.policy, cfg.policy_options)
+
+
+def admission_config(cfg: RunConfig) -> AdmissionConfig | None:
+    """The engine's admission gate config (None when off); ``ValueError`` on an unknown option."""
+    if cfg.admission == "off":
+        if cfg.admission_options:
+            raise ValueError("admission options given with --admission off")
+        return None
+    try:
+        return AdmissionConfig(**cfg.admission_options)
+    except TypeError as e:
+        raise ValueError(f"bad admission option: {e}") from None
 
 
 def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
@@ -64,6 +82,9 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
         kv_blocks=cfg.kv_blocks,
+        retention=cfg.retention,
+        host_kv_blocks=cfg.host_kv_blocks,
+        admission=admission_config(cfg),
     )
     replicas = []
     for j in range(cfg.replicas):
@@ -129,6 +150,21 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "sim_end_s": res.end_s,
         "sim_wall_s": res.wall_s,
     }
+    retention = sim.replicas[0].retention
+    if cfg.admission != "off" or cfg.host_kv_blocks or retention != "lru":
+        # only with the KV memory options on, so the default schema stays the one loadgen shares
+        reps = sim.replicas
+        out["kv_memory"] = {
+            "admission": cfg.admission,
+            "admission_options": cfg.admission_options,
+            "retention": retention,
+            "host_kv_blocks": cfg.host_kv_blocks,
+            "tokens": {k: sum(getattr(e, f"{k}_tokens") for e in reps) for k in ("gpu_hit", "host_hit", "miss")},
+            "prefill_tokens_computed": sum(e.prefill_tokens for e in reps),
+            "holds": sum(e.holds for e in reps),
+            "hold_releases_due": sum(e.hold_releases_due for e in reps),
+            "host_reload_s": sum(e.reload_s for e in reps),
+        }
     if cfg.replicas > 1:
         n = [0] * cfg.replicas
         prompt = [0] * cfg.replicas

@@ -20,16 +20,25 @@ prompts and makes the admission limit explicit.
 
 The waiting queue *is* the policy object, so the same policy code orders admission here, in the
 replica gate and in the router.
+
+Beyond stock vLLM, off by default (docs/cost-model.md, KV memory beyond the GPU): a host KV tier
+(``host_kv_blocks``: evicted blocks reload at ``host_link_bytes_per_s``, asynchronously: the
+request is not scheduled until its load lands), a retention strategy (the block pool's victim
+order; the policy's ``retention`` unless the config names one), and the session-aware admission
+gate of ``fairway.admission`` (``admission``), which filters the policy's picks: held requests
+sit outside the policy's queue, in ``held``, until their rule or bound releases them.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+from fairway.admission import AdmissionConfig, Candidate, HeldQueue, SessionAdmission, WaitingSessions
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
-from fairway.engine.block_pool import BlockPool
+from fairway.engine.block_pool import QUEUE, RETENTIONS, SESSION, BlockPool
 from fairway.policies.base import QueuedRequest, QueuePolicy
 from fairway.request import RequestSpec
 
@@ -42,18 +51,32 @@ class EngineConfig:
     max_num_batched_tokens: per-step token budget for chunked prefill + decode (8192).
     max_num_seqs: most requests running at once (256).
     kv_blocks: KV capacity in blocks; None derives it from GPU memory via the cost profile.
+    retention: the block pool's eviction strategy (``lru``, ``peek``, ``prism``, ``session``);
+        None takes the queue policy's ``retention``.
+    host_kv_blocks: capacity of the host (CPU) KV tier in blocks; 0 = no host tier.
+    host_link_bytes_per_s: host-to-GPU copy bandwidth for reloads (PCIe 5.0 x16, ~50 GB/s per
+        direction on an H200 host).
+    admission: the session-aware admission gate's config (``fairway.admission``); None = off.
     """
 
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     kv_blocks: int | None = None
+    retention: str | None = None
+    host_kv_blocks: int = 0
+    host_link_bytes_per_s: float = 50e9
+    admission: AdmissionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("engine limits must be positive")
         if self.kv_blocks is not None and self.kv_blocks <= 0:
             raise ValueError("kv_blocks must be positive")
+        if self.retention is not None and self.retention not in RETENTIONS:
+            raise ValueError(f"unknown retention {self.retention!r}; known: {', '.join(RETENTIONS)}")
+        if self.host_kv_blocks < 0 or not self.host_link_bytes_per_s > 0:
+            raise ValueError("host_kv_blocks must be >= 0 and host_link_bytes_per_s > 0")
 
 
 @dataclass(slots=True)
@@ -83,6 +106,12 @@ class EngineRequest:
     est_prefill_at_arrival_s: float = 0.0
     rejected: str = ""
     aborted: bool = False  # the host gave up on it (its client left) before it finished
+    host_tokens: int = 0  # reloaded from the host tier at first admission
+    demand: tuple[int, ...] = ()  # hashes declared as queue demand while it waits
+    wait_token: int = 0  # admission gate: this wait's entry in the engine's deadline heap
+    queued: QueuedRequest | None = None  # the policy's record of this wait
+    exempt: bool = False  # admission gate: held to its bound once already in this wait
+    ready_s: float = 0.0  # running, but not schedulable before this (host-tier reload in flight)
 
     @property
     def rid(self) -> int:
@@ -118,7 +147,26 @@ class EngineModel:
         self.replica = replica
         bs = config.block_size
         n_blocks = config.kv_blocks or cost.default_kv_blocks(bs)
-        self.pool = BlockPool(n_blocks, bs)
+        self.retention = config.retention or getattr(policy, "retention", "lru")
+        self.gate = SessionAdmission(config.admission) if config.admission is not None else None
+        self.pool = BlockPool(n_blocks, bs, retention=self.retention,
+                              host_blocks=config.host_kv_blocks, track_demand=self.gate is not None)
+        self._track = self.pool.tracking
+        self.held: HeldQueue[Any] = HeldQueue()
+        self._due: list[tuple[float, int, int]] = []  # (deadline, wait token, rid) of waiting requests
+        self._wait_seq = 0
+        horizon = (config.admission or AdmissionConfig()).session_horizon_s if self._track else 0.0
+        self.sessions = WaitingSessions(horizon)
+        # seconds to reload one token's KV from the host tier
+        self._reload_s_per_token = cost.kv_bytes_per_token() / config.host_link_bytes_per_s
+        self._link_free_s = 0.0  # when the host-to-GPU link finishes its queued reloads
+        self.gpu_hit_tokens = 0  # first admissions: prompt tokens served by GPU hits,
+        self.host_hit_tokens = 0  # by host-tier reloads,
+        self.miss_tokens = 0  # and computed
+        self.holds = 0  # requests the admission gate held back
+        self.hold_releases_due = 0  # of which released by the starvation bound
+        self.reload_s = 0.0
+        self.prefill_tokens = 0  # prompt tokens computed (recomputes after eviction included)
         policy.attach_cache(self.pool.__contains__)
         self.reqs: dict[int, EngineRequest] = {}  # waiting + running
         self.running: list[EngineRequest] = []
@@ -144,28 +192,40 @@ class EngineModel:
             if self.listener is not None:
                 self.listener.on_finished(self.replica, r)
             return r
-        hit = len(self.pool.longest_hit(self._cacheable(r)))
+        cacheable = self._cacheable(r)
+        hit = len(self.pool.longest_hit(cacheable))
+        hit += self.pool.host_hit(cacheable, hit)
         c = hit * bs
         r.uncached_at_arrival = spec.prompt_tokens - c
         r.est_prefill_at_arrival_s = self.cost.prefill_time(spec.prompt_tokens - c, c)
         self.reqs[spec.rid] = r
+        if self._track and spec.session >= 0:
+            ctx = self.sessions.arrive(spec.session)
+            if ctx is not None:
+                self.pool.add_demand(ctx, SESSION, -1)
         self._enqueue(r)
         return r
 
     def _enqueue(self, r: EngineRequest) -> None:
         n_known = r.target
         bs = self.config.block_size
-        self.policy.add(
-            QueuedRequest(
-                rid=r.rid,
-                arrival_s=r.spec.arrival_s,
-                prompt_tokens=n_known,
-                block_hashes=r.spec.block_hashes[: n_known // bs],
-                seq=r.seq,
-                output_tokens=r.spec.output_tokens,
-                session=r.spec.session,
-            )
+        r.exempt = False
+        if self._track:
+            r.demand = self._cacheable(r)
+            self.pool.add_demand(r.demand, QUEUE, 1)
+        if self.gate is not None and self.gate.config.guard == "all":
+            hit, host_n, new_blocks = self._plan(r)
+            self._set_deadline(r, self.gate.deadline(self._candidate(r, hit, host_n, new_blocks)))
+        r.queued = QueuedRequest(
+            rid=r.rid,
+            arrival_s=r.spec.arrival_s,
+            prompt_tokens=n_known,
+            block_hashes=r.spec.block_hashes[: n_known // bs],
+            seq=r.seq,
+            output_tokens=r.spec.output_tokens,
+            session=r.spec.session,
         )
+        self.policy.add(r.queued)
 
     def _cacheable(self, r: EngineRequest) -> tuple[int, ...]:
         n = max(0, (r.target - 1) // self.config.block_size)
@@ -174,11 +234,11 @@ class EngineModel:
     # -- steps -------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.policy) > 0
+        return bool(self.running) or len(self.policy) > 0 or len(self.held) > 0
 
     @property
     def num_waiting(self) -> int:
-        return len(self.policy)
+        return len(self.policy) + len(self.held)
 
     @property
     def scheduled(self) -> list[EngineRequest]:
@@ -195,10 +255,18 @@ class EngineModel:
         pool = self.pool
         budget = cfg.max_num_batched_tokens
         batch: list[tuple[EngineRequest, int]] = []
+        if self._track and len(self.sessions):
+            for ctx in self.sessions.expire(now):
+                pool.add_demand(ctx, SESSION, -1)
+        if self.gate is not None and self.gate.config.preempt_for_due:
+            self._make_room_for_due(now)
         preempted = 0
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
+            if r.ready_s > now:  # its KV is still loading from the host tier
+                i += 1
+                continue
             n = min(r.target - r.num_computed, budget)
             need = -(-(r.num_computed + n) // bs) - len(r.blocks)
             victim_is_r = False
@@ -221,35 +289,11 @@ class EngineModel:
             budget -= n
             i += 1
         if not preempted:
-            while budget > 0 and len(self.running) < cfg.max_num_seqs:
-                q = self.policy.select()
-                if q is None:
-                    break
-                r = self.reqs[q.rid]
-                hit = pool.longest_hit(self._cacheable(r))
-                new_blocks = -(-r.target // bs) - len(hit)
-                if pool.free_after_touch(hit) < new_blocks:
-                    break  # memory-bound admission: the head waits for room
-                adm = self.policy.admit(q.rid)
-                pool.touch(hit)
-                r.blocks = list(hit) + pool.allocate(new_blocks)
-                self._flush_events()
-                r.num_computed = len(hit) * bs
-                r.n_hashed = len(hit)
-                if r.admitted_s < 0:
-                    r.admitted_s = now
-                    r.cached_tokens = r.num_computed
-                    r.lane = adm.lane
-                    r.promoted = adm.promoted
-                self.running.append(r)
-                if self.listener is not None:
-                    self.listener.on_admitted(self.replica, r)
-                n = min(r.target - r.num_computed, budget)
-                batch.append((r, n))
-                budget -= n
+            budget = self._admit_waiting(now, batch, budget)
         if not batch:
             self._batch = []
-            return None
+            loading = [r.ready_s for r in self.running if r.ready_s > now]
+            return min(loading) - now if loading else None  # idle until a reload lands
         p_tok = p_ctx = p_sq = d_seqs = d_ctx = 0
         for r, n in batch:
             if r.num_computed + n == r.target and n == 1 and r.generated > 0:
@@ -263,6 +307,7 @@ class EngineModel:
         self._batch = batch
         self.policy.on_step(p_tok)
         self.steps += 1
+        self.prefill_tokens += p_tok
         self.busy_s += dt
         if p_tok:
             self.prefill_busy_s += dt
@@ -296,6 +341,12 @@ class EngineModel:
                 pool.release(r.blocks)
                 r.blocks = []
                 del self.reqs[r.rid]
+                if self._track and r.spec.session >= 0 and self.sessions.horizon_s > 0:
+                    ctx = r.spec.block_hashes[: r.n_hashed]
+                    old = self.sessions.finish(r.spec.session, now, ctx)
+                    if old is not None:
+                        pool.add_demand(old, SESSION, -1)
+                    pool.add_demand(ctx, SESSION, 1)
                 if self.listener is not None:
                     self.listener.on_finished(self.replica, r)
         self._flush_events()
@@ -314,8 +365,13 @@ class EngineModel:
         running = [x for x in self.running if x is not r]
         if len(running) < len(self.running):
             self.running = running
+        elif rid in self.held:
+            self.held.remove(rid)
         else:
             self.policy.remove(rid)
+        if r.demand:
+            self.pool.add_demand(r.demand, QUEUE, -1)
+            r.demand = ()
         self._batch = [(x, n) for x, n in self._batch if x is not r]
         self.pool.release(r.blocks)
         r.blocks = []
@@ -323,6 +379,177 @@ class EngineModel:
         if self.listener is not None:
             self.listener.on_finished(self.replica, r)
         return True
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _plan(self, r: EngineRequest) -> tuple[list[int], int, int]:
+        """(GPU hit blocks, host-tier blocks continuing the hit, new blocks to allocate)."""
+        pool = self.pool
+        cacheable = self._cacheable(r)
+        hit = pool.longest_hit(cacheable)
+        host_n = pool.host_hit(cacheable, len(hit)) if pool.host_capacity else 0
+        return hit, host_n, -(-r.target // self.config.block_size) - len(hit)
+
+    def _candidate(self, r: EngineRequest, hit: list[int], host_n: int, new_blocks: int) -> Candidate:
+        c = (len(hit) + host_n) * self.config.block_size
+        return Candidate(
+            rid=r.rid,
+            arrival_s=r.spec.arrival_s,
+            prompt_tokens=r.target,
+            cached_tokens=c,
+            new_blocks=new_blocks,
+            est_prefill_s=self.cost.prefill_time(r.target - c, c),
+            first_turn=r.spec.session >= 0 and r.spec.turn == 0 and r.generated == 0,
+        )
+
+    def _admit_waiting(self, now: float, batch: list[tuple[EngineRequest, int]], budget: int) -> int:
+        """Admit waiting requests into ``batch`` while budget, ``max_num_seqs`` and memory
+        allow; return the budget left. With the admission gate: held requests first (earliest
+        deadline first; one past its deadline is admitted as soon as memory fits, and nothing
+        else is admitted before it), then the policy's picks, of which the gate moves cold ones
+        to the held queue instead of letting them evict waiting sessions' contexts."""
+        cfg = self.config
+        pool = self.pool
+        gate = self.gate
+        if gate is not None:
+            # overdue first: a request past its bound is admitted before anyone else, oldest
+            # deadline first, as soon as memory fits (nothing else is admitted meanwhile)
+            due = self._due
+            while due and due[0][0] <= now:
+                if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                    return budget
+                _, token, rid = due[0]
+                r = self.reqs.get(rid)
+                if r is None or r.wait_token != token or r.blocks:
+                    heapq.heappop(due)  # admitted, aborted, or re-queued since
+                    continue
+                hit, host_n, new_blocks = self._plan(r)
+                if pool.free_after_touch(hit) < new_blocks:
+                    return budget
+                heapq.heappop(due)
+                self.hold_releases_due += 1
+                q = r.queued
+                assert q is not None
+                if rid in self.held:
+                    self.held.remove(rid)
+                    self.policy.add(q)
+                budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
+        if gate is not None and len(self.held):
+            for rid, _deadline, q in self.held.in_order():
+                if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                    return budget
+                r = self.reqs[rid]
+                if gate.config.guard == "policy" and now >= _deadline:
+                    # bound reached: back to the queue policy's order, not to be held again
+                    self.held.remove(rid)
+                    self.policy.add(q)
+                    r.exempt = True
+                    self.hold_releases_due += 1
+                    continue
+                hit, host_n, new_blocks = self._plan(r)
+                due = not self.running  # an idle engine holds no one
+                if not due and gate.should_hold(self._candidate(r, hit, host_n, new_blocks), now,
+                                                pool.num_free, pool.n_free_wanted, len(self.running)):
+                    continue
+                if pool.free_after_touch(hit) < new_blocks:
+                    if due:
+                        return budget  # the overdue head waits for room, ahead of everyone
+                    continue
+                self.held.remove(rid)
+                self.policy.add(q)
+                budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
+        while budget > 0 and len(self.running) < cfg.max_num_seqs:
+            q = self.policy.select()
+            if q is None:
+                break
+            r = self.reqs[q.rid]
+            hit, host_n, new_blocks = self._plan(r)
+            if gate is not None and not r.exempt:
+                cand = self._candidate(r, hit, host_n, new_blocks)
+                if gate.should_hold(cand, now, pool.num_free, pool.n_free_wanted, len(self.running)):
+                    self.policy.remove(q.rid)
+                    deadline = gate.deadline(cand)
+                    self.held.add(q.rid, deadline, q)
+                    if gate.config.guard == "held":
+                        self._set_deadline(r, deadline)
+                    self.holds += 1
+                    continue
+            if pool.free_after_touch(hit) < new_blocks:
+                break  # memory-bound admission: the head waits for room
+            budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
+        return budget
+
+    def _set_deadline(self, r: EngineRequest, deadline: float) -> None:
+        self._wait_seq += 1
+        r.wait_token = self._wait_seq
+        heapq.heappush(self._due, (deadline, self._wait_seq, r.rid))
+
+    def _make_room_for_due(self, now: float) -> None:
+        """If the earliest overdue waiting request does not fit, preempt the newest running
+        requests until it does (their computed blocks stay cached, and spill to the host tier)."""
+        due = self._due
+        pool = self.pool
+        while due and due[0][0] <= now:
+            _, token, rid = due[0]
+            r = self.reqs.get(rid)
+            if r is None or r.wait_token != token or r.blocks:
+                heapq.heappop(due)
+                continue
+            hit, _, new_blocks = self._plan(r)
+            while self.running and pool.free_after_touch(hit) < new_blocks:
+                # decoding requests first (their first token is out), newest first
+                victim = next((x for x in reversed(self.running) if x.generated > 0), self.running[-1])
+                self._preempt(victim)
+                hit, _, new_blocks = self._plan(r)
+            return
+
+    def _admit(self, r: EngineRequest, q: QueuedRequest, hit: list[int], host_n: int, new_blocks: int,
+               now: float, batch: list[tuple[EngineRequest, int]], budget: int) -> int:
+        """Commit one admission: take the hit, reload the host-tier continuation, allocate the
+        rest, schedule its first chunk. Returns the budget left."""
+        pool = self.pool
+        bs = self.config.block_size
+        adm = self.policy.admit(q.rid)
+        pool.touch(hit)
+        n_hit = len(hit)
+        reload: tuple[int, ...] = ()
+        if host_n:
+            reload = tuple(self._cacheable(r)[n_hit : n_hit + host_n])
+            pool.host_touch(reload)
+        r.blocks = list(hit) + pool.allocate(new_blocks)
+        for k, h in enumerate(reload):
+            pool.cache_block(r.blocks[n_hit + k], h)
+        if r.demand:
+            pool.add_demand(r.demand, QUEUE, -1)
+            r.demand = ()
+        self._flush_events()
+        done = n_hit + host_n
+        r.num_computed = done * bs
+        r.n_hashed = done
+        if host_n:
+            # vLLM's offloading connector loads asynchronously: the request waits for its blocks
+            # (one link, loads in admission order); the rest of the batch runs meanwhile
+            load = host_n * bs * self._reload_s_per_token
+            r.ready_s = max(now, self._link_free_s) + load
+            self._link_free_s = r.ready_s
+            self.reload_s += load
+        if r.admitted_s < 0:
+            r.admitted_s = now
+            r.cached_tokens = r.num_computed
+            r.host_tokens = host_n * bs
+            r.lane = adm.lane
+            r.promoted = adm.promoted
+            self.gpu_hit_tokens += n_hit * bs
+            self.host_hit_tokens += host_n * bs
+            self.miss_tokens += r.spec.prompt_tokens - done * bs
+        self.running.append(r)
+        if self.listener is not None:
+            self.listener.on_admitted(self.replica, r)
+        if r.ready_s > now:
+            return budget
+        n = min(r.target - r.num_computed, budget)
+        batch.append((r, n))
+        return budget - n
 
     # -- internals ---------------------------------------------------------------------------
 
