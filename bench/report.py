@@ -3,12 +3,17 @@
 For each ``DIR/sweep.json``: one row per (load, policy) with p50 / p99 / mean TTFT, the expensive
 class's p99 and the hit ratio, then Fairway's ratios to FCFS, LPM and to the best of the
 baselines at each load.
+
+``python -m bench.report --side-by-side DIR[=LABEL]...``: every policy of the sweeps side by side,
+one row per policy and one column per point (a sweep folder's loads): p50 / p99 TTFT, then mean
+TTFT / hit ratio, and the best p50 and p99 of each column in bold.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from typing import Any
 
@@ -42,8 +47,60 @@ def table(path: str) -> str:
     return "\n".join(out) + "\n"
 
 
+ORDER = ("fairway", "fcfs", "lpm", "hrrn", "k-lpm", "lpm-aging", "vllm-sjf", "dfs-weight", "svf", "svf-1bit",
+         "peek", "prism", "srpt-oracle")
+
+
+def side_by_side(folders: list[tuple[str, str]]) -> str:
+    """The two policy x point matrices (module docstring) for ``(folder, label)`` pairs. A point
+    with several seeds takes each figure's median over them. The best marks skip the oracle."""
+    points: list[tuple[str, dict[str, tuple[float, float, float, float]]]] = []
+    for folder, label in folders:
+        with open(os.path.join(folder, "sweep.json")) as f:
+            rows = json.load(f)["results"]
+        by: dict[tuple[float, str], list[dict[str, Any]]] = {}
+        for r in rows:
+            by.setdefault((r["rate_rps"], r["label"]), []).append(r)
+        for load in sorted({k[0] for k in by}):
+            cells = {}
+            for (ld, pol), rs in by.items():
+                if ld == load:
+                    cells[pol] = tuple(statistics.median(x) for x in zip(
+                        *[(r["ttft_s"]["p50"], r["ttft_s"]["p99"], r["ttft_s"]["mean"], r["cache_hit_ratio"])
+                          for r in rs], strict=True))
+            points.append((f"{label} {load:g}" if len({k[0] for k in by}) > 1 else label, cells))
+    pols = [p for p in ORDER if any(p in c for _, c in points)]
+    pols += sorted({p for _, c in points for p in c} - set(pols))
+
+    def best(c: dict[str, tuple[float, ...]], i: int) -> float:
+        return min(v[i] for p, v in c.items() if p != "srpt-oracle")
+
+    def cell(c: dict[str, tuple[float, ...]], pol: str, i: int, j: int, fmt: tuple[str, str], mark: bool) -> str:
+        if pol not in c:
+            return "-"
+        a, b = format(c[pol][i], fmt[0]), format(c[pol][j], fmt[1])
+        if mark and pol != "srpt-oracle":
+            a = f"**{a}**" if c[pol][i] == best(c, i) else a
+            b = f"**{b}**" if c[pol][j] == best(c, j) else b
+        return f"{a} / {b}"
+
+    head = "| policy | " + " | ".join(label for label, _ in points) + " |"
+    sep = "| --- |" + " ---: |" * len(points)
+    out = ["p50 / p99 TTFT, seconds (best of each column in bold, the oracle aside):", "", head, sep]
+    out += [f"| {p} | " + " | ".join(cell(c, p, 0, 1, (".3f", ".2f"), True) for _, c in points) + " |" for p in pols]
+    out += ["", "mean TTFT, seconds / hit ratio:", "", head, sep]
+    out += [f"| {p} | " + " | ".join(cell(c, p, 2, 3, (".3f", ".3f"), False) for _, c in points) + " |"
+            for p in pols]
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
-    for d in sys.argv[1:]:
+    args = sys.argv[1:]
+    if args and args[0] == "--side-by-side":
+        pairs = [(a.partition("=")[0], a.partition("=")[2] or os.path.basename(a.rstrip("/"))) for a in args[1:]]
+        print(side_by_side(pairs))
+        return
+    for d in args:
         print(table(d))
 
 
