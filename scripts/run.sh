@@ -56,8 +56,10 @@ yaml.safe_dump(cfg, open(sys.argv[3], "w"))
 PY
   start=$(date +%s)
   # a private local Ray instance unless RAY_ADDRESS points at a cluster
-  # Ray Serve's throughput-optimized mode (README, "Streaming"); RAY_SERVE_THROUGHPUT_OPTIMIZED=0 turns it off
+  # Ray Serve's throughput-optimized mode and HAProxy ingress (README, "Streaming");
+  # RAY_SERVE_THROUGHPUT_OPTIMIZED=0 / RAY_SERVE_ENABLE_HA_PROXY=0 turn them off
   RAY_ADDRESS="${RAY_ADDRESS:-local}" RAY_SERVE_THROUGHPUT_OPTIMIZED="${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}" \
+    RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}" \
     setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1 &
   echo $! > "$PIDFILE"
   echo "starting the cluster ($CONFIG), log: $OUT/serve.log"
