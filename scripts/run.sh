@@ -60,6 +60,7 @@ PY
   # RAY_SERVE_THROUGHPUT_OPTIMIZED=0 / RAY_SERVE_ENABLE_HA_PROXY=0 turn them off
   RAY_ADDRESS="${RAY_ADDRESS:-local}" RAY_SERVE_THROUGHPUT_OPTIMIZED="${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}" \
     RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}" \
+    RAY_SERVE_HAPROXY_TUNE_BUFSIZE="${RAY_SERVE_HAPROXY_TUNE_BUFSIZE:-131072}" \
     setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1 &
   echo $! > "$PIDFILE"
   echo "starting the cluster ($CONFIG), log: $OUT/serve.log"
