@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,23 @@ def _wait_port_free(port: int, timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
+def stop_stray_haproxy(port: int) -> list[int]:
+    """Stop an haproxy still listening on ``port`` once its cluster is gone (Ray's HAProxy ingress
+    can outlive ``serve run`` after one of its reloads: the new process is not the one Ray
+    stops). Returns the pids signalled. Needs ``ss`` (iproute2); without it, does nothing."""
+    try:
+        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True,
+                             timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    pids = sorted({int(p) for line in out.splitlines() if '"haproxy"' in line
+                   for p in re.findall(r"pid=(\d+)", line)})
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    return pids
+
+
 @contextlib.contextmanager
 def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
                     api_key: str | None = None, env: dict[str, str] | None = None,
@@ -126,6 +144,7 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
                 proc.wait(timeout=10)
         log.close()
         os.unlink(path)
+        stop_stray_haproxy(port)
         # the next cluster must not see this one's HTTP server still answering
         end = time.monotonic() + 30
         while time.monotonic() < end:

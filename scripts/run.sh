@@ -25,6 +25,11 @@ stop() {
     kill -INT "$pid"
     for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
     kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
+    # Ray's HAProxy ingress can outlive the cluster after one of its reloads (its new process is
+    # not the one Ray stops): stop an haproxy still listening on this cluster's port
+    for hp in $(ss -ltnpH "sport = :$PORT" 2>/dev/null | grep '"haproxy"' | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
+      kill "$hp" 2>/dev/null
+    done
     echo "cluster stopped"
   else
     echo "no cluster started by this script is running"
