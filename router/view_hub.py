@@ -36,8 +36,9 @@ class ViewHub:
 
     def exchange(self, source: str, events: list[Event], after: int, snapshot: bool = False,
                  now: float | None = None) -> Exchange:
-        self._forget(self.log.expire(time.monotonic() if now is None else now, keep=source))
-        ex = self.log.exchange(source, events, after, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        self._forget(self.log.expire(now, keep=source))  # before the log's own expiry: the kv sets go too
+        ex = self.log.exchange(source, events, after, now)
         if snapshot:
             ex.kv = {uid: list(blocks) for uid, blocks in self.kv.items()}
         return ex

@@ -188,9 +188,9 @@ class ClusterRouter:
             return
         if self.sync_delay_s > 0.0:
             batch = tuple(events)
-            due = self.clock.now() + self.sync_delay_s
+            item = (self.clock.now() + self.sync_delay_s, lambda h: h.index.on_kv_events(replica, batch))
             for box in self._inbox:
-                box.append((due, lambda h: h.index.on_kv_events(replica, batch)))
+                box.append(item)
             return
         for index in self._indexes:
             index.on_kv_events(replica, events)
