@@ -34,7 +34,6 @@ passes ``now``), so the engine model and the replica gate can drive them alike.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,14 +123,13 @@ class SessionAdmission:
 
 
 class HeldQueue(Generic[T]):
-    """Held requests by deadline (then hold order). ``add``/``remove`` O(log n) (lazy
-    deletion); ``in_order`` O(n log n) on the few held."""
+    """Held requests by deadline (then hold order). ``add``/``remove`` O(1); ``in_order``
+    O(n log n) on the few held."""
 
-    __slots__ = ("_items", "_heap", "_seq")
+    __slots__ = ("_items", "_seq")
 
     def __init__(self) -> None:
         self._items: dict[int, tuple[float, int, T]] = {}
-        self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
 
     def __len__(self) -> int:
@@ -145,7 +143,6 @@ class HeldQueue(Generic[T]):
             raise KeyError(f"request {rid} is already held")
         self._seq += 1
         self._items[rid] = (deadline_s, self._seq, item)
-        heapq.heappush(self._heap, (deadline_s, self._seq, rid))
 
     def remove(self, rid: int) -> T:
         return self._items.pop(rid)[2]
@@ -154,14 +151,9 @@ class HeldQueue(Generic[T]):
         return self._items[rid][0]
 
     def in_order(self) -> list[tuple[int, float, T]]:
-        """(rid, deadline, item), earliest deadline first."""
-        heap = self._heap
-        if len(heap) > 2 * len(self._items) + 16:
-            self._heap = heap = [(d, s, r) for r, (d, s, _) in self._items.items()]
-            heapq.heapify(heap)
-        live = [(d, s, r) for d, s, r in heap if r in self._items and self._items[r][1] == s]
-        live.sort()
-        return [(r, d, self._items[r][2]) for d, _, r in live]
+        """(rid, deadline, item), earliest deadline first (ties: the earlier hold)."""
+        ordered = sorted(self._items.items(), key=lambda kv: kv[1][:2])
+        return [(rid, d, item) for rid, (d, _, item) in ordered]
 
 
 class WaitingSessions:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fairway.engine.block_pool import RETENTIONS
 from fairway.spec import parse_spec
 from sim.runner import RunConfig
 
@@ -34,7 +35,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", default="off",
                    help="engine admission gate: off, or session[cold_fraction=..;hold_factor=..;min_hold_s=..;"
                         "max_hold_s=..;session_horizon_s=..;hold_first_turn=..] (fairway.admission)")
-    p.add_argument("--retention", default=None, choices=["lru", "peek", "prism", "session"],
+    p.add_argument("--retention", default=None, choices=list(RETENTIONS),
                    help="KV eviction strategy (default: the queue policy's)")
     p.add_argument("--host-kv-blocks", type=int, default=0, help="host (CPU) KV tier per replica, blocks; 0 = off")
 
@@ -43,6 +44,7 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
                 router_spec: str | None = None) -> RunConfig:
     name, opts = parse_spec(policy_spec)
     rname, ropts = parse_spec(router_spec or args.router)
+    admission, admission_options = parse_spec(args.admission)
     return RunConfig(
         workload=args.workload,
         policy=name,
@@ -65,8 +67,8 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=seed,
-        admission=parse_spec(args.admission)[0],
-        admission_options=parse_spec(args.admission)[1],
+        admission=admission,
+        admission_options=admission_options,
         retention=args.retention,
         host_kv_blocks=args.host_kv_blocks,
     )

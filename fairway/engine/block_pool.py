@@ -120,9 +120,7 @@ class BlockPool:
             return self.qdem.get(h, 0)
         if ret == "peek":
             return 1 if h in self.qdem else 0
-        if ret == "session":
-            return 1 if (h in self.qdem or h in self.sdem) else 0
-        return 0
+        return 1 if self._wanted(h) else 0  # "session" (the only other ranked order)
 
     def _push_free(self, b: int) -> None:
         """Index a newly free block for the non-LRU victim order. O(log n)."""
@@ -164,10 +162,8 @@ class BlockPool:
                     heapq.heappush(self._heap, (r, self._ftick[b], b))
 
     def _pop_victim(self) -> int:
-        """The next free block to reuse under the retention strategy. O(log n) amortised."""
-        if self.retention == "lru":
-            b, _ = self.free.popitem(last=False)
-            return b
+        """The next free block to reuse under a ranked retention strategy (``allocate`` pops the
+        LRU order itself). O(log n) amortised."""
         heap = self._heap
         ref, ftick, frank = self.ref, self._ftick, self._frank
         while True:
@@ -261,7 +257,7 @@ class BlockPool:
                     self.n_free_wanted -= 1
                 if host:
                     self._to_host(h)
-                elif h not in self.host:
+                else:
                     self.events.append((False, h))
             self.ref[b] = 1
             out.append(b)

@@ -167,7 +167,9 @@ class EngineModel:
         self.hold_releases_due = 0  # of which released by the starvation bound
         self.reload_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed (recomputes after eviction included)
-        policy.attach_cache(self.pool.__contains__)
+        # the policy's cache view: either tier with a host tier, else the GPU dict itself (no
+        # second lookup per probe on the default path)
+        policy.attach_cache(self.pool.__contains__ if config.host_kv_blocks else self.pool.cached.__contains__)
         self.reqs: dict[int, EngineRequest] = {}  # waiting + running
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []
@@ -192,10 +194,8 @@ class EngineModel:
             if self.listener is not None:
                 self.listener.on_finished(self.replica, r)
             return r
-        cacheable = self._cacheable(r)
-        hit = len(self.pool.longest_hit(cacheable))
-        hit += self.pool.host_hit(cacheable, hit)
-        c = hit * bs
+        hit, host_n, _ = self._plan(r)
+        c = (len(hit) + host_n) * bs
         r.uncached_at_arrival = spec.prompt_tokens - c
         r.est_prefill_at_arrival_s = self.cost.prefill_time(spec.prompt_tokens - c, c)
         self.reqs[spec.rid] = r
@@ -414,32 +414,26 @@ class EngineModel:
         if gate is not None:
             # overdue first: a request past its bound is admitted before anyone else, oldest
             # deadline first, as soon as memory fits (nothing else is admitted meanwhile)
-            due = self._due
-            while due and due[0][0] <= now:
+            while (r := self._overdue_head(now)) is not None:
                 if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                     return budget
-                _, token, rid = due[0]
-                r = self.reqs.get(rid)
-                if r is None or r.wait_token != token or r.blocks:
-                    heapq.heappop(due)  # admitted, aborted, or re-queued since
-                    continue
                 hit, host_n, new_blocks = self._plan(r)
                 if pool.free_after_touch(hit) < new_blocks:
                     return budget
-                heapq.heappop(due)
+                heapq.heappop(self._due)
                 self.hold_releases_due += 1
                 q = r.queued
                 assert q is not None
-                if rid in self.held:
-                    self.held.remove(rid)
+                if r.rid in self.held:
+                    self.held.remove(r.rid)
                     self.policy.add(q)
                 budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
         if gate is not None and len(self.held):
-            for rid, _deadline, q in self.held.in_order():
+            for rid, held_until, q in self.held.in_order():
                 if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                     return budget
                 r = self.reqs[rid]
-                if gate.config.guard == "policy" and now >= _deadline:
+                if gate.config.guard == "policy" and now >= held_until:
                     # bound reached: back to the queue policy's order, not to be held again
                     self.held.remove(rid)
                     self.policy.add(q)
@@ -447,13 +441,13 @@ class EngineModel:
                     self.hold_releases_due += 1
                     continue
                 hit, host_n, new_blocks = self._plan(r)
-                due = not self.running  # an idle engine holds no one
-                if not due and gate.should_hold(self._candidate(r, hit, host_n, new_blocks), now,
-                                                pool.num_free, pool.n_free_wanted, len(self.running)):
+                idle = not self.running  # an idle engine holds no one
+                if not idle and gate.should_hold(self._candidate(r, hit, host_n, new_blocks), now,
+                                                 pool.num_free, pool.n_free_wanted, len(self.running)):
                     continue
                 if pool.free_after_touch(hit) < new_blocks:
-                    if due:
-                        return budget  # the overdue head waits for room, ahead of everyone
+                    if idle:
+                        return budget  # released by an idle engine: it waits for room, ahead of everyone
                     continue
                 self.held.remove(rid)
                 self.policy.add(q)
@@ -487,21 +481,29 @@ class EngineModel:
     def _make_room_for_due(self, now: float) -> None:
         """If the earliest overdue waiting request does not fit, preempt the newest running
         requests until it does (their computed blocks stay cached, and spill to the host tier)."""
-        due = self._due
+        r = self._overdue_head(now)
+        if r is None:
+            return
         pool = self.pool
+        hit, _, new_blocks = self._plan(r)
+        while self.running and pool.free_after_touch(hit) < new_blocks:
+            # decoding requests first (their first token is out), newest first
+            victim = next((x for x in reversed(self.running) if x.generated > 0), self.running[-1])
+            self._preempt(victim)
+            hit, _, new_blocks = self._plan(r)
+
+    def _overdue_head(self, now: float) -> EngineRequest | None:
+        """The waiting request with the earliest deadline, if that deadline has passed; stale
+        entries on top (admitted, aborted, or re-queued since) are dropped. Amortised O(log n)."""
+        due = self._due
         while due and due[0][0] <= now:
             _, token, rid = due[0]
             r = self.reqs.get(rid)
             if r is None or r.wait_token != token or r.blocks:
                 heapq.heappop(due)
                 continue
-            hit, _, new_blocks = self._plan(r)
-            while self.running and pool.free_after_touch(hit) < new_blocks:
-                # decoding requests first (their first token is out), newest first
-                victim = next((x for x in reversed(self.running) if x.generated > 0), self.running[-1])
-                self._preempt(victim)
-                hit, _, new_blocks = self._plan(r)
-            return
+            return r
+        return None
 
     def _admit(self, r: EngineRequest, q: QueuedRequest, hit: list[int], host_n: int, new_blocks: int,
                now: float, batch: list[tuple[EngineRequest, int]], budget: int) -> int:

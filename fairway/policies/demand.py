@@ -11,8 +11,10 @@
   admission + ``hold_factor`` x max(P, ``p_floor_s``) (P: the admitted request's estimated
   prefill time), so a request the host dropped without telling the policy holds nobody forever.
   Holds that end by deadline are counted in ``hold_expiries``.
-- **For retention.** ``queued_demand(h)`` is the engine's view of the same tree: the number of
-  waiting requests whose cacheable prefix holds block ``h``.
+- **Demand per block.** ``queued_demand(h)``: the number of waiting requests whose cacheable
+  prefix holds block ``h``. The engine model's retention keeps its own count
+  (``BlockPool.add_demand``), since it must also count requests a policy does not hold (held by
+  the admission gate, or any policy under ``--retention``).
 
 Complexity: ``add`` / ``remove`` O(blocks of the request + requests whose frontier is one of
 them); a cache event O(requests whose frontier it is), on top of the base class's hit tracking;

@@ -27,7 +27,8 @@ Rebuilt from the published description (docs/design.md, PEEK and PRISM):
   same holds in prefill seconds instead of admissions. Time spent held adds to this, bounded by
   the hold deadline.
 - **Retention.** ``retention = "peek"``: the engine model keeps every cached block on the
-  cacheable prefix of a waiting request out of eviction (``queued_demand(h) > 0``).
+  cacheable prefix of a waiting request out of eviction while an unwanted one is free (its own
+  demand count, ``BlockPool.add_demand``).
 
 Complexity: ``select`` O(n) vectorised (three masked argmins at most, one used); ``admit``
 O(uncached blocks of the admitted request); the rest as ``DemandQueue``.
