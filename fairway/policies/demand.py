@@ -25,7 +25,7 @@ vectorised passes.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,8 +33,6 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy, grow_column
 from fairway.policies.pending_tree import PendingTree
-
-NO_FRONTIER = None
 
 
 class DemandQueue(QueuePolicy):
@@ -59,13 +57,15 @@ class DemandQueue(QueuePolicy):
         self.tree = PendingTree()
         self.front_demand = np.zeros(len(self.active), dtype=np.int64)
         self.held = np.zeros(len(self.active), dtype=bool)
-        self._front: dict[int, int] = {}  # rid -> frontier hash (absent: fully cached prefix)
-        self._at_front: dict[int, set[int]] = {}  # frontier hash -> rids
+        self.held_selects = 0  # selects that found every waiting request held
         self._inflight: dict[int, set[int]] = {}  # hash -> admitted rids computing it
-        self._holders: dict[int, tuple[int, list[int]]] = {}  # admitted rid -> (generation, hashes)
+        self._holders: dict[int, tuple[int, Sequence[int]]] = {}  # admitted rid -> (generation, hashes)
         self._expiry: list[tuple[float, int, int]] = []  # (deadline, generation, rid) min-heap
         self._gen = 0
         self.hold_expiries = 0
+        # the hit tracker also indexes who waits at each frontier block; a host's cache replaces
+        # this empty one (nothing cached: every frontier is the first block)
+        self.attach_cache(lambda h: False)
 
     # -- public views ----------------------------------------------------------------------
 
@@ -83,17 +83,21 @@ class DemandQueue(QueuePolicy):
         self.front_demand = grow_column(self.front_demand, n)
         self.held = grow_column(self.held, n)
 
+    def _not_held(self) -> np.ndarray:
+        """The live slots in [0, _hi) not held; counts a select that finds all of them held."""
+        hi = self._hi
+        ok = self.active[:hi] & ~self.held[:hi]
+        if not ok.any():
+            self.held_selects += 1
+        return ok
+
     def _set_front(self, rid: int, slot: int) -> None:
-        """Recompute ``rid``'s frontier from its hit. O(1)."""
-        old = self._front.pop(rid, NO_FRONTIER)
-        if old is not NO_FRONTIER:
-            self._discard(self._at_front, old, rid)
+        """Recompute ``rid``'s frontier columns from its hit (the hit tracker indexes the
+        frontier itself). O(1)."""
         hashes = self.tree.path(rid)
         hit = int(self.cached[slot]) // self.block_size
         if hit < len(hashes):
             h = hashes[hit]
-            self._front[rid] = h
-            self._at_front.setdefault(h, set()).add(rid)
             self.front_demand[slot] = self.tree.demand(h)
             self.held[slot] = h in self._inflight
         else:
@@ -102,27 +106,24 @@ class DemandQueue(QueuePolicy):
 
     def _refresh_demand(self, hashes: Iterable[int]) -> None:
         """Demand changed on ``hashes``: update the requests whose frontier is one of them."""
-        at_front, slot_of, fd, tree = self._at_front, self._slot_of, self.front_demand, self.tree
+        frontier, slot_of, fd, tree = self._frontier(), self._slot_of, self.front_demand, self.tree
         for h in hashes:
-            rids = at_front.get(h)
+            rids = frontier.get(h)
             if rids:
                 d = tree.demand(h)
                 for r in rids:
                     fd[slot_of[r]] = d
 
-    def _set_held(self, h: int, value: bool) -> None:
-        rids = self._at_front.get(h)
-        if rids:
-            for r in rids:
-                self.held[self._slot_of[r]] = value
+    def _frontier(self) -> Mapping[int, set[int]]:
+        """Block hash -> the waiting requests whose first uncached block it is: the hit
+        tracker's own index. O(1)."""
+        assert self._tracker is not None
+        return self._tracker.frontier
 
-    @staticmethod
-    def _discard(index: dict[int, set[int]], h: int, rid: int) -> None:
-        s = index.get(h)
-        if s is not None:
-            s.discard(rid)
-            if not s:
-                del index[h]
+    def _set_held(self, rids: set[int], value: bool) -> None:
+        held, slot_of = self.held, self._slot_of
+        for r in rids:
+            held[slot_of[r]] = value
 
     # -- queue hooks -----------------------------------------------------------------------
 
@@ -136,9 +137,6 @@ class DemandQueue(QueuePolicy):
 
     def remove(self, rid: int) -> QueuedRequest:
         req = super().remove(rid)
-        old = self._front.pop(rid, NO_FRONTIER)
-        if old is not NO_FRONTIER:
-            self._discard(self._at_front, old, rid)
         self._refresh_demand(self.tree.remove(rid))
         return req
 
@@ -148,30 +146,29 @@ class DemandQueue(QueuePolicy):
 
     def _on_admit(self, slot: int, adm: Admission) -> None:
         rid = adm.rid
-        hashes = list(self.tree.path(rid)[adm.cached_tokens // self.block_size:])
+        hashes = self.tree.path(rid)[adm.cached_tokens // self.block_size:]
         if not hashes or self.hold_factor == 0:
             return
-        if rid in self._holders:
-            self._release(rid)
         self._gen += 1
         self._holders[rid] = (self._gen, hashes)
         deadline = self.clock.now() + self.hold_factor * max(adm.est_prefill_s, self.p_floor_s)
         heapq.heappush(self._expiry, (deadline, self._gen, rid))
-        inflight, at_front = self._inflight, self._at_front
+        inflight, frontier = self._inflight, self._frontier()
         for h in hashes:
             s = inflight.get(h)
             if s is None:
                 inflight[h] = {rid}
-                if h in at_front:
-                    self._set_held(h, True)
+                if h in frontier:
+                    self._set_held(frontier[h], True)
             else:
                 s.add(rid)
 
     def on_blocks_stored(self, hashes: Iterable[int]) -> None:
         hs = list(hashes)
+        frontier = self._frontier()
         for h in hs:
-            if self._inflight.pop(h, None) is not None:
-                self._set_held(h, False)
+            if self._inflight.pop(h, None) is not None and h in frontier:
+                self._set_held(frontier[h], False)
         super().on_blocks_stored(hs)
 
     # -- holds -----------------------------------------------------------------------------
@@ -179,7 +176,7 @@ class DemandQueue(QueuePolicy):
     def _release(self, rid: int) -> bool:
         """End ``rid``'s hold on the blocks it has not stored; True if any was still held."""
         _, hashes = self._holders.pop(rid)
-        inflight, at_front = self._inflight, self._at_front
+        inflight, frontier = self._inflight, self._frontier()
         any_held = False
         for h in hashes:
             s = inflight.get(h)
@@ -187,8 +184,8 @@ class DemandQueue(QueuePolicy):
                 s.discard(rid)
                 if not s:
                     del inflight[h]
-                    if h in at_front:
-                        self._set_held(h, False)
+                    if h in frontier:
+                        self._set_held(frontier[h], False)
                         any_held = True
         return any_held
 

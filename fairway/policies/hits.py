@@ -13,7 +13,7 @@ hashes name their position, so a hash sits at the same index in every prompt tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 
 class HitTracker:
@@ -38,6 +38,12 @@ class HitTracker:
 
     def hit(self, key: int) -> int:
         return self._hit[key]
+
+    @property
+    def frontier(self) -> Mapping[int, set[int]]:
+        """Block hash -> the keys whose first uncached block it is (a live, read-only view:
+        callers look up, never write). O(1)."""
+        return self._frontier
 
     def add(self, key: int, hashes: Sequence[int]) -> int:
         """Track ``key`` whose cacheable prompt blocks are ``hashes``; return its hit in blocks."""

@@ -36,8 +36,6 @@ O(uncached blocks of the admitted request); the rest as ``DemandQueue``.
 
 from __future__ import annotations
 
-import numpy as np
-
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.policies.base import Admission
@@ -81,15 +79,13 @@ class PEEK(DemandQueue):
         self.passes = dict.fromkeys(LANES, 0.0)
         self._nonempty = dict.fromkeys(LANES, False)
         self.lane_admissions = dict.fromkeys(LANES, 0)
-        self.held_selects = 0  # selects that found every waiting request held
         self._chosen = (-1, "")
 
     def _choose(self, now: float) -> int:
         self._expire(now)
         hi = self._hi
-        ok = self.active[:hi] & ~self.held[:hi]
+        ok = self._not_held()
         if not ok.any():
-            self.held_selects += 1
             self._chosen = (-1, "")
             return -1
         masks = {
@@ -128,14 +124,3 @@ class PEEK(DemandQueue):
         cost = adm.est_prefill_s if self.charge == "work" else 1.0
         self.passes[lane] += cost * self.stride[lane]
         self.lane_admissions[lane] += 1
-
-    def lane_counts(self) -> dict[str, int]:
-        """Waiting requests each lane could admit now (a request may be in several). O(n)."""
-        hi = self._hi
-        ok = self.active[:hi] & ~self.held[:hi]
-        return {
-            PIONEER: int(np.count_nonzero(ok & (self.front_demand[:hi] >= 2))),
-            REUSE: int(np.count_nonzero(ok & (self.cached[:hi] > 0))),
-            OLDEST: int(np.count_nonzero(ok)),
-            "held": int(np.count_nonzero(self.active[:hi] & self.held[:hi])),
-        }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-ROOT = -1  # the parent of every first block
+ROOT = -1  # the parent of every first block (in ``check``)
 
 
 class PendingTree:
@@ -24,11 +24,10 @@ class PendingTree:
     counts; a child's count never exceeds its parent's; every node has a count >= 1.
     """
 
-    __slots__ = ("_count", "_parent", "_paths")
+    __slots__ = ("_count", "_paths")
 
     def __init__(self) -> None:
         self._count: dict[int, int] = {}
-        self._parent: dict[int, int] = {}
         self._paths: dict[int, Sequence[int]] = {}
 
     def __len__(self) -> int:
@@ -55,28 +54,20 @@ class PendingTree:
         if key in self._paths:
             raise KeyError(f"request {key} is already in the tree")
         self._paths[key] = hashes
-        count, parent = self._count, self._parent
-        prev = ROOT
+        count = self._count
         for h in hashes:
-            c = count.get(h)
-            if c is None:
-                count[h] = 1
-                parent[h] = prev
-            else:
-                count[h] = c + 1
-            prev = h
+            count[h] = count.get(h, 0) + 1
 
     def remove(self, key: int) -> Sequence[int]:
         """Drop request ``key``; return its blocks. O(len(blocks))."""
         hashes = self._paths.pop(key)
-        count, parent = self._count, self._parent
+        count = self._count
         for h in hashes:
             c = count[h] - 1
             if c:
                 count[h] = c
             else:
                 del count[h]
-                del parent[h]
         return hashes
 
     def dual_walk(self, contains: Callable[[int], bool]) -> dict[int, int]:
@@ -101,18 +92,18 @@ class PendingTree:
         """Assert the invariants (tests). O(nodes + blocks)."""
         ends: dict[int, int] = {}
         fresh: dict[int, int] = {}
+        parent: dict[int, int] = {}
         for hashes in self._paths.values():
             prev = ROOT
             for h in hashes:
                 fresh[h] = fresh.get(h, 0) + 1
-                assert self._parent[h] == prev, "a block has two parents"
+                assert parent.setdefault(h, prev) == prev, "a block has two parents"
                 prev = h
             if hashes:
                 ends[hashes[-1]] = ends.get(hashes[-1], 0) + 1
         assert fresh == self._count, "counts differ from a rebuild"
-        assert set(self._parent) == set(self._count)
         below: dict[int, int] = {}
-        for h, p in self._parent.items():
+        for h, p in parent.items():
             if p != ROOT:
                 below[p] = below.get(p, 0) + self._count[h]
                 assert self._count[h] <= self._count[p]

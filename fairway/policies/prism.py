@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from fairway.clock import Clock
-from fairway.cost_model import CostModel
 from fairway.policies.demand import DemandQueue
 
 
@@ -38,16 +36,10 @@ class PRISM(DemandQueue):
     name = "prism"
     retention = "prism"
 
-    def __init__(
-        self,
-        clock: Clock,
-        cost: CostModel,
-        block_size: int = 16,
-        hold_factor: float = 4.0,
-        p_floor_s: float = 0.1,
-    ) -> None:
-        super().__init__(clock, cost, block_size, hold_factor=hold_factor, p_floor_s=p_floor_s)
-        self.held_picks = 0  # selects that found only held requests (and picked one anyway)
+    @property
+    def held_picks(self) -> int:
+        """Selects that found only held requests (and picked one anyway)."""
+        return self.held_selects
 
     def amortised_cost(self) -> np.ndarray:
         """C_r over slots [0, _hi). O(n) vectorised."""
@@ -58,12 +50,8 @@ class PRISM(DemandQueue):
     def _choose(self, now: float) -> int:
         self._expire(now)
         hi = self._hi
-        live = self.active[:hi]
-        ok = live & ~self.held[:hi]
-        mask = ok
-        if not ok.any():
-            self.held_picks += 1
-            mask = live
+        ok = self._not_held()
+        mask = ok if ok.any() else self.active[:hi]
         c = self.amortised_cost()
         ratio = (np.maximum(now - self.arrival[:hi], 0.0) + c) / c
         return self._argmin(-ratio, mask)
