@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 
+from bench.tables import md_table
 from fairway.clock import ManualClock
 from replicas.kv_publisher import KvPublisher
 from router.serve_router import FairwayRequestRouter
@@ -99,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     a = ap.parse_args(argv)
     costs, same = measure(a.batch, a.replicas, a.repeats)
-    print("| step | us per hash |\n| --- | ---: |")
-    for k, v in costs.items():
-        print(f"| {k} | {v:.3f} |")
+    print(md_table(["step", "us per hash"], [[k, f"{v:.3f}"] for k, v in costs.items()]))
     print("the router's exact index equals the replicas' caches:", same)
     return 0 if same else 1
 

@@ -17,6 +17,8 @@ import statistics
 import sys
 from typing import Any
 
+from bench.tables import md_table
+
 BASELINES = ("fcfs", "lpm", "hrrn", "k-lpm")
 
 
@@ -54,43 +56,39 @@ ORDER = ("fairway", "fcfs", "lpm", "hrrn", "k-lpm", "lpm-aging", "vllm-sjf", "df
 def side_by_side(folders: list[tuple[str, str]]) -> str:
     """The two policy x point matrices (module docstring) for ``(folder, label)`` pairs. A point
     with several seeds takes each figure's median over them. The best marks skip the oracle."""
-    points: list[tuple[str, dict[str, tuple[float, float, float, float]]]] = []
+    points: list[tuple[str, dict[str, tuple[float, ...]]]] = []
     for folder, label in folders:
         with open(os.path.join(folder, "sweep.json")) as f:
             rows = json.load(f)["results"]
-        by: dict[tuple[float, str], list[dict[str, Any]]] = {}
+        by: dict[float, dict[str, list[dict[str, Any]]]] = {}
         for r in rows:
-            by.setdefault((r["rate_rps"], r["label"]), []).append(r)
-        for load in sorted({k[0] for k in by}):
-            cells = {}
-            for (ld, pol), rs in by.items():
-                if ld == load:
-                    cells[pol] = tuple(statistics.median(x) for x in zip(
-                        *[(r["ttft_s"]["p50"], r["ttft_s"]["p99"], r["ttft_s"]["mean"], r["cache_hit_ratio"])
-                          for r in rs], strict=True))
-            points.append((f"{label} {load:g}" if len({k[0] for k in by}) > 1 else label, cells))
+            by.setdefault(r["rate_rps"], {}).setdefault(r["label"], []).append(r)
+        for load in sorted(by):
+            cells = {pol: tuple(statistics.median(x) for x in zip(
+                *[(r["ttft_s"]["p50"], r["ttft_s"]["p99"], r["ttft_s"]["mean"], r["cache_hit_ratio"]) for r in rs],
+                strict=True)) for pol, rs in by[load].items()}
+            points.append((f"{label} {load:g}" if len(by) > 1 else label, cells))
     pols = [p for p in ORDER if any(p in c for _, c in points)]
     pols += sorted({p for _, c in points for p in c} - set(pols))
+    best = [[min((v[i] for p, v in c.items() if p != "srpt-oracle"), default=None) for i in range(2)]
+            for _, c in points]
 
-    def best(c: dict[str, tuple[float, ...]], i: int) -> float:
-        return min(v[i] for p, v in c.items() if p != "srpt-oracle")
-
-    def cell(c: dict[str, tuple[float, ...]], pol: str, i: int, j: int, fmt: tuple[str, str], mark: bool) -> str:
+    def cell(k: int, pol: str, i: int, j: int, fmt: tuple[str, str], mark: bool) -> str:
+        c = points[k][1]
         if pol not in c:
             return "-"
         a, b = format(c[pol][i], fmt[0]), format(c[pol][j], fmt[1])
         if mark and pol != "srpt-oracle":
-            a = f"**{a}**" if c[pol][i] == best(c, i) else a
-            b = f"**{b}**" if c[pol][j] == best(c, j) else b
+            a = f"**{a}**" if c[pol][i] == best[k][i] else a
+            b = f"**{b}**" if c[pol][j] == best[k][j] else b
         return f"{a} / {b}"
 
-    head = "| policy | " + " | ".join(label for label, _ in points) + " |"
-    sep = "| --- |" + " ---: |" * len(points)
-    out = ["p50 / p99 TTFT, seconds (best of each column in bold, the oracle aside):", "", head, sep]
-    out += [f"| {p} | " + " | ".join(cell(c, p, 0, 1, (".3f", ".2f"), True) for _, c in points) + " |" for p in pols]
-    out += ["", "mean TTFT, seconds / hit ratio:", "", head, sep]
-    out += [f"| {p} | " + " | ".join(cell(c, p, 2, 3, (".3f", ".3f"), False) for _, c in points) + " |"
-            for p in pols]
+    header = ["policy"] + [label for label, _ in points]
+    ks = range(len(points))
+    out = ["p50 / p99 TTFT, seconds (best of each column in bold, the oracle aside):", "",
+           md_table(header, [[p] + [cell(k, p, 0, 1, (".3f", ".2f"), True) for k in ks] for p in pols]),
+           "", "mean TTFT, seconds / hit ratio:", "",
+           md_table(header, [[p] + [cell(k, p, 2, 3, (".3f", ".3f"), False) for k in ks] for p in pols])]
     return "\n".join(out) + "\n"
 
 

@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     for (point, index, k, view, _i, _c), r in zip(plan, results, strict=True):
         groups.setdefault((point, index, k, view), []).append(r)
     base_index = indexes[0]  # "p99 / K=1": against one router on the first index mode listed
-    rows = [[index] + summary_row(point, k, view, rs, groups.get((point, base_index, 1, "own")))
-            for (point, index, k, view), rs in groups.items()]
-    rows = [r[1:2] + r[:1] + r[2:] for r in rows]  # point first, then the index mode
+    rows = []
+    for (point, index, k, view), rs in groups.items():
+        row = summary_row(point, k, view, rs, groups.get((point, base_index, 1, "own")))
+        rows.append([row[0], index, *row[1:]])  # the index mode after the point
     table = md_table(["point", "index", "routers", "view", "p50 s", "p99 s", "hit", "hit bound",
                       f"p99 / K=1 {base_index}", "members' ratios"], rows, align="llrlrrrrrl")
     out = Path(a.out)

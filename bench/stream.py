@@ -180,12 +180,13 @@ def targets(names: list[str], intervals: list[float], port: int, modes: list[boo
         ray = name in ("fairway", "bare")
         for fast, hap in [(f, h) for f in modes for h in haproxy] if ray else [(False, False)]:
             tag = (", Serve throughput-optimized" if fast else "") + (", HAProxy ingress" if hap else "")
+            mode = {"fast": fast, "haproxy": hap}
             if name == "fairway":
                 for iv in intervals:
-                    yield f"fairway (interval {iv * 1000:g} ms{tag})", {"stream_interval_s": iv, "fast": fast}, \
+                    yield f"fairway (interval {iv * 1000:g} ms{tag})", {"stream_interval_s": iv, **mode}, \
                         ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv), hap)
             elif name == "bare":
-                yield f"bare Ray Serve (per token{tag})", {"fast": fast}, \
+                yield f"bare Ray Serve (per token{tag})", mode, \
                     ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port), hap)
         if name == "aiohttp":
             yield "one aiohttp process (per token)", {}, aiohttp_server(port)
