@@ -223,7 +223,6 @@ class EngineModel:
             block_hashes=r.spec.block_hashes[: n_known // bs],
             seq=r.seq,
             output_tokens=r.spec.output_tokens,
-            session=r.spec.session,
         )
         self.policy.add(r.queued)
 

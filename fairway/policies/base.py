@@ -53,7 +53,6 @@ class QueuedRequest:
     block_hashes: Sequence[int]
     seq: int = 0  # host-owned tie-break counter; equal keys go to the smaller seq
     output_tokens: int = 0  # the host's output-length hint (the spec's length, or max_tokens); 0 = unknown
-    session: int = -1  # the conversation/agent session this turn belongs to; -1 = none
 
 
 @dataclass(slots=True)
