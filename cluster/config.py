@@ -67,8 +67,9 @@ class ReplicaOptions(BaseModel):
     tenant_recent_s: float = Field(30.0, gt=0, description="with tenant_fair: a tenant seen this recently that "
                                                         "holds less of the engine is owed one slot and room for "
                                                         "its largest recent prompt")
-    max_queued_prefill_s: float | None = Field(10.0, gt=0, description="queued prefill work (cost-model seconds) "
-                                               "beyond which new requests get 429; null: no bound")
+    max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds: "
+                                           "its prefill work over the rate the engine works it off) beyond "
+                                           "which new requests get 429; null: no bound")
 
 
 class ClusterArgs(ServedModel):
@@ -144,7 +145,7 @@ class ClusterArgs(ServedModel):
             fault_file=self.replica.fault_file,
             tenant_fair=self.replica.tenant_fair,
             tenant_recent_s=self.replica.tenant_recent_s,
-            max_queued_prefill_s=self.replica.max_queued_prefill_s,
+            max_queue_wait_s=self.replica.max_queue_wait_s,
             publish_kv_events=self.router.prefix_view == "events",
             kv_publish_period_s=self.router.sync_period_s,
             prefill_budget_tokens=self.replica.prefill_budget_tokens,

@@ -84,6 +84,7 @@ class SyntheticCluster:
                 rep.set_queue_depth(lane, self.queued[j] if lane == "fast" else self.queued[j] // 3)
             q_s = 0.05 * self.queued[j] * load
             rep.set_queued_prefill(q_s)
+            rep.set_queue_wait_estimate(3 * q_s)
             self.router.set_queued_prefill(q_s * 1.1, rep.component)
             rep.set_engine("", running=rng.randint(4, 32), waiting=rng.randint(0, 4), kv_usage=0.3 + 0.5 * rng.random())
 

@@ -155,11 +155,12 @@ PANELS: tuple[Panel, ...] = (
     Panel(
         "replicas",
         "queued_prefill",
-        "Queued prefill work per replica",
+        "Queued prefill work and estimated wait per replica",
         "timeseries",
         "s",
         "Load",
-        description="Q_j: estimated prefill seconds routed to / waiting at each replica (router view and gate).",
+        description="Q_j: estimated prefill seconds routed to / waiting at each replica (router view and gate); "
+        "wait: the gate's estimate in wall seconds (its bound max_queue_wait_s refuses new requests beyond it).",
     ),
     Panel("replicas", "engine_running", "Engine running per replica", "timeseries", "short", "Load"),
     Panel("replicas", "engine_waiting", "Waiting per replica (not yet in the engine)", "timeseries", "short", "Load"),
@@ -237,6 +238,7 @@ QUERIES: tuple[Query, ...] = (
     ),
     # -- replicas ---------------------------------------------------------------------------
     Query("queued_prefill", "A", "max by (level, replica) (fairway_queued_prefill_seconds)", "{{replica}} ({{level}})"),
+    Query("queued_prefill", "B", "max by (replica) (fairway_queue_wait_estimate_seconds)", "{{replica}} (wait)"),
     Query("engine_running", "A", "max by (replica) (fairway_engine_running)", "{{replica}}"),
     Query("engine_waiting", "A", "max by (replica) (fairway_engine_waiting)", "{{replica}}"),
     Query("kv_usage", "A", "max by (replica) (fairway_engine_kv_usage_ratio)", "{{replica}}"),

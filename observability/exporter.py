@@ -73,6 +73,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "queued_prefill", "gauge", "fairway_queued_prefill_seconds", "Estimated prefill work queued per replica."
     ),
     MetricSpec(
+        "queue_wait_estimate",
+        "gauge",
+        "fairway_queue_wait_estimate_seconds",
+        "Estimated wall seconds until a replica has started everything waiting at its gate.",
+    ),
+    MetricSpec(
         "estimated_cached_tokens",
         "counter",
         "fairway_estimated_cached_tokens_total",

@@ -105,6 +105,7 @@ _COUNTERS = (
 _GAUGES = (
     "queue_depth",  # (lane, replica)
     "queued_prefill",  # (replica,)
+    "queue_wait_estimate",  # (replica,)
     "engine_running",  # (replica,)
     "engine_waiting",  # (replica,)
     "engine_kv_usage",  # (replica,)
@@ -128,6 +129,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_preemptions": ("replica",),
     "queue_depth": ("lane", "replica"),
     "queued_prefill": ("replica",),
+    "queue_wait_estimate": ("replica",),
     "engine_running": ("replica",),
     "engine_waiting": ("replica",),
     "engine_kv_usage": ("replica",),
@@ -219,6 +221,10 @@ class FairwayStats:
     def set_queued_prefill(self, seconds: float, replica: str = "") -> None:
         """Estimated prefill seconds of the work routed to / waiting at a replica (Q_j)."""
         self._set("queued_prefill", (self._replica(replica),), max(0.0, seconds))
+
+    def set_queue_wait_estimate(self, seconds: float, replica: str = "") -> None:
+        """The gate's estimated wait of its queue (wall seconds; the bound ``max_queue_wait_s`` reads it)."""
+        self._set("queue_wait_estimate", (self._replica(replica),), max(0.0, seconds))
 
     def observe_cached_tokens(self, estimated: int, actual: int, prompt_tokens: int, replica: str = "") -> None:
         """One finished request's estimated (router's index / gate) vs actual (engine) cached

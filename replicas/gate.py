@@ -13,12 +13,14 @@ near empty. "Room" is, in order:
    behind it jumps ahead (vLLM's head-of-line rule), so a large request is never starved by
    small ones slipping into freed memory.
 
-The queue is bounded twice: beyond ``max_queue`` waiting requests, or once the queued prefill work
-(the policy's estimate, in the cost model's seconds) reaches ``max_queued_prefill_s``, a new one is
-refused at once with ``Overloaded`` (HTTP 429 with a Retry-After estimated from the queued prefill
-work), never parked. The second bound is the one that keeps the wait of accepted requests bounded
-in an overload: a count of waiting requests says little when their prompts differ 100x. A client
-that goes away while waiting is removed from the queue.
+The queue is bounded twice: beyond ``max_queue`` waiting requests, or once the estimated wait of
+the queue reaches ``max_queue_wait_s``, a new one is refused at once with ``Overloaded`` (HTTP 429
+with that estimate as Retry-After), never parked. The estimate is the queued prefill work (the
+policy's, in the cost model's seconds) divided by the rate at which the gate has been admitting
+such work out of a backlog (``replicas/drain.py``: measured, so decode steps, a slower engine or a
+wrong profile are in it). The second bound is the one that keeps the wait of accepted requests, and the backlog an
+overload leaves behind, bounded: a count of waiting requests says little when their prompts
+differ 100x. A client that goes away while waiting is removed from the queue.
 
 With API keys, each tenant has a queue of its own (``replicas/tenants.py``): the next admission
 is the policy's choice within the tenant that has received the least prefill service, so one
@@ -58,6 +60,7 @@ from fairway.protocol import (
     RequestTooLarge,
     TokenChunk,
 )
+from replicas.drain import DrainRate
 from replicas.tenants import TenantQueues
 
 logger = logging.getLogger("ray.serve")
@@ -75,7 +78,7 @@ class GateConfig:
     max_queue: int = 512
     prefill_budget_tokens: int | None = None
     stall_timeout_s: float = 15.0
-    max_queued_prefill_s: float | None = 10.0
+    max_queue_wait_s: float | None = 5.0  # estimated wall seconds of queue beyond which new ones get 429
     tenant_recent_s: float = 30.0  # a tenant seen this recently is owed room (replicas/tenants.py)
 
     def __post_init__(self) -> None:
@@ -83,8 +86,8 @@ class GateConfig:
             raise ValueError("max_queue must be >= 1")
         if not self.stall_timeout_s > 0:
             raise ValueError("stall_timeout_s must be > 0")
-        if self.max_queued_prefill_s is not None and not self.max_queued_prefill_s > 0:
-            raise ValueError("max_queued_prefill_s must be > 0 (or None: no bound)")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
+            raise ValueError("max_queue_wait_s must be > 0 (or None: no bound)")
         if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
             raise ValueError("prefill_budget_tokens must be >= 1")
 
@@ -127,6 +130,7 @@ class AdmissionGate:
         self._progress_at = time.monotonic()  # the engine's last output (or its last idle moment)
         self._deadlines: dict[int, Any] = {}  # admitted rid -> its asyncio.Timeout (fired on a stall)
         self._ticker: asyncio.Task | None = None
+        self.drain = DrainRate()  # cost-model prefill seconds worked off per busy second
         self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
         engine.set_cache_listener(self.policy.on_blocks_stored, self.policy.on_blocks_removed)
         if hasattr(engine, "on_step"):
@@ -212,6 +216,7 @@ class AdmissionGate:
                     continue
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
+            self.drain.took(self.clock.now(), adm.est_prefill_s)
             self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
             self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
@@ -219,21 +224,26 @@ class AdmissionGate:
             if not fut.done():
                 fut.set_result(adm)
             n += 1
+        self.drain.observe(self.clock.now(), bool(self._waiting))
         return n
 
     def _full(self) -> str:
-        """Why the queue takes no more requests (``max_queue`` waiting, or ``max_queued_prefill_s``
-        of prefill work waiting), or "". O(waiting) for the work's sum."""
+        """Why the queue takes no more requests (``max_queue`` waiting, or an estimated wait of
+        ``max_queue_wait_s``), or "". O(waiting) for the work's sum."""
         cfg = self.config
         if len(self._waiting) >= cfg.max_queue:
             return f"{cfg.max_queue} waiting"
-        bound = cfg.max_queued_prefill_s
-        if bound is not None and self._waiting and (queued := self.policy.queued_prefill_s()) >= bound:
-            return f"{queued:.1f} s of prefill work waiting, the bound is {bound:g} s"
+        bound = cfg.max_queue_wait_s
+        if bound is not None and self._waiting and (wait := self.queue_wait_s()) >= bound:
+            return f"an estimated {wait:.1f} s of queue, the bound is {bound:g} s"
         return ""
 
+    def queue_wait_s(self) -> float:
+        """Estimated wall seconds until the engine has started everything waiting here. O(waiting)."""
+        return self.drain.wait_s(self.policy.queued_prefill_s())
+
     def _retry_after_s(self) -> float:
-        return max(1.0, round(self.policy.queued_prefill_s(), 1))
+        return max(1.0, round(self.queue_wait_s(), 1))
 
     async def submit(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
         """Queue ``call``, wait for admission, stream its tokens. Raises ``Overloaded`` at once
@@ -250,6 +260,7 @@ class AdmissionGate:
         if self.stalled:
             self._reject("stalled")
             raise EngineFailed(f"replica {self.replica}: engine stalled; retry", retry_after_s=1.0)
+        self.drain.observe(self.clock.now(), bool(self._waiting))
         full = self._full()
         if full:
             self._reject("queue_full")
@@ -271,6 +282,7 @@ class AdmissionGate:
                 del self._waiting[rid]
                 self._request_ids.pop(rid, None)
                 self.policy.remove(rid)
+                self.drain.observe(self.clock.now(), bool(self._waiting))
             elif fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._release(fut.result(), prefilled=False)  # admitted, then cancelled
             raise
@@ -394,7 +406,9 @@ class AdmissionGate:
         lanes = self.policy.lane_sizes() or {"": len(self.policy)}
         for lane, k in lanes.items():
             self.stats.set_queue_depth(lane, k, replica=self.replica)
-        self.stats.set_queued_prefill(self.policy.queued_prefill_s(), replica=self.replica)
+        queued = self.policy.queued_prefill_s()
+        self.stats.set_queued_prefill(queued, replica=self.replica)
+        self.stats.set_queue_wait_estimate(self.drain.wait_s(queued), replica=self.replica)
         st = self.engine.stats()
         self.stats.set_engine(self.replica, running=st.running, waiting=len(self.policy),
                               kv_usage=st.kv_usage, preemptions_total=getattr(self.engine, "preemptions", 0))

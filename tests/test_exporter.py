@@ -44,6 +44,7 @@ def _filled() -> list[FairwayStats]:
     p.set_queue_depth("fast", 3)
     p.set_queue_depth("fair", 1)
     p.set_queued_prefill(0.4)
+    p.set_queue_wait_estimate(1.5)
     p.observe_cached_tokens(48, 48, 128)
     p.inc_reject("queue_full")
     p.set_engine("", running=5, waiting=2, kv_usage=0.25, preemptions_total=1)

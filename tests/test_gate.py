@@ -145,7 +145,8 @@ async def test_fcfs_order_and_queue_waits():
 @pytest.mark.parametrize(("bound", "tokens", "why"), [
     ({"max_queue": 2}, 64, "2 waiting"),
     # LinearCost prices a 500-token prompt at 0.51 s: 1.02 s of prefill work waits, however short the queue
-    ({"max_queued_prefill_s": 1.0}, 500, "1.0 s of prefill work waiting, the bound is 1 s"),
+    # (a replica that has measured nothing trusts the cost model: 1.02 s of work is a 1.02 s wait)
+    ({"max_queue_wait_s": 1.0}, 500, "an estimated 1.0 s of queue, the bound is 1 s"),
 ])
 async def test_full_queue_refuses_at_once_with_retry_after(bound, tokens, why):
     gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1, **bound)
@@ -162,6 +163,36 @@ async def test_full_queue_refuses_at_once_with_retry_after(bound, tokens, why):
         await settle()
     await asyncio.gather(*tasks)
     assert engine.started == ["a", "b", "c"] and gate.rejected == 1
+
+
+async def test_wait_bound_uses_the_measured_drain_rate():
+    """An engine slower than its cost model: b (0.51 s of prefill) waited 10 s behind a to be
+    admitted. The gate learns the rate, (0.51 + 1 prior) / (10 + 1) = 0.137 cost-model s per s (a,
+    admitted at once, does not count: arrivals paced it), so one 500-token
+    request queued is a 3.7 s wait (d is taken) and two are 7.4 s (e is refused), where the cost
+    model alone would call them 1.02 s and accept both."""
+    gate, engine, clock = make_gate("fcfs", prefill_budget_tokens=1, max_queue_wait_s=5.0)
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(r, 500), out)) for r in "abc"]
+    await settle()
+    assert engine.started == ["a"] and gate.queue_wait_s() == pytest.approx(1.02)
+    clock.advance(10.0)
+    engine.release("a")
+    await settle()
+    assert engine.started == ["a", "b"]
+    assert gate.drain.rate() == pytest.approx(1.51 / 11)
+    assert gate.queue_wait_s() == pytest.approx(0.51 * 11 / 1.51)
+    tasks.append(asyncio.create_task(consume(gate, call("d", 500), out)))
+    await settle()
+    with pytest.raises(Overloaded) as e:
+        async for _ in gate.submit(call("e", 500)):
+            pass
+    assert "an estimated 7.4 s of queue, the bound is 5 s" in e.value.message and e.value.retry_after_s == 7.4
+    for r in "bcd":
+        engine.release(r)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["a", "b", "c", "d"] and gate.rejected == 1
 
 
 async def test_cancelled_waiter_leaves_the_queue():

@@ -68,6 +68,7 @@ def test_counters_gauges_and_labels():
     s.set_queue_depth("fast", 7)
     s.set_queue_depth("fast", 2)  # gauges keep the last value
     s.set_queued_prefill(1.25)
+    s.set_queue_wait_estimate(4.5)
     s.inc_reject("queue_full")
     s.inc_routing_decision("affinity", replica="replica-1")  # an explicit replica wins
     s.observe_queue_wait("fast", 0.0)
@@ -80,6 +81,7 @@ def test_counters_gauges_and_labels():
     assert s.counter("promotions") == 4
     assert s.gauge("queue_depth", lane="fast", replica="replica-3") == 2
     assert s.gauge("queued_prefill", replica="replica-3") == 1.25
+    assert s.gauge("queue_wait_estimate", replica="replica-3") == 4.5
     assert s.counter("rejects", reason="queue_full") == 1
     assert _series(snap, "counters", "routing_decisions", reason="affinity")["labels"]["replica"] == "replica-1"
     qw = _series(snap, "histograms", "queue_wait", lane="fast")
