@@ -16,17 +16,26 @@ import numpy as np
 from fairway.clock import ManualClock
 from fairway.cost_model import CostModel
 from fairway.load_view import LoadView
-from fairway.prefix_index import PrefixIndex
-from fairway.routing import ROUTERS, RouteRequest, make_router, make_states
+from fairway.prefix_index import EVENTS, PrefixIndex
+from fairway.routing import ROUTERS, make_router
+from fairway.routing.host import RoutingHost
 
 
-def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int = 16) -> dict[str, float]:
+def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int = 16, index_mode: str = "approx",
+            host_share: float = 0.0) -> dict[str, float]:
+    """Median and p99 of one decision through ``RoutingHost`` (match, states, rank, book,
+    record). ``index_mode="events"``: the exact index, fed the warm-up prompts as stored KV
+    events; ``host_share`` > 0 (events only): that share of the tail of each warm prompt's
+    shared half (what later prompts match) is host-only (tier events), so the tier-aware
+    lookup splits real host hits."""
     rng = np.random.default_rng(0)
     clock = ManualClock()
     cost = CostModel.from_profile("h200-llama3-8b")
     policy = make_router(name, clock=clock, cost=cost, block_size=bs, rng=np.random.default_rng(1))
-    index = PrefixIndex(replicas, capacity_blocks=cost.default_kv_blocks(bs))
+    events = index_mode == EVENTS
+    index = PrefixIndex(replicas, mode=index_mode, capacity_blocks=None if events else cost.default_kv_blocks(bs))
     load = LoadView(replicas, clock, cost, block_size=bs)
+    host = RoutingHost(policy, index, load, block_size=bs)
     n_blocks = prompt_tokens // bs
 
     def prompt(k: int) -> list[int]:
@@ -35,22 +44,30 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
         return shared + [10**12 + k * 1_000_000 + b for b in range(n_blocks - len(shared))]
 
     for k in range(replicas * 16):  # warm: each replica holds 16 earlier prompts
-        index.record_routed(k % replicas, prompt(k))
+        p = prompt(k)
+        if events:
+            index.on_kv_events(k % replicas, [(True, h) for h in p])
+            half = n_blocks // 2  # the shared part, which later prompts match
+            cut = half - int(half * host_share)
+            if cut < half:
+                index.on_tier_events(k % replicas, [(True, h) for h in p[cut:half]])
+        else:
+            index.record_routed(k % replicas, p)
     times = []
+    sent: list[tuple[int, list[int]]] = []
     for k in range(cycles):
         hashes = prompt(10_000 + k)
         clock.advance(0.01)
         t0 = time.perf_counter_ns()
-        matched = index.match(hashes)
-        states = make_states(load.snapshot(), matched, index.sizes())
-        ranks = policy.rank(RouteRequest(k, prompt_tokens, hashes), states)
-        j = ranks[0][0]
-        index.record_routed(j, hashes)
-        load.on_routed(k, j, prompt_tokens, matched[j] * bs)
+        d = host.decide(k, prompt_tokens, hashes)
+        host.record_routed(d.pick, hashes, d.reason)
+        host.book(k, d.pick, prompt_tokens, d.matched_blocks)
         t1 = time.perf_counter_ns()
         times.append(t1 - t0)
+        sent.append((d.pick, hashes))
         if k >= 64:
-            load.on_finished(k - 64)  # keep ~64 requests in flight
+            host.on_finished(k - 64)  # keep ~64 requests in flight
+            host.release(*sent[k - 64])
     us = np.array(times) / 1e3
     return {"p50_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99))}
 
@@ -61,10 +78,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--routers", default=",".join(sorted(ROUTERS)))
+    ap.add_argument("--index", default="approx", choices=["approx", "events"], help="prefix index mode")
+    ap.add_argument("--host-share", type=float, default=0.0,
+                    help="events index: share of the tail of each held prompt's shared half that is host-only")
     args = ap.parse_args()
-    print(f"{'router':<18} {'p50 us':>8} {'p99 us':>8}  ({args.replicas} replicas, {args.prompt_tokens}-token prompts)")
+    print(f"{'router':<18} {'p50 us':>8} {'p99 us':>8}  ({args.replicas} replicas, {args.prompt_tokens}-token prompts, "
+          f"{args.index} index, host share {args.host_share})")
     for name in args.routers.split(","):
-        m = measure(name, args.replicas, args.prompt_tokens, args.cycles)
+        m = measure(name, args.replicas, args.prompt_tokens, args.cycles, index_mode=args.index,
+                    host_share=args.host_share)
         print(f"{name:<18} {m['p50_us']:>8.1f} {m['p99_us']:>8.1f}")
 
 

@@ -28,6 +28,13 @@ Layout, and why lookups cost O(prompt blocks), not O(replicas x blocks):
   first miss, and the walk ends when no replica is left.
 - ``_lru[j]``: an ``OrderedDict`` per replica (oldest first) for O(1) touch, insert and
   eviction of the least recently touched block, the same costs as vLLM's free block queue.
+- ``_hwhere`` (events mode, engines with a host KV tier): hash -> bitmask of the replicas where
+  it is *host-only* (in the engine's host tier, not on its GPU), fed by the engines' tier events
+  (``on_tier_events``). ``match_tiers`` walks it alongside ``_where`` in the same single pass,
+  so a lookup tells a GPU hit (the matched prefix up to the first host-only block), a host hit
+  (the rest of the match: it costs a reload, not a recompute) and a miss, still in O(prompt
+  blocks + replicas). Empty without a host tier, and then ``match_tiers`` is ``match``. In
+  approx mode there is no tier information: every match counts as a GPU hit.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ class PrefixIndex:
     ``clear_replica`` empties one (a replica that died, or vLLM's "all blocks cleared" event).
     """
 
-    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all", "_fly")
+    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all", "_fly", "_hwhere", "_host")
 
     def __init__(
         self,
@@ -76,6 +83,10 @@ class PrefixIndex:
         self._max_cap: list[int | None] = []
         self._all = 0
         self._fly: dict[tuple[int, int], int] = {}  # events mode: (replica, hash) -> routed, unfinished
+        # events mode, host tiers: hash -> bitmask of the replicas where it is host-only, and
+        # per replica its host-only hashes (for clear_replica and tests)
+        self._hwhere: dict[int, int] = {}
+        self._host: list[set[int]] = []
         if capacity_blocks is None or isinstance(capacity_blocks, int):
             caps: list[int | None] = [capacity_blocks] * num_replicas
         else:
@@ -102,6 +113,7 @@ class PrefixIndex:
             raise ValueError("capacity_blocks must be >= 1 or None")
         j = len(self._lru)
         self._lru.append(OrderedDict())
+        self._host.append(set())
         self._cap.append(capacity_blocks)
         self._max_cap.append(capacity_blocks)
         self._all |= 1 << j
@@ -118,6 +130,7 @@ class PrefixIndex:
         for key in [k for k in self._fly if k[0] == replica]:
             del self._fly[key]
             self._unset(replica, key[1])
+        self._clear_host(replica)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -156,6 +169,63 @@ class PrefixIndex:
             out[low.bit_length() - 1] = i
             alive ^= low
         return out
+
+    def match_tiers(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """``match`` split by tier: ``(matched, host)`` per replica, where ``matched[j]`` is
+        ``match(hashes)[j]`` (both tiers) and ``host[j]`` how many of those blocks lie at or
+        after the first host-only block of the match on j. So ``matched[j] - host[j]`` blocks
+        are GPU hits, ``host[j]`` host hits (priced as a reload), the rest of the prompt a miss.
+        The engine reloads the run of host-tier blocks after its GPU hit; a block only on the
+        GPU after a host-only one ends that run (the engine recomputes from there), which the
+        index does not model: such a match is an overestimate (docs/cost-model.md).
+
+        Why one pass: a per-replica walk of the host set would cost O(replicas x blocks); here
+        each block probes ``_where`` and, while some replica is still on a GPU-only prefix,
+        ``_hwhere``, and each replica leaves each walk once. Without host-only hashes it is
+        ``match`` plus a list of zeros. A block routed in flight to j that is host-only there
+        still counts as host (the reload may not have happened yet).
+
+        Complexity: O(matched blocks + 1) dict probes plus O(num_replicas).
+        """
+        hwhere = self._hwhere
+        if not hwhere:
+            return self.match(hashes), [0] * len(self._lru)
+        n = len(self._lru)
+        out = [0] * n
+        first_host = [-1] * n  # block index of the first host-only block matched on j
+        alive = self._all
+        gpu = alive  # replicas still matching with no host-only block yet
+        where = self._where
+        i = 0
+        for h in hashes:
+            if not alive:
+                break
+            m = where.get(h, 0) & alive
+            if m != alive:
+                gone = alive & ~m
+                while gone:
+                    low = gone & -gone
+                    out[low.bit_length() - 1] = i
+                    gone ^= low
+                alive = m
+                gpu &= m
+                if not alive:
+                    break
+            if gpu:
+                hm = hwhere.get(h, 0) & gpu
+                if hm:
+                    gpu ^= hm
+                    while hm:
+                        low = hm & -hm
+                        first_host[low.bit_length() - 1] = i
+                        hm ^= low
+            i += 1
+        while alive:
+            low = alive & -alive
+            out[low.bit_length() - 1] = i
+            alive ^= low
+        host = [out[j] - f if f >= 0 else 0 for j, f in enumerate(first_host)]
+        return out, host
 
     def match_one(self, replica: int, hashes: Sequence[int]) -> int:
         """Longest cached prefix of ``hashes`` on one replica, in blocks. O(matched + 1)."""
@@ -309,6 +379,45 @@ class PrefixIndex:
                 if (replica, h) not in self._fly:
                     self._unset(replica, h)
 
+    def on_tier_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
+        """Apply an engine's tier events in order (``BlockPool.tier_events``): ``(True, h)``
+        ``h`` became host-only on ``replica`` (evicted from its GPU, kept in its host tier),
+        ``(False, h)`` it stopped being host-only (back on the GPU, or gone from the host).
+
+        Why: ``match_tiers`` prices a host hit as a reload, not a free GPU hit. Applied after
+        the KV events of the same flush, the host-only set equals the engine's. No-op in approx
+        mode (no tier information there). Complexity: O(len(events)).
+        """
+        if self._mode != EVENTS:
+            return
+        hset = self._host[replica]
+        hwhere = self._hwhere
+        bit = 1 << replica
+        for host_only, h in events:
+            if host_only:
+                if h not in hset:
+                    hset.add(h)
+                    hwhere[h] = hwhere.get(h, 0) | bit
+            elif h in hset:
+                hset.discard(h)
+                m = hwhere[h] & ~bit
+                if m:
+                    hwhere[h] = m
+                else:
+                    del hwhere[h]
+
+    def host_only(self, replica: int) -> set[int]:
+        """The hashes ``replica``'s engine holds in its host tier only (a live view). O(1)."""
+        return self._host[replica]
+
+    def replace_host_only(self, replica: int, hashes: Iterable[int]) -> None:
+        """Events mode: ``replica``'s host-only hashes are exactly ``hashes`` (a snapshot).
+        O(held before + len(hashes))."""
+        if self._mode != EVENTS:
+            return
+        self._clear_host(replica)
+        self.on_tier_events(replica, ((True, h) for h in hashes))
+
     def replace_blocks(self, replica: int, hashes: Iterable[int]) -> None:
         """Events mode: ``replica``'s engine holds exactly ``hashes`` (a snapshot, or a replica's
         full resend after its events were lost); the prompts in flight to it stay counted.
@@ -321,9 +430,17 @@ class PrefixIndex:
             del lru[h]
             if (replica, h) not in self._fly:
                 self._unset(replica, h)
+        stale = [(False, h) for h in self._host[replica] if h not in keep]
+        if stale:  # host-only hashes the engine no longer holds at all
+            self.on_tier_events(replica, stale)
         self.on_kv_events(replica, ((True, h) for h in keep))
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _clear_host(self, replica: int) -> None:
+        hset = self._host[replica]
+        if hset:
+            self.on_tier_events(replica, [(False, h) for h in hset])
 
     def _unset(self, replica: int, h: int) -> None:
         m = self._where[h] & ~(1 << replica)

@@ -13,7 +13,9 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 - finished (or rejected by the engine): the load view forgets it, the index is corrected with
   the cached-token count the engine reported (approximate mode, finished requests only), and the
   replica's KV usage reaches every instance;
-- KV events (stored / removed hashes) reach every instance's index in ``"events"`` mode.
+- KV events (stored / removed hashes) reach every instance's index in ``"events"`` mode, and so
+  do the tier events of engines with a host KV tier (which hashes are host-only), with the same
+  delay and right after the KV events of the same flush.
 """
 
 from __future__ import annotations
@@ -194,6 +196,20 @@ class ClusterRouter:
             return
         for index in self._indexes:
             index.on_kv_events(replica, events)
+
+    def on_kv_tier_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
+        """Events mode, engines with a host tier: which hashes became / stopped being host-only
+        (``BlockPool.tier_events``) reach every index as the KV events do, queued after them."""
+        if self.index_mode != "events":
+            return
+        if self.sync_delay_s > 0.0:
+            batch = tuple(events)
+            item = (self.clock.now() + self.sync_delay_s, lambda h: h.index.on_tier_events(replica, batch))
+            for box in self._inbox:
+                box.append(item)
+            return
+        for index in self._indexes:
+            index.on_tier_events(replica, events)
 
     def reasons(self) -> dict[str, int]:
         total: Counter = Counter()

@@ -149,6 +149,97 @@ def test_gpu_hit_is_not_reloaded():
     assert (eng.gpu_hit_tokens, eng.host_hit_tokens, eng.reload_s) == (64, 0, 0.0)
 
 
+# -- host tier: tier events (which hashes are host-only) ------------------------------------
+
+
+def test_tier_events_on_eviction_reload_and_host_overflow():
+    """Exact tier stream on a hand-made sequence: 2 GPU blocks, a host tier of 2."""
+    pool = BlockPool(2, host_blocks=2)
+    a = fill(pool, [1, 2])
+    assert pool.drain_events() == [(True, 1), (True, 2)] and pool.drain_tier_events() == []
+    pool.release(a)  # free queue: 1, 0 (tail first) -> blocks of h2 then h1 evicted first
+    b = pool.allocate(2)
+    assert pool.drain_events() == []  # both still cached (host tier): the KV stream says nothing
+    assert pool.drain_tier_events() == [(True, 2), (True, 1)]  # both host-only now
+    pool.cache_block(b[0], 1)  # h1 reloaded into the GPU: a GPU hit again
+    assert pool.drain_events() == [] and pool.drain_tier_events() == [(False, 1)]
+    pool.cache_block(b[1], 3)  # a new hash: the KV stream only
+    assert pool.drain_events() == [(True, 3)] and pool.drain_tier_events() == []
+    pool.release(b)  # free queue: h3's block, then h1's
+    pool.allocate(1)  # h3 -> host: host is h2, h1, h3 over capacity 2 -> h2 dropped (host-only)
+    assert pool.drain_tier_events() == [(True, 3), (False, 2)]
+    assert pool.drain_events() == [(False, 2)]
+    pool.allocate(1)  # h1 leaves the GPU; its host copy (write-through) makes it host-only
+    assert pool.drain_tier_events() == [(True, 1)]  # h3 was the host's LRU: h1 moved to its end
+    assert pool.drain_events() == []
+    assert set(pool.host) == {1, 3} and not pool.cached
+
+
+def test_host_tier_overflow_of_a_hash_also_on_the_gpu_is_silent():
+    pool = BlockPool(3, host_blocks=1)
+    a = fill(pool, [1, 2])
+    pool.release(a)
+    pool.drain_events()
+    b = pool.allocate(1)  # the never-used block 2: nothing evicted
+    assert pool.drain_tier_events() == []
+    pool.allocate(1)  # h2 -> host-only
+    assert pool.drain_tier_events() == [(True, 2)]
+    pool.cache_block(b[0], 2)  # h2 back on the GPU (its host copy stays)
+    pool.allocate(1)  # h1 -> host: pushes out h2, which is on the GPU: no event for h2
+    assert pool.drain_tier_events() == [(False, 2), (True, 1)]
+    assert pool.drain_events() == []
+    assert 2 in pool.cached and set(pool.host) == {1}
+
+
+def test_no_host_tier_emits_no_tier_events():
+    pool = BlockPool(2)
+    a = fill(pool, [1, 2])
+    pool.release(a)
+    pool.allocate(2)
+    assert pool.drain_events() == [(True, 1), (True, 2), (False, 2), (False, 1)]
+    assert pool.tier_events == [] and pool.drain_tier_events() == []
+
+
+class _TierListener:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[tuple[bool, int]]]] = []
+
+    def on_kv_events(self, replica, events):
+        self.calls.append(("kv", list(events)))
+
+    def on_kv_tier_events(self, replica, events):
+        self.calls.append(("tier", list(events)))
+
+    def __getattr__(self, name):  # on_admitted, on_finished, ...: ignored
+        return lambda *a, **k: None
+
+
+def test_engine_sends_tier_events_after_the_kv_events_of_the_same_flush():
+    """The reload scenario of ``test_host_reload_cost_and_hit_classification``: the listener's
+    replay of both streams ends with the pool's GPU set and host-only set."""
+    clock = ManualClock()
+    cost = LinearCost()
+    pol = make_policy("fcfs", clock=clock, cost=cost)
+    eng = EngineModel(EngineConfig(kv_blocks=7, host_kv_blocks=8), cost, pol, clock)
+    eng.listener = lsn = _TierListener()
+    specs = [spec(0, 0.0, 64, 1, chain("a", 4)), spec(1, 1.0, 96, 1, chain("b", 6)),
+             spec(2, 2.0, 80, 1, chain("a", 4) + chain("c", 1))]
+    Simulation(ListWorkload(specs), [eng], clock).run()
+    held: set[int] = set()
+    host_only: set[int] = set()
+    for kind, events in lsn.calls:
+        for on, h in events:
+            s = held if kind == "kv" else host_only
+            (s.add if on else s.discard)(h)
+    pool = eng.pool
+    assert held == set(pool.cached) | set(pool.host)
+    assert host_only == set(pool.host) - set(pool.cached)
+    assert any(kind == "tier" for kind, _ in lsn.calls)
+    a = chain("a", 4)
+    # request 2's admission: its new blocks push b's blocks to the host, then a's reload
+    assert [ev[-3:] for kind, ev in lsn.calls if kind == "tier"][-1] == [(False, a[1]), (False, a[2]), (False, a[3])]
+
+
 # -- the admission gate: the rule ------------------------------------------------------------
 
 
@@ -305,3 +396,40 @@ def test_runner_options_reach_the_engine():
                                                          "retention": None, "host_kv_blocks": 0}))
     with pytest.raises(ValueError, match="bad admission option"):
         build(cfg.model_copy(update={"admission_options": {"bogus": 1}}))
+
+
+# -- the router's view of the host tier in the simulator ------------------------------------------
+
+
+def _cluster_cfg(host_kv_blocks: int, routers: int = 1, sync_delay_s: float = 0.0, **router_options):
+    from sim.runner import RunConfig
+
+    return RunConfig(workload="agentic", policy="fairway", concurrency=20, duration_s=15, replicas=2,
+                     router="fairway", router_options=router_options, index_mode="events", kv_blocks=300,
+                     host_kv_blocks=host_kv_blocks, seed=0, routers=routers,
+                     router_view="shared" if sync_delay_s else "own", sync_delay_s=sync_delay_s)
+
+
+@pytest.mark.parametrize("routers,delay", [(1, 0.0), (2, 0.05)])
+def test_sim_router_index_tracks_the_engines_host_only_blocks(routers, delay):
+    """Every router instance's index ends with each engine's host-only set, the tier events
+    travelling with the KV events (through the delayed shared view with 2 instances)."""
+    from sim.runner import build
+
+    sim, _ = build(_cluster_cfg(300, routers, delay))
+    sim.run()
+    sim.router.deliver_all()
+    assert sum(e.host_hit_tokens for e in sim.replicas) > 0  # the host tier was used
+    for inst in sim.router.instances:
+        for j, e in enumerate(sim.replicas):
+            assert inst.index.host_only(j) == set(e.pool.host) - set(e.pool.cached)
+            assert set(inst.index.blocks(j)) == set(e.pool.cached) | set(e.pool.host)
+
+
+def test_sim_without_a_host_tier_tier_aware_routing_changes_nothing():
+    from sim.runner import run
+
+    aware = run(_cluster_cfg(0), keep_samples=True)
+    blind = run(_cluster_cfg(0, host_tier=False), keep_samples=True)
+    assert aware["ttft_samples_s"] == blind["ttft_samples_s"]
+    assert aware["routing_reasons"] == blind["routing_reasons"]

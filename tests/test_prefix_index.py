@@ -284,3 +284,104 @@ def test_approx_mode_release_is_a_no_op():
     idx.record_routed(0, A[:3])
     idx.release(0, A[:3])
     assert idx.match(A[:3]) == [3]
+
+
+# -- events mode: host-tier hits (tier events) ---------------------------------------------------
+
+
+def test_match_tiers_splits_gpu_and_host_hits_per_replica():
+    idx = PrefixIndex(4, mode="events")
+    for j, n in ((0, 8), (1, 8), (2, 5), (3, 0)):
+        idx.on_kv_events(j, [(True, h) for h in A[:n]])
+    idx.on_tier_events(1, [(True, h) for h in A[3:8]])  # 3 GPU + 5 host
+    idx.on_tier_events(2, [(True, A[0])])  # its whole match sits behind a host-only head block
+    idx.on_tier_events(0, [(True, A[6]), (True, A[4])])  # first host-only block: A[4]
+    matched, host = idx.match_tiers(A)
+    assert matched == idx.match(A) == [8, 8, 5, 0]
+    assert host == [4, 5, 5, 0]
+    assert idx.match_tiers(A[:4]) == ([4, 4, 4, 0], [0, 1, 4, 0])
+    assert idx.match_tiers(B) == ([0, 0, 0, 0], [0, 0, 0, 0])
+    assert idx.host_only(1) == set(A[3:8])
+
+
+def test_tier_events_back_on_the_gpu_and_dropped():
+    idx = PrefixIndex(2, mode="events")
+    idx.on_kv_events(0, [(True, h) for h in A[:4]])
+    idx.on_tier_events(0, [(True, A[1]), (True, A[2])])
+    assert idx.match_tiers(A[:4]) == ([4, 0], [3, 0])
+    idx.on_tier_events(0, [(False, A[1])])  # reloaded: a GPU hit again
+    assert idx.match_tiers(A[:4]) == ([4, 0], [2, 0])
+    idx.on_kv_events(0, [(False, A[2])])  # dropped from the host tier: both streams say so
+    idx.on_tier_events(0, [(False, A[2]), (False, A[2])])  # a repeated removal is ignored
+    assert idx.match_tiers(A[:4]) == ([2, 0], [0, 0])
+    assert idx._hwhere == {} and idx.host_only(0) == set()
+
+
+def test_tier_split_with_a_shared_host_only_hash_and_flight():
+    idx = PrefixIndex(2, mode="events")
+    for j in (0, 1):
+        idx.on_kv_events(j, [(True, h) for h in A[:3]])
+        idx.on_tier_events(j, [(True, A[2])])
+    idx.record_routed(1, A[:6])  # in flight: counts as held, GPU (not host-only)
+    assert idx.match_tiers(A) == ([3, 6], [1, 4])
+    idx.on_tier_events(0, [(False, A[2])])
+    assert idx._hwhere == {A[2]: 0b10}
+    assert idx.match_tiers(A) == ([3, 6], [0, 4])
+
+
+def test_tier_state_is_cleared_and_snapshotted():
+    idx = PrefixIndex(2, mode="events")
+    idx.on_kv_events(0, [(True, h) for h in A[:4]])
+    idx.on_tier_events(0, [(True, A[3])])
+    idx.replace_blocks(0, A[:3])  # A[3] is no longer held at all: its host-only mark goes too
+    assert idx.host_only(0) == set() and idx._hwhere == {}
+    idx.replace_host_only(0, [A[1]])
+    assert idx.match_tiers(A) == ([3, 0], [2, 0])
+    idx.clear_replica(0)
+    assert idx._hwhere == {} and idx.match_tiers(A) == ([0, 0], [0, 0])
+
+
+def test_approx_mode_has_no_tier_information():
+    idx = PrefixIndex(2)
+    idx.record_routed(0, A[:4])
+    idx.on_tier_events(0, [(True, A[0])])  # no-op in approx mode
+    idx.replace_host_only(0, [A[0]])
+    assert idx.match_tiers(A) == ([4, 0], [0, 0])
+
+
+def test_events_mode_tiers_equal_block_pool_with_a_host_tier_after_random_operations():
+    rng = np.random.default_rng(7)
+    families = [chain(f"f{i}", 6) for i in range(5)] + [chain("f0", 3) + chain("g", 3)]
+    idx = PrefixIndex(2, mode="events")
+    pools = [BlockPool(14, block_size=4, host_blocks=10), BlockPool(9, block_size=4, host_blocks=4)]
+    for j, pool in enumerate(pools):
+        held: list[list[int]] = []
+        for _ in range(400):
+            if held and (rng.random() < 0.45 or pool.num_free < 4):
+                pool.release(held.pop(int(rng.integers(len(held)))))
+            else:
+                fam = families[int(rng.integers(len(families)))]
+                hashes = fam[: int(rng.integers(1, len(fam) + 1))]
+                hit = pool.longest_hit(hashes)
+                need = len(hashes) - len(hit)
+                if pool.free_after_touch(hit) < need:
+                    continue
+                pool.touch(hit)
+                new = pool.allocate(need)
+                for b, h in zip(new, hashes[len(hit):], strict=True):
+                    if rng.random() < 0.9:
+                        pool.cache_block(b, h)
+                held.append(hit + new)
+            idx.on_kv_events(j, pool.drain_events())
+            idx.on_tier_events(j, pool.drain_tier_events())
+            assert set(idx.blocks(j)) == set(pool.cached) | set(pool.host)
+            assert idx.host_only(j) == set(pool.host) - set(pool.cached)
+    for fam in families:
+        matched, host = idx.match_tiers(fam)
+        for j, pool in enumerate(pools):
+            gpu = len(pool.longest_hit(fam))
+            total = gpu + pool.host_hit(fam, gpu)
+            first_host = next((i for i, h in enumerate(fam) if h in pool.host and h not in pool.cached), len(fam))
+            assert matched[j] >= total  # the index also counts GPU blocks after a host-only one
+            assert matched[j] - host[j] == min(first_host, matched[j])
+    check_invariants(idx)

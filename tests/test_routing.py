@@ -22,6 +22,7 @@ from fairway.routing import (
     router_class,
 )
 from fairway.routing.anchors import Pow2
+from fairway.routing.host import RoutingHost
 from fairway.routing.popularity import PrefixShares
 from tests.factories import LinearCost, chain
 
@@ -935,3 +936,93 @@ def test_another_routers_decisions_count_in_the_fairway_prefix_shares():
     unused = router("fairway")
     unused.on_adopted(hashes, 0, 65)  # nothing matched: a decision, but no prefix sighting
     assert len(unused.shares) == 0
+
+
+# -- fairway: GPU hit, host-tier hit, miss -------------------------------------------------------
+# LinearCost, idle replicas, a 160-token prompt (9 cacheable blocks = 144 tokens): T = the first
+# token's step, 0.01 + 0.001 * uncached tokens, plus the reload of the host tokens at
+# kv_bytes_per_token (1) / host_link_bytes_per_s seconds each.
+
+
+def tier_states(host0: int, host1: int, matched1: int = 9) -> list[ReplicaState]:
+    s0, s1 = st(0, matched=9), st(1, matched=matched1)
+    s0.host_blocks, s1.host_blocks = host0, host1
+    return [s0, s1]
+
+
+def test_fairway_prefers_a_gpu_hit_to_an_equal_host_hit():
+    r = router("fairway", replicate=False)
+    assert ranked(r, req(160), tier_states(host0=9, host1=0)) == [[1], [0]]
+    assert r.last_scores == pytest.approx({0: 0.026 + 144 / 50e9, 1: 0.026})
+    assert ranked(r, req(160), tier_states(host0=3, host1=2)) == [[1], [0]]  # fewer host blocks
+    blind = router("fairway", replicate=False, host_tier=False)  # a host hit counts as a GPU hit
+    assert ranked(blind, req(160), tier_states(host0=9, host1=0)) == [[0], [1]]
+    assert blind.last_scores == pytest.approx({0: 0.026, 1: 0.026})
+
+
+def test_fairway_prefers_a_host_hit_to_a_miss_unless_the_link_is_slower_than_recompute():
+    r = router("fairway", replicate=False)
+    states = tier_states(host0=0, host1=9, matched1=9)
+    states[0].matched_blocks = 0  # replica 0: a miss; replica 1: the whole prefix in the host tier
+    assert ranked(r, req(160), states) == [[1], [0]]  # host hit (0.026 + 3e-9) beats the miss (0.17)
+    assert r.host_tokens(req(160), states[1]) == 144
+    slow = router("fairway", replicate=False, host_link_bytes_per_s=500.0)  # 144 tokens reload in 0.288 s
+    assert ranked(slow, req(160), states) == [[0], [1]]
+    assert slow.last_scores == pytest.approx({0: 0.17, 1: 0.026 + 0.288})
+
+
+def test_fairway_host_tokens_follow_the_cacheable_cap():
+    r = router("fairway")
+    s = st(0, matched=10)
+    s.host_blocks = 2  # GPU blocks 0..7, host blocks 8..9; only 9 blocks are cacheable
+    assert r.cached_tokens(req(160), s) == 144 and r.host_tokens(req(160), s) == 16
+    s.host_blocks = 1  # the one host block is past the cacheable prefix: no reload
+    assert r.host_tokens(req(160), s) == 0 and r.reload_s(req(160), s) == 0.0
+
+
+def test_fairway_host_tier_options_are_checked():
+    for bad in ({"host_link_bytes_per_s": 0}, {"host_link_bytes_per_s": -1.0},
+                {"host_link_bytes_per_s": float("inf")}, {"host_link_bytes_per_s": "fast"},
+                {"host_link_bytes_per_s": True}, {"host_tier": "yes"}, {"host_tier": 1}):
+        with pytest.raises(ValueError):
+            router("fairway", **bad)
+    assert router("fairway", host_link_bytes_per_s=25e9).reload_s_per_token == pytest.approx(1 / 25e9)
+    assert router("fairway").host_tier and not router("fairway", host_tier=False).host_tier
+    assert not any(router(n).host_tier for n in ROUTERS if n != "fairway")  # anchors: both tiers are hits
+
+
+def _tier_host(host_tier: bool) -> tuple[RoutingHost, PrefixIndex]:
+    clock = ManualClock()
+    cost = LinearCost()
+    idx = PrefixIndex(3, mode="events")
+    pol = make_router("fairway", clock=clock, cost=cost, block_size=BS,  # type: ignore[arg-type]
+                      rng=np.random.default_rng(0), replicate=False, host_tier=host_tier)
+    return RoutingHost(pol, idx, LoadView(3, clock, cost, block_size=BS), block_size=BS), idx  # type: ignore[arg-type]
+
+
+def test_routing_host_reads_the_tier_split_from_an_events_index():
+    hs = chain("p", 10)
+    # tier-aware: replica 1 (fewer host blocks); tier-blind: a tie of full matches, the lower id
+    for host_tier, expected in ((True, 1), (False, 0)):
+        host, idx = _tier_host(host_tier)
+        for j in (0, 1, 2):
+            idx.on_kv_events(j, [(True, h) for h in hs[: 9 if j < 2 else 4]])
+        idx.on_tier_events(0, [(True, h) for h in hs[5:9]])  # replica 0: 5 GPU + 4 host blocks
+        idx.on_tier_events(1, [(True, h) for h in hs[7:9]])  # replica 1: 7 GPU + 2 host blocks
+        d = host.decide(1, 160, hs)
+        assert (d.pick, d.matched_blocks) == (expected, 9)
+        assert host.policy.last_scores[0] - host.policy.last_scores[1] == pytest.approx(
+            (4 - 2) * BS / 50e9 if host_tier else 0.0, abs=1e-15)
+
+
+def test_no_host_tier_decisions_are_unchanged():
+    """No tier events: the tier-aware router decides exactly as the tier-blind one (random
+    states and prompts, every decision and score equal)."""
+    rng = np.random.default_rng(3)
+    aware, blind = router("fairway"), router("fairway", host_tier=False)
+    for k in range(200):
+        states = [st(j, outstanding=int(rng.integers(0, 5)), q=float(rng.random()), kv=float(rng.random()),
+                     matched=int(rng.integers(0, 12)), tree=int(rng.integers(0, 100))) for j in range(4)]
+        rq = req(int(rng.integers(17, 400)), rid=k)
+        assert aware.rank(rq, states) == blind.rank(rq, states)
+        assert aware.last_scores == blind.last_scores

@@ -34,6 +34,15 @@ Beyond vLLM (engine model only, off by default):
   continuation of a GPU hit; the engine reloads those blocks instead of recomputing them.
   ``__contains__`` and the events cover both tiers: a hash leaves the cache (False event) only
   when it is in neither tier, so policies see a host hit as a hit.
+- **Tier events** (host tier only): a second stream, ``tier_events``, says which hashes are
+  *host-only* (in the host tier and not on the GPU): ``(True, h)`` when ``h`` becomes host-only
+  (evicted from the GPU, kept in the host tier), ``(False, h)`` when it stops being host-only
+  (reloaded or recomputed into the GPU, or dropped from the host tier, which also emits the
+  ``(False, h)`` KV event). The stream alone replays the host-only set exactly; applied together
+  with the KV events of the same flush, a router tells a GPU hit, a host hit and a miss apart
+  (``PrefixIndex.on_tier_events``). Why a second stream, not a third event kind: the policies
+  and every host consume ``(stored, hash)`` pairs, which stay unchanged. Without a host tier
+  nothing is ever appended (the default path pays nothing). O(1) per transition.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ class BlockPool:
     __slots__ = (
         "num_blocks", "block_size", "ref", "block_hash", "free", "cached", "events", "evictions",
         "retention", "tracking", "qdem", "sdem", "n_free_wanted", "_heap", "_ftick", "_frank",
-        "_tick", "host_capacity", "host", "host_evictions",
+        "_tick", "host_capacity", "host", "host_evictions", "tier_events",
     )
 
     def __init__(
@@ -94,6 +103,8 @@ class BlockPool:
         self.host_capacity = host_blocks
         self.host: OrderedDict[int, None] = OrderedDict()  # host-tier hashes, LRU first
         self.host_evictions = 0
+        # (host_only, hash) transitions of the host-only set (module docstring, Tier events)
+        self.tier_events: list[tuple[bool, int]] = []
 
     @property
     def num_free(self) -> int:
@@ -200,13 +211,17 @@ class BlockPool:
             host.move_to_end(h)
 
     def _to_host(self, h: int) -> None:
+        """``h`` left the GPU pool: keep it in the host LRU (now host-only), dropping the host's
+        least recently used hash when over capacity. O(1)."""
         host = self.host
         host[h] = None
         host.move_to_end(h)
+        self.tier_events.append((True, h))
         if len(host) > self.host_capacity:
             old, _ = host.popitem(last=False)
             self.host_evictions += 1
-            if old not in self.cached:
+            if old not in self.cached:  # it was host-only: it leaves both the tier and the cache
+                self.tier_events.append((False, old))
                 self.events.append((False, old))
 
     def longest_hit(self, hashes: Sequence[int]) -> list[int]:
@@ -271,6 +286,8 @@ class BlockPool:
         self.cached[h] = b
         if h not in self.host:
             self.events.append((True, h))
+        else:  # it was host-only (reloaded, or recomputed): a GPU hit again
+            self.tier_events.append((False, h))
         if self.ref[b] == 0:  # not the engine's use; kept consistent for direct callers
             if self.tracking and self._wanted(h):
                 self.n_free_wanted += 1
@@ -301,4 +318,10 @@ class BlockPool:
     def drain_events(self) -> list[tuple[bool, int]]:
         ev = self.events
         self.events = []
+        return ev
+
+    def drain_tier_events(self) -> list[tuple[bool, int]]:
+        """The tier events since the last drain (always empty without a host tier). O(1)."""
+        ev = self.tier_events
+        self.tier_events = []
         return ev

@@ -567,11 +567,22 @@ class EngineModel:
             self.listener.on_preempted(self.replica, r)
 
     def _flush_events(self) -> None:
-        events = self.pool.drain_events()
+        pool = self.pool
+        if pool.tier_events:  # host tier only: which hashes are host-only (after the KV events)
+            tier = pool.drain_tier_events()
+            events = pool.drain_events()
+            if self.listener is not None:
+                if events:
+                    self.listener.on_kv_events(self.replica, events)
+                on_tier = getattr(self.listener, "on_kv_tier_events", None)
+                if on_tier is not None:
+                    on_tier(self.replica, tier)
+        else:
+            events = pool.drain_events()
+            if self.listener is not None and events:
+                self.listener.on_kv_events(self.replica, events)
         if not events:
             return
-        if self.listener is not None:
-            self.listener.on_kv_events(self.replica, events)
         run: list[int] = []
         kind = events[0][0]
         for stored, h in events:

@@ -73,6 +73,10 @@ class ReplicaState:
     routed_since, routed_prefills: its recent routed work: the prefill estimates (ascending) of
         the requests routed to it since ``routed_since`` (clock seconds), the routing time of the
         one before them (``LoadView``'s window); empty when the host does not track it.
+    host_blocks: of ``matched_blocks``, how many are host hits (the tail of the match from its
+        first block held only in the engine's host KV tier: a reload, not a recompute); 0 when
+        the index has no tier information or the policy does not ask for it
+        (``RouterPolicy.host_tier``). ``0 <= host_blocks <= matched_blocks``.
     """
 
     replica: int
@@ -89,6 +93,7 @@ class ReplicaState:
     prefill_ends: tuple[float, ...] = ()
     routed_since: float = 0.0
     routed_prefills: tuple[float, ...] = ()
+    host_blocks: int = 0
 
 
 class RouterPolicy(ABC):
@@ -123,6 +128,9 @@ class RouterPolicy(ABC):
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.last_reason = ""
         self.last_scores: dict[int, float] = {}
+        # whether ``rank`` reads ``ReplicaState.host_blocks``: the host then asks the index for
+        # the tier split (``PrefixIndex.match_tiers``); the others count both tiers as hits
+        self.host_tier = False
 
     @abstractmethod
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
@@ -141,6 +149,13 @@ class RouterPolicy(ABC):
         cacheable prefix (the engine always computes the last prompt token, as vLLM does)."""
         cacheable = max(0, (req.prompt_tokens - 1) // self.block_size)
         return min(s.matched_blocks, cacheable) * self.block_size
+
+    def host_tokens(self, req: RouteRequest, s: ReplicaState) -> int:
+        """Of ``cached_tokens(req, s)``, the tokens in the host tier (a reload): the cached
+        prefix beyond its GPU part, ``matched_blocks - host_blocks`` blocks. O(1)."""
+        if not s.host_blocks:
+            return 0
+        return max(0, self.cached_tokens(req, s) - (s.matched_blocks - s.host_blocks) * self.block_size)
 
     def prefill_s(self, req: RouteRequest, s: ReplicaState) -> float:
         """P_rj: the cost model's prefill time of ``req``'s uncached tokens on ``s``."""
@@ -182,10 +197,11 @@ def make_states(
     matched: Sequence[int],
     index_blocks: Sequence[int],
     replicas: Iterable[int] | None = None,
+    host: Sequence[int] | None = None,
 ) -> list[ReplicaState]:
     """Build the ``ReplicaState`` list for one request from a load snapshot, the index's
     ``match(hashes)`` and ``sizes()`` (all indexed by replica id), for ``replicas`` (default
-    all). O(R)."""
+    all); ``host``: the host part of each match (``match_tiers``), None for none. O(R)."""
     ids = range(len(snap.outstanding)) if replicas is None else replicas
     return [
         ReplicaState(
@@ -203,6 +219,7 @@ def make_states(
             prefill_ends=snap.prefill_ends[j] if snap.prefill_ends else (),
             routed_since=snap.routed_windows[j][0] if snap.routed_windows else 0.0,
             routed_prefills=snap.routed_windows[j][1] if snap.routed_windows else (),
+            host_blocks=host[j] if host is not None else 0,
         )
         for j in ids
     ]

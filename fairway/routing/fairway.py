@@ -17,6 +17,12 @@ started, R_j the prefill still to run of the requests j has started (``running_p
   among R replicas, ``popularity.py``) and a non-holder, once seeded, would serve it sooner than
   the best holder now does, the request seeds that non-holder; a per-request score never would,
   since the seed pays the recompute and the later requests get the gain.
+- Host KV tier: with the exact index and engines that keep evicted blocks in host memory, the
+  match on j splits into GPU hits, host hits (the match from its first host-only block on: a
+  reload, not a recompute) and the miss. T_rj then adds the reload, H_rj * kv bytes per token /
+  ``host_link_bytes_per_s``, for the H_rj host tokens (the engine loads them after admission,
+  before the request's first step; the replica's compute is free meanwhile, so the reload is
+  not in P_rj, Q_j or the footprint). ``host_tier=False``: a host hit counts as a GPU hit.
 - Fallbacks: a prompt no replica holds goes to the minimum T (reason ``"cold"``).
   ``rule="affinity"`` keeps the reference design's test: the best-cached replica while its
   W <= theta * max(P, p_floor_s), else the minimum T. By default there is no separate affinity
@@ -71,6 +77,10 @@ class FairwayRouter(RouterPolicy):
       adds beyond the cheapest one).
     - running_prefill, decode_batch, replicate, overtaking = True: the R_j term, the first-token
       step priced with j's running decodes, hot-prefix replication, the overtaken cold wait.
+    - host_tier = True (price a host-tier hit as a reload; the host asks the index for the tier
+      split), host_link_bytes_per_s = 50e9 (the engines' host-to-GPU copy bandwidth, as
+      ``EngineConfig``'s default). Without tier information (approx index, no host tier) the
+      reload term is 0 and the decisions are those of ``host_tier=False``.
 
     The defaults minimise the worst case against the best anchor router (docs/benchmarks.md):
     the queue model keeps a mostly cached request on its replica behind a long but heavier
@@ -100,6 +110,8 @@ class FairwayRouter(RouterPolicy):
         decode_batch: bool = True,
         replicate: bool = True,
         overtaking: bool = True,
+        host_tier: bool = True,
+        host_link_bytes_per_s: float = 50e9,
     ):
         super().__init__(clock, cost, block_size, rng)
         if not theta > 0:
@@ -133,6 +145,15 @@ class FairwayRouter(RouterPolicy):
         self.decode_batch = bool(decode_batch)
         self.replicate = bool(replicate)
         self.overtaking = bool(overtaking)
+        if not isinstance(host_tier, bool):
+            raise ValueError("host_tier must be true or false")
+        if isinstance(host_link_bytes_per_s, bool) or not (
+                isinstance(host_link_bytes_per_s, (int, float)) and 0 < host_link_bytes_per_s < float("inf")):
+            raise ValueError("host_link_bytes_per_s must be a finite number > 0")
+        self.host_tier = host_tier
+        self.host_link_bytes_per_s = float(host_link_bytes_per_s)
+        # seconds to reload one token's KV from the host tier (the engine model's own rate)
+        self.reload_s_per_token = cost.kv_bytes_per_token() / self.host_link_bytes_per_s
         self.shares = PrefixShares()
         self.last_wait: dict[int, float] = {}
 
@@ -187,6 +208,12 @@ class FairwayRouter(RouterPolicy):
         ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
         return self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
 
+    def reload_s(self, req: RouteRequest, s: ReplicaState) -> float:
+        """The host-tier reload before ``req``'s first step on ``s``: its host-hit tokens
+        (``host_tokens``) at ``host_link_bytes_per_s``; 0 without host hits. The link's queue
+        of other reloads is not known to the router and not counted. O(1)."""
+        return self.host_tokens(req, s) * self.reload_s_per_token if s.host_blocks else 0.0
+
     def expected_ttft(self, req: RouteRequest, s: ReplicaState, cached_tokens: int, prefill_s: float,
                       wait_s: float, fullness: float) -> float:
         """T_rj without the extra-work term: the wait, the first token's step (``own_time``
@@ -213,6 +240,10 @@ class FairwayRouter(RouterPolicy):
         ttft = {s.replica: self.expected_ttft(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
                                               fullness[s.replica]) + w * (prefill[s.replica] - least)
                 for s in ss}
+        if self.host_tier:
+            for s in ss:
+                if s.host_blocks:
+                    ttft[s.replica] += self.reload_s(req, s)
         load = {s.replica: s.outstanding for s in ss}
         size = {s.replica: s.index_blocks for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache

@@ -10,6 +10,9 @@ both, applies KV events to the exact one, and reads from the exact one only whil
 its events are current (``use_exact``). Switching back and forth loses nothing: the approximate
 index was kept up to date all along.
 
+Tier events (which hashes an engine holds only in its host KV tier) go to the exact index alone;
+``match_tiers`` on the approximate one reports no host hits (it has no tier information).
+
 Cost: every write is done twice (an approximate ``record_routed`` is O(prompt blocks)); reads
 cost what the active index costs. Memory: both indexes.
 """
@@ -54,6 +57,9 @@ class FallbackIndex:
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         return self._active.match(hashes)
+
+    def match_tiers(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        return self._active.match_tiers(hashes)
 
     def match_one(self, replica: int, hashes: Sequence[int]) -> int:
         return self._active.match_one(replica, hashes)
@@ -109,3 +115,9 @@ class FallbackIndex:
 
     def replace_blocks(self, replica: int, hashes: Iterable[int]) -> None:
         self.exact.replace_blocks(replica, hashes)
+
+    def on_tier_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
+        self.exact.on_tier_events(replica, events)
+
+    def replace_host_only(self, replica: int, hashes: Iterable[int]) -> None:
+        self.exact.replace_host_only(replica, hashes)

@@ -55,8 +55,12 @@ class RoutingHost:
     def decide(self, rid: int, prompt_tokens: int, hashes: Sequence[int],
                replicas: Iterable[int] | None = None) -> Decision:
         """Rank ``replicas`` (default all) for a request and pick within the first rank."""
-        matched = self.index.match(hashes)
-        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas)
+        host = None
+        if self.policy.host_tier:  # GPU hit / host hit / miss (events index with host tiers)
+            matched, host = self.index.match_tiers(hashes)
+        else:
+            matched = self.index.match(hashes)
+        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host)
         ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes), states)
         first = ranks[0]
         live = self.load.live()

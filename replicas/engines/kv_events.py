@@ -17,7 +17,10 @@ removes our hashes it completed.
   batches published before the subscription took, or any sequence gap).
 
 Limits: only the primary cache (``medium`` GPU or None; vLLM-CPU reports its KV as GPU) and KV
-group 0; LoRA adapters' blocks are hashed as the base model's (we do not salt by adapter). A stored
+group 0: with CPU offloading (``kv_offloading_size``) a block evicted from the GPU leaves the
+mirror although vLLM can reload it, so the router sees a host-tier hit as a miss (the simulator's
+router tells GPU hit, host hit and miss apart: docs/cost-model.md, The router's view of the host
+tier). LoRA adapters' blocks are hashed as the base model's (we do not salt by adapter). A stored
 block whose parent the mirror does not know (events lost beyond the replay buffer) is skipped and
 counted in ``orphans``.
 """
