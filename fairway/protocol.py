@@ -132,6 +132,12 @@ class Engine(Protocol):
     The gate decides *when* a request enters; the engine serves what it is given in arrival
     order. ``generate`` must start yielding only after the request is in the engine, and must
     finish (``finished=True``) or raise ``ReplicaError``; it never hangs on its own.
+
+    Optional, for engines with a host KV tier (``sim`` with ``host_kv_blocks``; ``vllm`` with
+    ``kv_events`` and CPU offloading), looked up with ``getattr`` by the replica's KV publisher:
+    ``set_tier_listener(on_tier)`` (``on_tier`` gets ``(host_only, hash)`` transitions, after
+    the stored / removed events of the same step) and ``host_only_hashes()`` (the hashes held in
+    the host tier only).
     """
 
     block_size: int

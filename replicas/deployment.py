@@ -131,7 +131,9 @@ class FairwayReplica:
     def _publish_kv(self) -> Any:
         """Tee the engine's stored / removed events to a ``KvPublisher`` (the policy keeps its own
         listener) that sends them to the application's hub actor, found by name; until a router
-        has created the hub, publishing fails quietly and retries."""
+        has created the hub, publishing fails quietly and retries. An engine with a host KV tier
+        also reports its tier events (``set_tier_listener``) and host-only set
+        (``host_only_hashes``): the publisher carries them alone (the policy does not read them)."""
         from ray import serve
 
         from fairway.routing.view_log import HUB_NAMESPACE, REPLICA_SOURCE, hub_name
@@ -154,10 +156,13 @@ class FairwayReplica:
                 hub.clear()  # find it again: it may have restarted
                 raise
 
-        pub = KvPublisher(self.name, send, self.engine.cached_hashes, period_s=self.args.kv_publish_period_s)
+        pub = KvPublisher(self.name, send, self.engine.cached_hashes, period_s=self.args.kv_publish_period_s,
+                          host_only=getattr(self.engine, "host_only_hashes", None))
         policy = self.gate.policy
         self.engine.set_cache_listener(_tee(policy.on_blocks_stored, pub.on_stored),
                                        _tee(policy.on_blocks_removed, pub.on_removed))
+        if hasattr(self.engine, "set_tier_listener"):  # engines with a host KV tier: which hashes are host-only
+            self.engine.set_tier_listener(pub.on_tier)
         pub.start()
         return pub
 

@@ -14,6 +14,18 @@ announced gone and the routers forget its blocks. When the hub answers that it d
 replica (the first call, a restarted hub, a replica announced gone), the next call carries the
 whole block set instead of a delta.
 
+Host KV tier (engines that keep evicted blocks in host memory: the sim engine with
+``host_kv_blocks``, vLLM with CPU offloading and ``kv_events``): the engine also reports *tier
+events*, ``(host_only, hash)`` transitions of the hashes it holds only in its host tier
+(``fairway/engine/block_pool.py``, Tier events). They are merged per hash the same way, in a second
+dict, and travel as a second event after the KV one: ``("tier", uid, host_only, back)`` (hashes
+that became host-only, hashes that stopped being so). The whole set then carries the host-only
+hashes too: ``("kv-full", uid, hashes, host_only)``. Why a second event, not a flag per hash: the
+KV batch stays what it was, so with no host tier nothing changes on the wire or in any cost (no
+"tier" event, and the 3-field ``kv-full`` while the host-only set is empty). Last wins per hash in
+each stream, and each stream alone replays its set exactly, so the receiver (KV batch first, then
+the tier batch) ends with the engine's block set and host-only set.
+
 Costs: O(1) per event (a dict write), O(hashes) per flush; memory O(distinct hashes per period).
 """
 
@@ -26,6 +38,7 @@ from collections.abc import Awaitable, Callable, Iterable
 log = logging.getLogger("ray.serve")
 
 Send = Callable[[list[tuple]], Awaitable[bool]]  # events -> "send your whole state"
+TierEvents = Iterable[tuple[bool, int]]  # (host_only, hash) transitions
 
 
 class HubNotReady(Exception):
@@ -36,19 +49,23 @@ class KvPublisher:
     """Merges a replica's stored / removed hashes and publishes them (see the module docstring).
 
     ``send`` publishes a list of events and returns the hub's "resend everything" answer;
-    ``snapshot`` returns every hash the engine holds now. Tests call ``flush`` directly.
+    ``snapshot`` returns every hash the engine holds now (either tier); ``host_only`` (engines
+    with a host KV tier; None: none) the hashes it holds only in its host tier. Tests call
+    ``flush`` directly.
     """
 
     def __init__(self, uid: str, send: Send, snapshot: Callable[[], Iterable[int]], period_s: float = 0.02,
-                 heartbeat_s: float = 1.0) -> None:
+                 heartbeat_s: float = 1.0, host_only: Callable[[], Iterable[int]] | None = None) -> None:
         if period_s <= 0 or heartbeat_s <= 0:
             raise ValueError("period_s and heartbeat_s must be > 0")
         self.uid = uid
         self.send = send
         self.snapshot = snapshot
+        self.host_only = host_only
         self.period_s = period_s
         self.heartbeat_s = heartbeat_s
         self._pending: dict[int, bool] = {}  # hash -> stored (True) or removed (False), last wins
+        self._tier: dict[int, bool] = {}  # hash -> became (True) or stopped being (False) host-only, last wins
         self._full = True  # the hub needs the whole set (nothing sent yet)
         self._task: asyncio.Task | None = None
         self.sent_batches = 0
@@ -69,19 +86,34 @@ class KvPublisher:
             pending.pop(h, None)
             pending[h] = False
 
+    def on_tier(self, events: TierEvents) -> None:
+        """The engine's tier events (host tier only), after the KV events of the same step."""
+        tier = self._tier
+        for host_only, h in events:
+            tier.pop(h, None)
+            tier[h] = host_only
+
     # -- publishing --------------------------------------------------------------------------
 
     def batch(self) -> list[tuple]:
         """The events the next call carries (and forget them): the whole set, a delta or none."""
         if self._full:
             self._pending.clear()
+            self._tier.clear()
+            host = list(self.host_only()) if self.host_only is not None else []
+            if host:
+                return [("kv-full", self.uid, list(self.snapshot()), host)]
             return [("kv-full", self.uid, list(self.snapshot()))]
-        if not self._pending:
-            return []
-        pending, self._pending = self._pending, {}
-        stored = [h for h, s in pending.items() if s]
-        removed = [h for h, s in pending.items() if not s]
-        return [("kv", self.uid, stored, removed)]
+        out: list[tuple] = []
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            stored = [h for h, s in pending.items() if s]
+            removed = [h for h, s in pending.items() if not s]
+            out.append(("kv", self.uid, stored, removed))
+        if self._tier:
+            tier, self._tier = self._tier, {}
+            out.append(("tier", self.uid, [h for h, t in tier.items() if t], [h for h, t in tier.items() if not t]))
+        return out
 
     async def flush(self) -> bool:
         """Send one batch (a heartbeat if empty). On failure the next call sends the whole set
@@ -101,7 +133,7 @@ class KvPublisher:
         self._full = bool(want_full)
         if events:
             self.sent_batches += 1
-            self.sent_hashes += sum(len(e[2]) + (len(e[3]) if e[0] == "kv" else 0) for e in events)
+            self.sent_hashes += sum(len(part) for e in events for part in e[2:])
         return True
 
     def start(self) -> None:
@@ -123,7 +155,7 @@ class KvPublisher:
         backoff = self.period_s
         while True:
             await asyncio.sleep(backoff)
-            if not (self._pending or self._full) and loop.time() - last < self.heartbeat_s:
+            if not (self._pending or self._tier or self._full) and loop.time() - last < self.heartbeat_s:
                 continue
             ok = await self.flush()
             last = loop.time()

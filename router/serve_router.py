@@ -368,8 +368,11 @@ class FairwayRequestRouter(RequestRouter):
             self.view_gaps += 1
         self._seq = ex.head
         if ex.kv is not None:  # a snapshot of every replica's blocks, as of before ex.events
+            host = ex.host or {}
             for uid, hashes in ex.kv.items():
-                self.index.replace_blocks(self._slot(uid), hashes)
+                j = self._slot(uid)
+                self.index.replace_blocks(j, hashes)
+                self.index.replace_host_only(j, host.get(uid, ()))  # O(1) when none was or is
             self._need_snapshot = False
         elif ex.gap and self.exact:  # KV events were lost: exact again after the next snapshot
             self._need_snapshot = True
@@ -400,8 +403,10 @@ class FairwayRequestRouter(RequestRouter):
     def _apply_remote(self, event: tuple) -> None:
         """An event from the shared view: another router's "r" (a request routed: its prompt on
         that replica, its work queued there), "f" (it finished: it leaves the load view and
-        awaits its feedback); a replica's "kv" (blocks stored and removed) or "kv-full" (its
-        whole block set); or "gone" (a router stopped exchanging: its requests in flight leave
+        awaits its feedback); a replica's "kv" (blocks stored and removed), "tier" (blocks that
+        became / stopped being host-only: engines with a host KV tier, applied after the "kv" of
+        the same batch) or "kv-full" (its whole block set, and its host-only set when it has
+        one); or "gone" (a router stopped exchanging: its requests in flight leave
         the load view; a replica stopped publishing: its blocks are no longer known)."""
         kind = event[0]
         if kind == "kv":
@@ -409,10 +414,18 @@ class FairwayRequestRouter(RequestRouter):
                 _, uid, stored, removed = event
                 self.index.on_kv_events(self._slot(uid), _kv_events(stored, removed))
                 self.kv_hashes_applied += len(stored) + len(removed)
+        elif kind == "tier":
+            if self.exact:
+                _, uid, host_only, back = event
+                self.index.on_tier_events(self._slot(uid), _tier_events(host_only, back))
+                self.kv_hashes_applied += len(host_only) + len(back)
         elif kind == "kv-full":
             if self.exact:
-                self.index.replace_blocks(self._slot(event[1]), event[2])
-                self.kv_hashes_applied += len(event[2])
+                j = self._slot(event[1])
+                self.index.replace_blocks(j, event[2])
+                host = event[3] if len(event) > 3 else ()
+                self.index.replace_host_only(j, host)  # O(1) without a host tier
+                self.kv_hashes_applied += len(event[2]) + len(host)
         elif kind == "r":
             _, uid, key, hashes, prompt_tokens, est, request_id, routed_at = event
             if "remote:" + key in self._routed:  # a batch sent twice (its first exchange timed out)
@@ -443,4 +456,13 @@ def _kv_events(stored: list[int], removed: list[int]) -> Iterator[tuple[bool, in
     for h in removed:
         yield False, h
     for h in stored:
+        yield True, h
+
+
+def _tier_events(host_only: list[int], back: list[int]) -> Iterator[tuple[bool, int]]:
+    """A replica's tier batch as the index's (host_only, hash) events (one per hash, so the
+    order does not matter). O(1) each."""
+    for h in back:
+        yield False, h
+    for h in host_only:
         yield True, h

@@ -15,6 +15,12 @@ or ``("kv-full", replica, hashes)`` when the hub did not know the replica (its f
 restarted, or the replica was silent past ``ttl_s`` and announced gone). The hub keeps every
 replica's block set from them, so a router that starts, restarts or fell behind the log asks
 for a snapshot (``exchange(..., snapshot=True)``) and routes exactly from its first request.
+Replicas whose engines have a host KV tier also publish ``("tier", replica, host_only, back)``
+(hashes that became / stopped being host-only) and send ``("kv-full", replica, hashes,
+host_only)``; the hub keeps each replica's host-only set beside its block set and a snapshot
+carries both (``Exchange.host``: only the replicas holding some), so a router that starts tells a
+GPU hit, a host hit and a miss apart from its first request (docs/cost-model.md, The router's
+view of the host tier). Without a host tier no such event comes and ``host`` stays empty.
 Costs: an exchange O(events in + events out + replicas), a snapshot O(blocks cached in the
 cluster); a publish O(hashes in it).
 """
@@ -33,6 +39,7 @@ class ViewHub:
     def __init__(self, capacity: int = 200_000, ttl_s: float = 3.0) -> None:
         self.log = ViewLog(capacity, ttl_s)
         self.kv: dict[str, set[int]] = {}  # replica unique id -> block hashes its engine holds
+        self.host: dict[str, set[int]] = {}  # replica unique id -> of those, the host-only ones
 
     def exchange(self, source: str, events: list[Event], after: int, snapshot: bool = False,
                  now: float | None = None) -> Exchange:
@@ -41,6 +48,7 @@ class ViewHub:
         ex = self.log.exchange(source, events, after, now)
         if snapshot:
             ex.kv = {uid: list(blocks) for uid, blocks in self.kv.items()}
+            ex.host = {uid: list(hs) for uid, hs in self.host.items() if hs}
         return ex
 
     def publish(self, source: str, events: list[Event], now: float | None = None) -> bool:
@@ -53,8 +61,16 @@ class ViewHub:
                 blocks = self.kv.setdefault(e[1], set())
                 blocks.difference_update(e[3])
                 blocks.update(e[2])
+            elif e[0] == "tier":
+                hs = self.host.setdefault(e[1], set())
+                hs.difference_update(e[3])
+                hs.update(e[2])
             elif e[0] == "kv-full":
                 self.kv[e[1]] = set(e[2])
+                if len(e) > 3:
+                    self.host[e[1]] = set(e[3])
+                else:
+                    self.host.pop(e[1], None)
         unknown = self.log.publish(source, events, now)
         return unknown and not any(e[0] == "kv-full" for e in events)
 
@@ -62,6 +78,7 @@ class ViewHub:
         for src in gone:
             if src.startswith(REPLICA_SOURCE):
                 self.kv.pop(src[len(REPLICA_SOURCE):], None)
+                self.host.pop(src[len(REPLICA_SOURCE):], None)
 
 
 def get_hub(app_name: str, capacity: int = 200_000) -> Any:

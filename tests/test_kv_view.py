@@ -63,6 +63,50 @@ def test_the_hub_keeps_each_replicas_block_set_and_snapshots_it():
     assert hub.exchange("router-x", [], ex.head, now=0.3).kv is None  # only when asked
 
 
+def test_the_publisher_carries_tier_events_beside_the_kv_batch_and_the_host_only_set_when_whole():
+    """A host KV tier: tier events merge per hash (last wins) into a second event after the KV
+    one; the whole set carries the host-only hashes; with none host-only it is the 3-field one."""
+    held, host = [1, 2, 3], [3]
+    sent: list[list[tuple]] = []
+
+    async def send(events):
+        sent.append(events)
+        return False
+
+    pub = KvPublisher("r0", send, lambda: list(held), host_only=lambda: list(host))
+    pub.on_tier([(True, 9)])  # before the first call: the whole set replaces it
+    assert asyncio.run(pub.flush()) and sent[-1] == [("kv-full", "r0", [1, 2, 3], [3])]
+    pub.on_stored([4])
+    pub.on_tier([(True, 1), (True, 2), (False, 3)])
+    pub.on_tier([(False, 2)])  # 2 became host-only and back within the period: last wins
+    assert asyncio.run(pub.flush()) and sent[-1] == [("kv", "r0", [4], []), ("tier", "r0", [1], [3, 2])]
+    pub.on_tier([(False, 1)])  # tier events alone (a reload): no KV event
+    assert asyncio.run(pub.flush()) and sent[-1] == [("tier", "r0", [], [1])]
+    assert (pub.sent_batches, pub.sent_hashes) == (3, 4 + (1 + 3) + 1)
+    pub._full, host[:] = True, []  # resend with nothing host-only: exactly the old event
+    assert asyncio.run(pub.flush()) and sent[-1] == [("kv-full", "r0", [1, 2, 3])]
+
+
+def test_the_hub_keeps_each_replicas_host_only_set_and_snapshots_it():
+    hub = ViewHub(ttl_s=3.0)
+    assert hub.publish("replica:a", [("kv-full", "a", [1, 2, 3], [3])], now=0.0) is False
+    assert hub.publish("replica:b", [("kv-full", "b", [7])], now=0.0) is False
+    assert hub.publish("replica:a", [("kv", "a", [4], []), ("tier", "a", [1, 2], [3])], now=0.1) is False
+    ex = hub.exchange("router-x", [], 0, snapshot=True, now=0.2)
+    assert sorted(ex.kv["a"]) == [1, 2, 3, 4] and ex.kv["b"] == [7]
+    assert {uid: sorted(hs) for uid, hs in ex.host.items()} == {"a": [1, 2]}  # b holds none: left out
+    assert [e[0] for e in ex.events] == ["kv-full", "kv-full", "kv", "tier"]  # replayed as published
+    assert hub.publish("replica:a", [("tier", "a", [], [1, 2])], now=0.3) is False
+    assert hub.exchange("router-x", [], 0, snapshot=True, now=0.4).host == {}
+    assert hub.publish("replica:a", [("kv-full", "a", [1, 2], [2])], now=0.5) is False
+    assert hub.host == {"a": {2}}
+    assert hub.publish("replica:a", [("kv-full", "a", [1, 2])], now=0.6) is False  # no host-only now
+    assert hub.host == {}
+    hub.publish("replica:a", [("kv-full", "a", [5], [5])], now=0.7)
+    hub.exchange("router-x", [], 0, now=10.0)  # a silent past the ttl: gone, its sets with it
+    assert "a" not in hub.kv and "a" not in hub.host
+
+
 def test_the_fallback_index_writes_both_and_reads_the_active_one():
     idx = FallbackIndex(2)
     doc = chain("doc", 8)
@@ -90,3 +134,48 @@ def test_the_cost_benchmark_ends_with_the_routers_index_equal_to_the_caches():
 
     costs, same = measure(batch=20, replicas=3, repeats=3)
     assert same and set(costs) == {"publisher", "hub", "router"} and all(v > 0 for v in costs.values())
+
+
+def test_the_replica_wires_the_sim_engines_tier_events_to_its_publisher(monkeypatch):
+    """``FairwayReplica._publish_kv`` with a sim engine: the host tier's tier events and host-only
+    set reach the publisher (the policy keeps its KV listener); without a host tier, none."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from fairway.hashing import block_hashes
+    from replicas.deployment import FairwayReplica, ReplicaArgs
+    from replicas.engines import make_engine
+    from tests.test_sim_engine import call, run
+
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    monkeypatch.setattr(KvPublisher, "start", lambda self: None)  # no hub here: batches are read directly
+
+    async def serve_two(host_kv_blocks: int):
+        engine = make_engine("sim", speed=1000.0, kv_blocks=8, max_model_len=2048, host_kv_blocks=host_kv_blocks)
+        await engine.start()
+        seen: list[int] = []
+        rep = object.__new__(FairwayReplica)
+        rep.engine, rep.name, rep.args = engine, "r0", ReplicaArgs(publish_kv_events=True)
+        rep.gate = SimpleNamespace(policy=SimpleNamespace(on_blocks_stored=seen.extend, on_blocks_removed=seen.extend))
+        pub = rep._publish_kv()
+        pub._full = False  # as after the first call
+        a, b = list(range(100, 212)), list(range(1000, 1112))
+        try:
+            await run(engine, call("a", a, max_tokens=1))
+            await run(engine, call("b", b, max_tokens=1))
+        finally:
+            await engine.shutdown()
+        delta = pub.batch()
+        pub._full = True
+        return delta, pub.batch(), seen, block_hashes(a), block_hashes(b)
+
+    delta, full, seen, ha, hb = asyncio.run(serve_two(64))
+    evicted = [ha[i] for i in (6, 5, 4, 3, 2, 1)]  # b pushed a's blocks but its first out of the GPU
+    assert delta == [("kv", "r0", ha + hb, []), ("tier", "r0", evicted, [])]
+    assert full == [("kv-full", "r0", [ha[0]] + hb + evicted, evicted)]  # GPU blocks, then the host tier
+    assert seen == ha + hb  # the policy's listener: both tiers cached, nothing removed
+    delta, full, seen, ha, hb = asyncio.run(serve_two(0))  # no host tier: evicted means removed
+    assert delta == [("kv", "r0", [ha[0]] + hb, evicted)]
+    assert full == [("kv-full", "r0", [ha[0]] + hb)]  # the 3-field whole set, as before
+    assert seen == ha + evicted + hb

@@ -300,3 +300,73 @@ async def test_a_replica_that_stops_publishing_is_forgotten_and_resends_its_whol
         b._apply_remote(e)
     assert ("gone", "replica:replica-0") in ex.events and list(b.index.exact.blocks(b._ids["replica-0"])) == []
     assert hub.publish("replica:replica-0", [], now=11.0) is True  # back: the hub asks for everything
+
+
+# -- the host KV tier through the exact view: GPU hit / host hit / miss ----------------------------
+
+
+def events_router(hub, policy: str = "fairway", **options) -> FairwayRequestRouter:
+    """One router on the exact view (``prefix_view: events``) over ``hub`` (called directly)."""
+    clock = ManualClock(T0)
+
+    async def exchange(source, events, after, snapshot=False):
+        return hub.exchange(source, list(events), after, snapshot, now=0.0)
+
+    r = object.__new__(FairwayRequestRouter)
+    r.initialize_state(policy=policy, policy_options=options, metrics=False, clock=clock, wall=clock.now,
+                       exchange=exchange, prefix_view="events")
+    r._sync_task = False
+    return r
+
+
+@pytest.mark.asyncio
+async def test_the_exact_view_applies_host_only_sets_from_the_snapshot_and_tier_events():
+    from router.view_hub import ViewHub
+
+    hub = ViewHub()
+    doc = chain("doc", 64)
+    hub.publish("replica:replica-0", [("kv-full", "replica-0", doc, doc)], now=0.0)  # all host-only
+    hub.publish("replica:replica-1", [("kv-full", "replica-1", doc)], now=0.0)  # all on the GPU
+    r = events_router(hub)
+    assert await r.sync_once() and r.index.mode == "events"
+    j0, j1 = r._ids["replica-0"], r._ids["replica-1"]
+    assert (j0, j1) == (0, 1) and r.index.match_tiers(doc) == ([64, 64], [64, 0])
+    assert r.kv_hashes_applied == (64 + 64) + 64  # the log's two whole sets, replayed onto the snapshot
+    # replica-0 reloads the first half (back on its GPU); replica-1 offloads its last 16 blocks
+    hub.publish("replica:replica-0", [("tier", "replica-0", [], doc[:32])], now=0.0)
+    hub.publish("replica:replica-1", [("kv", "replica-1", [], []), ("tier", "replica-1", doc[48:], [])], now=0.0)
+    assert await r.sync_once()
+    assert r.index.match_tiers(doc) == ([64, 64], [32, 16])
+    assert sorted(r.index.exact.host_only(j1)) == sorted(doc[48:])
+    # replica-0 resends its whole set with nothing host-only (the 3-field event): none left
+    hub.publish("replica:replica-0", [("kv-full", "replica-0", doc)], now=0.0)
+    assert await r.sync_once() and r.index.match_tiers(doc) == ([64, 64], [0, 16])
+    # a router that starts now gets the same split from the snapshot alone
+    late = events_router(hub)
+    assert await late.sync_once() and late.index.match_tiers(doc) == ([64, 64], [0, 16])
+    # replica-1 is gone: its blocks and its host-only set leave the index
+    r._apply_remote(("gone", "replica:replica-1"))
+    assert r.index.match_tiers(doc) == ([64, 0], [0, 0]) and r.index.exact.host_only(j1) == set()
+
+
+@pytest.mark.asyncio
+async def test_fairway_prefers_a_gpu_hit_to_a_host_hit_of_the_same_prefix_and_is_blind_without_tiers():
+    from router.view_hub import ViewHub
+
+    hub = ViewHub()
+    doc = chain("doc", 64)
+    hub.publish("replica:replica-0", [("kv-full", "replica-0", doc, doc)], now=0.0)  # a reload on 0
+    hub.publish("replica:replica-1", [("kv-full", "replica-1", doc[:62])], now=0.0)  # GPU, 2 blocks short
+    reps = [replica("replica-0"), replica("replica-1")]
+    c = GenerateCall(request_id="x", prompt_token_ids=[1] * 1024, block_hashes=tuple(doc), max_tokens=4,
+                     arrival_s=T0)
+    aware, blind = events_router(hub), events_router(hub, host_tier=False)
+    assert await aware.sync_once() and await blind.sync_once()
+    # tier-blind: replica-0 caches 63 blocks (the cap) against 62; tier-aware: its 1008 tokens reload
+    # (1008 x 128 KiB / 50 GB/s = 2.6 ms) cost more than replica-1's 16-token recompute
+    assert (await blind.choose_replicas(reps, pending(c)))[0] == [reps[0]]
+    assert (await aware.choose_replicas(reps, pending(c)))[0] == [reps[1]]
+    s0, s1 = aware.policy.last_scores[0], aware.policy.last_scores[1]
+    b0 = blind.policy.last_scores[0]
+    assert s0 - b0 == pytest.approx(1008 * aware.cost.kv_bytes_per_token() / 50e9)
+    assert s1 < s0

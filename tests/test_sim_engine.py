@@ -96,3 +96,51 @@ async def test_a_consumer_that_leaves_aborts_the_request(engine):
     assert (st.running, st.kv_blocks_free, engine.aborted) == (0, st.kv_blocks_total, 1)
     tokens, _ = await run(engine, call("next", list(range(100, 400)), max_tokens=3))
     assert len(tokens) == 3  # the engine keeps serving
+
+
+# -- a host KV tier (engine_args: host_kv_blocks) ----------------------------------------------
+
+
+async def test_a_host_tier_reports_which_hashes_are_host_only_and_none_without_one(engine):
+    """With ``host_kv_blocks`` the engine forwards the block pool's tier events: a prompt evicted
+    from the GPU by another becomes host-only (its KV events say nothing: it is still cached),
+    and its next request reloads it (a host hit) and turns it back. Without a host tier the
+    tier listener is never called and the host-only set is empty."""
+    e = make_engine("sim", speed=1000.0, kv_blocks=8, max_model_len=2048, host_kv_blocks=64)
+    stored: list[int] = []
+    removed: list[int] = []
+    tier: list[tuple[bool, int]] = []
+    e.set_cache_listener(stored.extend, removed.extend)
+    e.set_tier_listener(tier.extend)
+    await e.start()
+    try:
+        a, b = list(range(100, 212)), list(range(1000, 1112))  # 7 full blocks each; 8 GPU blocks
+        ha, hb = block_hashes(a), block_hashes(b)
+        assert (await run(e, call("a", a, max_tokens=1)))[1] == 0
+        assert tier == [] and stored == ha
+        assert (await run(e, call("b", b, max_tokens=1)))[1] == 0
+        # b's blocks pushed a's out of the GPU, all but its first: host-only, last evicted first
+        assert tier == [(True, ha[i]) for i in (6, 5, 4, 3, 2, 1)] and removed == []
+        assert sorted(e.host_only_hashes()) == sorted(ha[1:7])
+        tier.clear()
+        assert (await run(e, call("a2", a, max_tokens=1)))[1] == 96  # 1 GPU block + 5 reloaded
+        assert e.model.host_hit_tokens == 80
+        assert tier == [(True, h) for h in hb[1:7][::-1]] + [(False, ha[i]) for i in range(1, 7)]
+        assert sorted(e.host_only_hashes()) == sorted(hb[1:7])
+        assert removed == []  # both tiers together hold everything: no KV removal
+    finally:
+        await e.shutdown()
+    # no host tier (the fixture's engine): no tier event, ever
+    seen: list = []
+    engine.set_tier_listener(seen.extend)
+    for i in range(6):  # 6 x 40 blocks through 64: evictions
+        await run(engine, call(f"p{i}", list(range(5000 * (i + 1), 5000 * (i + 1) + 640)), max_tokens=1))
+    assert engine.events[1] and seen == [] and engine.host_only_hashes() == []
+
+
+@pytest.mark.parametrize("bad", [{"host_kv_blocks": -1}, {"host_kv_blocks": True}, {"host_kv_blocks": 1.5},
+                                 {"host_link_bytes_per_s": 0}, {"host_link_bytes_per_s": float("inf")},
+                                 {"host_link_bytes_per_s": "fast"}])
+async def test_host_tier_engine_args_are_checked(bad):
+    with pytest.raises(ValueError, match="host_"):
+        make_engine("sim", **bad)

@@ -235,6 +235,100 @@ def test_kv_event_mirror_unaligned_blocks_and_net_events():
     assert seen == [] and len(m2) == 0
 
 
+def test_kv_event_mirror_follows_cpu_copies_and_reports_host_only_hashes():
+    """vLLM's CPU offloading (``medium="CPU"``, the same vLLM hash as the GPU block): a block
+    evicted from the GPU with a CPU copy stays cached and becomes host-only (a tier event, no KV
+    removal); stored on the GPU again it is not; its CPU copy removed, it leaves the cache."""
+    rng = random.Random(7)
+    toks = [rng.randrange(5, 4096) for _ in range(128)]
+    ours = block_hashes(toks)  # 8 of ours in 4 vLLM blocks of 32 tokens: v<i> completes ours[2i:2i+2]
+    m = KvEventMirror(block_size=16, engine_block_size=32)
+    seen: list = []  # the listeners' calls in order: KV events, then the batch's tier events
+    m.set_listener(lambda h: seen.append(("+", list(h))), lambda h: seen.append(("-", list(h))))
+    m.set_tier_listener(lambda ev: seen.append(("tier", list(ev))))
+
+    def cpu(vh, parent, lo=None, hi=None, **kw):
+        return BlockStored([vh], parent, toks[lo:hi] if lo is not None else [], 32, medium="CPU", **kw)
+
+    def batch(*events):
+        seen.clear()
+        m.apply(list(events))
+        return list(seen)
+
+    assert batch(_stored(["v0", "v1", "v2", "v3"], None, toks, 32)) == [("+", ours)]
+    assert batch(cpu("v2", "v1", 64, 96), cpu("v3", "v2", 96, 128)) == []  # offloaded: still on the GPU
+    assert m.host_only() == []
+    # evicted from the GPU, kept on CPU: host-only, still cached in our hashes
+    assert batch(BlockRemoved(["v3", "v2"])) == [("tier", [(True, ours[i]) for i in (6, 7, 4, 5)])]
+    assert sorted(m.host_only()) == sorted(ours[4:]) and m.cached_prefix_blocks(ours) == 8
+    # v2 reloaded onto the GPU (vLLM stores it there again): not host-only
+    assert batch(_stored(["v2"], "v1", toks[64:96], 32)) == [("tier", [(False, ours[4]), (False, ours[5])])]
+    # v3's CPU copy dropped: it leaves the cache (KV removal first, then the tier event)
+    assert batch(BlockRemoved(["v3"], medium="CPU")) == [("-", ours[6:8]), ("tier", [(False, ours[6]),
+                                                                                   (False, ours[7])])]
+    assert batch(BlockRemoved(["v2"], medium="CPU")) == []  # v2 is on the GPU too: nothing changes
+    # the GPU copy evicted before its CPU copy is reported, in one batch (the connector's events
+    # follow the scheduler's): netted, no KV event, host-only; the CPU event needs no tokens
+    assert batch(BlockRemoved(["v1"]), cpu("v1", "v0")) == [("tier", [(True, ours[2]), (True, ours[3])])]
+    assert m.cached_prefix_blocks(ours) == 6 and sorted(m.host_only()) == sorted(ours[2:4])
+    # a CPU copy of a block the mirror no longer has: rebuilt from its tokens, else an orphan
+    assert batch(cpu("gone", "v0")) == [] and m.orphans == 1
+    # vLLM's offloading placeholder (block_size 0, no tokens): known blocks only, never a bogus chain
+    assert batch(BlockStored(["gone"], None, [], 0, medium="CPU")) == [] and m.orphans == 2
+    assert "gone" not in m._blocks
+    # another vLLM block completing the same hashes as v2 (other extra keys), CPU only: v2's
+    # GPU copy keeps them on the GPU; v2 evicted (no CPU copy), they become host-only, not removed
+    assert batch(cpu("v2b", "v1", 64, 96)) == []
+    assert batch(BlockRemoved(["v2"])) == [("tier", [(True, ours[4]), (True, ours[5])])]
+    assert sorted(m.host_only()) == sorted(ours[2:6])
+    # other media (a disk tier) and KV groups are ignored
+    assert batch(BlockRemoved(["v1"], medium="STORAGE"), BlockRemoved(["v1"], medium="CPU", group_idx=1)) == []
+    # a cleared cache: every hash removed, the host-only ones no longer host-only
+    out = batch(AllBlocksCleared())
+    assert out[0][0] == "-" and sorted(out[0][1]) == sorted(ours[:6])
+    assert out[1][0] == "tier" and sorted(out[1][1]) == sorted((False, h) for h in ours[2:6])
+    assert len(m) == 0 and m.host_only() == [] and m.engine_blocks == 0
+
+
+def test_kv_event_mirror_reads_vllms_own_cpu_events_through_msgpack():
+    """The same on vLLM's event classes, decoded as the subscriber decodes them (needs vLLM)."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    import msgspec
+
+    toks = list(range(200, 264))
+    ours = block_hashes(toks)
+
+    def st(vhs, parent, t, medium="GPU"):
+        return kv.BlockStored(block_hashes=vhs, parent_block_hash=parent, token_ids=t, block_size=16, lora_id=None,
+                              medium=medium, lora_name=None)
+
+    def wire(*events):
+        return msgspec.msgpack.Decoder(type=kv.KVEventBatch).decode(
+            msgspec.msgpack.encode(kv.KVEventBatch(ts=0.0, events=list(events)))).events
+
+    m = KvEventMirror(16, 16)
+    tier: list = []
+    m.set_tier_listener(tier.extend)
+    assert m.apply(wire(st([1, 2, 3, 4], None, toks), st([3], 2, toks[32:48], kv.MEDIUM_CPU),
+                        st([4], 3, toks[48:], kv.MEDIUM_CPU), kv.BlockRemoved(block_hashes=[4, 3], medium="GPU"))) \
+        == (ours, [])
+    assert tier == [(True, ours[3]), (True, ours[2])] and sorted(m.host_only()) == sorted(ours[2:])
+    tier.clear()
+    assert m.apply(wire(kv.BlockRemoved(block_hashes=[4], medium=kv.MEDIUM_CPU))) == ([], [ours[3]])
+    assert tier == [(False, ours[3])] and len(m) == 3
+
+
+def test_kv_event_mirror_without_cpu_events_reports_no_tier_event():
+    rng = random.Random(8)
+    toks = [rng.randrange(5, 4096) for _ in range(128)]
+    m = KvEventMirror(block_size=16, engine_block_size=32)
+    tier: list = []
+    m.set_tier_listener(tier.extend)
+    m.apply([_stored(["a", "b"], None, toks[:64], 32), BlockRemoved(["b"]), _stored(["c"], "a", toks[64:96], 32)])
+    m.apply([BlockRemoved(["a", "c"]), AllBlocksCleared()])
+    assert tier == [] and m.host_only() == [] and not m._offload and m._stash == {}
+
+
 # -- the registry and the adapter's own checks, without vLLM -----------------------------------
 
 
@@ -276,6 +370,18 @@ def test_engine_args_and_checks_before_start():
     with pytest.raises(EngineFailed, match="not started"):
         asyncio.run(gen())
     assert eng.cached_prefix_blocks([1, 2]) == 0 and eng.can_fit(10, []) is False
+    # the host tier: nothing before start; a mirror set up later gets the tier listener
+    tier: list = []
+    ev_eng = make_engine("vllm", model="m", kv_events=True, engine_args={"kv_offloading_size": 4})
+    ev_eng.set_tier_listener(tier.extend)
+    assert ev_eng.host_only_hashes() == [] and eng.host_only_hashes() == []
+    assert ev_eng.build_engine_args(is_cpu=False)["kv_offloading_size"] == 4  # passed to vLLM as is
+    ev_eng._estimate = KvEventMirror(16, 16)  # what start() builds with kv_events
+    ev_eng.set_tier_listener(tier.extend)  # forwarded to the mirror
+    toks = list(range(100, 132))
+    ev_eng._estimate.apply([_stored(["a", "b"], None, toks, 16), BlockStored(["b"], "a", toks[16:], 16, medium="CPU"),
+                            BlockRemoved(["b"])])
+    assert tier == [(True, block_hashes(toks)[1])] and ev_eng.host_only_hashes() == block_hashes(toks)[1:]
 
 
 # -- the adapter on vLLM (CPU) -----------------------------------------------------------------

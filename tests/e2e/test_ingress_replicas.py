@@ -49,7 +49,8 @@ def url():
         serve.run(build_app({"num_replicas": 3, "ingress_replicas": 2, "metrics": False,
                              "router": {"policy": "fairway", "policy_options": {"replicate": False},
                                         "prefix_view": "events"},
-                             "engine_args": {"kv_blocks": 4000}}), name="fairway", route_prefix="/")
+                             "engine_args": {"kv_blocks": 4000, "host_kv_blocks": 4000}}),
+                  name="fairway", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -101,6 +102,43 @@ def test_the_replicas_kv_events_reach_the_shared_view(url):
         assert time.monotonic() < deadline, f"the holder's blocks never reached the hub: {sorted(kv)}"
         time.sleep(0.2)
     assert len(kv) == 3  # every replica publishes (heartbeats at least), and only they do
+
+
+def test_host_tier_blocks_reach_the_shared_view_and_a_host_hit_is_served_there(url):
+    """The engines keep blocks evicted from the GPU in a host tier (engine_args.host_kv_blocks):
+    distinct prompts overflow the holder of the first one until its blocks are host-only there,
+    which the hub learns from the replica's tier events; the first prompt again then goes to its
+    holder and is served from the host tier (cached, reloaded instead of recomputed)."""
+    import aiohttp
+    import ray
+
+    first = ids(8000, SHARED) + ids(8001, 24)
+    holder = complete(url, first)["fairway"]["replica"]
+    hub = ray.get_actor("fairway-view-fairway", namespace="fairway")
+
+    def host_only() -> int:
+        host = ray.get(hub.exchange.remote("test-probe", [], 0, True)).host or {}
+        return len(host.get(holder, ()))
+
+    async def burst(seeds: range) -> None:
+        async with aiohttp.ClientSession() as s:
+            async def one(k: int) -> None:
+                payload = {"model": MODEL, "prompt": ids(9000 + k, SHARED), "max_tokens": 2}
+                async with s.post(f"{url}/v1/completions", json=payload,
+                                  timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    assert r.status == 200, await r.text()
+            await asyncio.gather(*(one(k) for k in seeds))
+
+    deadline = time.monotonic() + 120
+    k = 0
+    while host_only() < SHARED // 16:  # the first prompt's 251 blocks are the holder's oldest
+        assert time.monotonic() < deadline, f"no host-only blocks reached the hub for {holder}"
+        asyncio.run(burst(range(k, k + 6)))
+        k += 6
+    time.sleep(STATS_SETTLE_S)
+    again = complete(url, first)
+    assert again["fairway"]["replica"] == holder
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= SHARED
 
 
 def test_killing_one_ingress_replica_loses_no_request(url):
