@@ -24,7 +24,9 @@ differ 100x. A client that goes away while waiting is removed from the queue.
 
 With API keys, each tenant has a queue of its own (``replicas/tenants.py``): the next admission
 is the policy's choice within the tenant that has received the least prefill service, so one
-tenant's flood cannot starve another's requests.
+tenant's flood cannot starve another's requests; and the wait bound counts, for a new request,
+only the work it would wait for under that fair queueing (its tenant's queue and the others'
+equal share), so a flood is refused while a quiet tenant is not.
 
 A stalled engine (requests in it, no output from any of them for ``stall_timeout_s``) is
 detected by the gate's ticker: the requests it holds end at once with ``EngineStalled`` (HTTP
@@ -227,23 +229,25 @@ class AdmissionGate:
         self.drain.observe(self.clock.now(), bool(self._waiting))
         return n
 
-    def _full(self) -> str:
-        """Why the queue takes no more requests (``max_queue`` waiting, or an estimated wait of
-        ``max_queue_wait_s``), or "". O(waiting) for the work's sum."""
+    def _full(self, tenant: str = "") -> tuple[str, float]:
+        """Why the queue takes no more requests of ``tenant`` (``max_queue`` waiting, or an
+        estimated wait of ``max_queue_wait_s``) and the estimated wait; ("", wait) if it takes it.
+        O(waiting) for the work's sums."""
         cfg = self.config
+        wait = self.queue_wait_s(tenant)
         if len(self._waiting) >= cfg.max_queue:
-            return f"{cfg.max_queue} waiting"
+            return f"{cfg.max_queue} waiting", wait
         bound = cfg.max_queue_wait_s
-        if bound is not None and self._waiting and (wait := self.queue_wait_s()) >= bound:
-            return f"an estimated {wait:.1f} s of queue, the bound is {bound:g} s"
-        return ""
+        if bound is not None and self._waiting and wait >= bound:
+            return f"an estimated {wait:.1f} s of queue, the bound is {bound:g} s", wait
+        return "", wait
 
-    def queue_wait_s(self) -> float:
-        """Estimated wall seconds until the engine has started everything waiting here. O(waiting)."""
-        return self.drain.wait_s(self.policy.queued_prefill_s())
-
-    def _retry_after_s(self) -> float:
-        return max(1.0, round(self.queue_wait_s(), 1))
+    def queue_wait_s(self, tenant: str | None = None) -> float:
+        """Estimated wall seconds until the engine has started everything waiting here (None), or
+        everything a new request of ``tenant`` waits for (its own tenant's queue and the others'
+        equal share: ``TenantQueues.work_ahead_s``). O(waiting)."""
+        work = self.policy.queued_prefill_s() if tenant is None else self.policy.work_ahead_s(tenant)
+        return self.drain.wait_s(work)
 
     async def submit(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
         """Queue ``call``, wait for admission, stream its tokens. Raises ``Overloaded`` at once
@@ -261,10 +265,10 @@ class AdmissionGate:
             self._reject("stalled")
             raise EngineFailed(f"replica {self.replica}: engine stalled; retry", retry_after_s=1.0)
         self.drain.observe(self.clock.now(), bool(self._waiting))
-        full = self._full()
+        full, wait = self._full(call.tenant)
         if full:
             self._reject("queue_full")
-            raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=self._retry_after_s())
+            raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=max(1.0, round(wait, 1)))
         rid = self._seq
         self._seq += 1
         fut: asyncio.Future = asyncio.get_running_loop().create_future()

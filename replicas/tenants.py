@@ -146,6 +146,17 @@ class TenantQueues:
     def queued_prefill_s(self) -> float:
         return sum(q.queued_prefill_s() for q in self.queues.values())
 
+    def work_ahead_s(self, tenant: str = "") -> float:
+        """The queued prefill work (cost-model seconds) a new request of ``tenant`` waits for
+        before it can start: with fair queueing, its own tenant's queue Q_t and, from every other
+        tenant u, the share served meanwhile, min(Q_u, Q_t) (equal service); with one queue, all
+        of it. So a quiet tenant is not refused for a flood's backlog. O(T)."""
+        if self.factory is None or len(self.queues) == 1:
+            return self.queued_prefill_s()
+        work = {t: q.queued_prefill_s() for t, q in self.queues.items() if len(q)}
+        own = work.pop(tenant, 0.0)
+        return own + sum(min(w, own) for w in work.values())
+
     def lane_sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for q in self.queues.values():

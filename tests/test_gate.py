@@ -195,6 +195,47 @@ async def test_wait_bound_uses_the_measured_drain_rate():
     assert engine.started == ["a", "b", "c", "d"] and gate.rejected == 1
 
 
+async def test_wait_bound_is_per_tenant_a_quiet_tenant_is_not_refused_for_a_flood():
+    """Tenant a floods: a0 in the engine, a1..a3 waiting (3 x 0.51 s of work, the bound is 1.5 s),
+    so a4 is refused with a's wait (1.53 s). b has nothing queued: under fair queueing its request
+    waits for none of a's backlog (own 0 + min(1.53, 0) = 0), so b0 is accepted, and admitted
+    next; a second b request then waits for b0's work and the same share of a's (2 x 0.51 s)."""
+    clock = ManualClock()
+
+    def pol():
+        return make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16)
+
+    engine = ScriptedEngine()
+    gate = AdmissionGate(engine, pol(), clock, GateConfig(prefill_budget_tokens=1, max_queue_wait_s=1.5),
+                         replica="r0", policy_factory=pol)
+    out: list = []
+
+    def c(rid: str):
+        x = call(rid, 500)
+        x.tenant = rid[0]
+        return x
+
+    tasks = [asyncio.create_task(consume(gate, c(r), out)) for r in ("a0", "a1", "a2", "a3")]
+    await settle()
+    assert engine.started == ["a0"] and gate.queue_wait_s("a") == pytest.approx(1.53)
+    with pytest.raises(Overloaded) as e:
+        async for _ in gate.submit(c("a4")):
+            pass
+    assert "an estimated 1.5 s of queue, the bound is 1.5 s" in e.value.message and e.value.retry_after_s == 1.5
+    assert gate.queue_wait_s("b") == 0.0
+    tasks.append(asyncio.create_task(consume(gate, c("b0"), out)))
+    await settle()
+    assert gate.queue_wait_s("b") == pytest.approx(1.02)
+    engine.release("a0")
+    await settle()
+    assert engine.started == ["a0", "b0"]
+    for r in ("b0", "a1", "a2", "a3"):
+        engine.release(r)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["a0", "b0", "a1", "a2", "a3"] and gate.rejected == 1
+
+
 async def test_cancelled_waiter_leaves_the_queue():
     gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1)
     out: list = []
