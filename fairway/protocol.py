@@ -183,6 +183,8 @@ class ReplicaRoutingStats:
     without a first token at ``taken_at`` to their admission time (wall clock): a router dates
     their prefill from it and counts every other started request as past its prefill.
     ``stalled``: the replica's engine is stalled (``replicas/gate.py``); routers avoid it.
+    ``full``: the gate's estimated wait of its queue is at its bound (``max_queue_wait_s``), so it
+    refuses new requests (429); routers leave it out while another replica is not full.
     """
 
     replica: str
@@ -198,3 +200,4 @@ class ReplicaRoutingStats:
     waiting_ids: list[str] = field(default_factory=list)
     prefilling: dict[str, float] = field(default_factory=dict)
     stalled: bool = False  # the gate found its engine stalled: routers leave it out until it recovers
+    full: bool = False  # the gate's queue is at its wait bound: routers prefer a replica that is not

@@ -433,4 +433,6 @@ class AdmissionGate:
             waiting_ids=list(self._request_ids.values()),
             prefilling=dict(self._prefilling.values()),
             stalled=self.stalled,
+            full=bool(self._waiting) and self.config.max_queue_wait_s is not None
+            and self.queue_wait_s() >= self.config.max_queue_wait_s,
         )

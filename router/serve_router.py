@@ -232,7 +232,7 @@ class FairwayRequestRouter(RequestRouter):
             return []
         t0 = time.perf_counter()
         by_idx: dict[int, RunningReplica] = {}
-        stalled = []
+        stalled, full = [], []
         for rep in candidate_replicas:
             j = self._index_of(rep.replica_id)
             by_idx[j] = rep
@@ -241,10 +241,15 @@ class FairwayRequestRouter(RequestRouter):
                 self._apply_stats(j, stats)
                 if stats.get("stalled"):
                     stalled.append(j)
-        if stalled and len(stalled) < len(by_idx):  # avoid stalled engines while another replica is up
-            for j in stalled:
-                del by_idx[j]
-            candidate_replicas = list(by_idx.values())
+                elif stats.get("full"):
+                    full.append(j)
+        # avoid stalled engines while another replica is up, then queues at their wait bound
+        # (they would answer 429) while another replica has room
+        for avoid in (stalled, full):
+            if avoid and len(avoid) < len(by_idx):
+                for j in avoid:
+                    del by_idx[j]
+                candidate_replicas = list(by_idx.values())
         call = find_call(pending_request)
         if call is None:  # not a generation call (health, models): any replica
             return [candidate_replicas]

@@ -224,6 +224,29 @@ async def test_a_replica_that_reports_a_stalled_engine_is_left_out_while_another
     assert [[x.replica_id.unique_id for x in rank] for rank in alone] == [["a"]]
 
 
+@pytest.mark.asyncio
+async def test_a_replica_whose_queue_is_at_its_wait_bound_is_left_out_while_another_has_room():
+    """b holds x's prefix, so it is the pick while it has room; once b reports its queue full (it
+    would answer 429) the router sends x to a; with every replica full, all are candidates (the
+    gate then refuses with Retry-After); a stalled replica goes before a full one."""
+    r, _ = router()
+    ok = {"taken_at": T0, "kv_blocks_total": 1000, "max_num_seqs": 8}
+    x = call("x", 256)
+    r.host.index.record_routed(r._index_of(replica("b").replica_id), x.block_hashes)
+
+    def ids(ranks):
+        return [[rep.replica_id.unique_id for rep in rank] for rank in ranks]
+
+    assert ids(await r.choose_replicas([replica("a", ok), replica("b", ok)], pending(x)))[0] == ["b"]
+    full = {**ok, "full": True}
+    assert ids(await r.choose_replicas([replica("a", ok), replica("b", full)], pending(call("x", 256)))) == [["a"]]
+    both = await r.choose_replicas([replica("a", full), replica("b", full)], pending(call("x", 256)))
+    assert sorted(rep.replica_id.unique_id for rank in both for rep in rank) == ["a", "b"]
+    stalled = {**ok, "stalled": True}
+    rest = await r.choose_replicas([replica("a", stalled), replica("b", full)], pending(call("x", 256)))
+    assert ids(rest) == [["b"]]
+
+
 # -- the exact prefix view: the replicas' KV events through the hub --------------------------------
 
 

@@ -31,8 +31,12 @@ STALL_TIMEOUT_S = 3.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> tuple[str, Path]:
     faults = tmp_path_factory.mktemp("faults") / "faults.json"
+    # max_queue_wait_s 30 (default 5): these loads keep the KV memory full, so at the default the
+    # gates refuse a share with 429 for waits of 5-10 s (docs/reliability.md, Overload); here the
+    # refusals are to come from the faults alone
     with running_cluster(num_replicas=2, engine_args={"kv_blocks": 4000},
-                         replica={"stall_timeout_s": STALL_TIMEOUT_S, "fault_file": str(faults)}) as url:
+                         replica={"stall_timeout_s": STALL_TIMEOUT_S, "fault_file": str(faults),
+                                  "max_queue_wait_s": 30.0}) as url:
         yield url, faults
 
 
@@ -97,10 +101,14 @@ def test_a_slow_replica_gets_less_of_the_work_and_nothing_is_lost(cluster):
     finally:
         write_faults(faults, {})
     res = out["res"]
-    assert res["accounting"]["lost"] == 0 and res["accounting"]["completed"] == res["accounting"]["sent"]
+    acc = res["accounting"]
+    # the slow replica's queue may reach its wait bound (replica.max_queue_wait_s) between two of its
+    # stats reports, when routers leave it out: a request then gets 429 with Retry-After, not lost
+    assert acc["lost"] == 0 and acc["completed"] + acc["refused_by_status"].get("429", 0) == acc["sent"], acc
+    assert acc["refused"] <= 0.02 * acc["sent"], acc
     per = {p["replica"]: p["requests"] for p in res["per_replica"]}
     share = per.get(slow, 0) / sum(per.values())
-    print(f"slow replica's share of the requests: {share:.2f} ({per})")
+    print(f"slow replica's share of the requests: {share:.2f} ({per}); {acc['refused_by_status']}")
     assert share < 0.45, per  # measured 0.36 (2026-12-01); a load-blind router gives 0.5
 
 
