@@ -57,7 +57,8 @@ class LoadSnapshot:
     ``routed_windows[j]`` is ``(t0, ps)``: t0 the routing time of the oldest of j's last
     ``ROUTED_WINDOW`` routed requests and ps the prefill estimates of the later ones, ascending,
     so sum(ps) / (now - t0) is the prefill work routed to j per second lately ((now, ()) before
-    the second request). The last four are empty tuples for snapshots built by hand.
+    the second request); ``speed[j]`` j's measured pace against the cost model (its gate's drain
+    rate, 1.0 until reported). The last five are empty tuples for snapshots built by hand.
     """
 
     taken_s: float
@@ -71,6 +72,7 @@ class LoadSnapshot:
     max_running: tuple[int, ...] = field(default=())
     prefill_ends: tuple[tuple[float, ...], ...] = field(default=())
     routed_windows: tuple[tuple[float, tuple[float, ...]], ...] = field(default=())
+    speed: tuple[float, ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -99,7 +101,8 @@ class LoadView:
     """
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
-                 "_qp", "_qp_frozen", "_cap", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version", "_snap_version")
+                 "_qp", "_qp_frozen", "_cap", "_speed", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version",
+                 "_snap_version")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -124,6 +127,7 @@ class LoadView:
         self._qp: list[list[tuple[float, int]]] = []  # per replica: (P, rid) of waiting requests, sorted
         self._qp_frozen: list[tuple[float, ...] | None] = []  # its P's as a tuple; None when stale
         self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
+        self._speed: list[float] = []  # per replica: measured pace against the cost model, 1.0 = unknown
         self._pf: list[dict[int, float]] = []  # per replica: rid -> estimated prefill end, started requests
         self._rw: list[deque[tuple[float, float]]] = []  # per replica: (routed at, P) of its last routed
         self._rw_frozen: list[tuple[float, tuple[float, ...]] | None] = []  # its window; None when stale
@@ -145,6 +149,7 @@ class LoadView:
         self._qp.append([])
         self._qp_frozen.append(())
         self._cap.append(0)
+        self._speed.append(1.0)
         self._pf.append({})
         self._rw.append(deque(maxlen=ROUTED_WINDOW))
         self._rw_frozen.append(None)
@@ -253,6 +258,15 @@ class LoadView:
             self._cap[replica] = int(max_running)
             self._version += 1
 
+    def report_speed(self, replica: int, speed: float) -> None:
+        """A replica's measured pace: cost-model seconds of queued prefill it works off per wall
+        second (its gate's drain rate; 1.0 = as the cost model says). O(1)."""
+        if not 0.0 < speed < float("inf"):
+            raise ValueError(f"speed must be a finite number > 0, got {speed}")
+        if self._speed[replica] != speed:
+            self._speed[replica] = float(speed)
+            self._version += 1
+
     def report_kv_usage(self, replica: int, usage: float) -> None:
         """A replica's periodic stats: the fraction of its KV blocks in use (0..1). O(1)."""
         if not 0.0 <= usage <= 1.0:
@@ -292,6 +306,7 @@ class LoadView:
             kv_usage=tuple(self._kv),
             queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
             max_running=tuple(self._cap),
+            speed=tuple(self._speed),
             prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
             routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
         )

@@ -201,3 +201,4 @@ class ReplicaRoutingStats:
     prefilling: dict[str, float] = field(default_factory=dict)
     stalled: bool = False  # the gate found its engine stalled: routers leave it out until it recovers
     full: bool = False  # the gate's queue is at its wait bound: routers prefer a replica that is not
+    drain_rate: float = 1.0  # cost-model prefill seconds the gate works off per wall second (replicas/drain.py)

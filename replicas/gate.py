@@ -435,4 +435,5 @@ class AdmissionGate:
             stalled=self.stalled,
             full=bool(self._waiting) and self.config.max_queue_wait_s is not None
             and self.queue_wait_s() >= self.config.max_queue_wait_s,
+            drain_rate=self.drain.rate(),
         )

@@ -48,6 +48,7 @@ from fairway.routing.view_log import REPLICA_SOURCE, Exchange
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
 MAX_TRACKED = 65536  # outstanding requests tracked per router
+SPEED_RANGE = (0.05, 20.0)  # a replica's reported drain rate is clamped into this before it is used
 
 
 @dataclass(slots=True)
@@ -193,6 +194,7 @@ class FairwayRequestRouter(RequestRouter):
         self.load.report_max_running(j, max(0, int(stats.get("max_num_seqs", 0))))
         usage = float(stats.get("kv_usage", 0.0))
         self.load.report_kv_usage(j, min(1.0, max(0.0, usage)))
+        self.load.report_speed(j, min(SPEED_RANGE[1], max(SPEED_RANGE[0], float(stats.get("drain_rate", 1.0)))))
         waiting = set(stats.get("waiting_ids", ()))
         # Wall times from the replica, on the load view's clock. A request missing from the
         # waiting list started before ``taken``: at its admission time if the replica lists it

@@ -702,6 +702,16 @@ def test_load_view_lifecycle():
         lv.on_routed(3, 0, 10)
 
 
+def test_load_view_carries_each_replicas_reported_speed():
+    lv, _ = view(2)
+    assert lv.snapshot().speed == (1.0, 1.0)
+    lv.report_speed(1, 0.25)
+    assert lv.snapshot().speed == (1.0, 0.25)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            lv.report_speed(0, bad)
+
+
 def test_load_view_queue_resets_to_exact_zero():
     lv, _ = view(1)
     for rid, p in enumerate((0.1, 0.2, 0.3, 0.7)):
@@ -969,6 +979,23 @@ def test_fairway_prefers_a_host_hit_to_a_miss_unless_the_link_is_slower_than_rec
     slow = router("fairway", replicate=False, host_link_bytes_per_s=500.0)  # 144 tokens reload in 0.288 s
     assert ranked(slow, req(160), states) == [[0], [1]]
     assert slow.last_scores == pytest.approx({0: 0.17, 1: 0.026 + 0.288})
+
+
+def test_fairway_divides_a_replicas_expected_ttft_by_its_measured_speed():
+    """Replica 0 has 0.2 s of queued prefill, replica 1 none: at the cost model's pace 1 goes
+    first. Replica 1 reporting a fifth of that pace (its gate drains 0.2 cost-model s per s) makes
+    its T five times as long, 0.17 / 0.2 = 0.85 s against 0.2 + 0.17 = 0.37 s: 0 goes first."""
+    r = router("fairway", replicate=False)
+    states = [st(0, outstanding=1, qp=(0.2,)), st(1)]
+    assert ranked(r, req(160), states) == [[1], [0]]
+    assert r.last_scores == pytest.approx({0: 0.37, 1: 0.17})
+    states[1].speed = 0.2
+    assert ranked(r, req(160), states) == [[0], [1]]
+    assert r.last_scores == pytest.approx({0: 0.37, 1: 0.85})
+    blind = router("fairway", replicate=False, speed_aware=False)
+    assert ranked(blind, req(160), states) == [[1], [0]]
+    with pytest.raises(ValueError):
+        router("fairway", speed_aware="yes")
 
 
 def test_fairway_host_tokens_follow_the_cacheable_cap():

@@ -247,6 +247,16 @@ async def test_a_replica_whose_queue_is_at_its_wait_bound_is_left_out_while_anot
     assert ids(rest) == [["b"]]
 
 
+@pytest.mark.asyncio
+async def test_a_replicas_reported_drain_rate_becomes_its_speed_clamped():
+    r, _ = router()
+    reps = [replica("a", {"taken_at": T0, "drain_rate": 0.25}), replica("b", {"taken_at": T0, "drain_rate": 1e-6})]
+    await r.choose_replicas(reps, pending(call("x", 64)))
+    ja, jb = (r._index_of(rep.replica_id) for rep in reps)
+    speed = r.load.live().speed
+    assert (speed[ja], speed[jb]) == (0.25, 0.05)  # a rate near zero is clamped, never divides by 0
+
+
 # -- the exact prefix view: the replicas' KV events through the hub --------------------------------
 
 

@@ -77,6 +77,9 @@ class ReplicaState:
         first block held only in the engine's host KV tier: a reload, not a recompute); 0 when
         the index has no tier information or the policy does not ask for it
         (``RouterPolicy.host_tier``). ``0 <= host_blocks <= matched_blocks``.
+    speed: the replica's measured pace, cost-model seconds of queued prefill it works off per
+        wall second (its gate's drain rate, ``replicas/drain.py``); 1.0 when unknown (the
+        simulator's replicas run at the cost model's pace). ``speed > 0``.
     """
 
     replica: int
@@ -94,6 +97,7 @@ class ReplicaState:
     routed_since: float = 0.0
     routed_prefills: tuple[float, ...] = ()
     host_blocks: int = 0
+    speed: float = 1.0
 
 
 class RouterPolicy(ABC):
@@ -220,6 +224,7 @@ def make_states(
             routed_since=snap.routed_windows[j][0] if snap.routed_windows else 0.0,
             routed_prefills=snap.routed_windows[j][1] if snap.routed_windows else (),
             host_blocks=host[j] if host is not None else 0,
+            speed=snap.speed[j] if snap.speed else 1.0,
         )
         for j in ids
     ]
