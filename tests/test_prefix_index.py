@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -202,8 +204,9 @@ def test_events_mode_ignores_routing_and_feedback():
     assert approx.match(A) == [0]
 
 
-def _random_pool_run(pool: BlockPool, idx: PrefixIndex, j: int, rng: np.random.Generator, ops: int,
-                     families: list[list[int]]) -> None:
+def _random_pool_ops(pool: BlockPool, rng: np.random.Generator, ops: int, families: list[list[int]]) -> Iterator[None]:
+    """Random admissions (a prefix of a family: hit, allocate, hash most new blocks) and
+    releases on ``pool``; yields after each operation that changed it, for the caller's checks."""
     held: list[list[int]] = []
     for _ in range(ops):
         if held and (rng.random() < 0.45 or pool.num_free < 4):
@@ -222,6 +225,12 @@ def _random_pool_run(pool: BlockPool, idx: PrefixIndex, j: int, rng: np.random.G
                 if rng.random() < 0.9:  # some blocks stay unhashed (never completed)
                     pool.cache_block(b, h)
             held.append(hit + new)
+        yield
+
+
+def _random_pool_run(pool: BlockPool, idx: PrefixIndex, j: int, rng: np.random.Generator, ops: int,
+                     families: list[list[int]]) -> None:
+    for _ in _random_pool_ops(pool, rng, ops, families):
         idx.on_kv_events(j, pool.drain_events())
         assert set(idx.blocks(j)) == set(pool.cached)
     for fam in families:
@@ -355,23 +364,7 @@ def test_events_mode_tiers_equal_block_pool_with_a_host_tier_after_random_operat
     idx = PrefixIndex(2, mode="events")
     pools = [BlockPool(14, block_size=4, host_blocks=10), BlockPool(9, block_size=4, host_blocks=4)]
     for j, pool in enumerate(pools):
-        held: list[list[int]] = []
-        for _ in range(400):
-            if held and (rng.random() < 0.45 or pool.num_free < 4):
-                pool.release(held.pop(int(rng.integers(len(held)))))
-            else:
-                fam = families[int(rng.integers(len(families)))]
-                hashes = fam[: int(rng.integers(1, len(fam) + 1))]
-                hit = pool.longest_hit(hashes)
-                need = len(hashes) - len(hit)
-                if pool.free_after_touch(hit) < need:
-                    continue
-                pool.touch(hit)
-                new = pool.allocate(need)
-                for b, h in zip(new, hashes[len(hit):], strict=True):
-                    if rng.random() < 0.9:
-                        pool.cache_block(b, h)
-                held.append(hit + new)
+        for _ in _random_pool_ops(pool, rng, 400, families):
             idx.on_kv_events(j, pool.drain_events())
             idx.on_tier_events(j, pool.drain_tier_events())
             assert set(idx.blocks(j)) == set(pool.cached) | set(pool.host)
