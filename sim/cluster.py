@@ -186,30 +186,27 @@ class ClusterRouter:
         """Events mode: the engine's stored / removed blocks reach every instance's index, after
         ``sync_delay_s`` in a shared view with a delay (a replica's events travel through the
         shared view as the routers' do)."""
-        if self.index_mode != "events":
-            return
-        if self.sync_delay_s > 0.0:
-            batch = tuple(events)
-            item = (self.clock.now() + self.sync_delay_s, lambda h: h.index.on_kv_events(replica, batch))
-            for box in self._inbox:
-                box.append(item)
-            return
-        for index in self._indexes:
-            index.on_kv_events(replica, events)
+        self._to_indexes(PrefixIndex.on_kv_events, replica, events)
 
     def on_kv_tier_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
         """Events mode, engines with a host tier: which hashes became / stopped being host-only
         (``BlockPool.tier_events``) reach every index as the KV events do, queued after them."""
+        self._to_indexes(PrefixIndex.on_tier_events, replica, events)
+
+    def _to_indexes(self, apply: Callable[[PrefixIndex, int, Sequence[tuple[bool, int]]], None], replica: int,
+                    events: Sequence[tuple[bool, int]]) -> None:
+        """``apply(index, replica, events)`` on every instance's index (events mode only): now, or
+        after ``sync_delay_s`` through the instances' inboxes, in the order the engine sent them."""
         if self.index_mode != "events":
             return
         if self.sync_delay_s > 0.0:
             batch = tuple(events)
-            item = (self.clock.now() + self.sync_delay_s, lambda h: h.index.on_tier_events(replica, batch))
+            item = (self.clock.now() + self.sync_delay_s, lambda h: apply(h.index, replica, batch))
             for box in self._inbox:
                 box.append(item)
             return
         for index in self._indexes:
-            index.on_tier_events(replica, events)
+            apply(index, replica, events)
 
     def reasons(self) -> dict[str, int]:
         total: Counter = Counter()

@@ -568,19 +568,14 @@ class EngineModel:
 
     def _flush_events(self) -> None:
         pool = self.pool
-        if pool.tier_events:  # host tier only: which hashes are host-only (after the KV events)
-            tier = pool.drain_tier_events()
-            events = pool.drain_events()
-            if self.listener is not None:
-                if events:
-                    self.listener.on_kv_events(self.replica, events)
-                on_tier = getattr(self.listener, "on_kv_tier_events", None)
-                if on_tier is not None:
-                    on_tier(self.replica, tier)
-        else:
-            events = pool.drain_events()
-            if self.listener is not None and events:
-                self.listener.on_kv_events(self.replica, events)
+        events = pool.drain_events()
+        tier = pool.drain_tier_events() if pool.tier_events else None  # host tier only
+        listener = self.listener
+        if listener is not None:
+            if events:
+                listener.on_kv_events(self.replica, events)
+            if tier and (on_tier := getattr(listener, "on_kv_tier_events", None)) is not None:
+                on_tier(self.replica, tier)  # which hashes are host-only: after the KV events
         if not events:
             return
         run: list[int] = []
