@@ -340,3 +340,19 @@ class CostModel:
                 f"gpu_memory_utilization={gpu_memory_utilization}"
             )
         return int(blocks)
+
+
+def link_bandwidth(bytes_per_s: Any) -> float:
+    """``bytes_per_s`` checked as a host-to-GPU link bandwidth (``host_link_bytes_per_s``): a finite
+    number > 0, not a boolean; ``ValueError`` otherwise."""
+    if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, int | float) \
+            or not (math.isfinite(bytes_per_s) and bytes_per_s > 0):
+        raise ValueError(f"host_link_bytes_per_s must be a finite number > 0, got {bytes_per_s!r}")
+    return float(bytes_per_s)
+
+
+def reload_s_per_token(cost: Any, link_bytes_per_s: Any) -> float:
+    """Seconds to copy one token's KV from the host tier over a link of ``link_bytes_per_s``
+    (checked by ``link_bandwidth``): the engine model's reload time and the router's price of a
+    host hit, one formula. ``cost``: anything with ``kv_bytes_per_token()``."""
+    return cost.kv_bytes_per_token() / link_bandwidth(link_bytes_per_s)

@@ -37,7 +37,7 @@ from typing import Any
 
 from fairway.admission import AdmissionConfig, Candidate, HeldQueue, SessionAdmission, WaitingSessions
 from fairway.clock import Clock
-from fairway.cost_model import CostModel
+from fairway.cost_model import CostModel, link_bandwidth, reload_s_per_token
 from fairway.engine.block_pool import QUEUE, RETENTIONS, SESSION, BlockPool
 from fairway.policies.base import QueuedRequest, QueuePolicy
 from fairway.request import RequestSpec
@@ -75,8 +75,9 @@ class EngineConfig:
             raise ValueError("kv_blocks must be positive")
         if self.retention is not None and self.retention not in RETENTIONS:
             raise ValueError(f"unknown retention {self.retention!r}; known: {', '.join(RETENTIONS)}")
-        if self.host_kv_blocks < 0 or not self.host_link_bytes_per_s > 0:
-            raise ValueError("host_kv_blocks must be >= 0 and host_link_bytes_per_s > 0")
+        if isinstance(self.host_kv_blocks, bool) or not isinstance(self.host_kv_blocks, int) or self.host_kv_blocks < 0:
+            raise ValueError("host_kv_blocks must be an integer >= 0 (0: no host KV tier)")
+        link_bandwidth(self.host_link_bytes_per_s)
 
 
 @dataclass(slots=True)
@@ -158,7 +159,7 @@ class EngineModel:
         horizon = (config.admission or AdmissionConfig()).session_horizon_s if self._track else 0.0
         self.sessions = WaitingSessions(horizon)
         # seconds to reload one token's KV from the host tier
-        self._reload_s_per_token = cost.kv_bytes_per_token() / config.host_link_bytes_per_s
+        self._reload_s_per_token = reload_s_per_token(cost, config.host_link_bytes_per_s)
         self._link_free_s = 0.0  # when the host-to-GPU link finishes its queued reloads
         self.gpu_hit_tokens = 0  # first admissions: prompt tokens served by GPU hits,
         self.host_hit_tokens = 0  # by host-tier reloads,

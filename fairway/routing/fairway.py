@@ -51,7 +51,7 @@ import numpy as np
 import xxhash
 
 from fairway.clock import Clock
-from fairway.cost_model import CostModel
+from fairway.cost_model import CostModel, link_bandwidth, reload_s_per_token
 from fairway.policies.fairway import FairwayConfig
 from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 from fairway.routing.popularity import PrefixShares
@@ -152,18 +152,14 @@ class FairwayRouter(RouterPolicy):
         self.decode_batch = bool(decode_batch)
         self.replicate = bool(replicate)
         self.overtaking = bool(overtaking)
-        if not isinstance(host_tier, bool):
-            raise ValueError("host_tier must be true or false")
-        if isinstance(host_link_bytes_per_s, bool) or not (
-                isinstance(host_link_bytes_per_s, (int, float)) and 0 < host_link_bytes_per_s < float("inf")):
-            raise ValueError("host_link_bytes_per_s must be a finite number > 0")
+        for name, flag in (("host_tier", host_tier), ("speed_aware", speed_aware)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false")
         self.host_tier = host_tier
-        if not isinstance(speed_aware, bool):
-            raise ValueError("speed_aware must be true or false")
         self.speed_aware = speed_aware
-        self.host_link_bytes_per_s = float(host_link_bytes_per_s)
+        self.host_link_bytes_per_s = link_bandwidth(host_link_bytes_per_s)
         # seconds to reload one token's KV from the host tier (the engine model's own rate)
-        self.reload_s_per_token = cost.kv_bytes_per_token() / self.host_link_bytes_per_s
+        self.reload_s_per_token = reload_s_per_token(cost, host_link_bytes_per_s)
         self.shares = PrefixShares()
         self.last_wait: dict[int, float] = {}
 

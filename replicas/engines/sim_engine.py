@@ -93,11 +93,6 @@ class SimEngine:
             raise ValueError("max_catchup_s must be >= 0")
         if vocab_size <= 16:
             raise ValueError("vocab_size must be > 16")
-        if isinstance(host_kv_blocks, bool) or not isinstance(host_kv_blocks, int) or host_kv_blocks < 0:
-            raise ValueError("host_kv_blocks must be an integer >= 0 (0: no host KV tier)")
-        if isinstance(host_link_bytes_per_s, bool) or not (
-                isinstance(host_link_bytes_per_s, (int, float)) and 0 < host_link_bytes_per_s < float("inf")):
-            raise ValueError("host_link_bytes_per_s must be a finite number > 0")
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -108,7 +103,7 @@ class SimEngine:
         self.clock = clock or MonotonicClock()
         self.cost = CostModel.from_profile(profile)
         cfg = EngineConfig(block_size, max_num_batched_tokens, max_num_seqs, kv_blocks,
-                           host_kv_blocks=host_kv_blocks, host_link_bytes_per_s=float(host_link_bytes_per_s))
+                           host_kv_blocks=host_kv_blocks, host_link_bytes_per_s=host_link_bytes_per_s)  # checked there
         fcfs = make_policy("fcfs", clock=self.clock, cost=self.cost, block_size=block_size)
         self.model = EngineModel(cfg, self.cost, fcfs, self.clock)
         self.model.listener = self
