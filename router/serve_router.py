@@ -419,12 +419,12 @@ class FairwayRequestRouter(RequestRouter):
         if kind == "kv":
             if self.exact:
                 _, uid, stored, removed = event
-                self.index.on_kv_events(self._slot(uid), _kv_events(stored, removed))
+                self.index.on_kv_events(self._slot(uid), _as_events(stored, removed))
                 self.kv_hashes_applied += len(stored) + len(removed)
         elif kind == "tier":
             if self.exact:
                 _, uid, host_only, back = event
-                self.index.on_tier_events(self._slot(uid), _tier_events(host_only, back))
+                self.index.on_tier_events(self._slot(uid), _as_events(host_only, back))
                 self.kv_hashes_applied += len(host_only) + len(back)
         elif kind == "kv-full":
             if self.exact:
@@ -457,19 +457,11 @@ class FairwayRequestRouter(RequestRouter):
                 self.host.unbook(self._routed.pop(key).rid)
 
 
-def _kv_events(stored: list[int], removed: list[int]) -> Iterator[tuple[bool, int]]:
-    """A replica's batch as the index's (stored, hash) events: removals first (a batch holds one
-    event per hash, so the order only matters across hashes, where it does not). O(1) each."""
-    for h in removed:
+def _as_events(on: list[int], off: list[int]) -> Iterator[tuple[bool, int]]:
+    """A replica's batch, ("kv", uid, stored, removed) or ("tier", uid, host_only, back), as the
+    index's (flag, hash) events: the False ones first (a batch holds one event per hash, so the
+    order only matters across hashes, where it does not). O(1) each."""
+    for h in off:
         yield False, h
-    for h in stored:
-        yield True, h
-
-
-def _tier_events(host_only: list[int], back: list[int]) -> Iterator[tuple[bool, int]]:
-    """A replica's tier batch as the index's (host_only, hash) events (one per hash, so the
-    order does not matter). O(1) each."""
-    for h in back:
-        yield False, h
-    for h in host_only:
+    for h in on:
         yield True, h
