@@ -237,10 +237,14 @@ class AdmissionGate:
         wait = self.queue_wait_s(tenant)
         if len(self._waiting) >= cfg.max_queue:
             return f"{cfg.max_queue} waiting", wait
-        bound = cfg.max_queue_wait_s
-        if bound is not None and self._waiting and wait >= bound:
-            return f"an estimated {wait:.1f} s of queue, the bound is {bound:g} s", wait
+        if self._at_wait_bound(wait):
+            return f"an estimated {wait:.1f} s of queue, the bound is {cfg.max_queue_wait_s:g} s", wait
         return "", wait
+
+    def _at_wait_bound(self, wait: float) -> bool:
+        """Requests wait, and ``wait`` (an estimate from ``queue_wait_s``) reaches ``max_queue_wait_s``."""
+        bound = self.config.max_queue_wait_s
+        return bound is not None and bool(self._waiting) and wait >= bound
 
     def queue_wait_s(self, tenant: str | None = None) -> float:
         """Estimated wall seconds until the engine has started everything waiting here (None), or
@@ -419,12 +423,13 @@ class AdmissionGate:
 
     def routing_stats(self) -> ReplicaRoutingStats:
         st = self.engine.stats()
+        queued = self.policy.queued_prefill_s()
         return ReplicaRoutingStats(
             replica=self.replica,
             taken_at=time.time(),
             waiting=len(self.policy),
             running=st.running,
-            queued_prefill_s=self.policy.queued_prefill_s(),
+            queued_prefill_s=queued,
             kv_usage=st.kv_usage,
             kv_blocks_total=st.kv_blocks_total,
             max_num_seqs=self.engine.max_num_seqs,
@@ -433,7 +438,6 @@ class AdmissionGate:
             waiting_ids=list(self._request_ids.values()),
             prefilling=dict(self._prefilling.values()),
             stalled=self.stalled,
-            full=bool(self._waiting) and self.config.max_queue_wait_s is not None
-            and self.queue_wait_s() >= self.config.max_queue_wait_s,
+            full=self._at_wait_bound(self.drain.wait_s(queued)),
             drain_rate=self.drain.rate(),
         )
