@@ -49,6 +49,14 @@ EVENTS = "events"
 MODES = (APPROX, EVENTS)
 
 
+def _scatter(out: list[int], mask: int, value: int) -> None:
+    """``out[j] = value`` for every bit j set in ``mask``. O(bits set)."""
+    while mask:
+        low = mask & -mask
+        out[low.bit_length() - 1] = value
+        mask ^= low
+
+
 class PrefixIndex:
     """For each replica, an estimate of the block hashes it holds.
 
@@ -155,19 +163,12 @@ class PrefixIndex:
         for h in hashes:
             m = where.get(h, 0) & alive
             if m != alive:
-                gone = alive & ~m
-                while gone:  # each replica leaves the walk once: O(replicas) in total
-                    low = gone & -gone
-                    out[low.bit_length() - 1] = i
-                    gone ^= low
+                _scatter(out, alive & ~m, i)  # each replica leaves the walk once: O(replicas) in total
                 alive = m
                 if not alive:
                     return out
             i += 1
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = i
-            alive ^= low
+        _scatter(out, alive, i)
         return out
 
     def match_tiers(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -198,15 +199,9 @@ class PrefixIndex:
         where = self._where
         i = 0
         for h in hashes:
-            if not alive:
-                break
             m = where.get(h, 0) & alive
             if m != alive:
-                gone = alive & ~m
-                while gone:
-                    low = gone & -gone
-                    out[low.bit_length() - 1] = i
-                    gone ^= low
+                _scatter(out, alive & ~m, i)
                 alive = m
                 gpu &= m
                 if not alive:
@@ -215,15 +210,9 @@ class PrefixIndex:
                 hm = hwhere.get(h, 0) & gpu
                 if hm:
                     gpu ^= hm
-                    while hm:
-                        low = hm & -hm
-                        first_host[low.bit_length() - 1] = i
-                        hm ^= low
+                    _scatter(first_host, hm, i)
             i += 1
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = i
-            alive ^= low
+        _scatter(out, alive, i)
         host = [out[j] - f if f >= 0 else 0 for j, f in enumerate(first_host)]
         return out, host
 
