@@ -218,7 +218,7 @@ class FairwayRouter(RouterPolicy):
         """The host-tier reload before ``req``'s first step on ``s``: its host-hit tokens
         (``host_tokens``) at ``host_link_bytes_per_s``; 0 without host hits. The link's queue
         of other reloads is not known to the router and not counted. O(1)."""
-        return self.host_tokens(req, s) * self.reload_s_per_token if s.host_blocks else 0.0
+        return self.host_tokens(req, s) * self.reload_s_per_token
 
     def expected_ttft(self, req: RouteRequest, s: ReplicaState, cached_tokens: int, prefill_s: float,
                       wait_s: float, fullness: float) -> float:
@@ -245,12 +245,8 @@ class FairwayRouter(RouterPolicy):
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
         ttft = {s.replica: self.expected_ttft(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
                                               fullness[s.replica]) / (s.speed if self.speed_aware else 1.0)
-                + w * (prefill[s.replica] - least)
+                + w * (prefill[s.replica] - least) + (self.reload_s(req, s) if self.host_tier else 0.0)
                 for s in ss}
-        if self.host_tier:
-            for s in ss:
-                if s.host_blocks:
-                    ttft[s.replica] += self.reload_s(req, s)
         load = {s.replica: s.outstanding for s in ss}
         size = {s.replica: s.index_blocks for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
