@@ -229,7 +229,7 @@ class KvEventMirror:
                 if cpu:
                     self._cpu.add(vh)
                 elif self._cpu_only and vh in self._cpu_only:  # back on the GPU (reloaded)
-                    self._gpu_back(vh)
+                    self._not_cpu_only(vh)
                 continue
             if cpu:
                 self._add_cpu_only(vh, (tuple(new), (parent, pending)), stored)
@@ -308,12 +308,10 @@ class KvEventMirror:
             self._touch(h)
             host_n[h] = host_n.get(h, 0) + 1
 
-    def _gpu_back(self, vh: Any) -> None:
-        """``vh`` is on the GPU again (reloaded from CPU, or recomputed)."""
+    def _not_cpu_only(self, vh: Any) -> None:
+        """``vh`` is no longer on CPU only (back on the GPU, reloaded or recomputed; or its CPU
+        copy went): its hashes leave the host-only counts."""
         self._cpu_only.discard(vh)
-        self._uncount_host(vh)
-
-    def _uncount_host(self, vh: Any) -> None:
         host_n = self._host_n
         for h in self._blocks[vh][0]:
             self._touch(h)
@@ -329,8 +327,7 @@ class KvEventMirror:
             return
         self._cpu.discard(vh)
         if vh in self._cpu_only:
-            self._cpu_only.discard(vh)
-            self._uncount_host(vh)
+            self._not_cpu_only(vh)
             self._drop(vh, removed)
 
     def _clear_host(self) -> None:
