@@ -985,7 +985,7 @@ def test_fairway_divides_a_replicas_expected_ttft_by_its_measured_speed():
     """Replica 0 has 0.2 s of queued prefill, replica 1 none: at the cost model's pace 1 goes
     first. Replica 1 reporting a fifth of that pace (its gate drains 0.2 cost-model s per s) makes
     its T five times as long, 0.17 / 0.2 = 0.85 s against 0.2 + 0.17 = 0.37 s: 0 goes first."""
-    r = router("fairway", replicate=False)
+    r = router("fairway", replicate=False, speed_aware=True)
     states = [st(0, outstanding=1, qp=(0.2,)), st(1)]
     assert ranked(r, req(160), states) == [[1], [0]]
     assert r.last_scores == pytest.approx({0: 0.37, 1: 0.17})

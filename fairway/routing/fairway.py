@@ -23,11 +23,12 @@ started, R_j the prefill still to run of the requests j has started (``running_p
   ``host_link_bytes_per_s``, for the H_rj host tokens (the engine loads them after admission,
   before the request's first step; the replica's compute is free meanwhile, so the reload is
   not in P_rj, Q_j or the footprint). ``host_tier=False``: a host hit counts as a GPU hit.
-- Replica speed: the live replicas report their measured pace s_j, the cost-model seconds of
-  queued prefill their gate works off per wall second (``ReplicaState.speed``: decode steps, a
-  slower engine or a wrong profile are in it); the wait, the first step and the footprint term
-  are in the cost model's seconds, so T_rj divides them by s_j. A replica that drains at a fifth
-  of the pace looks five times as far. The simulator's replicas keep 1.0 (the cost model's pace).
+- Replica speed (``speed_aware``, off by default): the live replicas report their measured
+  pace s_j, the cost-model seconds of queued prefill their gate works off per wall second
+  (``ReplicaState.speed``: decode steps, a slower engine or a wrong profile are in it); the
+  wait, the first step and the footprint term are in the cost model's seconds, so T_rj divides
+  them by s_j. A replica that drains at a fifth of the pace looks five times as far. The
+  simulator's replicas keep 1.0 (the cost model's pace).
 - Fallbacks: a prompt no replica holds goes to the minimum T (reason ``"cold"``).
   ``rule="affinity"`` keeps the reference design's test: the best-cached replica while its
   W <= theta * max(P, p_floor_s), else the minimum T. By default there is no separate affinity
@@ -82,7 +83,9 @@ class FairwayRouter(RouterPolicy):
       adds beyond the cheapest one).
     - running_prefill, decode_batch, replicate, overtaking = True: the R_j term, the first-token
       step priced with j's running decodes, hot-prefix replication, the overtaken cold wait.
-    - speed_aware = True: divide T_rj by the replica's measured speed (module docstring).
+    - speed_aware = False: True divides T_rj by the replica's measured speed (module docstring).
+      Off by default: a replica's rate is learned only while requests wait there and kept while
+      it is idle, so a rate learned under a heavy mix goes stale and skews a later cold burst.
     - host_tier = True (price a host-tier hit as a reload; the host asks the index for the tier
       split), host_link_bytes_per_s = 50e9 (the engines' host-to-GPU copy bandwidth, as
       ``EngineConfig``'s default). Without tier information (approx index, no host tier) the
@@ -117,7 +120,7 @@ class FairwayRouter(RouterPolicy):
         replicate: bool = True,
         overtaking: bool = True,
         host_tier: bool = True,
-        speed_aware: bool = True,
+        speed_aware: bool = False,
         host_link_bytes_per_s: float = 50e9,
     ):
         super().__init__(clock, cost, block_size, rng)
