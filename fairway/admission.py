@@ -53,11 +53,11 @@ class AdmissionConfig:
     session_horizon_s: how long a finished turn's session counts as waiting for its next turn.
     guard: who the bound applies to. "held": the requests the gate held; past it they are
         admitted before anyone else as soon as memory fits. "all": every waiting request gets the
-        same bound and priority past it (an oldest-first override of the queue policy).
-        "policy": a held request past its bound goes back to the queue policy's order and is not
-        held again in this wait.
+        same bound and priority past it (an oldest-first override of the queue policy); a request
+        preempted after its first token counts it from its re-queueing. "policy": a held request
+        past its bound goes back to the queue policy's order and is not held again in this wait.
     preempt_for_due: the engine preempts the newest decoding requests to make room for an overdue
-        request instead of waiting for memory to drain.
+        request that waits for its first token, instead of waiting for memory to drain.
     """
 
     cold_fraction: float = 0.5

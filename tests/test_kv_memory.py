@@ -376,6 +376,68 @@ def test_abort_of_a_held_request():
     assert eng.pool.n_free_wanted == 5
 
 
+class AdmissionLog:
+    """Engine listener: every admission's (rid, time), re-admissions after a preemption included."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.admitted: list[tuple[int, float]] = []
+
+    def on_admitted(self, replica: int, r) -> None:
+        self.admitted.append((r.rid, round(self.clock.now(), 3)))
+
+    def on_finished(self, replica: int, r) -> None: ...
+    def on_preempted(self, replica: int, r) -> None: ...
+    def on_kv_events(self, *a) -> None: ...
+
+
+def run_guarded(a_output: int, **gate) -> tuple[EngineModel, list[tuple[int, float]]]:
+    """20 blocks, ``lpm``. t=0: L (224 tokens, 14 blocks, 40 output tokens) and P (32 tokens, one
+    output token) start; A (100 tokens cold, 7 blocks) does not fit beside L (6 blocks free once
+    P is done) and waits. At 0.4 W arrives: 48 tokens of which P's 32 are cached, 1 new block,
+    so it fits, and ``lpm`` picks it before the cold A. L finishes at 0.851 without the gate."""
+    clock = ManualClock()
+    cost = LinearCost()
+    pol = make_policy("lpm", clock=clock, cost=cost)
+    eng = EngineModel(EngineConfig(kv_blocks=20, admission=AdmissionConfig(**gate) if gate else None),
+                      cost, pol, clock)
+    log = AdmissionLog(clock)
+    eng.listener = log
+    arrivals = [spec(0, 0.0, 224, 40, chain("L", 14)), spec(1, 0.0, 32, 1, chain("p", 2)),
+                spec(2, 0.0, 100, a_output, chain("A", 6)), spec(3, 0.4, 48, 1, chain("p", 3))]
+    t = 0.0
+    while arrivals or eng.has_work():
+        while arrivals and arrivals[0].arrival_s <= t:
+            eng.add(arrivals.pop(0))
+        dt = eng.start_step()
+        if dt is None:
+            t = arrivals[0].arrival_s
+        else:
+            t += dt
+        clock.set(t)
+        if dt is not None:
+            eng.finish_step()
+    return eng, log.admitted
+
+
+def test_guard_all_admits_the_overdue_request_first_and_lets_nobody_pass():
+    _, plain = run_guarded(1)
+    assert plain == [(0, 0.0), (1, 0.0), (3, 0.401), (2, 0.867)]  # lpm: the warm W passes A
+    _, guarded = run_guarded(1, guard="all", min_hold_s=0.1, max_hold_s=0.1)
+    # A is overdue from 0.1: nobody is admitted before it, W waits for it though W would fit
+    assert guarded == [(0, 0.0), (1, 0.0), (2, 0.851), (3, 0.851)]
+
+
+def test_preempt_for_due_makes_room_once_and_the_resumed_decode_waits_its_own_bound():
+    """A is overdue at 0.1 and does not fit: L (decoding) is preempted for it at 0.266. L is
+    re-queued with its bound counted from then (0.366), not from its arrival, and an overdue
+    resumed decode preempts nobody (only a first token is worth it): L waits for A's 20 tokens and
+    resumes at 0.661, with no ping-pong between the two."""
+    eng, log = run_guarded(20, guard="all", min_hold_s=0.1, max_hold_s=0.1, preempt_for_due=True)
+    assert log == [(0, 0.0), (1, 0.0), (2, 0.266), (0, 0.661), (3, 0.661)]
+    assert eng.preemptions == 1
+
+
 # -- the simulator's options ------------------------------------------------------------------
 
 

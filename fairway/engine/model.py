@@ -216,7 +216,12 @@ class EngineModel:
             self.pool.add_demand(r.demand, QUEUE, 1)
         if self.gate is not None and self.gate.config.guard == "all":
             hit, host_n, new_blocks = self._plan(r)
-            self._set_deadline(r, self.gate.deadline(self._candidate(r, hit, host_n, new_blocks)))
+            deadline = self.gate.deadline(self._candidate(r, hit, host_n, new_blocks))
+            if r.generated:
+                # preempted after its first token: the bound runs from now (the guard bounds the
+                # wait for a first token; a resumed decode must not jump the queue at once)
+                deadline += self.clock.now() - r.spec.arrival_s
+            self._set_deadline(r, deadline)
         r.queued = QueuedRequest(
             rid=r.rid,
             arrival_s=r.spec.arrival_s,
@@ -482,8 +487,8 @@ class EngineModel:
         """If the earliest overdue waiting request does not fit, preempt the newest running
         requests until it does (their computed blocks stay cached, and spill to the host tier)."""
         r = self._overdue_head(now)
-        if r is None:
-            return
+        if r is None or r.generated:
+            return  # only a first token is worth a preemption
         pool = self.pool
         hit, _, new_blocks = self._plan(r)
         while self.running and pool.free_after_touch(hit) < new_blocks:
