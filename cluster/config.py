@@ -70,6 +70,10 @@ class ReplicaOptions(BaseModel):
     max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds: "
                                            "its prefill work over the rate the engine works it off) beyond "
                                            "which new requests get 429; null: no bound")
+    oldest_first_after_s: float | None = Field(None, gt=0, description="a request that has waited this long "
+                                               "(wall seconds) is admitted before the policy's pick, oldest "
+                                               "first (an age bound on the queue order, for memory-bound "
+                                               "agentic loads; docs/benchmarks.md 2.6); null: off")
 
 
 class ClusterArgs(ServedModel):
@@ -146,6 +150,7 @@ class ClusterArgs(ServedModel):
             tenant_fair=self.replica.tenant_fair,
             tenant_recent_s=self.replica.tenant_recent_s,
             max_queue_wait_s=self.replica.max_queue_wait_s,
+            oldest_first_after_s=self.replica.oldest_first_after_s,
             publish_kv_events=self.router.prefix_view == "events",
             kv_publish_period_s=self.router.sync_period_s,
             prefill_budget_tokens=self.replica.prefill_budget_tokens,

@@ -54,6 +54,8 @@ class ReplicaArgs(BaseModel):
     tenant_recent_s: float = Field(30.0, gt=0, description="a recent tenant holding less is owed room in the engine")
     max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds, "
                                            "replicas/drain.py) beyond which new requests get 429; None: no bound")
+    oldest_first_after_s: float | None = Field(None, gt=0, description="a request waiting this long is "
+                                               "admitted before the policy's pick, oldest first; None: off")
     publish_kv_events: bool = Field(False, description="send the engine's KV events to the routers' shared "
                                                        "view (router.prefix_view: events)")
     kv_publish_period_s: float = Field(0.01, gt=0, le=1.0, description="how often KV events are sent")
@@ -115,7 +117,7 @@ class FairwayReplica:
                 logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
                 self.exporter = None
         gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s, a.max_queue_wait_s,
-                                 a.tenant_recent_s)
+                                 a.tenant_recent_s, oldest_first_after_s=a.oldest_first_after_s)
         self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
                                   policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()

@@ -13,6 +13,10 @@ near empty. "Room" is, in order:
    behind it jumps ahead (vLLM's head-of-line rule), so a large request is never starved by
    small ones slipping into freed memory.
 
+With ``oldest_first_after_s`` set, a request that has waited that long goes before the policy's
+pick (the oldest first, ahead of the tenants' fair queueing too), and rule 3 applies to it: an
+age bound on the order, which the engine model measures as ``guard=all`` (docs/benchmarks.md 2.6).
+
 The queue is bounded twice: beyond ``max_queue`` waiting requests, or once the estimated wait of
 the queue reaches ``max_queue_wait_s``, a new one is refused at once with ``Overloaded`` (HTTP 429
 with that estimate as Retry-After), never parked. The estimate is the queued prefill work (the
@@ -82,6 +86,7 @@ class GateConfig:
     stall_timeout_s: float = 15.0
     max_queue_wait_s: float | None = 5.0  # estimated wall seconds of queue beyond which new ones get 429
     tenant_recent_s: float = 30.0  # a tenant seen this recently is owed room (replicas/tenants.py)
+    oldest_first_after_s: float | None = None  # a request waiting this long goes before the policy's pick
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -92,6 +97,8 @@ class GateConfig:
             raise ValueError("max_queue_wait_s must be > 0 (or None: no bound)")
         if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
             raise ValueError("prefill_budget_tokens must be >= 1")
+        if self.oldest_first_after_s is not None and not self.oldest_first_after_s > 0:
+            raise ValueError("oldest_first_after_s must be > 0 (or None: the policy's order only)")
 
 
 class AdmissionGate:
@@ -200,18 +207,21 @@ class AdmissionGate:
         n = 0
         owing: set[str] = set()  # tenants that must leave room for quieter ones: not this pass
         while self._waiting and self._has_room():
-            q = self.policy.select(skip=owing)
+            overdue = self._overdue()
+            q = overdue or self.policy.select(skip=owing)
             if q is None:
                 break
-            # room kept for quieter tenants (replicas/tenants.py): a slot each, their next prompt
-            # in KV memory, and up to half of the prefill budget (so their prefill does not queue
-            # behind a full budget of the others' inside the engine)
-            tenant = self.policy.tenant_of(q.rid)
-            tokens, slots = self.policy.reserve(tenant, self.clock.now())
-            if slots and (self._in_engine + slots >= self.engine.max_num_seqs
-                          or self._pending_prefill + min(tokens, self._budget() // 2) >= self._budget()):
-                owing.add(tenant)
-                continue
+            tokens = 0
+            if overdue is None:
+                # room kept for quieter tenants (replicas/tenants.py): a slot each, their next
+                # prompt in KV memory, and up to half of the prefill budget (so their prefill does
+                # not queue behind a full budget of the others' inside the engine)
+                tenant = self.policy.tenant_of(q.rid)
+                tokens, slots = self.policy.reserve(tenant, self.clock.now())
+                if slots and (self._in_engine + slots >= self.engine.max_num_seqs
+                              or self._pending_prefill + min(tokens, self._budget() // 2) >= self._budget()):
+                    owing.add(tenant)
+                    continue
             if not self.engine.can_fit(q.prompt_tokens + tokens, q.block_hashes):
                 if tokens and self.engine.can_fit(q.prompt_tokens, q.block_hashes):
                     owing.add(tenant)  # it fits, but only in the room kept for the quieter tenants
@@ -228,6 +238,15 @@ class AdmissionGate:
             n += 1
         self.drain.observe(self.clock.now(), bool(self._waiting))
         return n
+
+    def _overdue(self) -> QueuedRequest | None:
+        """The oldest waiting request once it has waited ``oldest_first_after_s``, else None.
+        O(1): ``_waiting`` is in arrival order."""
+        bound = self.config.oldest_first_after_s
+        if bound is None or not self._waiting:
+            return None
+        q = self.policy.get(next(iter(self._waiting)))
+        return q if self.clock.now() - q.arrival_s >= bound else None
 
     def _full(self, tenant: str = "") -> tuple[str, float]:
         """Why the queue takes no more requests of ``tenant`` (``max_queue`` waiting, or an

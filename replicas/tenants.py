@@ -114,6 +114,10 @@ class TenantQueues:
         if got is not None:
             self.held[got[0]] -= got[1]
 
+    def get(self, rid: int) -> QueuedRequest:
+        """The waiting request ``rid``, whatever its tenant. O(1)."""
+        return self.queues[self._tenant[rid]].get(rid)
+
     def tenant_of(self, rid: int) -> str:
         """The tenant of a waiting request."""
         return self._tenant[rid]

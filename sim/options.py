@@ -34,7 +34,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission", default="off",
                    help="engine admission gate: off, or session[cold_fraction=..;hold_factor=..;min_hold_s=..;"
-                        "max_hold_s=..;session_horizon_s=..;hold_first_turn=..] (fairway.admission)")
+                        "max_hold_s=..;session_horizon_s=..;hold_first_turn=..;guard=held|all|policy;"
+                        "preempt_for_due=..] (fairway.admission)")
     p.add_argument("--retention", default=None, choices=list(RETENTIONS),
                    help="KV eviction strategy (default: the queue policy's)")
     p.add_argument("--host-kv-blocks", type=int, default=0, help="host (CPU) KV tier per replica, blocks; 0 = off")

@@ -89,3 +89,10 @@ def test_the_exact_prefix_view_turns_on_the_shared_view_and_the_replicas_publish
     for bad in ({"prefix_view": "events", "shared_view": False}, {"prefix_view": "events", "policy": "ray-default"}):
         with pytest.raises(ValidationError, match="prefix_view: events needs"):
             ClusterArgs(router=bad)
+
+
+def test_the_replicas_age_bound_reaches_the_gate_config():
+    assert ClusterArgs().replica_args().oldest_first_after_s is None  # off by default
+    assert ClusterArgs(replica={"oldest_first_after_s": 10}).replica_args().oldest_first_after_s == 10
+    with pytest.raises(ValueError, match="oldest_first_after_s"):
+        ClusterArgs(replica={"oldest_first_after_s": 0})

@@ -511,3 +511,30 @@ async def test_a_flooding_tenant_leaves_half_the_prefill_budget_to_a_recent_quie
         await settle()
     await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
     assert engine.started == ["b0", "a0", "b1", "a1"]
+
+
+@pytest.mark.parametrize(("bound", "order", "waits"), [
+    (None, ["a", "d", "c", "b"], {"a": 0.0, "d": 0.0, "c": 2.0, "b": 4.0}),
+    (2.5, ["a", "d", "b", "c"], {"a": 0.0, "d": 0.0, "b": 3.0, "c": 3.0}),
+])
+async def test_oldest_first_after_its_bound(bound, order, waits):
+    """lpm, one admission at a time: b (nothing cached) arrives at 1, c (3 blocks cached) at 2,
+    d (6) at 3, behind a. a's first token at 3: b has waited 2 s, d goes. d's at 4: b has waited
+    3 s, past a 2.5 s bound, so it goes before c; without the bound lpm keeps it last."""
+    fam = chain("doc", 8)
+    gate, engine, clock = make_gate("lpm", cached=set(fam[:6]), prefill_budget_tokens=1,
+                                    oldest_first_after_s=bound)
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call("a", 120), out))]
+    await settle()
+    for rid, hashes in (("b", []), ("c", fam[:3] + chain("x", 5)), ("d", fam)):
+        clock.advance(1.0)
+        tasks.append(asyncio.create_task(consume(gate, call(rid, 128, hashes), out)))
+        await settle()
+    for rid in order:
+        engine.release(rid)
+        await settle()
+        clock.advance(1.0)
+    await asyncio.gather(*tasks)
+    assert engine.started == order
+    assert {rid: ch.queue_wait_s for rid, ch in out if ch.token_ids == [7]} == pytest.approx(waits)

@@ -115,6 +115,10 @@ class QueuePolicy(ABC):
     def __contains__(self, rid: int) -> bool:
         return rid in self._items
 
+    def get(self, rid: int) -> QueuedRequest:
+        """The waiting request ``rid`` (KeyError if it is not waiting). O(1)."""
+        return self._items[rid]
+
     def add(self, req: QueuedRequest) -> None:
         if req.rid in self._items:
             raise KeyError(f"request {req.rid} is already queued")
