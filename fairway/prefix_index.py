@@ -399,18 +399,11 @@ class PrefixIndex:
         """The hashes ``replica``'s engine holds in its host tier only (a live view). O(1)."""
         return self._host[replica]
 
-    def replace_host_only(self, replica: int, hashes: Iterable[int]) -> None:
-        """Events mode: ``replica``'s host-only hashes are exactly ``hashes`` (a snapshot).
-        O(held before + len(hashes))."""
-        if self._mode != EVENTS:
-            return
-        self._clear_host(replica)
-        self.on_tier_events(replica, ((True, h) for h in hashes))
-
-    def replace_blocks(self, replica: int, hashes: Iterable[int]) -> None:
+    def replace_blocks(self, replica: int, hashes: Iterable[int], host_only: Iterable[int] = ()) -> None:
         """Events mode: ``replica``'s engine holds exactly ``hashes`` (a snapshot, or a replica's
-        full resend after its events were lost); the prompts in flight to it stay counted.
-        No-op in approx mode. O(blocks held before + len(hashes))."""
+        full resend after its events were lost), of which exactly ``host_only`` in its host tier
+        only (engines with one); the prompts in flight to it stay counted. No-op in approx mode.
+        O(blocks and host-only hashes held before + len(hashes) + len(host_only))."""
         if self._mode != EVENTS:
             return
         keep = set(hashes)
@@ -419,10 +412,9 @@ class PrefixIndex:
             del lru[h]
             if (replica, h) not in self._fly:
                 self._unset(replica, h)
-        stale = [(False, h) for h in self._host[replica] if h not in keep]
-        if stale:  # host-only hashes the engine no longer holds at all
-            self.on_tier_events(replica, stale)
+        self._clear_host(replica)
         self.on_kv_events(replica, ((True, h) for h in keep))
+        self.on_tier_events(replica, ((True, h) for h in host_only))
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -377,9 +377,7 @@ class FairwayRequestRouter(RequestRouter):
         if ex.kv is not None:  # a snapshot of every replica's blocks, as of before ex.events
             host = ex.host or {}
             for uid, hashes in ex.kv.items():
-                j = self._slot(uid)
-                self.index.replace_blocks(j, hashes)
-                self.index.replace_host_only(j, host.get(uid, ()))  # O(1) when none was or is
+                self.index.replace_blocks(self._slot(uid), hashes, host.get(uid, ()))
             self._need_snapshot = False
         elif ex.gap and self.exact:  # KV events were lost: exact again after the next snapshot
             self._need_snapshot = True
@@ -428,10 +426,8 @@ class FairwayRequestRouter(RequestRouter):
                 self.kv_hashes_applied += len(host_only) + len(back)
         elif kind == "kv-full":
             if self.exact:
-                j = self._slot(event[1])
-                self.index.replace_blocks(j, event[2])
-                host = event[3] if len(event) > 3 else ()
-                self.index.replace_host_only(j, host)  # O(1) without a host tier
+                host = event[3] if len(event) > 3 else ()  # 3 fields without a host tier
+                self.index.replace_blocks(self._slot(event[1]), event[2], host)
                 self.kv_hashes_applied += len(event[2]) + len(host)
         elif kind == "r":
             _, uid, key, hashes, prompt_tokens, est, request_id, routed_at = event

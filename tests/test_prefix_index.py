@@ -344,7 +344,7 @@ def test_tier_state_is_cleared_and_snapshotted():
     idx.on_tier_events(0, [(True, A[3])])
     idx.replace_blocks(0, A[:3])  # A[3] is no longer held at all: its host-only mark goes too
     assert idx.host_only(0) == set() and idx._hwhere == {}
-    idx.replace_host_only(0, [A[1]])
+    idx.replace_blocks(0, A[:3], host_only=[A[1]])
     assert idx.match_tiers(A) == ([3, 0], [2, 0])
     idx.clear_replica(0)
     assert idx._hwhere == {} and idx.match_tiers(A) == ([0, 0], [0, 0])
@@ -354,7 +354,7 @@ def test_approx_mode_has_no_tier_information():
     idx = PrefixIndex(2)
     idx.record_routed(0, A[:4])
     idx.on_tier_events(0, [(True, A[0])])  # no-op in approx mode
-    idx.replace_host_only(0, [A[0]])
+    idx.replace_blocks(0, A[:4], host_only=[A[0]])  # no-op in approx mode
     assert idx.match_tiers(A) == ([4, 0], [0, 0])
 
 

@@ -113,11 +113,8 @@ class FallbackIndex:
     def on_kv_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
         self.exact.on_kv_events(replica, events)
 
-    def replace_blocks(self, replica: int, hashes: Iterable[int]) -> None:
-        self.exact.replace_blocks(replica, hashes)
+    def replace_blocks(self, replica: int, hashes: Iterable[int], host_only: Iterable[int] = ()) -> None:
+        self.exact.replace_blocks(replica, hashes, host_only)
 
     def on_tier_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
         self.exact.on_tier_events(replica, events)
-
-    def replace_host_only(self, replica: int, hashes: Iterable[int]) -> None:
-        self.exact.replace_host_only(replica, hashes)
