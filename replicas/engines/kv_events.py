@@ -107,8 +107,12 @@ class KvEventMirror:
 
     def host_only(self) -> list[int]:
         """Our hashes held on CPU only (no GPU block completes them). O(host-tier hashes)."""
-        held = self._held
-        return [h for h, n in self._host_n.items() if n == held.get(h, 0)]
+        return [h for h in self._host_n if self._is_host_only(h)]
+
+    def _is_host_only(self, h: int) -> bool:
+        """Every vLLM block completing ``h`` is on CPU only (and one is). O(1)."""
+        n = self._host_n.get(h, 0)
+        return n > 0 and n == self._held.get(h, 0)
 
     # -- reads (CacheEstimate's interface) -----------------------------------------------------
 
@@ -149,10 +153,8 @@ class KvEventMirror:
     # -- updates -------------------------------------------------------------------------------
 
     def clear(self) -> list[int]:
-        removed = list(self._held)
-        self._clear_host()
-        self._blocks.clear()
-        self._held.clear()
+        removed: list[int] = []
+        self._forget_all(removed)
         self._emit([], removed)
         self._emit_tier()
         return removed
@@ -166,10 +168,7 @@ class KvEventMirror:
             self.events_applied += 1
             kind = type(ev).__name__
             if kind == "AllBlocksCleared":
-                removed.extend(self._held)
-                self._clear_host()
-                self._blocks.clear()
-                self._held.clear()
+                self._forget_all(removed)
                 continue
             if (getattr(ev, "group_idx", None) or 0) != 0:
                 continue
@@ -266,8 +265,7 @@ class KvEventMirror:
     def _touch(self, h: int) -> None:
         """Remember ``h``'s host-only status before this batch changes it (netting). O(1)."""
         if h not in self._touched:
-            n = self._host_n.get(h, 0)
-            self._touched[h] = n > 0 and n == self._held.get(h, 0)
+            self._touched[h] = self._is_host_only(h)
 
     def _stored_cpu(self, ev: Any, stored: list[int]) -> None:
         """CPU copies: of a block the mirror holds (the usual case: offloaded from the GPU), of
@@ -330,22 +328,25 @@ class KvEventMirror:
             self._not_cpu_only(vh)
             self._drop(vh, removed)
 
-    def _clear_host(self) -> None:
+    def _forget_all(self, removed: list[int]) -> None:
+        """Every block is gone from both tiers (vLLM's ``AllBlocksCleared``, or ``clear``): every
+        held hash goes into ``removed``, and the host-only ones will leave the host-only set."""
         for h in self._host_n:
             self._touch(h)
         self._cpu.clear()
         self._cpu_only.clear()
         self._host_n.clear()
         self._stash.clear()
+        removed.extend(self._held)
+        self._blocks.clear()
+        self._held.clear()
 
     def _emit_tier(self) -> None:
         """The batch's net tier changes, after its KV events. O(hashes touched)."""
         touched, self._touched = self._touched, {}
-        held, host_n = self._held, self._host_n
         events = []
         for h, before in touched.items():
-            n = host_n.get(h, 0)
-            now = n > 0 and n == held.get(h, 0)
+            now = self._is_host_only(h)
             if now != before:
                 events.append((now, h))
         if events and self._on_tier is not None:
