@@ -52,7 +52,7 @@ import numpy as np
 import xxhash
 
 from fairway.clock import Clock
-from fairway.cost_model import CostModel, link_bandwidth, reload_s_per_token
+from fairway.cost_model import CostModel, reload_s_per_token
 from fairway.policies.fairway import FairwayConfig
 from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 from fairway.routing.popularity import PrefixShares
@@ -160,8 +160,8 @@ class FairwayRouter(RouterPolicy):
                 raise ValueError(f"{name} must be true or false")
         self.host_tier = host_tier
         self.speed_aware = speed_aware
-        self.host_link_bytes_per_s = link_bandwidth(host_link_bytes_per_s)
-        # seconds to reload one token's KV from the host tier (the engine model's own rate)
+        # seconds to reload one token's KV from the host tier (the engine model's own rate; the
+        # bandwidth is checked there)
         self.reload_s_per_token = reload_s_per_token(cost, host_link_bytes_per_s)
         self.shares = PrefixShares()
         self.last_wait: dict[int, float] = {}
