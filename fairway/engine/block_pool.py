@@ -224,6 +224,12 @@ class BlockPool:
                 self.tier_events.append((False, old))
                 self.events.append((False, old))
 
+    def host_only(self) -> list[int]:
+        """The hashes held in the host tier and not on the GPU (the set the tier events replay);
+        [] without a host tier. O(host-tier hashes)."""
+        cached = self.cached
+        return [h for h in self.host if h not in cached]
+
     def longest_hit(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``. O(matched + 1)."""
         out: list[int] = []

@@ -372,7 +372,7 @@ class SimEngine:
         """Every block hash in the engine's prefix cache, in either tier (the KV events cover
         both). O(cached blocks)."""
         pool = self.model.pool
-        return list(pool.cached) + [h for h in pool.host if h not in pool.cached]
+        return list(pool.cached) + pool.host_only()
 
     def set_cache_listener(
         self,
@@ -385,8 +385,7 @@ class SimEngine:
     def host_only_hashes(self) -> list[int]:
         """The hashes held in the host KV tier only (not on the GPU); [] without a host tier.
         O(host-tier blocks)."""
-        pool = self.model.pool
-        return [h for h in pool.host if h not in pool.cached]
+        return self.model.pool.host_only()
 
     def set_tier_listener(self, on_tier: Callable[[Sequence[tuple[bool, int]]], None] | None) -> None:
         """Receive the tier events (``(host_only, hash)``; only with a host tier)."""
