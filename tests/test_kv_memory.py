@@ -403,20 +403,9 @@ def run_guarded(a_output: int, **gate) -> tuple[EngineModel, list[tuple[int, flo
                       cost, pol, clock)
     log = AdmissionLog(clock)
     eng.listener = log
-    arrivals = [spec(0, 0.0, 224, 40, chain("L", 14)), spec(1, 0.0, 32, 1, chain("p", 2)),
-                spec(2, 0.0, 100, a_output, chain("A", 6)), spec(3, 0.4, 48, 1, chain("p", 3))]
-    t = 0.0
-    while arrivals or eng.has_work():
-        while arrivals and arrivals[0].arrival_s <= t:
-            eng.add(arrivals.pop(0))
-        dt = eng.start_step()
-        if dt is None:
-            t = arrivals[0].arrival_s
-        else:
-            t += dt
-        clock.set(t)
-        if dt is not None:
-            eng.finish_step()
+    specs = [spec(0, 0.0, 224, 40, chain("L", 14)), spec(1, 0.0, 32, 1, chain("p", 2)),
+             spec(2, 0.0, 100, a_output, chain("A", 6)), spec(3, 0.4, 48, 1, chain("p", 3))]
+    Simulation(ListWorkload(specs), [eng], clock).run()
     return eng, log.admitted
 
 
