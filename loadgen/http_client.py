@@ -16,6 +16,14 @@ consecutive token events; E2E = end of stream - send. With retries, the send is 
 attempt's (what the user waits). Every call is bounded by ``timeout_s`` in total; running past it
 gives status ``"timeout"``.
 
+A request written onto a pooled keep-alive connection that the server closes before any byte of
+an answer is sent again, once, on another connection (``resent``): the request can have crossed
+the server's close of an idle connection, which no server can prevent. HTTP clients do the same
+for a request on a reused connection (Go's net/http, and the OpenAI SDK, which retries every
+connection error). A connection the client opened for the request that closes unanswered is not
+resent: that is the server's failure, and the ledger counts it lost. Knowing whether the
+connection was reused needs the session's ``reuse_tracing()``; without it nothing is resent.
+
 A client may hang up on purpose (``hang_up_after_s``: close the connection that many seconds after
 sending, whatever state the request is in; ``hang_up_after_events``: close it after that many
 token events): status ``"disconnected"``, unless the answer was complete first.
@@ -44,6 +52,7 @@ class StreamResult:
     error) / ``"disconnected"`` (the client hung up on purpose). ``ok`` iff the stream ended with
     ``[DONE]`` or a final usage chunk. ``started``: a 2xx status line came (the stream began).
     ``error_event``: the stream ended with the server's error event (a clear failure, not a cut).
+    ``resent``: sent a second time after its reused connection closed unanswered (module docstring).
     Invariants when ``ok``: ``ttft_s`` is set unless no token came, ``len(itl_s)`` is one less
     than the number of token events, ``e2e_s >= ttft_s``."""
 
@@ -66,6 +75,7 @@ class StreamResult:
     error: str = ""
     started: bool = False
     error_event: bool = False
+    resent: bool = False
 
     @property
     def rejected(self) -> bool:
@@ -172,12 +182,40 @@ class _StreamError(Exception):
     pass
 
 
+def reuse_tracing() -> aiohttp.TraceConfig:
+    """A trace config for ``ClientSession(trace_configs=[...])`` that marks, in each request's
+    ``trace_request_ctx`` dict, whether its connection came from the pool (``"reused"``)."""
+
+    async def reused(session: Any, ctx: Any, params: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["reused"] = True
+
+    tc = aiohttp.TraceConfig()
+    tc.on_connection_reuseconn.append(reused)
+    return tc
+
+
 async def _attempt(
     http: aiohttp.ClientSession, url: str, payload: dict[str, Any], res: StreamResult, clock: Clock, sent: float,
     hang_up_after_events: int | None = None,
 ) -> float | None:
-    """One POST; fills ``res``. Returns the Retry-After delay when the answer is retryable."""
-    async with http.post(url, json=payload) as resp:
+    """One POST, sent again once if its reused connection closed before any answer (module
+    docstring); fills ``res``. Returns the Retry-After delay when the answer is retryable."""
+    trace: dict[str, bool] = {}
+    try:
+        return await _post(http, url, payload, res, clock, sent, hang_up_after_events, trace)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        if not trace.get("reused") or res.started or res.resent:
+            raise
+    res.resent = True
+    return await _post(http, url, payload, res, clock, sent, hang_up_after_events, {})
+
+
+async def _post(
+    http: aiohttp.ClientSession, url: str, payload: dict[str, Any], res: StreamResult, clock: Clock, sent: float,
+    hang_up_after_events: int | None, trace: dict[str, bool],
+) -> float | None:
+    async with http.post(url, json=payload, trace_request_ctx=trace) as resp:
         if resp.status // 100 != 2:
             res.status, res.error = str(resp.status), _error_message(await resp.read())
             return _retry_after(resp.headers) if resp.status in RETRYABLE else None

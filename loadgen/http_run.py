@@ -42,7 +42,7 @@ from fairway.clock import Clock, MonotonicClock
 from fairway.request import RequestSpec, Workload
 from fairway.summary import RequestSample, pct, realized_rate, summarize_samples
 from loadgen.accounting import Ledger, classify
-from loadgen.http_client import ServerError, StreamResult, first_model, stream_completion
+from loadgen.http_client import ServerError, StreamResult, first_model, reuse_tracing, stream_completion
 from loadgen.progress import ProgressLine
 from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
 from workloads.registry import make_workload_from
@@ -233,7 +233,8 @@ class HttpLoadRun:
         connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on open connections
         timeout = aiohttp.ClientTimeout(total=None)  # each request is bounded by timeout_s instead
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
+                                         trace_configs=[reuse_tracing()]) as http:
             self._http = http
             listed = await first_model(http, self.cfg.url, timeout_s=self.cfg.connect_timeout_s)
             if self.model is None:

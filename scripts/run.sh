@@ -58,9 +58,9 @@ PY
   start=$(date +%s)
   # the settings the tests start clusters with (cluster/launch.py serve_env: a private local Ray
   # unless RAY_ADDRESS points at a cluster, Ray Serve's throughput-optimized mode, HAProxy as the
-  # HTTP ingress; README, "Streaming"); any of them set in the environment wins
-  # shellcheck disable=SC2046
-  env $(python -m cluster.launch env) setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1 &
+  # HTTP ingress; README, "Streaming"); any of them set in the environment wins. The values come
+  # shell-quoted (one has a space), and exec keeps $! the server's pid.
+  (set -a; eval "$(python -m cluster.launch env)"; exec setsid nohup serve run "$cfg" > "$OUT/serve.log" 2>&1) &
   echo $! > "$PIDFILE"
   echo "starting the cluster ($CONFIG), log: $OUT/serve.log"
   for _ in $(seq 1 180); do

