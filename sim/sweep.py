@@ -23,8 +23,13 @@ def _one(cfg_json: str) -> dict[str, Any]:
     return run(RunConfig.model_validate_json(cfg_json), keep_samples=True)
 
 
+#: The KV memory's counts in a run's JSON (``sim/runner.py``) beside its prompt-token counts.
+KV_COUNTS = ("prefill_tokens_computed", "holds", "hold_releases_due", "host_reload_s")
+
+
 def median_over_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Combine seed runs: medians of every TTFT statistic, sums of counts, pooled samples."""
+    """Combine seed runs: medians of every TTFT statistic, sums of counts (the KV memory's token
+    counts, holds and reload seconds among them), pooled samples."""
     if len(results) == 1:
         return results[0]
     out = dict(results[0])
@@ -51,6 +56,11 @@ def median_over_seeds(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["seeds"] = [r["seed"] for r in results]
     out["ttft_samples_s"] = [x for r in results for x in r.get("ttft_samples_s", [])]
     out["sim_wall_s"] = float(sum(r["sim_wall_s"] for r in results))
+    if "kv_memory" in out:  # the settings (admission, retention, host_kv_blocks) are the same in every run
+        kv = out["kv_memory"] = dict(out["kv_memory"])
+        kv["tokens"] = {k: sum(r["kv_memory"]["tokens"][k] for r in results) for k in kv["tokens"]}
+        for k in KV_COUNTS:
+            kv[k] = sum(r["kv_memory"][k] for r in results)
     return out
 
 

@@ -127,3 +127,18 @@ def test_run_json_schema():
     assert sum(v["n"] for v in res["ttft_by_lane_s"].values()) == res["n_finished"]
     fcfs = run(RunConfig(workload="rag", policy="fcfs", rate=4, duration_s=20))
     assert fcfs["ttft_by_lane_s"] == {}
+
+
+def test_seed_runs_combine_the_kv_memory_counts_as_sums_and_keep_its_settings():
+    from sim.sweep import KV_COUNTS, median_over_seeds
+
+    cfg = RunConfig(workload="agentic", policy="fairway", concurrency=20, duration_s=20.0, kv_blocks=600,
+                    host_kv_blocks=600, seed=0)
+    runs = [run(cfg.model_copy(update={"seed": s})) for s in (0, 1)]
+    kv = median_over_seeds(runs)["kv_memory"]
+    assert kv["host_kv_blocks"] == 600 and kv["retention"] == runs[0]["kv_memory"]["retention"]
+    for k in ("gpu_hit", "host_hit", "miss"):
+        assert kv["tokens"][k] == runs[0]["kv_memory"]["tokens"][k] + runs[1]["kv_memory"]["tokens"][k]
+    for k in KV_COUNTS:
+        assert kv[k] == runs[0]["kv_memory"][k] + runs[1]["kv_memory"][k]
+    assert runs[0]["kv_memory"]["tokens"]["host_hit"] > 0  # the tier was used, so the sums mean something
