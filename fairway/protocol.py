@@ -182,6 +182,9 @@ class ReplicaRoutingStats:
     replica's real queue. ``prefilling`` maps the requests admitted into the engine and still
     without a first token at ``taken_at`` to their admission time (wall clock): a router dates
     their prefill from it and counts every other started request as past its prefill.
+    ``admitted_ids`` are all the requests in the engine at ``taken_at`` (prefilling or past it):
+    a request a router routed that is in none of the lists (nor in ``recent_cached``) has not
+    reached the replica yet, so it is left queued; ``None`` (an older replica): not reported.
     ``stalled``: the replica's engine is stalled (``replicas/gate.py``); routers avoid it.
     ``full``: the gate's estimated wait of its queue is at its bound (``max_queue_wait_s``), so it
     refuses new requests (429); routers leave it out while another replica is not full.
@@ -199,6 +202,7 @@ class ReplicaRoutingStats:
     recent_cached: dict[str, int] = field(default_factory=dict)
     waiting_ids: list[str] = field(default_factory=list)
     prefilling: dict[str, float] = field(default_factory=dict)
+    admitted_ids: list[str] | None = None
     stalled: bool = False  # the gate found its engine stalled: routers leave it out until it recovers
     full: bool = False  # the gate's queue is at its wait bound: routers prefer a replica that is not
     drain_rate: float = 1.0  # cost-model prefill seconds the gate works off per wall second (replicas/drain.py)

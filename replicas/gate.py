@@ -130,6 +130,7 @@ class AdmissionGate:
         self._in_engine = 0  # admitted and not finished
         self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
         self._prefilling: dict[int, tuple[str, float]] = {}  # admitted, no first token: rid -> (id, wall time)
+        self._admitted: dict[int, str] = {}  # in the engine (admitted, not finished): rid -> request id
         self.admitted = 0
         self.finished = 0
         self.rejected = 0
@@ -232,6 +233,7 @@ class AdmissionGate:
             self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
             self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
+            self._admitted[q.rid] = self._prefilling[q.rid][0]
             fut = self._waiting.pop(q.rid)
             if not fut.done():
                 fut.set_result(adm)
@@ -336,6 +338,7 @@ class AdmissionGate:
 
     def _release(self, adm: Admission, prefilled: bool) -> None:
         self._in_engine -= 1
+        self._admitted.pop(adm.rid, None)
         self.policy.release(adm.rid)
         if not prefilled:
             self._prefill_over(adm)
@@ -456,6 +459,7 @@ class AdmissionGate:
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),
             prefilling=dict(self._prefilling.values()),
+            admitted_ids=list(self._admitted.values()),
             stalled=self.stalled,
             full=self._at_wait_bound(self.drain.wait_s(queued)),
             drain_rate=self.drain.rate(),

@@ -203,8 +203,14 @@ class FairwayRequestRouter(RequestRouter):
         wall_to_clock = self.clock.now() - self.wall()
         started_by = wall_to_clock + taken
         prefilling = stats.get("prefilling")
+        admitted = stats.get("admitted_ids")
+        # a request in none of the replica's lists had not reached it at ``taken`` (still in
+        # transit from this router): it stays queued, or a burst would look already served
+        seen = None if admitted is None else set(admitted) | set(stats.get("recent_cached", ()))
         for r in self._routed.values():
             if r.replica != j or r.routed_at >= taken or r.request_id in waiting or r.rid not in self.load:
+                continue
+            if seen is not None and r.request_id not in seen:
                 continue
             admitted = prefilling.get(r.request_id) if prefilling is not None else None
             if not r.started:

@@ -293,15 +293,17 @@ async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
     assert st.max_num_seqs == 8  # the engine's sequence capacity, for the router's wait model
     # "a" is in the engine without a first token: listed with its admission time (wall clock)
     assert list(st.prefilling) == ["a"] and st.prefilling["a"] <= before
+    assert st.admitted_ids == ["a"]  # every request in the engine, prefilling or not
     engine.release("a")
     await settle()
     st = gate.routing_stats()  # "a" has its first token; "b" took its place
     assert st.waiting_ids == [] and list(st.prefilling) == ["b"]
+    assert st.admitted_ids == ["b"]  # "a" is done: it left the engine
     engine.release("b")
     await asyncio.gather(t1, t2)
     st = gate.routing_stats()
     assert st.waiting_ids == [] and st.recent_cached == {"a": 64, "b": 64}  # 4 blocks, capped below 80
-    assert st.prefilling == {}
+    assert st.prefilling == {} and st.admitted_ids == []
     assert {ch.lane for _, ch in out if ch.prompt_tokens} == {"fast"}
 
 

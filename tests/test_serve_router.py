@@ -86,6 +86,27 @@ def test_stats_without_a_prefilling_list_date_starts_at_the_report():
     assert r.load.snapshot().prefill_ends[j] == (T0 - 0.2 + p,)  # started by ``taken`` at the latest
 
 
+def test_a_request_the_replica_has_not_seen_yet_stays_queued():
+    """Routed before the report but in none of its lists: still in transit to the replica (a
+    burst on a busy host). Counting it as past its prefill made a burst look served, and the
+    next cold requests herded onto that replica."""
+    r, _, j = one_replica()
+    for rid in ("a", "b", "done"):
+        book(r, j, rid, 20000, routed_at=T0 - 5.0)
+    pa = r.load.snapshot().queued_prefills[j][0]
+    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {"a": T0 - 0.5},
+                       "admitted_ids": ["a"], "recent_cached": {"done": 0}, "kv_usage": 0.0})
+    snap = r.load.snapshot()
+    # "a" prefilling since its admission; "done" finished (past its prefill); "b" not arrived: queued
+    assert snap.running == (2,) and snap.prefill_ends[j] == (T0 - 0.5 + pa,)
+    assert snap.queued_prefills[j] == (pa,)
+    # without the list (an older replica), "b" is taken as past its prefill, as before
+    r2, _, j2 = one_replica()
+    book(r2, j2, "b", 20000, routed_at=T0 - 5.0)
+    r2._apply_stats(j2, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {}, "kv_usage": 0.0})
+    assert r2.load.snapshot().running == (1,) and r2.load.snapshot().queued_prefills[j2] == ()
+
+
 def test_a_request_routed_after_the_report_is_not_started_by_it():
     r, _, j = one_replica()
     book(r, j, "late", 20000, routed_at=T0 - 0.05)

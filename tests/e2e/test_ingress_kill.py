@@ -5,7 +5,8 @@ The real cluster (``serve run``, HAProxy as the HTTP ingress, two ingress replic
 replica is killed while it holds about half of them, none answered yet. HAProxy replays each on
 the other replica (``cluster/launch.py``, ``HAPROXY_RETRY_ON``: Ray's default replays only a
 failed connection, and those requests got HAProxy's bare 500 instead: 8 of 16, measured
-2026-12-01). Every request must complete.
+2026-12-01). Every request still waiting at the kill must complete; a stream the victim had
+already begun may be cut.
 """
 
 from __future__ import annotations
@@ -58,4 +59,9 @@ def test_requests_a_killed_ingress_replica_held_unanswered_are_served_by_another
     waiting = sum(1 for r in results if r.ttft_s is None or r.ttft_s > killed_by)
     print(f"killed by {killed_by:.2f} s; {waiting} of {N} without a first token then; {dict(outcomes)}")
     assert waiting >= N // 2, (waiting, killed_by, [r.ttft_s for r in results])
-    assert outcomes == {"completed": N}, [(r.status, r.error) for r in results if not r.ok]
+    # none refused or lost; a stream the victim had begun may be cut (docs/reliability.md), and
+    # only one that had its first token before the kill
+    assert set(outcomes) <= {"completed", "cut"}, [(r.status, r.error) for r in results if not r.ok]
+    cut = [r for r in results if classify(r).kind == "cut"]
+    assert all(r.ttft_s is not None and r.ttft_s <= killed_by for r in cut), [r.ttft_s for r in cut]
+    assert outcomes["completed"] >= waiting  # every request still waiting at the kill was served
