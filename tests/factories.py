@@ -45,6 +45,13 @@ def chain(prefix: str, n: int, start: int = 0) -> list[int]:
     return [base + i for i in range(start, start + n)]
 
 
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """``n`` token ids of prompt family ``seed`` for the end-to-end tests, inside both tiny
+    vocabularies (the tokenizer's and the tiny Llama's): different families differ from their
+    first block, so each is cold until sent once."""
+    return [16 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
+
+
 def queued(rid: int, arrival: float, prompt: int, hashes: Sequence[int] = (), seq: int | None = None,
            ) -> QueuedRequest:
     return QueuedRequest(rid=rid, arrival_s=arrival, prompt_tokens=prompt,

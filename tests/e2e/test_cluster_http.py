@@ -17,16 +17,12 @@ import pytest
 
 from cluster.launch import post_json, running_cluster
 from observability.probe import replica_gauges, wait_idle
+from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "fairway-tiny"
 STATS_SETTLE_S = 1.2  # see tests/e2e/test_two_nodes.py: one stats period between affinity probes
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    """``n`` token ids of a prompt family ``seed`` (in the tiny tokenizer's vocabulary)."""
-    return [16 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
 
 
 @pytest.fixture(scope="module")

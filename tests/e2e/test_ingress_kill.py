@@ -22,6 +22,7 @@ from cluster.launch import running_cluster
 from fairway.clock import MonotonicClock
 from loadgen.accounting import classify
 from loadgen.http_client import StreamResult, reuse_tracing, stream_completion
+from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -29,15 +30,11 @@ MODEL = "fairway-tiny"
 N = 16
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return [16 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
-
-
 async def burst_then_kill(url: str) -> tuple[list[StreamResult], float, str]:
     clock = MonotonicClock()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=[reuse_tracing()]) as s:
         async def one(k: int) -> StreamResult:
-            body = {"model": MODEL, "prompt": ids(k, 2000), "max_tokens": 5, "stream": True,
+            body = {"model": MODEL, "prompt": prompt_ids(k, 2000), "max_tokens": 5, "stream": True,
                     "stream_options": {"include_usage": True}}
             return await stream_completion(s, url, body, clock=clock, timeout_s=240)
 

@@ -18,6 +18,7 @@ import pytest
 
 from cluster.launch import post_json
 from observability.exporter import free_port
+from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -27,10 +28,6 @@ SHARED = 4000  # tokens: 250 full blocks
 # stats (a request the router still counts as queued makes an idle replica look better), so the
 # affinity checks leave one stats period between requests; the shared view itself syncs in 20 ms.
 STATS_SETTLE_S = 1.2
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return [16 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +72,13 @@ def test_a_prefix_stays_on_its_replica_whichever_ingress_serves_it(url):
     assert len(ingress_actors()) == 2
     ingresses: set[str] = set()
     for family in range(3):
-        shared = ids(1000 + family, SHARED)
-        first = complete(url, shared + ids(family, 24))
+        shared = prompt_ids(1000 + family, SHARED)
+        first = complete(url, shared + prompt_ids(family, 24))
         holder = first["fairway"]["replica"]
         ingresses.add(first["fairway"]["ingress"])
         for k in range(6):
             time.sleep(STATS_SETTLE_S)
-            body = complete(url, shared + ids(100 + 10 * family + k, 24))
+            body = complete(url, shared + prompt_ids(100 + 10 * family + k, 24))
             ingresses.add(body["fairway"]["ingress"])
             assert body["fairway"]["replica"] == holder, f"family {family} request {k} left its replica"
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == SHARED
@@ -92,7 +89,7 @@ def test_a_prefix_stays_on_its_replica_whichever_ingress_serves_it(url):
 def test_the_replicas_kv_events_reach_the_shared_view(url):
     import ray
 
-    holder = complete(url, ids(3000, SHARED) + ids(3001, 24))["fairway"]["replica"]
+    holder = complete(url, prompt_ids(3000, SHARED) + prompt_ids(3001, 24))["fairway"]["replica"]
     hub = ray.get_actor("fairway-view-fairway", namespace="fairway")
     deadline = time.monotonic() + 30
     while True:  # the holder's engine stored the prompt's 250 blocks; its publisher sends them within 10 ms
@@ -112,7 +109,7 @@ def test_host_tier_blocks_reach_the_shared_view_and_a_host_hit_is_served_there(u
     import aiohttp
     import ray
 
-    first = ids(8000, SHARED) + ids(8001, 24)
+    first = prompt_ids(8000, SHARED) + prompt_ids(8001, 24)
     holder = complete(url, first)["fairway"]["replica"]
     hub = ray.get_actor("fairway-view-fairway", namespace="fairway")
 
@@ -123,7 +120,7 @@ def test_host_tier_blocks_reach_the_shared_view_and_a_host_hit_is_served_there(u
     async def burst(seeds: range) -> None:
         async with aiohttp.ClientSession() as s:
             async def one(k: int) -> None:
-                payload = {"model": MODEL, "prompt": ids(9000 + k, SHARED), "max_tokens": 2}
+                payload = {"model": MODEL, "prompt": prompt_ids(9000 + k, SHARED), "max_tokens": 2}
                 async with s.post(f"{url}/v1/completions", json=payload,
                                   timeout=aiohttp.ClientTimeout(total=60)) as r:
                     assert r.status == 200, await r.text()
@@ -145,11 +142,11 @@ def test_killing_one_ingress_replica_loses_no_request(url):
     import aiohttp
     import ray
 
-    shared = ids(5000, SHARED)
-    holder = complete(url, shared + ids(5001, 24))["fairway"]["replica"]
+    shared = prompt_ids(5000, SHARED)
+    holder = complete(url, shared + prompt_ids(5001, 24))["fairway"]["replica"]
 
     async def one(s: aiohttp.ClientSession, k: int) -> tuple[int, str]:
-        payload = {"model": MODEL, "prompt": shared + ids(6000 + k, 24), "max_tokens": 100}
+        payload = {"model": MODEL, "prompt": shared + prompt_ids(6000 + k, 24), "max_tokens": 100}
         async with s.post(f"{url}/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=60)) as r:
             return r.status, await r.text()
 
@@ -183,7 +180,7 @@ def test_killing_one_ingress_replica_loses_no_request(url):
     for k in range(8):
         time.sleep(STATS_SETTLE_S)
         try:
-            served.append(complete(url, shared + ids(7000 + k, 24)))
+            served.append(complete(url, shared + prompt_ids(7000 + k, 24)))
         except (urllib.error.URLError, AssertionError):
             continue  # the replacement may still be starting: a retriable error, not a hang
     assert len(served) >= 4

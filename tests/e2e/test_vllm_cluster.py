@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from cluster.launch import DEFAULT_PORT, REPO, post_json, running_cluster
+from tests.factories import prompt_ids
 
 TINY_MODEL = REPO / "deploy" / "models" / "fairway-tiny-llama"
 CONFIG = "deploy/cluster-vllm-cpu.yaml"
@@ -47,11 +48,6 @@ def _skip_reason() -> str | None:
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
-
-
-def prompt_ids(seed: int, n: int) -> list[int]:
-    """``n`` token ids of a prompt family ``seed`` (inside both tiny vocabularies)."""
-    return [16 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
 
 
 def _wait_port_free(timeout_s: float = 600.0) -> None:
