@@ -127,10 +127,9 @@ class AdmissionGate:
         self._seq = 0
         self._promotions_seen = 0
         self.recent_cached: OrderedDict[str, int] = OrderedDict()
-        self._in_engine = 0  # admitted and not finished
         self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
-        self._prefilling: dict[int, tuple[str, float]] = {}  # admitted, no first token: rid -> (id, wall time)
         self._admitted: dict[int, str] = {}  # in the engine (admitted, not finished): rid -> request id
+        self._prefilling: dict[int, float] = {}  # of those, without a first token: rid -> admission wall time
         self.admitted = 0
         self.finished = 0
         self.rejected = 0
@@ -171,7 +170,7 @@ class AdmissionGate:
     def _watch(self) -> None:
         """Stall detection (see the module docstring). O(requests in the engine) on a stall."""
         now = time.monotonic()
-        if self._in_engine == 0:
+        if not self._admitted:
             self._progress_at = now
             return
         if self.stalled or now - self._progress_at < self.config.stall_timeout_s:
@@ -179,7 +178,7 @@ class AdmissionGate:
         self.stalled = True
         self.stalls += 1
         logger.error("replica %s: engine stalled (no output for %.1f s with %d requests in it); failing them",
-                     self.replica, now - self._progress_at, self._in_engine)
+                     self.replica, now - self._progress_at, len(self._admitted))
         loop_now = asyncio.get_running_loop().time()
         for timeout in self._deadlines.values():
             timeout.reschedule(loop_now)
@@ -195,7 +194,7 @@ class AdmissionGate:
     def _has_room(self) -> bool:
         # Counted here, not read from the engine: an admitted request reaches the engine only
         # when its coroutine next runs, so the engine's own figures lag this loop.
-        if self._in_engine >= self.engine.max_num_seqs:
+        if len(self._admitted) >= self.engine.max_num_seqs:
             return False
         return self._pending_prefill < self._budget()
 
@@ -219,7 +218,7 @@ class AdmissionGate:
                 # not queue behind a full budget of the others' inside the engine)
                 tenant = self.policy.tenant_of(q.rid)
                 tokens, slots = self.policy.reserve(tenant, self.clock.now())
-                if slots and (self._in_engine + slots >= self.engine.max_num_seqs
+                if slots and (len(self._admitted) + slots >= self.engine.max_num_seqs
                               or self._pending_prefill + min(tokens, self._budget() // 2) >= self._budget()):
                     owing.add(tenant)
                     continue
@@ -230,10 +229,9 @@ class AdmissionGate:
                 break  # head-of-line: wait for memory, let nobody overtake
             adm = self.policy.admit(q.rid)
             self.drain.took(self.clock.now(), adm.est_prefill_s)
-            self._in_engine += 1
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
-            self._prefilling[q.rid] = (self._request_ids.pop(q.rid, ""), time.time())
-            self._admitted[q.rid] = self._prefilling[q.rid][0]
+            self._admitted[q.rid] = self._request_ids.pop(q.rid, "")
+            self._prefilling[q.rid] = time.time()
             fut = self._waiting.pop(q.rid)
             if not fut.done():
                 fut.set_result(adm)
@@ -337,11 +335,10 @@ class AdmissionGate:
             self.pump()
 
     def _release(self, adm: Admission, prefilled: bool) -> None:
-        self._in_engine -= 1
-        self._admitted.pop(adm.rid, None)
-        self.policy.release(adm.rid)
         if not prefilled:
             self._prefill_over(adm)
+        self._admitted.pop(adm.rid, None)  # after _prefilling: its keys are always admitted ones
+        self.policy.release(adm.rid)
 
     def _prefill_over(self, adm: Admission) -> None:
         """``adm``'s prefill no longer occupies the engine (first token out, or it left first):
@@ -458,7 +455,7 @@ class AdmissionGate:
             lanes=dict(self.policy.lane_sizes()),
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),
-            prefilling=dict(self._prefilling.values()),
+            prefilling={self._admitted[rid]: t for rid, t in self._prefilling.items()},
             admitted_ids=list(self._admitted.values()),
             stalled=self.stalled,
             full=self._at_wait_bound(self.drain.wait_s(queued)),

@@ -203,10 +203,10 @@ class FairwayRequestRouter(RequestRouter):
         wall_to_clock = self.clock.now() - self.wall()
         started_by = wall_to_clock + taken
         prefilling = stats.get("prefilling")
-        admitted = stats.get("admitted_ids")
+        in_engine = stats.get("admitted_ids")
         # a request in none of the replica's lists had not reached it at ``taken`` (still in
         # transit from this router): it stays queued, or a burst would look already served
-        seen = None if admitted is None else set(admitted) | set(stats.get("recent_cached", ()))
+        seen = None if in_engine is None else set(in_engine) | set(stats.get("recent_cached", ()))
         for r in self._routed.values():
             if r.replica != j or r.routed_at >= taken or r.request_id in waiting or r.rid not in self.load:
                 continue

@@ -380,7 +380,7 @@ async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and
         tasks = [asyncio.create_task(one(r)) for r in ("a", "b")]
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
         assert sorted(outcomes) == [("a", 504), ("b", 504)] and 0.2 <= time.monotonic() - t0 < 2
-        assert gate.stalled and gate.stalls == 1 and gate._in_engine == 0
+        assert gate.stalled and gate.stalls == 1 and not gate._admitted
         with pytest.raises(EngineFailed) as e:
             async for _ in gate.submit(call("c", 64)):
                 pass
