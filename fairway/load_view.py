@@ -250,6 +250,11 @@ class LoadView:
         self._blocks[t.replica] -= t.blocks
         self._version += 1
 
+    def replica_load(self, replica: int) -> tuple[int, float]:
+        """``replica``'s outstanding requests and queued prefill estimate (seconds), as of now,
+        for a host's gauges. O(1)."""
+        return self._out[replica], self._q[replica]
+
     def report_max_running(self, replica: int, max_running: int) -> None:
         """A replica's sequence capacity (its engine's ``max_num_seqs``; 0 = unknown). O(1)."""
         if max_running < 0:

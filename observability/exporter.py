@@ -70,7 +70,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("promotions", "counter", "fairway_lane_promotions_total", "Requests promoted to the fair lane."),
     MetricSpec("queue_depth", "gauge", "fairway_queue_depth", "Requests waiting in the replica gate, per lane."),
     MetricSpec(
-        "queued_prefill", "gauge", "fairway_queued_prefill_seconds", "Estimated prefill work queued per replica."
+        "queued_prefill", "gauge", "fairway_queued_prefill_seconds",
+        "Estimated prefill work queued per replica (level replica: at its gate; level router: as a request "
+        "router counts it, routed and not yet started)."
     ),
     MetricSpec(
         "queue_wait_estimate",
@@ -101,6 +103,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "routing_decisions", "counter", "fairway_routing_decisions_total", "Routing decisions by reason and replica."
     ),
     MetricSpec("rejects", "counter", "fairway_rejects_total", "Rejected requests by reason."),
+    MetricSpec("router_outstanding", "gauge", "fairway_router_outstanding_requests",
+               "Requests a request router counts on each replica: booked or sent, not yet completed."),
     MetricSpec("view_syncs", "counter", "fairway_router_view_syncs_total",
                "Exchanges of a request router with the shared routing view, by status (ok, failed)."),
     MetricSpec("view_degraded", "gauge", "fairway_router_view_degraded",

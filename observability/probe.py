@@ -3,7 +3,8 @@
 ``replica_names(url)`` lists the live replicas; ``replica_gauges(url)`` scrapes every replica's
 metrics endpoint listed at the ingress's ``/metrics/targets`` and sums, over replicas, the gauges
 that say whether anything is left in a replica: requests in its engine, requests waiting at its
-gate, and KV blocks in use; ``wait_idle`` waits until nothing is.
+gate, and KV blocks in use; ``wait_idle`` waits until nothing is. ``router_outstanding(url)``
+sums, over the request routers, the requests each still counts on a replica.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ def _get(url: str, headers: dict[str, str] | None = None) -> str:
         return r.read().decode()
 
 
+def _targets(url: str, level: str) -> list[dict]:
+    """The entries of ``{url}/metrics/targets`` (Prometheus http_sd JSON) of one ``level``."""
+    return [e for e in json.loads(_get(f"{url}/metrics/targets")) if e["labels"].get("level") == level]
+
+
 def _replica_targets(url: str) -> list[dict]:
-    """The replica entries of ``{url}/metrics/targets`` (Prometheus http_sd JSON)."""
-    return [e for e in json.loads(_get(f"{url}/metrics/targets")) if e["labels"].get("level") == "replica"]
+    return _targets(url, "replica")
 
 
 def replica_names(url: str) -> list[str]:
@@ -45,6 +50,18 @@ def replica_gauges(url: str) -> dict[str, float]:
                     out[s.name] += s.value
     out["replicas"] = float(len(targets))
     return out
+
+
+def router_outstanding(url: str) -> tuple[int, float]:
+    """How many request routers are listed at ``{url}/metrics/targets``, and the requests they
+    count on replicas (``fairway_router_outstanding_requests``, summed over routers and replicas):
+    booked or sent, not yet completed. 0 once the cluster is idle, unless bookings leak."""
+    targets = [t for e in _targets(url, "router") for t in e["targets"]]
+    total = 0.0
+    for t in targets:
+        for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
+            total += sum(s.value for s in fam.samples if s.name == "fairway_router_outstanding_requests")
+    return len(targets), total
 
 
 def idle(g: dict[str, float], replicas: int) -> bool:
@@ -67,4 +84,4 @@ def wait_idle(url: str, replicas: int, timeout_s: float) -> float | None:
     return None
 
 
-__all__ = ["GAUGES", "idle", "replica_gauges", "replica_names", "wait_idle"]
+__all__ = ["GAUGES", "idle", "replica_gauges", "replica_names", "router_outstanding", "wait_idle"]

@@ -104,7 +104,8 @@ _COUNTERS = (
 )
 _GAUGES = (
     "queue_depth",  # (lane, replica)
-    "queued_prefill",  # (replica,)
+    "queued_prefill",  # (replica,): the gate's queued work, or (level router) the router's estimate
+    "router_outstanding",  # (replica,): requests a request router counts on each replica
     "queue_wait_estimate",  # (replica,)
     "engine_running",  # (replica,)
     "engine_waiting",  # (replica,)
@@ -129,6 +130,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_preemptions": ("replica",),
     "queue_depth": ("lane", "replica"),
     "queued_prefill": ("replica",),
+    "router_outstanding": ("replica",),
     "queue_wait_estimate": ("replica",),
     "engine_running": ("replica",),
     "engine_waiting": ("replica",),
@@ -236,6 +238,13 @@ class FairwayStats:
         if prompt_tokens > 0:
             err = min(1.0, abs(estimated - actual) / prompt_tokens)
             self._observe("cache_estimate_error", key, err)
+
+    def set_router_load(self, replica: str, outstanding: int, queued_prefill_s: float) -> None:
+        """What a request router counts on ``replica``: requests booked or sent and not yet
+        completed, and the estimated prefill seconds of those not yet started."""
+        with self._lock:
+            self._gauges["router_outstanding"][(replica,)] = outstanding
+            self._gauges["queued_prefill"][(replica,)] = _clamp0(queued_prefill_s)
 
     def inc_routing_decision(self, reason: str, replica: str = "") -> None:
         """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""

@@ -10,7 +10,8 @@ view:
   candidates and returns the policy's ranks (Ray then picks the shortest queue within a rank);
 - ``on_request_routed``: the index records the prompt's blocks on the chosen replica, the load
   view adds its estimated prefill time to that replica's queued work;
-- ``on_request_completed``: the request leaves the load view;
+- ``on_request_completed``: the request leaves the load view; so does a booking Ray will never
+  report, because its caller left (a client that hung up) before the request was sent;
 - the replicas' periodic ``record_routing_stats`` (``fairway/protocol.py:ReplicaRoutingStats``)
   bring KV usage and capacity, the requests still waiting in each gate (the others routed before
   the report have started: their work leaves the queued figure) and the cached tokens each
@@ -49,6 +50,10 @@ logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
 MAX_TRACKED = 65536  # outstanding requests tracked per router
 SPEED_RANGE = (0.05, 20.0)  # a replica's reported drain rate is clamped into this before it is used
+#: A request Ray assigned a replica but did not send within this long is taken as never sent: its
+#: caller was cancelled between the assignment and the send, and Ray reports neither (see
+#: ``FairwayRequestRouter._unbook_if_unsent``). An accepted send reports within milliseconds.
+UNSENT_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -61,6 +66,7 @@ class _Routed:
     prompt_tokens: int
     routed_at: float  # wall clock, to compare with a replica's stats time
     started: bool = False
+    sent: bool = False  # on_request_routed seen (Ray sent it and the replica accepted it)
     reason: str = "choice"
     remote: bool = False  # routed by another router (shared view): no metrics here
 
@@ -86,7 +92,7 @@ class FairwayRequestRouter(RequestRouter):
     replicas' exact KV events through the hub, with the approximate index as the fallback while
     they are not current: ``fairway/routing/fallback_index.py``). Tests inject ``clock`` (the load
     view's time, default monotonic), ``wall`` (the time base of the replicas' stats stamps,
-    default ``time.time``) and ``exchange`` (the hub call).
+    default ``time.time``), ``exchange`` (the hub call) and ``unsent_grace_s``.
     """
 
     def initialize_state(
@@ -103,6 +109,7 @@ class FairwayRequestRouter(RequestRouter):
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
         exchange: Callable[[str, list, int, bool], Awaitable[Exchange]] | None = None,
+        unsent_grace_s: float = UNSENT_GRACE_S,
         **unused: Any,
     ) -> None:
         if unused:
@@ -111,6 +118,7 @@ class FairwayRequestRouter(RequestRouter):
         self.wall = wall if wall is not None else time.time
         self.cost = CostModel.from_profile(profile)
         self.block_size = block_size
+        self.unsent_grace_s = unsent_grace_s
         self.policy_name = policy
         if prefix_view not in ("approx", "events"):
             raise ValueError(f"unknown prefix_view {prefix_view!r}; known: approx, events")
@@ -222,6 +230,7 @@ class FairwayRequestRouter(RequestRouter):
             r = self._done.pop(request_id, None)
             if r is not None and r.replica == j:
                 self._feedback(r, int(got))
+        self._publish(j)
 
     def _feedback(self, r: _Routed, cached: int) -> None:
         self.host.feedback(r.replica, r.hashes, cached, r.estimated_blocks)
@@ -271,6 +280,10 @@ class FairwayRequestRouter(RequestRouter):
         # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
         # the same load would herd onto one replica before the first on_request_routed.
         self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason)
+        # A caller that goes away before Ray assigns a replica (a client that hung up) gets no
+        # on_request_routed and no on_request_completed: its booking must not stay queued.
+        booked = self._routed[iid]
+        pending_request.future.add_done_callback(lambda f: self._unbook_if_unsent(iid, booked, f))
         ranks = d.ranks
         self.decision_s.append(time.perf_counter() - t0)
         if len(self.decision_s) > 4096:
@@ -283,6 +296,7 @@ class FairwayRequestRouter(RequestRouter):
         n = len(call.prompt_token_ids)
         self.host.book(rid, j, n, est)
         self._track(iid, _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason))
+        self._publish(j)
 
     def _track(self, key: str, r: _Routed) -> None:
         """Keep ``r`` until it completes; beyond MAX_TRACKED the oldest (ranked or learnt, but
@@ -290,12 +304,41 @@ class FairwayRequestRouter(RequestRouter):
         self._routed[key] = r
         while len(self._routed) > MAX_TRACKED:
             _, old = self._routed.popitem(last=False)
-            self.host.unbook(old.rid)
+            self._drop(old)
 
     def _unbook(self, iid: str) -> None:
         r = self._routed.pop(iid, None)
         if r is not None:
-            self.host.unbook(r.rid)
+            self._drop(r)
+
+    def _drop(self, r: _Routed) -> None:
+        """Forget a booking that will never complete here (not sent, evicted, its router gone)."""
+        self.host.unbook(r.rid)
+        self._publish(r.replica)
+
+    def _unbook_if_unsent(self, iid: str, booked: _Routed, future: asyncio.Future) -> None:
+        """The done callback of the pending request's future. Ray reports neither routing nor
+        completion for a request whose caller left (a client that hung up) before it was sent:
+
+        - cancelled: the caller left before Ray assigned a replica; the booking goes now;
+        - a replica: Ray sends the request at once unless the caller was cancelled in the same
+          instant; the booking goes if it is still unsent ``unsent_grace_s`` later.
+
+        Either way only if no later choice for the same request (a retry) replaced it. O(1)."""
+        if future.cancelled():
+            self._unbook_unsent(iid, booked)
+        else:
+            future.get_loop().call_later(self.unsent_grace_s, self._unbook_unsent, iid, booked)
+
+    def _unbook_unsent(self, iid: str, booked: _Routed) -> None:
+        if self._routed.get(iid) is booked and not booked.sent:
+            self._unbook(iid)
+
+    def _publish(self, j: int) -> None:
+        """Replica j's gauges: what this router counts there (outstanding, queued prefill). O(1)."""
+        if self.stats is not None:
+            out, queued_s = self.load.replica_load(j)
+            self.stats.set_router_load(self._names[j], out, queued_s)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         call = find_call(pending_request)
@@ -312,6 +355,7 @@ class FairwayRequestRouter(RequestRouter):
             self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason)
             r = self._routed[iid]
         r.routed_at = self.wall()
+        r.sent = True
         self.host.record_routed(j, r.hashes, r.reason)
         if self.shared_view:
             self._outbox.append(("r", self._names[j], f"{self.router_id}:{r.rid}", r.hashes, r.prompt_tokens,
@@ -320,15 +364,17 @@ class FairwayRequestRouter(RequestRouter):
             self.stats.inc_routing_decision(r.reason, replica=self._names[j])
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        r = self._routed.pop(internal_request_id, None)
-        if r is None:
-            return
+        r = self._routed.get(internal_request_id)
+        if r is None or self._ids.get(replica_id.unique_id) != r.replica:
+            return  # not booked, or an earlier attempt on another replica (refused, then routed again)
+        del self._routed[internal_request_id]
         if self.shared_view:
             self._outbox.append(("f", f"{self.router_id}:{r.rid}"))
         self._finished(r)
 
     def _finished(self, r: _Routed) -> None:
         self.host.on_finished(r.rid)
+        self._publish(r.replica)
         self._done[r.request_id] = r
         while len(self._done) > MAX_AWAITING_FEEDBACK:
             _, old = self._done.popitem(last=False)
@@ -445,6 +491,7 @@ class FairwayRequestRouter(RequestRouter):
             self.host.adopt(rid, j, hashes, prompt_tokens, est)
             self._track("remote:" + key, _Routed(rid, request_id, j, tuple(hashes), est, prompt_tokens, routed_at,
                                                  remote=True))
+            self._publish(j)
         elif kind == "f":
             r = self._routed.pop("remote:" + event[1], None)
             if r is not None:
@@ -456,7 +503,7 @@ class FairwayRequestRouter(RequestRouter):
         elif kind == "gone" and event[1] != self.router_id:  # a router died: drop what it had in flight
             prefix = f"remote:{event[1]}:"
             for key in [k for k in self._routed if k.startswith(prefix)]:
-                self.host.unbook(self._routed.pop(key).rid)
+                self._drop(self._routed.pop(key))
 
 
 def _as_events(on: list[int], off: list[int]) -> Iterator[tuple[bool, int]]:

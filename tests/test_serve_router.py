@@ -19,10 +19,12 @@ from tests.factories import chain
 T0 = 100.0  # the manual clock's start; the replicas' stats stamps use the same time base
 
 
-def router(policy: str = "fairway", **options) -> tuple[FairwayRequestRouter, ManualClock]:
+def router(policy: str = "fairway", unsent_grace_s: float = 60.0,
+           **options) -> tuple[FairwayRequestRouter, ManualClock]:
     clock = ManualClock(T0)
     r = object.__new__(FairwayRequestRouter)
-    r.initialize_state(policy=policy, policy_options=options, metrics=False, clock=clock, wall=clock.now)
+    r.initialize_state(policy=policy, policy_options=options, metrics=False, clock=clock, wall=clock.now,
+                       unsent_grace_s=unsent_grace_s)
     return r, clock
 
 
@@ -132,6 +134,91 @@ async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
     # completion: the request leaves the load view and waits for its cached-token feedback
     r.on_request_completed(pick.replica_id, "iid-a")
     assert "iid-a" not in r._routed and "a" in r._done and 0 not in r.load
+
+
+async def settle() -> None:
+    """Let the loop run the futures' done callbacks (scheduled with call_soon)."""
+    import asyncio
+
+    await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_a_request_whose_caller_left_before_its_assignment_leaves_the_load_view():
+    """Ray calls neither on_request_routed nor on_request_completed for a pending request that
+    its caller cancelled (a client that hung up) between the choice and the assignment. Its
+    booking used to stay queued for good, and the next cold burst herded onto the other replica
+    (a CI run split 16 prompts 2/14)."""
+    from observability.stats import FairwayStats
+
+    r, _ = router()
+    r.stats = FairwayStats(level="router", component="test")
+    reps = [replica("replica-0"), replica("replica-1")]
+    gone, kept = pending(call("gone", 4096)), pending(call("kept", 4096))
+    await r.choose_replicas(reps, gone)
+    await r.choose_replicas(reps, kept)
+    j_gone, j_kept = r._routed["iid-gone"].replica, r._routed["iid-kept"].replica
+    assert j_gone != j_kept and r.load.snapshot().outstanding == (1, 1)
+    assert r.stats.gauge("router_outstanding", replica=r._names[j_gone]) == 1
+    gone.future.cancel()
+    kept.future.set_result(reps[j_kept])  # assigned: Ray will report it routed, then completed
+    await settle()
+    assert "iid-gone" not in r._routed and r.load.snapshot().outstanding[j_gone] == 0
+    assert r.load.snapshot().outstanding[j_kept] == 1 and "iid-kept" in r._routed
+    assert r.stats.gauge("router_outstanding", replica=r._names[j_gone]) == 0
+    assert r.stats.gauge("queued_prefill", replica=r._names[j_gone]) == 0.0
+    assert r.stats.gauge("queued_prefill", replica=r._names[j_kept]) > 0.0
+    r.on_request_routed(kept, reps[j_kept].replica_id, None)
+    r.on_request_completed(reps[j_kept].replica_id, "iid-kept")
+    assert r.load.snapshot().outstanding == (0, 0)
+    assert r.stats.gauge("router_outstanding", replica=r._names[j_kept]) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_assigned_but_never_sent_leaves_the_load_view_after_the_grace():
+    """A caller cancelled in the instant between Ray's assignment and the send: the future holds
+    a replica, yet Ray sends nothing and reports nothing. Seen on a real cluster after 1,000
+    hang-ups: two bookings left for good. A request that was sent stays booked."""
+    import asyncio
+
+    r, _ = router(unsent_grace_s=0.05)
+    reps = [replica("replica-0"), replica("replica-1")]
+    unsent, sent = pending(call("unsent", 4096)), pending(call("sent", 4096))
+    await r.choose_replicas(reps, unsent)
+    await r.choose_replicas(reps, sent)
+    j_sent = r._routed["iid-sent"].replica
+    unsent.future.set_result(reps[r._routed["iid-unsent"].replica])
+    sent.future.set_result(reps[j_sent])
+    r.on_request_routed(sent, reps[j_sent].replica_id, None)
+    await settle()
+    assert sum(r.load.snapshot().outstanding) == 2  # within the grace both count
+    await asyncio.sleep(0.1)
+    assert "iid-unsent" not in r._routed and "iid-sent" in r._routed
+    assert r.load.snapshot().outstanding[j_sent] == 1 and sum(r.load.snapshot().outstanding) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_retried_choice_is_not_undone_by_the_first_futures_end():
+    """A request Ray routes again (its replica refused it) gets a new future and a new booking;
+    the end of the first future and the refused attempt's completion leave the new booking
+    alone, the cancel of the second future drops it."""
+    r, _ = router()
+    reps = [replica("replica-0"), replica("replica-1")]
+    p = pending(call("a", 4096))
+    await r.choose_replicas(reps, p)
+    p.future.set_result(reps[0])
+    p.reset_future()
+    await r.choose_replicas(reps, p)  # the retry: the first booking is replaced
+    second = r._routed["iid-a"]
+    await settle()
+    assert r._routed["iid-a"] is second and sum(r.load.snapshot().outstanding) == 1
+    # the refused attempt's completion (Ray cancels it) names the other replica: ignored
+    other = reps[1 - second.replica]
+    r.on_request_completed(other.replica_id, "iid-a")
+    assert r._routed["iid-a"] is second and sum(r.load.snapshot().outstanding) == 1
+    p.future.cancel()
+    await settle()
+    assert "iid-a" not in r._routed and sum(r.load.snapshot().outstanding) == 0
 
 
 @pytest.mark.asyncio

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from cluster.launch import post_json, running_cluster
-from observability.probe import replica_gauges, wait_idle
+from observability.probe import replica_gauges, router_outstanding, wait_idle
 from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -216,6 +216,12 @@ def test_a_thousand_random_disconnects_lose_nothing_and_leave_the_cluster_empty(
     assert acc["sent"] == 1000 and acc["lost"] == 0, acc
     assert acc["disconnected"] >= 900, acc  # the rest finished before their client hung up
     wait_empty(url, 15, "engines empty after 1,000 hang-ups")
+    # nor is anything left in the routers' load views (a request whose client left before Ray
+    # assigned it a replica gets no completion callback; its booking must go all the same)
+    deadline = time.monotonic() + 10
+    while (seen := router_outstanding(url))[1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert seen[0] >= 1 and seen[1] == 0, f"(routers, requests still counted): {seen}"
 
 
 def test_concurrent_requests_all_complete(url):
