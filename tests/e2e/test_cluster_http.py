@@ -185,6 +185,29 @@ def open_stream(url: str, prompt: list[int], max_tokens: int) -> socket.socket:
     return s
 
 
+def test_cold_burst_spreads_over_replicas(url):
+    """16 cold prompts at once: the router books each decision when it ranks (Ray routes
+    requests concurrently), so the burst does not herd onto one replica.
+
+    It runs before this module's bursts of light requests (the hang-ups, the 60 concurrent
+    requests): within a second or two of such a burst the Fairway router reads the burst as a
+    sustained rate of lighter work that will overtake a cold prompt (its routed-work window),
+    and a cold burst then split as unevenly as 2/14. That is a known limit of the policy
+    (docs/benchmarks.md, Known limits), not of the booking this test checks."""
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> str:
+                payload = {"model": MODEL, "prompt": prompt_ids(3000 + i, 3000), "max_tokens": 2}
+                async with s.post(f"{url}/v1/completions", json=payload,
+                                  timeout=aiohttp.ClientTimeout(total=120)) as r:
+                    return (await r.json())["fairway"]["replica"]
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+    replicas = asyncio.run(run())
+    counts = sorted(replicas.count(r) for r in set(replicas))
+    assert len(counts) == 2 and counts[0] >= 5, counts
+
+
 def wait_empty(url: str, timeout_s: float, what: str) -> None:
     """Every gate and engine empty within ``timeout_s`` (``observability/probe.py``)."""
     assert wait_idle(url, 2, timeout_s) is not None, f"{what}: {replica_gauges(url)}"
@@ -217,8 +240,8 @@ def test_a_thousand_random_disconnects_lose_nothing_and_leave_the_cluster_empty(
     assert acc["sent"] == 1000 and acc["lost"] == 0, acc
     assert acc["disconnected"] >= 900, acc  # the rest finished before their client hung up
     wait_empty(url, 15, "engines empty after 1,000 hang-ups")
-    # nor is anything left in the routers' load views (a request whose client left before Ray
-    # assigned it a replica gets no completion callback; its booking must go all the same)
+    # nor is anything left in the routers' load views (Ray reports nothing for a request whose
+    # client left before it was sent; its booking must go all the same, within UNSENT_GRACE_S)
     deadline = time.monotonic() + 10
     while (seen := router_outstanding(url))[1] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -239,23 +262,6 @@ def test_concurrent_requests_all_complete(url):
             return await asyncio.gather(*(one(i) for i in range(60)))
 
     assert asyncio.run(run()) == [200] * 60
-
-
-def test_cold_burst_spreads_over_replicas(url):
-    """16 cold prompts at once: the router books each decision when it ranks (Ray routes
-    requests concurrently), so the burst does not herd onto one replica."""
-    async def run() -> list[str]:
-        async with aiohttp.ClientSession() as s:
-            async def one(i: int) -> str:
-                payload = {"model": MODEL, "prompt": prompt_ids(3000 + i, 3000), "max_tokens": 2}
-                async with s.post(f"{url}/v1/completions", json=payload,
-                                  timeout=aiohttp.ClientTimeout(total=120)) as r:
-                    return (await r.json())["fairway"]["replica"]
-            return await asyncio.gather(*(one(i) for i in range(16)))
-
-    replicas = asyncio.run(run())
-    counts = sorted(replicas.count(r) for r in set(replicas))
-    assert len(counts) == 2 and counts[0] >= 5, counts
 
 
 def test_the_openapi_schema_fuzzed_against_the_cluster_never_gets_a_5xx(url):
