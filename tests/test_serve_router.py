@@ -192,7 +192,9 @@ async def test_a_request_assigned_but_never_sent_leaves_the_load_view_after_the_
     r.on_request_routed(sent, reps[j_sent].replica_id, None)
     await settle()
     assert sum(r.load.snapshot().outstanding) == 2  # within the grace both count
-    await asyncio.sleep(0.1)
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while "iid-unsent" in r._routed and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
     assert "iid-unsent" not in r._routed and "iid-sent" in r._routed
     assert r.load.snapshot().outstanding[j_sent] == 1 and sum(r.load.snapshot().outstanding) == 1
 
