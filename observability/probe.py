@@ -29,26 +29,29 @@ def _targets(url: str, level: str) -> list[dict]:
     return [e for e in json.loads(_get(f"{url}/metrics/targets")) if e["labels"].get("level") == level]
 
 
-def _replica_targets(url: str) -> list[dict]:
-    return _targets(url, "replica")
-
-
-def replica_names(url: str) -> list[str]:
-    """The live replicas' names (their Serve replica ids: the ``component`` label), sorted."""
-    return sorted(e["labels"]["component"] for e in _replica_targets(url))
-
-
-def replica_gauges(url: str) -> dict[str, float]:
-    """``GAUGES`` summed over the replicas listed at ``{url}/metrics/targets``, plus ``replicas``:
-    how many were scraped."""
-    targets = [t for e in _replica_targets(url) for t in e["targets"]]
-    out = dict.fromkeys(GAUGES, 0.0)
+def _sum_gauges(url: str, level: str, names: tuple[str, ...]) -> tuple[int, dict[str, float]]:
+    """How many ``level`` processes are listed at ``{url}/metrics/targets``, and the samples of
+    ``names`` summed over them (and over their labels): one scrape of each."""
+    targets = [t for e in _targets(url, level) for t in e["targets"]]
+    out = dict.fromkeys(names, 0.0)
     for t in targets:
         for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
             for s in fam.samples:
                 if s.name in out:
                     out[s.name] += s.value
-    out["replicas"] = float(len(targets))
+    return len(targets), out
+
+
+def replica_names(url: str) -> list[str]:
+    """The live replicas' names (their Serve replica ids: the ``component`` label), sorted."""
+    return sorted(e["labels"]["component"] for e in _targets(url, "replica"))
+
+
+def replica_gauges(url: str) -> dict[str, float]:
+    """``GAUGES`` summed over the replicas listed at ``{url}/metrics/targets``, plus ``replicas``:
+    how many were scraped."""
+    n, out = _sum_gauges(url, "replica", GAUGES)
+    out["replicas"] = float(n)
     return out
 
 
@@ -56,12 +59,9 @@ def router_outstanding(url: str) -> tuple[int, float]:
     """How many request routers are listed at ``{url}/metrics/targets``, and the requests they
     count on replicas (``fairway_router_outstanding_requests``, summed over routers and replicas):
     booked or sent, not yet completed. 0 once the cluster is idle, unless bookings leak."""
-    targets = [t for e in _targets(url, "router") for t in e["targets"]]
-    total = 0.0
-    for t in targets:
-        for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
-            total += sum(s.value for s in fam.samples if s.name == "fairway_router_outstanding_requests")
-    return len(targets), total
+    name = "fairway_router_outstanding_requests"
+    n, out = _sum_gauges(url, "router", (name,))
+    return n, out[name]
 
 
 def idle(g: dict[str, float], replicas: int) -> bool:
