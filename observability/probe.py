@@ -15,7 +15,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-GAUGES = ("fairway_engine_running", "fairway_engine_waiting", "fairway_engine_kv_usage")
+GAUGES = ("fairway_engine_running", "fairway_engine_waiting", "fairway_engine_kv_usage_ratio")
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> str:
@@ -67,7 +67,7 @@ def router_outstanding(url: str) -> tuple[int, float]:
 def idle(g: dict[str, float], replicas: int) -> bool:
     """All ``replicas`` scraped, nothing running or waiting, no KV block in use."""
     return g["replicas"] == replicas and g["fairway_engine_running"] == g["fairway_engine_waiting"] == 0 \
-        and g["fairway_engine_kv_usage"] == 0
+        and g["fairway_engine_kv_usage_ratio"] == 0
 
 
 def wait_idle(url: str, replicas: int, timeout_s: float) -> float | None:

@@ -135,6 +135,16 @@ def test_metric_names_follow_conventions():
     assert "fairway_engine_kv_usage_ratio" in names  # 0-1 values end in _ratio
 
 
+def test_the_probes_read_exported_metric_names():
+    """observability/probe.py sums samples by name: a name the exporter does not write reads as
+    0 for ever (the KV usage gauge was read as fairway_engine_kv_usage, so wait_idle never saw a
+    block in use)."""
+    from observability.exporter import METRICS
+    from observability.probe import GAUGES
+
+    assert set(GAUGES) <= {m.name for m in METRICS}
+
+
 def test_promtool_check_metrics_on_a_scrape():
     promtool = find_promtool()
     if promtool is None:
