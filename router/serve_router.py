@@ -279,10 +279,9 @@ class FairwayRequestRouter(RequestRouter):
         d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx))
         # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
         # the same load would herd onto one replica before the first on_request_routed.
-        self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason)
+        booked = self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason)
         # A caller that goes away before Ray assigns a replica (a client that hung up) gets no
         # on_request_routed and no on_request_completed: its booking must not stay queued.
-        booked = self._routed[iid]
         pending_request.future.add_done_callback(lambda f: self._unbook_if_unsent(iid, booked, f))
         ranks = d.ranks
         self.decision_s.append(time.perf_counter() - t0)
@@ -290,13 +289,16 @@ class FairwayRequestRouter(RequestRouter):
             del self.decision_s[:2048]
         return [[by_idx[j] for j in rank if j in by_idx] for rank in ranks]
 
-    def _book(self, iid: str, call: GenerateCall, hashes: tuple[int, ...], j: int, est: int, reason: str) -> None:
+    def _book(self, iid: str, call: GenerateCall, hashes: tuple[int, ...], j: int, est: int,
+              reason: str) -> _Routed:
         rid = self._next_rid
         self._next_rid += 1
         n = len(call.prompt_token_ids)
         self.host.book(rid, j, n, est)
-        self._track(iid, _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason))
+        r = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason)
+        self._track(iid, r)
         self._publish(j)
+        return r
 
     def _track(self, key: str, r: _Routed) -> None:
         """Keep ``r`` until it completes; beyond MAX_TRACKED the oldest (ranked or learnt, but
@@ -352,8 +354,7 @@ class FairwayRequestRouter(RequestRouter):
             hashes = tuple(call.block_hashes[:n_hash])
             reason = r.reason if r is not None else "choice"
             self._unbook(iid)
-            self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason)
-            r = self._routed[iid]
+            r = self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason)
         r.routed_at = self.wall()
         r.sent = True
         self.host.record_routed(j, r.hashes, r.reason)
