@@ -144,7 +144,8 @@ class ClusterRouter:
         if self.sync_delay_s > 0.0:
             self._deliver(spec.rid % len(self.instances))
         hashes = self._prompt_hashes(spec)
-        d = inst.decide(spec.rid, spec.prompt_tokens, hashes)
+        d = inst.decide(spec.rid, spec.prompt_tokens, hashes,
+                       session=str(spec.session) if spec.session >= 0 else None)
         inst.record_routed(d.pick, hashes, d.reason)
         inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks)
         self._estimated[spec.rid] = d.matched_blocks

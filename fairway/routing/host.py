@@ -53,15 +53,16 @@ class RoutingHost:
         return j
 
     def decide(self, rid: int, prompt_tokens: int, hashes: Sequence[int],
-               replicas: Iterable[int] | None = None) -> Decision:
-        """Rank ``replicas`` (default all) for a request and pick within the first rank."""
+               replicas: Iterable[int] | None = None, session: str | None = None) -> Decision:
+        """Rank ``replicas`` (default all) for a request and pick within the first rank;
+        ``session``: the request's session key, if it has one (``RouteRequest.session``)."""
         host = None
         if self.policy.host_tier:  # GPU hit / host hit / miss (events index with host tiers)
             matched, host = self.index.match_tiers(hashes)
         else:
             matched = self.index.match(hashes)
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host)
-        ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes), states)
+        ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
         first = ranks[0]
         live = self.load.live()
         pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
