@@ -16,6 +16,12 @@ and the rate at which prefill work has been routed to it lately (``routed_window
 time of the oldest of its last ``ROUTED_WINDOW`` routed requests and the prefill estimates of the
 ones after it, sorted), from which the router reads the rate of work lighter than a request's own.
 
+llm-d's token load (read by the ``llmd`` anchor, ``fairway/routing/anchors/llmd.py``): per replica,
+the uncached prompt tokens of its requests whose first token has not come yet
+(``active_prefill_tokens``: added at routing, released by ``on_first_token`` or
+``on_prefill_done``, or at the finish), the router's own bookkeeping as in llm-d's in-flight load
+producer (and Dynamo's active prefill tokens).
+
 Staleness: in Ray Serve the replicas' stats reach the router only every so often
 (``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
 part of the load. ``stale_s`` mimics that: readers get a ``LoadSnapshot`` refreshed at most every
@@ -73,6 +79,7 @@ class LoadSnapshot:
     prefill_ends: tuple[tuple[float, ...], ...] = field(default=())
     routed_windows: tuple[tuple[float, tuple[float, ...]], ...] = field(default=())
     speed: tuple[float, ...] = field(default=())
+    active_prefill_tokens: tuple[int, ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -102,7 +109,7 @@ class LoadView:
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
                  "_qp", "_qp_frozen", "_cap", "_speed", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version",
-                 "_snap_version")
+                 "_snap_version", "_ptok", "_held")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -132,6 +139,8 @@ class LoadView:
         self._rw: list[deque[tuple[float, float]]] = []  # per replica: (routed at, P) of its last routed
         self._rw_frozen: list[tuple[float, tuple[float, ...]] | None] = []  # its window; None when stale
         self._req: dict[int, _Tracked] = {}
+        self._ptok: list[int] = []  # per replica: held prefill tokens (no first token yet)
+        self._held: dict[int, int] = {}  # rid -> its held prefill tokens
         self._snap: LoadSnapshot | None = None
         self._version = 0
         self._snap_version = -1
@@ -153,7 +162,7 @@ class LoadView:
         self._pf.append({})
         self._rw.append(deque(maxlen=ROUTED_WINDOW))
         self._rw_frozen.append(None)
-        for icol in (self._qtok, self._nq, self._out, self._run, self._blocks):
+        for icol in (self._qtok, self._nq, self._out, self._run, self._blocks, self._ptok):
             icol.append(0)
         self._version += 1
         return len(self._q) - 1
@@ -190,6 +199,8 @@ class LoadView:
         self._nq[replica] += 1
         self._out[replica] += 1
         self._blocks[replica] += blocks
+        self._ptok[replica] += t.uncached_tokens
+        self._held[rid] = t.uncached_tokens
         self._version += 1
         return p
 
@@ -209,10 +220,23 @@ class LoadView:
         self._version += 1
 
     def on_prefill_done(self, rid: int) -> None:
-        """``rid`` produced its first token (its prefill is over): it leaves ``prefill_ends``.
-        A host that hears of first tokens calls it; otherwise the estimated end stands. O(1)."""
+        """``rid`` produced its first token (its prefill is over): it leaves ``prefill_ends`` and
+        ``active_prefill_tokens`` (``on_first_token``). A host that hears of first tokens calls
+        it; otherwise the estimated end stands. O(1)."""
         t = self._req.get(rid)
         if t is not None and self._pf[t.replica].pop(rid, None) is not None:
+            self._version += 1
+        self.on_first_token(rid)
+
+    def on_first_token(self, rid: int) -> None:
+        """``rid`` produced its first token: its prompt tokens leave ``active_prefill_tokens``
+        (llm-d releases a request's prompt tokens at its first chunk). Unlike
+        ``on_prefill_done`` it leaves the estimated prefill end alone, so a host that reports
+        first tokens for llm-d's sake changes nothing the other policies read. Idempotent;
+        unknown ids are ignored. O(1)."""
+        tok = self._held.pop(rid, None)
+        if tok is not None:
+            self._ptok[self._req[rid].replica] -= tok
             self._version += 1
 
     def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
@@ -248,6 +272,9 @@ class LoadView:
             self._unqueue(t)
         self._out[t.replica] -= 1
         self._blocks[t.replica] -= t.blocks
+        tok = self._held.pop(rid, None)
+        if tok is not None:
+            self._ptok[t.replica] -= tok
         self._version += 1
 
     def replica_load(self, replica: int) -> tuple[int, float]:
@@ -312,6 +339,7 @@ class LoadView:
             queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
             max_running=tuple(self._cap),
             speed=tuple(self._speed),
+            active_prefill_tokens=tuple(self._ptok),
             prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
             routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
         )

@@ -83,6 +83,8 @@ class ReplicaState:
     speed: the replica's measured pace, cost-model seconds of queued prefill it works off per
         wall second (its gate's drain rate, ``replicas/drain.py``); 1.0 when unknown (the
         simulator's replicas run at the cost model's pace). ``speed > 0``.
+    active_prefill_tokens: uncached prompt tokens routed there whose first token has not been
+        reported (llm-d's in-flight token load: held from routing to the first token).
     """
 
     replica: int
@@ -101,6 +103,7 @@ class ReplicaState:
     routed_prefills: tuple[float, ...] = ()
     host_blocks: int = 0
     speed: float = 1.0
+    active_prefill_tokens: int = 0
 
 
 class RouterPolicy(ABC):
@@ -138,6 +141,9 @@ class RouterPolicy(ABC):
         # whether ``rank`` reads ``ReplicaState.host_blocks``: the host then asks the index for
         # the tier split (``PrefixIndex.match_tiers``); the others count both tiers as hits
         self.host_tier = False
+        # whether ``rank`` reads ``ReplicaState.active_prefill_tokens`` released at the first
+        # token: the host then reports first tokens to the load view (``LoadView.on_first_token``)
+        self.first_tokens = False
 
     @abstractmethod
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
@@ -228,6 +234,7 @@ def make_states(
             routed_prefills=snap.routed_windows[j][1] if snap.routed_windows else (),
             host_blocks=host[j] if host is not None else 0,
             speed=snap.speed[j] if snap.speed else 1.0,
+            active_prefill_tokens=snap.active_prefill_tokens[j] if snap.active_prefill_tokens else 0,
         )
         for j in ids
     ]

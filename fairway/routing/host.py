@@ -7,7 +7,7 @@ states from a load snapshot, lets the policy rank them, and picks within the fir
 replica with the fewest outstanding requests (ties: the policy's order), as Ray Serve does within
 a rank. The host then reports the request's life: ``book`` (its prefill joins the pick's queued
 work), ``record_routed`` (the index learns the prompt is on that replica), ``on_started`` /
-``on_preempted`` / ``on_finished`` (the load view), ``feedback`` (the cached tokens the engine
+``on_first_token`` / ``on_preempted`` / ``on_finished`` (the load view), ``feedback`` (the cached tokens the engine
 reported correct the index).
 
 Complexity per decision: O(prompt blocks) for the index match, O(replicas) for the states, plus
@@ -103,6 +103,13 @@ class RoutingHost:
     def on_started(self, rid: int, started_at: float | None = None) -> None:
         if rid in self.load:
             self.load.on_started(rid, started_at=started_at)
+
+    def on_first_token(self, rid: int) -> None:
+        """The request's first token came: only a policy that reads tokens held until the first
+        token hears it (``RouterPolicy.first_tokens``; the others' view stays as it was without
+        this report)."""
+        if self.policy.first_tokens and rid in self.load:
+            self.load.on_first_token(rid)
 
     def on_preempted(self, rid: int, prompt_tokens: int) -> None:
         if rid in self.load:
