@@ -20,10 +20,12 @@ from fairway.routing.anchors import (
     AIBrix,
     ConsistentHash,
     Dynamo,
+    LLMDBaseline,
     Pow2,
     RayPrefix,
     RoundRobin,
     SGLang,
+    SGLangClassic,
     VLLMPrefixAware,
 )
 from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, choice, make_states, ranks_of
@@ -38,8 +40,8 @@ def register_router(cls: type[RouterPolicy]) -> type[RouterPolicy]:
     return cls
 
 
-for _cls in (RoundRobin, Pow2, ConsistentHash, RayPrefix, SGLang, Dynamo, LLMD, AIBrix, VLLMPrefixAware,
-             FairwayRouter):
+for _cls in (RoundRobin, Pow2, ConsistentHash, RayPrefix, SGLang, SGLangClassic, Dynamo, LLMD, LLMDBaseline, AIBrix,
+             VLLMPrefixAware, FairwayRouter):
     register_router(_cls)
 
 

@@ -9,8 +9,9 @@ Every anchor here reads the same ``ReplicaState`` fields, so they differ only by
   (docs/design.md, Block hashes in token units): a "match rate" is matched block tokens / prompt
   tokens;
 - ties that the originals break at random or by map order go by replica id here, unless the
-  rule itself is random (``pow2``'s sampling, ``vllm-prefixaware``), which draws from the
-  injected ``rng``.
+  rule itself is random (``pow2``'s sampling, ``vllm-prefixaware``) or the anchor has been
+  checked against its source's tie rule (``sglang``, ``aibrix``, ``llmd``, ``llmd-baseline``):
+  those draw from the injected ``rng`` where the original is random.
 
 Complexity: every ``rank`` is O(R log R) in the number of candidate replicas R (a sort), plus
 O(k) for ``consistent-hash``'s key and an expected O(R log R) ring walk.
@@ -20,9 +21,9 @@ from fairway.routing.anchors.aibrix import AIBrix
 from fairway.routing.anchors.common import pow2_ranks
 from fairway.routing.anchors.dynamo import Dynamo
 from fairway.routing.anchors.hashing import ConsistentHash
-from fairway.routing.anchors.llmd import LLMD
+from fairway.routing.anchors.llmd import LLMD, LLMDBaseline
 from fairway.routing.anchors.ray import RayPrefix
-from fairway.routing.anchors.sglang import SGLang
+from fairway.routing.anchors.sglang import SGLang, SGLangClassic
 from fairway.routing.anchors.simple import Pow2, RoundRobin
 from fairway.routing.anchors.vllm import VLLMPrefixAware
 
@@ -31,10 +32,12 @@ __all__ = [
     "ConsistentHash",
     "Dynamo",
     "LLMD",
+    "LLMDBaseline",
     "Pow2",
     "RayPrefix",
     "RoundRobin",
     "SGLang",
+    "SGLangClassic",
     "VLLMPrefixAware",
     "pow2_ranks",
 ]
