@@ -38,8 +38,9 @@ def test_sglang_least_loaded_ties_go_to_fewer_processed_then_id():
     assert [choice(ranked(r, req(160, hashes=chain(f"x{i}", 10)), idle)) for i in range(4)] == [0, 1, 2, 0]
 
 
-def test_sglang_affinity_goes_to_the_first_holder_whatever_its_load():
-    r = router("sglang")
+@pytest.mark.parametrize("seed", range(6))
+def test_sglang_affinity_goes_to_the_first_holder_whatever_its_load(seed):
+    r = router("sglang", seed=seed)
     shared = chain("sys", 10)
     # first request: nothing matched, replica 2 is the least loaded and becomes the prefix's owner
     assert choice(ranked(r, req(160, hashes=shared), [st(0, outstanding=3), st(1, outstanding=3), st(2)])) == 2
