@@ -189,3 +189,23 @@ def test_only_a_policy_that_reads_them_hears_first_tokens():
         host.book(7, 0, 160, 0)
         host.on_first_token(7)
         assert lv.snapshot().active_prefill_tokens[0] == held
+
+
+def test_the_simulator_releases_llmds_tokens_at_each_first_token(monkeypatch):
+    from fairway.load_view import LoadView
+    from tests.test_cluster import cluster, family_specs
+
+    early: list[int] = []
+    real = LoadView.on_first_token
+
+    def spy(self, rid):
+        if rid in self and self.snapshot().active_prefill_tokens:  # released while still in flight
+            early.append(rid)
+        real(self, rid)
+
+    monkeypatch.setattr(LoadView, "on_first_token", spy)
+    specs = family_specs(20)
+    sim, engines, host = cluster("llmd", specs)
+    assert len(sim.run().finished) == 20
+    assert sorted(early) == list(range(20))
+    assert host.instances[0].load.live().active_prefill_tokens == (0,) * len(engines)
