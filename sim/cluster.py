@@ -30,7 +30,7 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineModel, EngineRequest
 from fairway.load_view import LoadView
-from fairway.prefix_index import PrefixIndex
+from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
@@ -38,6 +38,10 @@ from fairway.routing.host import RoutingHost
 OWN = "own"  # each router instance learns only from its own decisions (Ray Serve today)
 SHARED = "shared"  # every instance sees every instance's decisions, after sync_delay_s
 VIEWS = (OWN, SHARED)
+#: The router's prefix index: ``approx`` (its decisions, corrected by the engines' cached-token
+#: reports), ``decisions`` (its decisions only, as most originals know them) or ``events`` (exact).
+DECISIONS = "decisions"
+INDEX_MODES = (APPROX, DECISIONS, EVENTS)
 
 
 class ClusterRouter:
@@ -62,6 +66,8 @@ class ClusterRouter:
     ) -> None:
         if routers < 1:
             raise ValueError("routers must be >= 1")
+        if index_mode not in INDEX_MODES:
+            raise ValueError(f"unknown index mode {index_mode!r}; known: {', '.join(INDEX_MODES)}")
         if view not in VIEWS:
             raise ValueError(f"unknown router view {view!r}; known: {', '.join(VIEWS)}")
         if sync_delay_s < 0:
@@ -69,6 +75,8 @@ class ClusterRouter:
         self.name = name
         self.block_size = block_size
         self.index_mode = index_mode
+        feedback = index_mode != DECISIONS
+        index_mode = APPROX if index_mode == DECISIONS else index_mode
         self.view = view
         self.clock = clock
         self.sync_delay_s = sync_delay_s if view == SHARED else 0.0
@@ -89,6 +97,7 @@ class ClusterRouter:
                 shared_index if one else index(),
                 shared_load if one else load(),
                 block_size=block_size,
+                feedback=feedback,
             )
             for k in range(routers)
         ]

@@ -37,7 +37,7 @@ class RunConfig(BaseModel):
     router: str = Field("round-robin", description="router policy (used when replicas > 1)")
     router_options: dict[str, Any] = Field(default_factory=dict)
     routers: int = Field(1, ge=1, description="independent router instances, each sees 1/K")
-    index_mode: Literal["approx", "events"] = "approx"
+    index_mode: Literal["approx", "decisions", "events"] = "approx"
     router_view: Literal["own", "shared"] = Field(
         "own", description="own: each router instance sees its own decisions; shared: every instance's")
     sync_delay_s: float = Field(0.0, ge=0, description="shared view: seconds before one instance's news reaches "

@@ -164,3 +164,21 @@ def test_a_shared_view_with_a_delay_delivers_kv_events_after_the_delay():
     host._deliver(0)
     host._deliver(1)
     assert [list(i.index.blocks(2)) for i in host.instances] == [[8], [8]]
+
+
+def test_decisions_index_ignores_the_engines_reports_and_approx_corrects_itself():
+    # 30 families of 10 blocks on 3 replicas of 80 blocks: the engines evict, so the engines'
+    # cached-token reports shrink the approx index's capacity estimate; the decisions-only index
+    # (what most anchors' originals know) keeps its configured capacity and every routed block
+    specs = [spec(i, 0.05 * i, 200, 4, chain(f"fam{i % 30}", 10) + chain(f"u{i}", 2)) for i in range(90)]
+    caps = {}
+    for mode in ("approx", "decisions"):
+        sim, engines, host = cluster("round-robin", specs, index_mode=mode)
+        res = sim.run()
+        assert len(res.finished) == len(specs)
+        assert [h.feedback_on for h in host.instances] == [mode == "approx"]
+        caps[mode] = [host.instances[0].index.capacity(j) for j in range(3)]
+    assert caps["decisions"] == [80, 80, 80]
+    assert all(c < 80 for c in caps["approx"])
+    with pytest.raises(ValueError, match="unknown index mode"):
+        cluster("pow2", specs, index_mode="exact")

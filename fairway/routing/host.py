@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fairway.load_view import LoadView
-from fairway.prefix_index import PrefixIndex
+from fairway.prefix_index import APPROX, PrefixIndex
 from fairway.routing.base import RouteRequest, RouterPolicy, make_states
 
 
@@ -39,8 +39,13 @@ class Decision:
 class RoutingHost:
     """A router policy with its own prefix index and load view (see the module docstring)."""
 
-    def __init__(self, policy: RouterPolicy, index: PrefixIndex, load: LoadView, block_size: int = 16) -> None:
+    def __init__(self, policy: RouterPolicy, index: PrefixIndex, load: LoadView, block_size: int = 16,
+                 feedback: bool = True) -> None:
+        """``feedback=False``: an approximate index learns from the router's decisions only, never
+        from the engines' cached-token reports (what Ray's, SGLang's, AIBrix's and
+        production-stack's routers know: docs/design.md, Anchors)."""
         self.policy = policy
+        self.feedback_on = feedback
         self.index = index
         self.load = load
         self.block_size = block_size
@@ -119,5 +124,9 @@ class RoutingHost:
 
     def feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, estimated_blocks: int | None) -> None:
         """The engine reported ``cached_tokens`` for a prompt the index estimated at
-        ``estimated_blocks`` on ``replica``: the index corrects itself."""
+        ``estimated_blocks`` on ``replica``: the index corrects itself (an exact index only
+        releases the request's blocks from flight; with ``feedback`` off, an approximate one
+        ignores the report)."""
+        if not self.feedback_on and self.index.mode == APPROX:
+            return
         self.index.on_feedback(replica, hashes, cached_tokens, self.block_size, estimated_blocks)
