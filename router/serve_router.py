@@ -44,7 +44,7 @@ from fairway.protocol import GenerateCall
 from fairway.routing import make_router
 from fairway.routing.fallback_index import FallbackIndex
 from fairway.routing.host import RoutingHost
-from fairway.routing.view_log import REPLICA_SOURCE, Exchange
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S, REPLICA_SOURCE, Exchange
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
@@ -104,7 +104,7 @@ class FairwayRequestRouter(RequestRouter):
         seed: int = 0,
         metrics: bool = True,
         shared_view: bool = False,
-        sync_period_s: float = 0.01,
+        sync_period_s: float = DEFAULT_SYNC_PERIOD_S,
         prefix_view: str = "approx",
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
