@@ -317,8 +317,9 @@ class BlockTraceWorkload(_TraceWorkload):
 
     def initial(self) -> Iterator[RequestSpec]:
         """Specs in arrival order. O(distinct (prefix, trace block) pairs * trace block /
-        block_size) hashing, memoised per ``(parent hash, trace id)``, plus O(tokens) for unique
-        tails."""
+        block_size) hashing, memoised per ``(parent hash, trace id)`` when a trace block spans
+        several engine blocks (not when it is one: one hash costs less than the memo's memory on
+        a long trace of 16-token blocks), plus O(tokens) for unique tails."""
         bs = self.block_size
         tb = self.trace_block_tokens
         n_sub = tb // bs
@@ -330,11 +331,14 @@ class BlockTraceWorkload(_TraceWorkload):
             parent = root
             last = len(row.hash_ids) - 1
             for j, tid in enumerate(row.hash_ids):
-                key = (parent, tid)
-                full = memo.get(key)
-                if full is None:
-                    full = expand_trace_block(parent, tid, n_sub)
-                    memo[key] = full
+                if n_sub == 1:
+                    full = expand_trace_block(parent, tid, 1)
+                else:
+                    key = (parent, tid)
+                    full = memo.get(key)
+                    if full is None:
+                        full = expand_trace_block(parent, tid, n_sub)
+                        memo[key] = full
                 if j < last:
                     hashes.extend(full)
                     parent = full[-1]
