@@ -13,7 +13,8 @@ from sim.runner import RunConfig
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, help="rag, mixed, agentic, *-spike, trace:PATH")
+    p.add_argument("--workload", required=True,
+                   help="rag, mixed, agentic, *-spike, trace:PATH, trace:NAME (docs/traces.md)")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals (default: 300 for a synthetic workload, the whole trace for trace:PATH)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace time compression")
