@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fairway.request import WorkloadError
 from fairway.spec import parse_spec, split_specs
 from sim.runner import RunConfig, run
+from workloads.traces import resolve_trace
 
 FAIRWAY = "fairway"
 
@@ -61,9 +63,6 @@ ANCHORS: tuple[str, ...] = (
 #: Shown when asked for, never the best anchor: routers no production system runs as they are here.
 ABLATIONS: tuple[str, ...] = ("consistent-hash", "round-robin")
 
-TRACES = Path("../shared/traces")
-
-
 @dataclass(frozen=True, slots=True)
 class Point:
     """One workload at one load. ``load`` is a rate (req/s; sessions/s for ``agentic``) or, for a
@@ -80,27 +79,35 @@ class Point:
         return f"{self.name} x{self.load:g}" if self.scale else f"{self.name} @{self.load:g}"
 
 
-def default_points(traces: Path = TRACES) -> tuple[list[Point], list[str]]:
-    """The shared points, and the real traces' points for those found under ``traces``; the
-    second list says which traces were missing (the table prints it)."""
+def default_points() -> tuple[list[Point], list[str]]:
+    """The shared points, and the real traces' points for those found (``workloads.traces``
+    looks a named trace up in the shared traces folder, or ``$FAIRWAY_TRACE_DIR``); the second
+    list names the traces that were missing (the table prints it)."""
     pts = [
         Point("agentic", "agentic", 2, 300), Point("agentic", "agentic", 3, 300),
         Point("hotspot", "hotspot", 100, 120), Point("hotspot", "hotspot", 160, 120),
         Point("rag-spike", "rag-spike", 60, 300), Point("rag-spike", "rag-spike", 100, 300),
     ]
     missing = []
-    for name, fname, scales in REAL_TRACES:
-        path = traces / fname
-        if path.exists():
-            pts += [Point(name, f"trace:{path}", s, None, scale=True) for s in scales]
-        else:
-            missing.append(f"{name} ({path})")
+    for name, scales in REAL_TRACES:
+        try:
+            resolve_trace(name)
+        except WorkloadError:
+            missing.append(name)
+            continue
+        pts += [Point(name, f"trace:{name}", s, None, scale=True) for s in scales]
     return pts, missing
 
 
-#: (label, file under the traces folder, time scales): the real traces with prefix information.
-REAL_TRACES: tuple[tuple[str, str, tuple[float, ...]], ...] = (
-    ("Mooncake synthetic", "mooncake_synthetic_trace.jsonl", (2, 3, 4)),
+#: The real traces with prefix information (``workloads.traces.KNOWN_TRACES`` names) and their
+#: time scales: the Mooncake ones at the loads the router issues state (x2 busy, x3 and x4
+#: overloaded on 8 replicas); the others, not yet measured here, at their own pace and x2.
+REAL_TRACES: tuple[tuple[str, tuple[float, ...]], ...] = (
+    ("mooncake-synthetic", (2, 3, 4)),
+    ("mooncake-conversation", (2, 3, 4)),
+    ("mooncake-toolagent", (1, 2)),
+    ("bailian-a", (1, 2)),
+    ("bailian-b", (1, 2)),
 )
 
 
@@ -287,7 +294,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--points", default="all", help="'all', or labels' prefixes, e.g. 'agentic,Mooncake'")
     ap.add_argument("--anchors", default=",".join(ANCHORS), help="anchor specs (default: every faithful anchor)")
     ap.add_argument("--ablations", action="store_true", help="also run ABLATIONS (shown, never the best anchor)")
-    ap.add_argument("--traces", default=str(TRACES), help="folder of the real traces")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--out", default="out/yardstick", help="cache of the runs' summaries")
     ap.add_argument("--table-only", action="store_true", help="print the table from the cache, run nothing")
@@ -298,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"not registered in this build, left out: {', '.join(unknown)}", file=sys.stderr)
     routers = [FAIRWAY, *anchors, *(ABLATIONS if args.ablations else ())]
-    points, missing = default_points(Path(args.traces))
+    points, missing = default_points()
     if args.points != "all":
         want = split_specs(args.points)
         points = [p for p in points if any(p.label.startswith(w) for w in want)]
