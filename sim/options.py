@@ -23,8 +23,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="with --routers K: each instance sees its own decisions, or every instance's")
     p.add_argument("--sync-delay", type=float, default=0.0,
                    help="shared view: seconds before one instance's decisions and reports reach the others")
-    p.add_argument("--index-mode", default="approx", choices=["approx", "events"],
-                   help="router prefix index: own decisions + feedback, or engine KV events")
+    p.add_argument("--index-mode", default=None, choices=["approx", "events"],
+                   help="router prefix index: own decisions + feedback, or engine KV events "
+                        "(default: the router's own, events for dynamo, else approx)")
     p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
     p.add_argument("--profile", default="h200-llama3-8b")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
