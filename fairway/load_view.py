@@ -16,13 +16,17 @@ and the rate at which prefill work has been routed to it lately (``routed_window
 time of the oldest of its last ``ROUTED_WINDOW`` routed requests and the prefill estimates of the
 ones after it, sorted), from which the router reads the rate of work lighter than a request's own.
 
-Dynamo's active sequences (read by the ``dynamo`` anchor, ``fairway/routing/anchors/dynamo.py``):
-per replica, the uncached prompt tokens of its requests whose first token has not come yet
+llm-d's token load (read by the ``llmd`` anchor, ``fairway/routing/anchors/llmd.py``): per replica,
+the uncached prompt tokens of its requests whose first token has not come yet
 (``active_prefill_tokens``: added at routing, released by ``on_first_token`` or
-``on_prefill_done``, or at the finish), and, when the host asks for it (``track_blocks``), the
-multiset of its active requests' prompt block hashes: its distinct blocks
-(``unique_active_blocks``) and, for a new request, how many of its blocks are not already active
-there (``new_blocks``). Both are the router's own bookkeeping, as in Dynamo.
+``on_prefill_done``, or at the finish), the router's own bookkeeping as in llm-d's in-flight load
+producer (and Dynamo's active prefill tokens).
+
+Dynamo's active blocks (read by the ``dynamo`` anchor, ``fairway/routing/anchors/dynamo.py``), when
+the host asks for them (``track_blocks``): per replica, the multiset of its outstanding requests'
+prompt block hashes, hence its distinct active blocks (``unique_active_blocks``) and, for a new
+request, how many of its blocks are not already active there (``new_blocks``): the router's own
+bookkeeping, as Dynamo's ``ActiveSequences``.
 
 Staleness: in Ray Serve the replicas' stats reach the router only every so often
 (``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
@@ -144,9 +148,9 @@ class LoadView:
         self._rw: list[deque[tuple[float, float]]] = []  # per replica: (routed at, P) of its last routed
         self._rw_frozen: list[tuple[float, tuple[float, ...]] | None] = []  # its window; None when stale
         self._req: dict[int, _Tracked] = {}
-        # Dynamo's active sequences (see the module docstring)
         self._ptok: list[int] = []  # per replica: held prefill tokens (no first token yet)
         self._held: dict[int, int] = {}  # rid -> its held prefill tokens
+        # Dynamo's active blocks (see the module docstring)
         self._ab: list[dict[int, int]] = []  # per replica: hash -> active requests holding it
         self._abw: dict[int, int] = {}  # hash -> bitmask of the replicas where it is active
         self._ab_req: dict[int, Sequence[int]] = {}  # rid -> its tracked prompt hashes
@@ -240,9 +244,9 @@ class LoadView:
 
     def on_first_token(self, rid: int) -> None:
         """``rid`` produced its first token: its prompt tokens leave ``active_prefill_tokens``
-        (Dynamo marks a request's prefill complete on its first output). Unlike
+        (llm-d releases a request's prompt tokens at its first chunk). Unlike
         ``on_prefill_done`` it leaves the estimated prefill end alone, so a host that reports
-        first tokens for Dynamo's sake changes nothing the other policies read. Idempotent;
+        first tokens for llm-d's sake changes nothing the other policies read. Idempotent;
         unknown ids are ignored. O(1)."""
         tok = self._held.pop(rid, None)
         if tok is not None:
@@ -255,7 +259,7 @@ class LoadView:
 
         Why: Dynamo's decode cost counts a worker's *distinct* active blocks, so requests sharing
         a prefix count it once, and charges a new request only its blocks not already active
-        there. Hosts call it only for policies that read them (``RouterPolicy.active_sequences``).
+        there. Hosts call it only for policies that read them (``RouterPolicy.active_blocks``).
         ``hashes`` is kept, not copied: pass an immutable sequence. O(len(hashes))."""
         t = self._req[rid]
         if rid in self._ab_req:
@@ -332,7 +336,10 @@ class LoadView:
             self._unqueue(t)
         self._out[t.replica] -= 1
         self._blocks[t.replica] -= t.blocks
-        self._release_dynamo(rid, t.replica)
+        tok = self._held.pop(rid, None)
+        if tok is not None:
+            self._ptok[t.replica] -= tok
+        self._untrack_blocks(rid, t.replica)
         self._version += 1
 
     def replica_load(self, replica: int) -> tuple[int, float]:
@@ -442,12 +449,9 @@ class LoadView:
             del pf[rid]
         return tuple(pf.values())
 
-    def _release_dynamo(self, rid: int, j: int) -> None:
-        """A finished ``rid`` leaves Dynamo's active sequences on replica ``j``: its held prefill
-        tokens and its tracked blocks. O(its tracked blocks)."""
-        tok = self._held.pop(rid, None)
-        if tok is not None:
-            self._ptok[j] -= tok
+    def _untrack_blocks(self, rid: int, j: int) -> None:
+        """A finished ``rid``'s tracked blocks leave replica ``j``'s active blocks. O(its tracked
+        blocks), O(1) when it has none."""
         hashes = self._ab_req.pop(rid, None)
         if hashes is None:
             return

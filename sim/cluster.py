@@ -10,8 +10,9 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 - routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
   load view adds the request's estimated prefill time to that replica's queued work;
 - admitted: the work leaves the queue; preempted: it is queued again;
-- first token: a policy that reads active sequences (``dynamo``) releases the request's held
-  prefill tokens (the others' load views do not hear of it, so their decisions are unchanged);
+- first token: a policy that reads tokens held until the first token (``llmd``, ``dynamo``)
+  releases the request's prefill tokens (the others' load views do not hear of it, so their
+  decisions are unchanged);
 - finished (or rejected by the engine): the load view forgets it, the index is corrected with
   the cached-token count the engine reported (approximate mode, finished requests only), and the
   replica's KV usage reaches every instance;

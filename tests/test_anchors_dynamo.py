@@ -51,7 +51,7 @@ def test_cost_arithmetic_and_defaults():
     r = dynamo()
     assert (r.overlap_score_credit, r.prefill_load_scale, r.host_cache_hit_weight, r.router_temperature) == (
         1.0, 1.0, 0.75, 0.0)
-    assert r.host_tier and r.active_sequences and Dynamo.default_index_mode == "events"
+    assert r.host_tier and r.first_tokens and r.active_blocks and Dynamo.default_index_mode == "events"
     states = [
         ds(0, matched=8, prefill_tok=320, unique=10, new=2),  # (320 + 160)/16 - 8 + 10 + 2 = 34
         ds(1, unique=25, new=10),  # 160/16 + 25 + 10 = 45
@@ -199,10 +199,10 @@ def test_held_prefill_flips_the_pick_until_the_first_token():
     assert policy.last_scores == {0: 40.0, 1: 50.0}
 
 
-def test_only_policies_that_read_active_sequences_track_them():
+def test_only_policies_that_read_them_track_blocks_and_hear_first_tokens():
     clock = ManualClock()
     cost = LinearCost()
-    policy = make_router("llmd", clock=clock, cost=cost, block_size=BS)  # type: ignore[arg-type]
+    policy = make_router("ray-prefix", clock=clock, cost=cost, block_size=BS)  # type: ignore[arg-type]
     host = RoutingHost(policy, PrefixIndex(2), LoadView(2, clock, cost, block_size=BS), block_size=BS)  # type: ignore[arg-type]
     host.book(1, 0, 320, 0, chain("a", 20))
     host.on_started(1)

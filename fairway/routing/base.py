@@ -84,12 +84,12 @@ class ReplicaState:
         wall second (its gate's drain rate, ``replicas/drain.py``); 1.0 when unknown (the
         simulator's replicas run at the cost model's pace). ``speed > 0``.
     active_prefill_tokens: uncached prompt tokens routed there whose first token has not been
-        reported (Dynamo's active prefill tokens: held from routing to the first token).
+        reported (llm-d's in-flight token load: held from routing to the first token).
     unique_active_blocks: distinct prompt blocks of its outstanding requests (Dynamo's active
         blocks, shared prefixes counted once); 0 when the host does not track them.
     new_blocks: of this request's prompt blocks, how many are not already active there (after
         the longest prefix of the prompt that an outstanding request there holds); None when the
-        host does not track active blocks (``RouterPolicy.active_sequences``).
+        host does not track active blocks (``RouterPolicy.active_blocks``).
         ``0 <= new_blocks <= len(block_hashes)``.
     """
 
@@ -152,10 +152,13 @@ class RouterPolicy(ABC):
         # whether ``rank`` reads ``ReplicaState.host_blocks``: the host then asks the index for
         # the tier split (``PrefixIndex.match_tiers``); the others count both tiers as hits
         self.host_tier = False
+        # whether ``rank`` reads ``ReplicaState.active_prefill_tokens`` released at the first
+        # token: the host then reports first tokens to the load view (``LoadView.on_first_token``)
+        self.first_tokens = False
         # whether ``rank`` reads ``ReplicaState.unique_active_blocks`` and ``new_blocks``: the host
         # then tracks each replica's active prompt blocks (``LoadView.track_blocks``, O(prompt
-        # blocks) per request) and reports first tokens (``LoadView.on_first_token``)
-        self.active_sequences = False
+        # blocks) per request)
+        self.active_blocks = False
 
     @abstractmethod
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:

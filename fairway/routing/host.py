@@ -61,7 +61,7 @@ class RoutingHost:
             matched, host = self.index.match_tiers(hashes)
         else:
             matched = self.index.match(hashes)
-        new = self.load.new_blocks(hashes) if self.policy.active_sequences else None  # Dynamo's decode term
+        new = self.load.new_blocks(hashes) if self.policy.active_blocks else None  # Dynamo's decode term
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
                              new=new)
         ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
@@ -75,7 +75,7 @@ class RoutingHost:
         """The request's prefill joins ``replica``'s queued work (its matched blocks are cached);
         a policy that reads active blocks gets its prompt ``hashes`` tracked there."""
         self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size)
-        if self.policy.active_sequences:
+        if self.policy.active_blocks:
             self.load.track_blocks(rid, hashes)
 
     def unbook(self, rid: int) -> None:
@@ -111,9 +111,10 @@ class RoutingHost:
             self.load.on_started(rid, started_at=started_at)
 
     def on_first_token(self, rid: int) -> None:
-        """The request's first token came: only a policy that reads active sequences hears it
-        (the others' view stays as it was without this report)."""
-        if self.policy.active_sequences and rid in self.load:
+        """The request's first token came: only a policy that reads tokens held until the first
+        token hears it (``RouterPolicy.first_tokens``; the others' view stays as it was without
+        this report)."""
+        if self.policy.first_tokens and rid in self.load:
             self.load.on_first_token(rid)
 
     def on_preempted(self, rid: int, prompt_tokens: int) -> None:

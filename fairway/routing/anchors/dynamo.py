@@ -55,7 +55,7 @@ class Dynamo(RouterPolicy):
     router-side queue (it parks requests when every worker is past 16x its batched-token
     budget) is not modelled; the Ray host learns of first tokens from the replicas' periodic
     stats, so it holds prefill tokens a little longer than Dynamo's stream hook does; a host
-    that tracks no active blocks (``active_sequences`` unset) gets the summed ``active_blocks``
+    that tracks no active blocks (``active_blocks`` unset) gets the summed ``active_blocks``
     with every prompt block counted as new. ``last_scores`` holds the costs.
     """
 
@@ -86,7 +86,8 @@ class Dynamo(RouterPolicy):
         self.host_cache_hit_weight = float(host_cache_hit_weight)
         self.router_temperature = float(router_temperature)
         self.host_tier = True  # a host-tier hit earns host_cache_hit_weight of a GPU hit's credit
-        self.active_sequences = True  # decode cost from distinct active blocks, prefill held to the first token
+        self.first_tokens = True  # prefill tokens held until the first token
+        self.active_blocks = True  # decode cost from the distinct active blocks
 
     def cost_of(self, req: RouteRequest, s: ReplicaState) -> float:
         """Dynamo's cost of sending ``req`` to ``s`` (see the class docstring). O(1)."""
