@@ -294,7 +294,7 @@ class FairwayRequestRouter(RequestRouter):
         rid = self._next_rid
         self._next_rid += 1
         n = len(call.prompt_token_ids)
-        self.host.book(rid, j, n, est)
+        self.host.book(rid, j, n, est, hashes)
         r = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason)
         self._track(iid, r)
         self._publish(j)

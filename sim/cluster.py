@@ -10,6 +10,9 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 - routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
   load view adds the request's estimated prefill time to that replica's queued work;
 - admitted: the work leaves the queue; preempted: it is queued again;
+- first token: a policy that reads tokens held until the first token (``llmd``, ``dynamo``)
+  releases the request's prefill tokens (the others' load views do not hear of it, so their
+  decisions are unchanged);
 - finished (or rejected by the engine): the load view forgets it, the index is corrected with
   the cached-token count the engine reported (approximate mode, finished requests only), and the
   replica's KV usage reaches every instance;
@@ -156,7 +159,7 @@ class ClusterRouter:
         d = inst.decide(spec.rid, spec.prompt_tokens, hashes,
                        session=str(spec.session) if spec.session >= 0 else None)
         inst.record_routed(d.pick, hashes, d.reason)
-        inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks)
+        inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, hashes)
         self._estimated[spec.rid] = d.matched_blocks
         if self.sync_delay_s > 0.0:
             rid, pick, n, est = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks
@@ -174,6 +177,12 @@ class ClusterRouter:
         if self.sync_delay_s > 0.0:
             rid, at = r.rid, self.clock.now()
             self._post(rid, lambda h: h.on_started(rid, started_at=at))
+
+    def on_first_token(self, replica: int, r: EngineRequest) -> None:
+        self._inst(r.rid).on_first_token(r.rid)
+        if self.sync_delay_s > 0.0:
+            rid = r.rid
+            self._post(rid, lambda h: h.on_first_token(rid))
 
     def on_preempted(self, replica: int, r: EngineRequest) -> None:
         self._inst(r.rid).on_preempted(r.rid, r.target)

@@ -175,7 +175,9 @@ class EngineModel:
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []
         self._seq = 0
-        self.listener: Any = None  # optional lifecycle observer (the cluster router host)
+        # optional lifecycle observer (the cluster router host): on_admitted, on_preempted,
+        # on_finished, on_kv_events, and if it has them on_first_token and on_kv_tier_events
+        self.listener: Any = None
         self.busy_s = 0.0
         self.prefill_busy_s = 0.0  # time in steps that computed prompt tokens
         self.steps = 0
@@ -335,6 +337,8 @@ class EngineModel:
                 r.generated += 1
                 if r.first_token_s < 0:
                     r.first_token_s = now
+                    if self.listener is not None and (on_first := getattr(self.listener, "on_first_token", None)):
+                        on_first(self.replica, r)
                 if r.generated >= r.spec.output_tokens:
                     r.finished_s = now
                     done.append(r)

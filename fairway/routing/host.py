@@ -7,11 +7,11 @@ states from a load snapshot, lets the policy rank them, and picks within the fir
 replica with the fewest outstanding requests (ties: the policy's order), as Ray Serve does within
 a rank. The host then reports the request's life: ``book`` (its prefill joins the pick's queued
 work), ``record_routed`` (the index learns the prompt is on that replica), ``on_started`` /
-``on_preempted`` / ``on_finished`` (the load view), ``feedback`` (the cached tokens the engine
+``on_first_token`` / ``on_preempted`` / ``on_finished`` (the load view), ``feedback`` (the cached tokens the engine
 reported correct the index).
 
-Complexity per decision: O(prompt blocks) for the index match, O(replicas) for the states, plus
-the policy's rank.
+Complexity per decision: O(prompt blocks) for the index match (and, for a policy that reads
+active blocks, their walk), O(replicas) for the states, plus the policy's rank.
 """
 
 from __future__ import annotations
@@ -66,16 +66,22 @@ class RoutingHost:
             matched, host = self.index.match_tiers(hashes)
         else:
             matched = self.index.match(hashes)
-        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host)
+        new = self.load.new_blocks(hashes) if self.policy.active_blocks else None  # Dynamo's decode term
+        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
+                             new=new)
         ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
         first = ranks[0]
         live = self.load.live()
         pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
         return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice")
 
-    def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int) -> None:
-        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached)."""
+    def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int,
+             hashes: Sequence[int] = ()) -> None:
+        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached);
+        a policy that reads active blocks gets its prompt ``hashes`` tracked there."""
         self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size)
+        if self.policy.active_blocks:
+            self.load.track_blocks(rid, hashes)
 
     def unbook(self, rid: int) -> None:
         """Forget a booked request (a retry, or one that was never sent)."""
@@ -92,7 +98,7 @@ class RoutingHost:
         and the load view learn it as if routed here, and the policy's own traffic statistics
         count it (``RouterPolicy.on_adopted``); it is not one of this policy's decisions."""
         self.index.record_routed(replica, hashes)
-        self.book(rid, replica, prompt_tokens, matched_blocks)
+        self.book(rid, replica, prompt_tokens, matched_blocks, hashes)
         self.policy.on_adopted(hashes, matched_blocks, prompt_tokens)
 
     def finished(self, rid: int, replica: int, hashes: Sequence[int], cached_tokens: int,
@@ -108,6 +114,13 @@ class RoutingHost:
     def on_started(self, rid: int, started_at: float | None = None) -> None:
         if rid in self.load:
             self.load.on_started(rid, started_at=started_at)
+
+    def on_first_token(self, rid: int) -> None:
+        """The request's first token came: only a policy that reads tokens held until the first
+        token hears it (``RouterPolicy.first_tokens``; the others' view stays as it was without
+        this report)."""
+        if self.policy.first_tokens and rid in self.load:
+            self.load.on_first_token(rid)
 
     def on_preempted(self, rid: int, prompt_tokens: int) -> None:
         if rid in self.load:
