@@ -162,12 +162,12 @@ class ClusterRouter:
         inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, hashes)
         self._estimated[spec.rid] = d.matched_blocks
         if self.sync_delay_s > 0.0:
-            rid, pick, n, est = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks
-            self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est))
+            rid, pick, n, est, best = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, d.best_blocks
+            self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est, best))
         elif self.view == SHARED:  # one index and load view: only the policies' own statistics
             for other in self.instances:
                 if other is not inst:
-                    other.policy.on_adopted(hashes, d.matched_blocks, spec.prompt_tokens)
+                    other.policy.on_adopted(hashes, d.best_blocks, spec.prompt_tokens)
         return d.pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------

@@ -182,3 +182,20 @@ def test_decisions_index_ignores_the_engines_reports_and_approx_corrects_itself(
     assert all(c < 80 for c in caps["approx"])
     with pytest.raises(ValueError, match="unknown index mode"):
         cluster("pow2", specs, index_mode="exact")
+
+
+def test_routers_sharing_one_view_without_delay_route_as_one():
+    # one hot prefix (90% of requests, several holders needed) among cold ones: replication and
+    # "fair" picks happen; each instance names another's decision by its best match, as its own,
+    # so K instances over one shared view decide exactly as one router does
+    specs = [spec(i, 0.002 * i, 300, 4, chain("hot" if i % 10 else f"cold{i}", 16) + chain(f"u{i}", 2))
+             for i in range(400)]
+    picks, reasons = {}, {}
+    for k in (1, 3):
+        sim, engines, host = cluster("fairway", specs, n=4, kv_blocks=400, routers=k, view="shared")
+        res = sim.run()
+        picks[k] = [r.replica for r in sorted(res.finished, key=lambda r: r.rid)]
+        reasons[k] = host.reasons()
+    assert reasons[1].get("replicate", 0) > 0 and reasons[1].get("fair", 0) + reasons[1].get("cold", 0) > 0
+    assert picks[3] == picks[1]
+    assert reasons[3] == reasons[1]

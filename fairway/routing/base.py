@@ -165,9 +165,9 @@ class RouterPolicy(ABC):
         """Ranked replica ids for ``req`` among ``states`` (see the module's conventions)."""
 
     def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
-        """Another router instance routed a request of ``prompt_tokens`` tokens (``hashes``) to a
-        replica where ``matched_blocks`` of them were cached (a shared view): a policy that keeps
-        its own statistics of the traffic learns of it. Default: nothing. O(1)."""
+        """Another router instance routed a request of ``prompt_tokens`` tokens (``hashes``), whose
+        longest match among the candidates was ``matched_blocks`` (a shared view): a policy that
+        keeps its own statistics of the traffic learns of it. Default: nothing. O(1)."""
         return None
 
     # -- helpers shared by the policies -----------------------------------------------------

@@ -28,12 +28,15 @@ from fairway.routing.base import RouteRequest, RouterPolicy, make_states
 @dataclass(slots=True)
 class Decision:
     """A routing decision. ``ranks`` is the policy's answer (first rank preferred); ``pick`` is in
-    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's."""
+    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's;
+    ``best_blocks`` is the longest match among the candidates (what a policy's traffic statistics
+    name the request's prefix by, wherever it was sent)."""
 
     ranks: list[list[int]]
     pick: int
     matched_blocks: int
     reason: str
+    best_blocks: int = 0
 
 
 class RoutingHost:
@@ -73,7 +76,8 @@ class RoutingHost:
         first = ranks[0]
         live = self.load.live()
         pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
-        return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice")
+        best = max(s.matched_blocks for s in states)
+        return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice", best)
 
     def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int,
              hashes: Sequence[int] = ()) -> None:
@@ -93,13 +97,16 @@ class RoutingHost:
         self.reasons[reason] += 1
         self.index.record_routed(replica, hashes)
 
-    def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int) -> None:
+    def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int,
+              best_blocks: int | None = None) -> None:
         """Another router instance sent this request to ``replica`` (a shared view): the index
-        and the load view learn it as if routed here, and the policy's own traffic statistics
-        count it (``RouterPolicy.on_adopted``); it is not one of this policy's decisions."""
+        and the load view learn it as if routed here (``matched_blocks`` cached there), and the
+        policy's own traffic statistics count it (``RouterPolicy.on_adopted``) under the
+        decision's longest match, ``best_blocks`` (default: ``matched_blocks``), as they count
+        the policy's own decisions; it is not one of this policy's decisions."""
         self.index.record_routed(replica, hashes)
         self.book(rid, replica, prompt_tokens, matched_blocks, hashes)
-        self.policy.on_adopted(hashes, matched_blocks, prompt_tokens)
+        self.policy.on_adopted(hashes, matched_blocks if best_blocks is None else best_blocks, prompt_tokens)
 
     def finished(self, rid: int, replica: int, hashes: Sequence[int], cached_tokens: int,
                  estimated_blocks: int | None) -> None:
