@@ -251,3 +251,13 @@ def test_pow2_equal_queues_keep_the_draw_order():
     again = router("pow2", seed=0)
     assert firsts == [ranked(again, req(), tie)[0] for _ in range(40)]
     assert all(ranked(r, req(), [st(0, outstanding=3), st(1, outstanding=1)]) == [[1, 0]] for _ in range(10))
+
+
+def test_defaults_are_the_upstream_defaults():
+    ph = router("prefix-hash")
+    assert (ph.prefix_tokens, ph.load_factor, ph._ring.vnodes, ph.spill) == (256, 1.25, 150, "least-loaded")
+    sh = router("session-hash")
+    assert (math.isinf(sh.max_load_skew), sh.fallback, sh._recent.window_s) == (True, "random", 60.0)
+    assert router("vllm-loadaware").beta == 1.0
+    pa = router("vllm-prefixaware")
+    assert (pa.min_match, pa.chars_per_token) == (0, 4.0)
