@@ -277,7 +277,8 @@ class FairwayRequestRouter(RequestRouter):
         hashes = tuple(call.block_hashes[:n_hash])
         iid = pending_request.metadata.internal_request_id
         self._unbook(iid)  # a retry of the same request: forget its previous provisional booking
-        d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx))
+        d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx),
+                             session=call.session or None)
         # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
         # the same load would herd onto one replica before the first on_request_routed.
         booked = self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason, d.best_blocks)

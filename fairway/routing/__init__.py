@@ -21,9 +21,12 @@ from fairway.routing.anchors import (
     ConsistentHash,
     Dynamo,
     Pow2,
+    PrefixHash,
     RayPrefix,
     RoundRobin,
+    SessionHash,
     SGLang,
+    VLLMLoadAware,
     VLLMPrefixAware,
 )
 from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, choice, make_states, ranks_of
@@ -38,8 +41,8 @@ def register_router(cls: type[RouterPolicy]) -> type[RouterPolicy]:
     return cls
 
 
-for _cls in (RoundRobin, Pow2, ConsistentHash, RayPrefix, SGLang, Dynamo, LLMD, AIBrix, VLLMPrefixAware,
-             FairwayRouter):
+for _cls in (RoundRobin, Pow2, ConsistentHash, PrefixHash, SessionHash, RayPrefix, SGLang, Dynamo, LLMD, AIBrix,
+             VLLMPrefixAware, VLLMLoadAware, FairwayRouter):
     register_router(_cls)
 
 

@@ -9,22 +9,22 @@ Every anchor here reads the same ``ReplicaState`` fields, so they differ only by
   (docs/design.md, Block hashes in token units): a "match rate" is matched block tokens / prompt
   tokens;
 - ties that the originals break at random or by map order go by replica id here, unless the
-  rule itself is random (``pow2``'s sampling, ``vllm-prefixaware``), which draws from the
-  injected ``rng``.
+  rule itself is random (``pow2``'s sampling and its ties, ``vllm-prefixaware``,
+  ``session-hash`` without a session), which draws from the injected ``rng``.
 
 Complexity: every ``rank`` is O(R log R) in the number of candidate replicas R (a sort), plus
-O(k) for ``consistent-hash``'s key and an expected O(R log R) ring walk.
+O(k) for a ring anchor's key and an expected O(R log R) ring walk.
 """
 
 from fairway.routing.anchors.aibrix import AIBrix
 from fairway.routing.anchors.common import pow2_ranks
 from fairway.routing.anchors.dynamo import Dynamo
-from fairway.routing.anchors.hashing import ConsistentHash
+from fairway.routing.anchors.hashing import ConsistentHash, PrefixHash, SessionHash
 from fairway.routing.anchors.llmd import LLMD
 from fairway.routing.anchors.ray import RayPrefix
 from fairway.routing.anchors.sglang import SGLang
 from fairway.routing.anchors.simple import Pow2, RoundRobin
-from fairway.routing.anchors.vllm import VLLMPrefixAware
+from fairway.routing.anchors.vllm import VLLMLoadAware, VLLMPrefixAware
 
 __all__ = [
     "AIBrix",
@@ -32,9 +32,12 @@ __all__ = [
     "Dynamo",
     "LLMD",
     "Pow2",
+    "PrefixHash",
     "RayPrefix",
     "RoundRobin",
     "SGLang",
+    "SessionHash",
+    "VLLMLoadAware",
     "VLLMPrefixAware",
     "pow2_ranks",
 ]
