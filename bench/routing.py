@@ -61,7 +61,7 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
         t0 = time.perf_counter_ns()
         d = host.decide(k, prompt_tokens, hashes)
         host.record_routed(d.pick, hashes, d.reason)
-        host.book(k, d.pick, prompt_tokens, d.matched_blocks)
+        host.book(k, d.pick, prompt_tokens, d.matched_blocks, hashes)
         t1 = time.perf_counter_ns()
         times.append(t1 - t0)
         sent.append((d.pick, hashes))

@@ -21,6 +21,7 @@ from fairway.cost_model import DEFAULT_PROFILE
 from fairway.policies import validated_policy
 from fairway.routing import validated_router
 from fairway.routing.fairway import router_options_for
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S
@@ -44,7 +45,8 @@ class RouterArgs(BaseModel):
     shared_view: bool | None = Field(
         None, description="the request routers of all ingress replicas share one routing view (a Ray actor); "
                           "default: on when ingress_replicas > 1")
-    sync_period_s: float = Field(0.01, gt=0, le=1.0, description="how often each router exchanges with the shared view")
+    sync_period_s: float = Field(DEFAULT_SYNC_PERIOD_S, gt=0, le=1.0,
+                                 description="how often each router exchanges with the shared view")
     prefix_view: Literal["approx", "events"] = Field(
         "approx", description="approx: the index learns from routings and cached-token reports; events: the "
                               "replicas' exact KV events through the shared view (which it turns on), the "

@@ -22,6 +22,12 @@ the uncached prompt tokens of its requests whose first token has not come yet
 ``on_prefill_done``, or at the finish), the router's own bookkeeping as in llm-d's in-flight load
 producer (and Dynamo's active prefill tokens).
 
+Dynamo's active blocks (read by the ``dynamo`` anchor, ``fairway/routing/anchors/dynamo.py``), when
+the host asks for them (``track_blocks``): per replica, the multiset of its outstanding requests'
+prompt block hashes, hence its distinct active blocks (``unique_active_blocks``) and, for a new
+request, how many of its blocks are not already active there (``new_blocks``): the router's own
+bookkeeping, as Dynamo's ``ActiveSequences``.
+
 Staleness: in Ray Serve the replicas' stats reach the router only every so often
 (``record_routing_stats``, polled every 10 s by default), and several ingress replicas each see
 part of the load. ``stale_s`` mimics that: readers get a ``LoadSnapshot`` refreshed at most every
@@ -31,13 +37,15 @@ after ``taken_s + stale_s`` takes a new snapshot of the current counters.
 Complexity: every lifecycle hook is O(1) plus O(log n + n) for the sorted list of the n requests
 waiting on that replica (a bisect insort / delete, a memmove in C); a snapshot costs O(replicas +
 waiting requests on the replicas whose queue changed since the last one) when it is refreshed and
-O(1) otherwise.
+O(1) otherwise. ``track_blocks`` and the finish of a tracked request cost O(its prompt blocks);
+``new_blocks`` costs O(blocks matched + replicas), like the prefix index's lookup.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fairway.clock import Clock
@@ -80,6 +88,7 @@ class LoadSnapshot:
     routed_windows: tuple[tuple[float, tuple[float, ...]], ...] = field(default=())
     speed: tuple[float, ...] = field(default=())
     active_prefill_tokens: tuple[int, ...] = field(default=())
+    unique_active_blocks: tuple[int, ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -109,7 +118,7 @@ class LoadView:
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
                  "_qp", "_qp_frozen", "_cap", "_speed", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version",
-                 "_snap_version", "_ptok", "_held")
+                 "_snap_version", "_ptok", "_held", "_ab", "_abw", "_ab_req")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -141,6 +150,10 @@ class LoadView:
         self._req: dict[int, _Tracked] = {}
         self._ptok: list[int] = []  # per replica: held prefill tokens (no first token yet)
         self._held: dict[int, int] = {}  # rid -> its held prefill tokens
+        # Dynamo's active blocks (see the module docstring)
+        self._ab: list[dict[int, int]] = []  # per replica: hash -> active requests holding it
+        self._abw: dict[int, int] = {}  # hash -> bitmask of the replicas where it is active
+        self._ab_req: dict[int, Sequence[int]] = {}  # rid -> its tracked prompt hashes
         self._snap: LoadSnapshot | None = None
         self._version = 0
         self._snap_version = -1
@@ -164,6 +177,7 @@ class LoadView:
         self._rw_frozen.append(None)
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks, self._ptok):
             icol.append(0)
+        self._ab.append({})
         self._version += 1
         return len(self._q) - 1
 
@@ -239,6 +253,56 @@ class LoadView:
             self._ptok[self._req[rid].replica] -= tok
             self._version += 1
 
+    def track_blocks(self, rid: int, hashes: Sequence[int]) -> None:
+        """Record the prompt block hashes of the routed request ``rid`` (after ``on_routed``) as
+        active on its replica until it finishes: Dynamo's per-worker active sequences.
+
+        Why: Dynamo's decode cost counts a worker's *distinct* active blocks, so requests sharing
+        a prefix count it once, and charges a new request only its blocks not already active
+        there. Hosts call it only for policies that read them (``RouterPolicy.active_blocks``).
+        ``hashes`` is kept, not copied: pass an immutable sequence. O(len(hashes))."""
+        t = self._req[rid]
+        if rid in self._ab_req:
+            raise KeyError(f"request {rid} already has tracked blocks")
+        self._ab_req[rid] = hashes
+        counts, where, bit = self._ab[t.replica], self._abw, 1 << t.replica
+        for h in hashes:
+            c = counts.get(h, 0)
+            if not c:
+                where[h] = where.get(h, 0) | bit
+            counts[h] = c + 1
+        self._version += 1
+
+    def new_blocks(self, hashes: Sequence[int]) -> list[int]:
+        """Per replica (index = id), how many of ``hashes`` would become active there: the blocks
+        after the longest prefix of ``hashes`` that is active on it (Dynamo's "additional active
+        blocks"; chained hashes make prefix and set membership agree). Live, not snapshotted.
+
+        Complexity: O(blocks matched on some replica + 1) dict probes plus O(replicas): a
+        replica leaves the walk at its first miss, the walk ends when none is left."""
+        n = len(hashes)
+        out = [n] * len(self._ab)
+        alive = (1 << len(self._ab)) - 1
+        where = self._abw
+        i = 0
+        for h in hashes:
+            m = where.get(h, 0) & alive
+            if m != alive:
+                gone = alive & ~m
+                while gone:
+                    low = gone & -gone
+                    out[low.bit_length() - 1] = n - i
+                    gone ^= low
+                alive = m
+                if not alive:
+                    return out
+            i += 1
+        while alive:
+            low = alive & -alive
+            out[low.bit_length() - 1] = 0
+            alive ^= low
+        return out
+
     def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
         """A running ``rid`` went back to its engine's waiting queue (preempted, to be
         recomputed): its prefill work is queued again, re-priced with the new hit.
@@ -275,6 +339,7 @@ class LoadView:
         tok = self._held.pop(rid, None)
         if tok is not None:
             self._ptok[t.replica] -= tok
+        self._untrack_blocks(rid, t.replica)
         self._version += 1
 
     def replica_load(self, replica: int) -> tuple[int, float]:
@@ -340,6 +405,7 @@ class LoadView:
             max_running=tuple(self._cap),
             speed=tuple(self._speed),
             active_prefill_tokens=tuple(self._ptok),
+            unique_active_blocks=tuple(len(c) for c in self._ab),
             prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
             routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
         )
@@ -382,6 +448,25 @@ class LoadView:
         for rid in done:
             del pf[rid]
         return tuple(pf.values())
+
+    def _untrack_blocks(self, rid: int, j: int) -> None:
+        """A finished ``rid``'s tracked blocks leave replica ``j``'s active blocks. O(its tracked
+        blocks), O(1) when it has none."""
+        hashes = self._ab_req.pop(rid, None)
+        if hashes is None:
+            return
+        counts, where, keep = self._ab[j], self._abw, ~(1 << j)
+        for h in hashes:
+            c = counts[h] - 1
+            if c:
+                counts[h] = c
+                continue
+            del counts[h]
+            m = where[h] & keep
+            if m:
+                where[h] = m
+            else:
+                del where[h]
 
     def _unqueue(self, t: _Tracked) -> None:
         j = t.replica

@@ -36,6 +36,7 @@ class GenerateCall:
     ignore_eos: bool = True
     cache_salt: str | None = None  # tenant salt folded into the first block's hash
     tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
+    session: str = ""  # the client's session key ("" for none): session-affinity routers key on it
 
 
 @dataclass(slots=True)

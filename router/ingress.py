@@ -47,6 +47,8 @@ from router.openai_api import (
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
+#: the client's session key, for session-affinity routers (``session_of``)
+SESSION_HEADER = "X-Session-Id"
 
 app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
 
@@ -187,7 +189,7 @@ class FairwayIngress:
                             reason="unknown_model")
 
     def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int,
-              who: Principal = NO_AUTH) -> GenerateCall:
+              who: Principal = NO_AUTH, session: str = "") -> GenerateCall:
         n = len(ids)
         if n == 0:
             raise HTTPError(400, "prompt must not be empty", reason="bad_request")
@@ -211,13 +213,15 @@ class FairwayIngress:
             ignore_eos=body.ignore_eos,
             cache_salt=salt,
             tenant=who.tenant,
+            session=session,
         )
 
     async def completions(self, body: CompletionRequest, request: Request | None = None) -> Any:
         try:
             self._check_model(body.model)
             ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
-            call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request))
+            call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
+                              session_of(body, request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=False, request=request)
@@ -233,7 +237,7 @@ class FairwayIngress:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(DEFAULT_MAX_TOKENS * 16, self.args.max_model_len - len(ids)))
-            call = self._call(body, ids, max_tokens, principal_of(request))
+            call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=True, request=request)
@@ -474,6 +478,13 @@ def principal_of(request: Request | None) -> Principal:
     if request is None:
         return NO_AUTH
     return request.scope.get("state", {}).get("principal", NO_AUTH)
+
+
+def session_of(body: CompletionRequest | ChatCompletionRequest, request: Request | None) -> str:
+    """The request's session key for session-affinity routers (``session-hash``): the
+    ``X-Session-Id`` header, else the OpenAI body's ``user`` field, else "" (none)."""
+    header = request.headers.get(SESSION_HEADER, "") if request is not None else ""
+    return header or body.user or ""
 
 
 def _current(attr: str, default: Any) -> Any:

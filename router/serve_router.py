@@ -44,7 +44,7 @@ from fairway.protocol import GenerateCall
 from fairway.routing import make_router
 from fairway.routing.fallback_index import FallbackIndex
 from fairway.routing.host import RoutingHost
-from fairway.routing.view_log import REPLICA_SOURCE, Exchange
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S, REPLICA_SOURCE, Exchange
 
 logger = logging.getLogger("ray.serve")
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
@@ -69,6 +69,7 @@ class _Routed:
     sent: bool = False  # on_request_routed seen (Ray sent it and the replica accepted it)
     reason: str = "choice"
     remote: bool = False  # routed by another router (shared view): no metrics here
+    best_blocks: int = 0  # the decision's longest match among the candidates (the policy's statistics)
 
 
 def find_call(pending: PendingRequest | None) -> GenerateCall | None:
@@ -104,7 +105,7 @@ class FairwayRequestRouter(RequestRouter):
         seed: int = 0,
         metrics: bool = True,
         shared_view: bool = False,
-        sync_period_s: float = 0.01,
+        sync_period_s: float = DEFAULT_SYNC_PERIOD_S,
         prefix_view: str = "approx",
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
@@ -276,10 +277,11 @@ class FairwayRequestRouter(RequestRouter):
         hashes = tuple(call.block_hashes[:n_hash])
         iid = pending_request.metadata.internal_request_id
         self._unbook(iid)  # a retry of the same request: forget its previous provisional booking
-        d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx))
+        d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx),
+                             session=call.session or None)
         # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
         # the same load would herd onto one replica before the first on_request_routed.
-        booked = self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason)
+        booked = self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason, d.best_blocks)
         # A caller that goes away before Ray assigns a replica (a client that hung up) gets no
         # on_request_routed and no on_request_completed: its booking must not stay queued.
         pending_request.future.add_done_callback(lambda f: self._unbook_if_unsent(iid, booked, f))
@@ -290,12 +292,12 @@ class FairwayRequestRouter(RequestRouter):
         return [[by_idx[j] for j in rank if j in by_idx] for rank in ranks]
 
     def _book(self, iid: str, call: GenerateCall, hashes: tuple[int, ...], j: int, est: int,
-              reason: str) -> _Routed:
+              reason: str, best: int = 0) -> _Routed:
         rid = self._next_rid
         self._next_rid += 1
         n = len(call.prompt_token_ids)
-        self.host.book(rid, j, n, est)
-        r = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason)
+        self.host.book(rid, j, n, est, hashes)
+        r = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason, best_blocks=max(best, est))
         self._track(iid, r)
         self._publish(j)
         return r
@@ -353,14 +355,15 @@ class FairwayRequestRouter(RequestRouter):
             n_hash = len(call.prompt_token_ids) // self.block_size
             hashes = tuple(call.block_hashes[:n_hash])
             reason = r.reason if r is not None else "choice"
+            best = r.best_blocks if r is not None else 0
             self._unbook(iid)
-            r = self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason)
+            r = self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason, best)
         r.routed_at = self.wall()
         r.sent = True
         self.host.record_routed(j, r.hashes, r.reason)
         if self.shared_view:
             self._outbox.append(("r", self._names[j], f"{self.router_id}:{r.rid}", r.hashes, r.prompt_tokens,
-                                 r.estimated_blocks, r.request_id, r.routed_at))
+                                 r.estimated_blocks, r.request_id, r.routed_at, r.best_blocks))
         if self.stats is not None:
             self.stats.inc_routing_decision(r.reason, replica=self._names[j])
 
@@ -483,13 +486,14 @@ class FairwayRequestRouter(RequestRouter):
                 self.index.replace_blocks(self._slot(event[1]), event[2], host)
                 self.kv_hashes_applied += len(event[2]) + len(host)
         elif kind == "r":
-            _, uid, key, hashes, prompt_tokens, est, request_id, routed_at = event
+            _, uid, key, hashes, prompt_tokens, est, request_id, routed_at, *more = event
+            best = more[0] if more else est  # a router of the previous release sends no best match
             if "remote:" + key in self._routed:  # a batch sent twice (its first exchange timed out)
                 return
             j = self._slot(uid)
             rid = self._next_rid
             self._next_rid += 1
-            self.host.adopt(rid, j, hashes, prompt_tokens, est)
+            self.host.adopt(rid, j, hashes, prompt_tokens, est, best)
             self._track("remote:" + key, _Routed(rid, request_id, j, tuple(hashes), est, prompt_tokens, routed_at,
                                                  remote=True))
             self._publish(j)

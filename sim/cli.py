@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"sim wall time {res['sim_wall_s']:.2f} s, simulated {res['sim_end_s']:.1f} s")
     if res.get("per_replica"):
         busy = [round(p["prefill_busy_fraction"], 3) for p in res["per_replica"]]
-        print(f"router {res['router']} x{res['routers']}: hit {res['cache_hit_ratio']:.3f} "
+        print(f"router {res['router']} x{res['routers']} ({cfg.index_mode} index): hit {res['cache_hit_ratio']:.3f} "
               f"(bound {res['hit_bound_capacity']:.3f} at this capacity, {res['hit_bound_infinite']:.3f} with no "
               f"eviction; LRU replay {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, "
               f"prefill-busy {busy}")

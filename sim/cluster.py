@@ -10,9 +10,9 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 - routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
   load view adds the request's estimated prefill time to that replica's queued work;
 - admitted: the work leaves the queue; preempted: it is queued again;
-- first token: a policy that reads tokens held until the first token (``llmd``) releases the
-  request's prefill tokens (the others' load views do not hear of it, so their decisions are
-  unchanged);
+- first token: a policy that reads tokens held until the first token (``llmd``, ``dynamo``)
+  releases the request's prefill tokens (the others' load views do not hear of it, so their
+  decisions are unchanged);
 - finished (or rejected by the engine): the load view forgets it, the index is corrected with
   the cached-token count the engine reported (approximate mode, finished requests only), and the
   replica's KV usage reaches every instance;
@@ -33,7 +33,7 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineModel, EngineRequest
 from fairway.load_view import LoadView
-from fairway.prefix_index import PrefixIndex
+from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
@@ -41,6 +41,10 @@ from fairway.routing.host import RoutingHost
 OWN = "own"  # each router instance learns only from its own decisions (Ray Serve today)
 SHARED = "shared"  # every instance sees every instance's decisions, after sync_delay_s
 VIEWS = (OWN, SHARED)
+#: The router's prefix index: ``approx`` (its decisions, corrected by the engines' cached-token
+#: reports), ``decisions`` (its decisions only, as most originals know them) or ``events`` (exact).
+DECISIONS = "decisions"
+INDEX_MODES = (APPROX, DECISIONS, EVENTS)
 
 
 class ClusterRouter:
@@ -65,6 +69,8 @@ class ClusterRouter:
     ) -> None:
         if routers < 1:
             raise ValueError("routers must be >= 1")
+        if index_mode not in INDEX_MODES:
+            raise ValueError(f"unknown index mode {index_mode!r}; known: {', '.join(INDEX_MODES)}")
         if view not in VIEWS:
             raise ValueError(f"unknown router view {view!r}; known: {', '.join(VIEWS)}")
         if sync_delay_s < 0:
@@ -72,6 +78,8 @@ class ClusterRouter:
         self.name = name
         self.block_size = block_size
         self.index_mode = index_mode
+        feedback = index_mode != DECISIONS
+        index_mode = APPROX if index_mode == DECISIONS else index_mode
         self.view = view
         self.clock = clock
         self.sync_delay_s = sync_delay_s if view == SHARED else 0.0
@@ -92,6 +100,7 @@ class ClusterRouter:
                 shared_index if one else index(),
                 shared_load if one else load(),
                 block_size=block_size,
+                feedback=feedback,
             )
             for k in range(routers)
         ]
@@ -150,15 +159,15 @@ class ClusterRouter:
         d = inst.decide(spec.rid, spec.prompt_tokens, hashes,
                        session=str(spec.session) if spec.session >= 0 else None)
         inst.record_routed(d.pick, hashes, d.reason)
-        inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks)
+        inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, hashes)
         self._estimated[spec.rid] = d.matched_blocks
         if self.sync_delay_s > 0.0:
-            rid, pick, n, est = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks
-            self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est))
+            rid, pick, n, est, best = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, d.best_blocks
+            self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est, best))
         elif self.view == SHARED:  # one index and load view: only the policies' own statistics
             for other in self.instances:
                 if other is not inst:
-                    other.policy.on_adopted(hashes, d.matched_blocks, spec.prompt_tokens)
+                    other.policy.on_adopted(hashes, d.best_blocks, spec.prompt_tokens)
         return d.pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------

@@ -22,7 +22,8 @@ BACKLOG_RATE = 10.0  # arrivals/s used only to draw the backlog from a synthetic
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, help="rag, mixed, agentic, *-spike, trace:PATH")
+    p.add_argument("--workload", required=True,
+                   help="rag, mixed, agentic, *-spike, trace:PATH, trace:NAME (docs/traces.md)")
     p.add_argument("--n", type=int, default=200, help="backlog size")
     p.add_argument("--kv-tokens", type=int, default=65_536,
                    help="KV budget in tokens (rounded down to blocks); small enough that batching decides")

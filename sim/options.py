@@ -7,24 +7,31 @@ import argparse
 from typing import Any
 
 from fairway.engine.block_pool import RETENTIONS
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import parse_spec
 from sim.runner import RunConfig
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, help="rag, mixed, agentic, *-spike, trace:PATH")
+    p.add_argument("--workload", required=True,
+                   help="rag, mixed, agentic, *-spike, trace:PATH, trace:NAME (docs/traces.md)")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals (default: 300 for a synthetic workload, the whole trace for trace:PATH)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace time compression")
     p.add_argument("--concurrency", type=int, default=None, help="fixed-concurrency mode")
     p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--routers", type=int, default=1, help="independent router instances (each sees 1/K)")
-    p.add_argument("--router-view", default="own", choices=["own", "shared"],
-                   help="with --routers K: each instance sees its own decisions, or every instance's")
-    p.add_argument("--sync-delay", type=float, default=0.0,
-                   help="shared view: seconds before one instance's decisions and reports reach the others")
-    p.add_argument("--index-mode", default="approx", choices=["approx", "events"],
-                   help="router prefix index: own decisions + feedback, or engine KV events")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router instances (one per ingress replica), each routing 1/K of the requests")
+    p.add_argument("--router-view", default="shared", choices=["own", "shared"],
+                   help="with --routers K: every instance's decisions through one shared view (the cluster's "
+                        "default), or each instance's own only")
+    p.add_argument("--sync-delay", type=float, default=None,
+                   help="shared view: seconds before one instance's decisions and reports reach the others "
+                        f"(default: the cluster's sync period, {DEFAULT_SYNC_PERIOD_S} s, with --routers > 1)")
+    p.add_argument("--index-mode", default=None, choices=["approx", "decisions", "events"],
+                   help="router prefix index: own decisions + the engines' cached-token feedback, own decisions "
+                        "only (what most anchors' originals know), or engine KV events (exact); default: the "
+                        "router's own, events for dynamo, else approx")
     p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
     p.add_argument("--profile", default="h200-llama3-8b")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
@@ -39,6 +46,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention", default=None, choices=list(RETENTIONS),
                    help="KV eviction strategy (default: the queue policy's)")
     p.add_argument("--host-kv-blocks", type=int, default=0, help="host (CPU) KV tier per replica, blocks; 0 = off")
+
+
+def sync_delay(args: argparse.Namespace) -> float:
+    """The shared view's delay: as given, else the cluster's sync period when several router
+    instances share a view (one instance has nobody to sync with)."""
+    if args.sync_delay is not None:
+        return args.sync_delay
+    return DEFAULT_SYNC_PERIOD_S if args.routers > 1 and args.router_view == "shared" else 0.0
 
 
 def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: int,
@@ -60,7 +75,7 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         routers=args.routers,
         index_mode=args.index_mode,
         router_view=args.router_view,
-        sync_delay_s=args.sync_delay,
+        sync_delay_s=sync_delay(args),
         stale_s=args.stale,
         profile=args.profile,
         kv_blocks=args.kv_blocks,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineConfig, EngineModel
 from fairway.policies import make_policy
+from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
 from sim.hit_bounds import hit_ratio_bounds
@@ -37,7 +38,9 @@ class RunConfig(BaseModel):
     router: str = Field("round-robin", description="router policy (used when replicas > 1)")
     router_options: dict[str, Any] = Field(default_factory=dict)
     routers: int = Field(1, ge=1, description="independent router instances, each sees 1/K")
-    index_mode: Literal["approx", "events"] = "approx"
+    index_mode: Literal["approx", "decisions", "events"] | None = Field(
+        None, description="router prefix index; None = the router's own default "
+                          "(RouterPolicy.default_index_mode: events for dynamo, else approx)")
     router_view: Literal["own", "shared"] = Field(
         "own", description="own: each router instance sees its own decisions; shared: every instance's")
     sync_delay_s: float = Field(0.0, ge=0, description="shared view: seconds before one instance's news reaches "
@@ -54,6 +57,18 @@ class RunConfig(BaseModel):
     retention: Literal["lru", "peek", "prism", "session"] | None = Field(
         None, description="KV eviction strategy; None = the queue policy's")
     host_kv_blocks: int = Field(0, ge=0, description="host (CPU) KV tier per replica, in blocks; 0 = off")
+
+    @model_validator(mode="after")
+    def _resolve_index_mode(self) -> RunConfig:
+        """An unset ``index_mode`` becomes the router's own default (``dynamo`` reads the KV-event
+        index, as Dynamo does by default); an unknown router keeps "approx" and fails in
+        ``build``."""
+        if self.index_mode is None:
+            try:
+                self.index_mode = router_class(self.router).default_index_mode  # type: ignore[assignment]
+            except RouterError:
+                self.index_mode = "approx"
+        return self
 
 
 def router_options(cfg: RunConfig) -> dict[str, Any]:

@@ -106,3 +106,18 @@ def test_run_prints_the_realised_rate_not_the_unused_rate_option(tmp_path, capsy
     header, row = capsys.readouterr().out.splitlines()[:2]
     assert header.split()[1] == "req/s"
     assert float(row.split()[1]) == pytest.approx(2.0, rel=0.01)
+
+
+@pytest.mark.parametrize(("extra", "view", "delay"), [
+    ([], "shared", 0.0),  # one router: nobody to sync with
+    (["--routers", "4"], "shared", 0.01),  # the cluster's default: one shared view, its sync period
+    (["--routers", "4", "--sync-delay", "0"], "shared", 0.0),
+    (["--routers", "4", "--router-view", "own"], "own", 0.0),
+])
+def test_several_routers_default_to_the_clusters_shared_view(extra, view, delay):
+    from sim.cli import make_parser
+    from sim.options import config_from
+
+    args = make_parser().parse_args(["run", "--workload", "rag", "--policy", "fcfs", *extra])
+    cfg = config_from(args, args.policy, args.rate, args.seed)
+    assert (cfg.router_view, cfg.sync_delay_s) == (view, delay)

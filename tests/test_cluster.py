@@ -164,3 +164,38 @@ def test_a_shared_view_with_a_delay_delivers_kv_events_after_the_delay():
     host._deliver(0)
     host._deliver(1)
     assert [list(i.index.blocks(2)) for i in host.instances] == [[8], [8]]
+
+
+def test_decisions_index_ignores_the_engines_reports_and_approx_corrects_itself():
+    # 30 families of 10 blocks on 3 replicas of 80 blocks: the engines evict, so the engines'
+    # cached-token reports shrink the approx index's capacity estimate; the decisions-only index
+    # (what most anchors' originals know) keeps its configured capacity and every routed block
+    specs = [spec(i, 0.05 * i, 200, 4, chain(f"fam{i % 30}", 10) + chain(f"u{i}", 2)) for i in range(90)]
+    caps = {}
+    for mode in ("approx", "decisions"):
+        sim, engines, host = cluster("round-robin", specs, index_mode=mode)
+        res = sim.run()
+        assert len(res.finished) == len(specs)
+        assert [h.feedback_on for h in host.instances] == [mode == "approx"]
+        caps[mode] = [host.instances[0].index.capacity(j) for j in range(3)]
+    assert caps["decisions"] == [80, 80, 80]
+    assert all(c < 80 for c in caps["approx"])
+    with pytest.raises(ValueError, match="unknown index mode"):
+        cluster("pow2", specs, index_mode="exact")
+
+
+def test_routers_sharing_one_view_without_delay_route_as_one():
+    # one hot prefix (90% of requests, several holders needed) among cold ones: replication and
+    # "fair" picks happen; each instance names another's decision by its best match, as its own,
+    # so K instances over one shared view decide exactly as one router does
+    specs = [spec(i, 0.002 * i, 300, 4, chain("hot" if i % 10 else f"cold{i}", 16) + chain(f"u{i}", 2))
+             for i in range(400)]
+    picks, reasons = {}, {}
+    for k in (1, 3):
+        sim, engines, host = cluster("fairway", specs, n=4, kv_blocks=400, routers=k, view="shared")
+        res = sim.run()
+        picks[k] = [r.replica for r in sorted(res.finished, key=lambda r: r.rid)]
+        reasons[k] = host.reasons()
+    assert reasons[1].get("replicate", 0) > 0 and reasons[1].get("fair", 0) + reasons[1].get("cold", 0) > 0
+    assert picks[3] == picks[1]
+    assert reasons[3] == reasons[1]

@@ -178,6 +178,21 @@ def test_too_many_messages_and_the_other_limits_are_400_with_the_reason(server):
                        "out of the vocabulary")
 
 
+def test_the_session_key_comes_from_the_header_else_the_user_field(server):
+    body = {"model": MODEL, "prompt": [5] * 4, "max_tokens": 1}
+    cases = [({"X-Session-Id": "conv-7"}, {"user": "u1"}, "conv-7"),  # the header wins
+             ({"x-session-id": "conv-8"}, {}, "conv-8"),  # header names are case-insensitive
+             ({}, {"user": "u1"}, "u1"),  # OpenAI's user field without the header
+             ({}, {}, "")]  # neither: no session
+    for headers, extra, want in cases:
+        r = post(server, "/v1/completions", {**body, **extra}, headers=headers)
+        assert r.status_code == 200, r.text
+        assert server.replicas.calls[-1].session == want
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "user": "u2"}
+    assert post(server, "/v1/chat/completions", chat, headers={"X-Session-Id": "c9"}).status_code == 200
+    assert server.replicas.calls[-1].session == "c9"
+
+
 def test_a_client_that_leaves_mid_stream_has_its_replica_call_cancelled(server):
     before = server.replicas.cancelled
     body = json.dumps({"model": MODEL, "prompt": [5] * 20, "max_tokens": 3000, "stream": True}).encode()

@@ -10,7 +10,8 @@ requests (as ``trace:PATH`` does). Built in:
 | ``mixed`` / ``mixed-spike`` | open-loop 80/20 cheap-reuse / cold mix; ``-spike`` adds bursts |
 | ``hotspot`` | ``mixed`` with one shared prefix for 90% of requests (router hot-spotting) |
 | ``agentic`` / ``agentic-spike`` | closed-loop sessions; ``-spike`` adds a ``Swarm()`` of 100 |
-| ``trace:PATH`` | replay: ``.jsonl`` Mooncake, ``.csv`` timing-only (Azure) + ``PrefixModel`` |
+| ``trace:PATH`` | replay: ``.jsonl`` Mooncake or Qwen-Bailian, ``.csv`` timing-only (Azure) + ``PrefixModel``;
+  PATH may be a ``workloads.traces.KNOWN_TRACES`` name (``trace:mooncake-toolagent``) |
 
 Parameter meaning: ``rate`` is requests/s for open-loop synthetic workloads (the base rate for
 ``-spike``), new sessions/s for agentic, and is ignored by trace replays (their timestamps set

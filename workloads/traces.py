@@ -1,18 +1,23 @@
-"""Trace replays: Mooncake JSONL (prefix ids per 512-token block) and timing-only CSVs (Azure).
+"""Trace replays: block-id JSONL (Mooncake: ids per 512-token block; Qwen-Bailian: ids per
+16-token block, with chat sessions) and timing-only CSVs (Azure).
 
 Both are open loop: arrival = trace time / ``time_scale`` (``time_scale`` 2 replays twice as
 fast), and requests arriving at or after ``duration_s`` are dropped (pass ``math.inf`` for the
 whole trace). Files are read and validated when the workload is built: a missing file raises
 ``WorkloadError`` naming the path, a malformed line one naming ``file:line``. Request content
 (block hashes) is built lazily by ``initial()``. rids follow arrival order (a stable sort of the
-trace by time).
+trace by time). A file ending in ``.gz`` is read through gzip. Public traces that are too big to
+commit are known by name (``KNOWN_TRACES``, e.g. ``trace:mooncake-toolagent``) and looked up in
+the shared traces folder; docs/traces.md says where each comes from and how to fetch it.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
+import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,20 +37,27 @@ from workloads.content import (
 )
 
 MOONCAKE_BLOCK_TOKENS = 512
+BAILIAN_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
 class TraceRow:
-    """One trace request: time in trace seconds, lengths, and (Mooncake) prefix block ids."""
+    """One trace request: time in trace seconds, lengths, prefix block ids (block-id traces),
+    and the conversation it belongs to where the trace says (``session`` -1: unknown)."""
 
     time_s: float
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...] = ()
+    session: int = -1
+    turn: int = 0
+    kind: str = "trace"
 
 
 def _open_text(path: Path) -> TextIO:
     try:
+        if path.name.lower().endswith(".gz"):
+            return gzip.open(path, "rt", encoding="utf-8", newline="")
         return path.open(encoding="utf-8", newline="")
     except FileNotFoundError:
         raise WorkloadError(f"trace file not found: {path}") from None
@@ -64,15 +76,8 @@ def _int_field(obj: dict, key: str, lo: int, where: str) -> int:
     return v
 
 
-def read_mooncake(path: str | Path) -> list[TraceRow]:
-    """Parse a Mooncake JSONL trace: ``timestamp`` (ms), ``input_length``, ``output_length``,
-    ``hash_ids`` (one id per 512-token block, so ``len == ceil(input_length / 512)``).
-
-    Blank lines are skipped. ``output_length`` 0 is read as 1 (an engine always emits the first
-    token). O(file size).
-    """
-    path = Path(path)
-    rows: list[TraceRow] = []
+def _json_lines(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(file:line, object)`` for each non-blank line of a JSONL file."""
     with _open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -84,27 +89,105 @@ def read_mooncake(path: str | Path) -> list[TraceRow]:
                 raise WorkloadError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
                 raise WorkloadError(f"{where}: expected a JSON object")
-            ts = obj.get("timestamp")
-            if (
-                isinstance(ts, bool)
-                or not isinstance(ts, (int, float))
-                or not (math.isfinite(ts) and ts >= 0)
-            ):
-                raise WorkloadError(f"{where}: field 'timestamp' must be a number >= 0, got {ts!r}")
-            n_in = _int_field(obj, "input_length", 1, where)
-            n_out = _int_field(obj, "output_length", 0, where)
-            ids = obj.get("hash_ids")
-            if not isinstance(ids, list) or any(
-                isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids
-            ):
-                raise WorkloadError(f"{where}: field 'hash_ids' must be a list of integers >= 0")
-            want = -(-n_in // MOONCAKE_BLOCK_TOKENS)
-            if len(ids) != want:
-                raise WorkloadError(
-                    f"{where}: {len(ids)} hash_ids for input_length {n_in}; expected {want} "
-                    f"(one per {MOONCAKE_BLOCK_TOKENS}-token block)"
-                )
-            rows.append(TraceRow(ts / 1000.0, n_in, max(n_out, 1), tuple(ids)))
+            yield where, obj
+
+
+def _timestamp(obj: dict, where: str) -> float:
+    ts = obj.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not (math.isfinite(ts) and ts >= 0):
+        raise WorkloadError(f"{where}: field 'timestamp' must be a number >= 0, got {ts!r}")
+    return float(ts)
+
+
+def _hash_ids(obj: dict, where: str, n_in: int, block_tokens: int, *, exact: bool) -> tuple[int, ...]:
+    """The ``hash_ids`` list: ``ceil(n_in / block_tokens)`` ids, or (not ``exact``) at most that."""
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids):
+        raise WorkloadError(f"{where}: field 'hash_ids' must be a list of integers >= 0")
+    want = -(-n_in // block_tokens)
+    if len(ids) > want or (exact and len(ids) != want):
+        raise WorkloadError(
+            f"{where}: {len(ids)} hash_ids for input_length {n_in}; expected "
+            f"{'' if exact else 'at most '}{want} (one per {block_tokens}-token block)"
+        )
+    return tuple(ids)
+
+
+def read_mooncake(path: str | Path) -> list[TraceRow]:
+    """Parse a Mooncake JSONL trace: ``timestamp`` (ms), ``input_length``, ``output_length``,
+    ``hash_ids`` (one id per 512-token block, so ``len == ceil(input_length / 512)``).
+
+    Blank lines are skipped. ``output_length`` 0 is read as 1 (an engine always emits the first
+    token). Mooncake names no sessions: ``session`` stays -1. O(file size).
+    """
+    path = Path(path)
+    rows: list[TraceRow] = []
+    for where, obj in _json_lines(path):
+        ts = _timestamp(obj, where)
+        n_in = _int_field(obj, "input_length", 1, where)
+        n_out = _int_field(obj, "output_length", 0, where)
+        ids = _hash_ids(obj, where, n_in, MOONCAKE_BLOCK_TOKENS, exact=True)
+        rows.append(TraceRow(ts / 1000.0, n_in, max(n_out, 1), ids))
+    return rows
+
+
+def read_bailian(path: str | Path) -> list[TraceRow]:
+    """Parse a Qwen-Bailian JSONL trace (alibaba-edu/qwen-bailian-usagetraces-anon, README):
+    ``chat_id``, ``parent_chat_id`` (-1 for a first request), ``timestamp`` (seconds),
+    ``input_length``, ``output_length``, ``type`` (text/search/image/file), ``turn``,
+    ``hash_ids`` (one id per 16-token block).
+
+    ``session`` is the conversation: requests linked through ``parent_chat_id`` share one,
+    numbered 0, 1, ... in the order the conversations first appear (by time). A parent missing
+    from the file (before the window) still joins its children. ``kind`` is the ``type``.
+    Upstream hashes each block's content on its own, not its prefix, so an id can recur under a
+    different prefix; the replay chains ids, so only equal prefixes share engine blocks. At most
+    ``ceil(input_length / 16)`` ids are accepted (the README does not promise exactly that
+    many; blocks without an id get unique content). O(file size).
+    """
+    path = Path(path)
+    raw: list[tuple[float, int, int, tuple[int, ...], int, int, int, str]] = []
+    parent_of: dict[int, int] = {}
+    for where, obj in _json_lines(path):
+        ts = _timestamp(obj, where)
+        chat = _int_field(obj, "chat_id", 0, where)
+        parent = _int_field(obj, "parent_chat_id", -1, where) if "parent_chat_id" in obj else -1
+        n_in = _int_field(obj, "input_length", 1, where)
+        n_out = _int_field(obj, "output_length", 0, where)
+        turn = _int_field(obj, "turn", 0, where) if "turn" in obj else 1
+        kind = obj.get("type", "trace")
+        if not isinstance(kind, str) or not kind:
+            raise WorkloadError(f"{where}: field 'type' must be a non-empty string, got {kind!r}")
+        ids = _hash_ids(obj, where, n_in, BAILIAN_BLOCK_TOKENS, exact=False)
+        parent_of.setdefault(chat, parent)
+        raw.append((ts, n_in, max(n_out, 1), ids, chat, parent, turn, kind))
+    root_of: dict[int, int] = {}
+
+    def root(chat: int) -> int:
+        """The first request of ``chat``'s conversation, following ``parent_of``; amortised
+        O(1) (path compression)."""
+        walk: list[int] = []
+        seen: set[int] = set()
+        while chat not in root_of:
+            walk.append(chat)
+            seen.add(chat)
+            up = parent_of.get(chat, -1)
+            if up < 0 or up in seen:  # a first request, a parent before the window, or a cycle
+                root_of[chat] = chat
+                break
+            chat = up
+        r = root_of[chat]
+        for c in walk:
+            root_of[c] = r
+        return r
+
+    roots = [root(parent) if parent >= 0 else root(chat) for _, _, _, _, chat, parent, _, _ in raw]
+    session_of: dict[int, int] = {}
+    for i in sorted(range(len(raw)), key=lambda i: raw[i][0]):  # stable: ties keep file order
+        session_of.setdefault(roots[i], len(session_of))
+    rows: list[TraceRow] = []
+    for (ts, n_in, n_out, ids, _, _, turn, kind), r in zip(raw, roots, strict=True):
+        rows.append(TraceRow(ts, n_in, n_out, ids, session_of[r], turn, kind))
     return rows
 
 
@@ -200,48 +283,46 @@ class _TraceWorkload(Workload):
         return len(self.rows)
 
 
-class MooncakeTraceWorkload(_TraceWorkload):
-    """Replay of a Mooncake trace.
+class BlockTraceWorkload(_TraceWorkload):
+    """Replay of a trace that names prompt content by block ids (Mooncake, Qwen-Bailian).
 
-    Each 512-token trace block becomes ``512 // block_size`` engine blocks via
-    ``fairway.hashing.expand_trace_block``, chained through the whole prompt, so requests with
-    equal leading ``hash_ids`` get equal leading engine hashes. The partial last trace block
-    gives ``floor(remaining / block_size)`` sub-blocks: the first ones of that id's full
-    expansion, so a request whose last block is partial shares them with one where it is full.
-    The prompt's last partial engine block and the output tokens get unique random content.
-    Traces carry no token ids, so ``keep_tokens`` is not supported. Kind: ``trace``.
+    Each ``trace_block_tokens``-token trace block becomes ``trace_block_tokens // block_size``
+    engine blocks via ``fairway.hashing.expand_trace_block``, chained through the whole prompt,
+    so requests with equal leading ``hash_ids`` get equal leading engine hashes (and an id met
+    again under another prefix does not). The partial last trace block gives
+    ``floor(remaining / block_size)`` sub-blocks: the first ones of that id's full expansion, so
+    a request whose last block is partial shares them with one where it is full. The prompt
+    tokens past the ids, and the output tokens, get unique random content. ``session``,
+    ``turn`` and ``kind`` come from the rows. Traces carry no token ids, so ``keep_tokens`` is
+    not supported.
     """
-
-    name = "mooncake"
 
     def __init__(
         self,
-        path: str | Path,
+        rows: list[TraceRow],
         rng: np.random.Generator,
         *,
+        trace_block_tokens: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
         time_scale: float = 1.0,
         duration_s: float = math.inf,
     ) -> None:
-        if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:
+        if block_size < 1 or trace_block_tokens % block_size:
             raise WorkloadError(
-                f"block_size must divide {MOONCAKE_BLOCK_TOKENS} to replay a Mooncake trace, "
-                f"got {block_size}"
+                f"block_size must divide {trace_block_tokens} to replay a trace of "
+                f"{trace_block_tokens}-token blocks, got {block_size}"
             )
-        super().__init__(
-            read_mooncake(path),
-            rng,
-            block_size=block_size,
-            time_scale=time_scale,
-            duration_s=duration_s,
-        )
-        self.path = Path(path)
+        super().__init__(rows, rng, block_size=block_size, time_scale=time_scale, duration_s=duration_s)
+        self.trace_block_tokens = trace_block_tokens
 
     def initial(self) -> Iterator[RequestSpec]:
-        """Specs in arrival order. O(distinct (prefix, trace block) pairs * 512 / block_size)
-        hashing, memoised per ``(parent hash, trace id)``, plus O(tokens) for unique tails."""
+        """Specs in arrival order. O(distinct (prefix, trace block) pairs * trace block /
+        block_size) hashing, memoised per ``(parent hash, trace id)`` when a trace block spans
+        several engine blocks (not when it is one: one hash costs less than the memo's memory on
+        a long trace of 16-token blocks), plus O(tokens) for unique tails."""
         bs = self.block_size
-        n_sub = MOONCAKE_BLOCK_TOKENS // bs
+        tb = self.trace_block_tokens
+        n_sub = tb // bs
         root = salt_seed(None)
         rng = np.random.default_rng(self._seed)
         memo: dict[tuple[int, int], list[int]] = {}
@@ -250,16 +331,19 @@ class MooncakeTraceWorkload(_TraceWorkload):
             parent = root
             last = len(row.hash_ids) - 1
             for j, tid in enumerate(row.hash_ids):
-                key = (parent, tid)
-                full = memo.get(key)
-                if full is None:
-                    full = expand_trace_block(parent, tid, n_sub)
-                    memo[key] = full
+                if n_sub == 1:
+                    full = expand_trace_block(parent, tid, 1)
+                else:
+                    key = (parent, tid)
+                    full = memo.get(key)
+                    if full is None:
+                        full = expand_trace_block(parent, tid, n_sub)
+                        memo[key] = full
                 if j < last:
                     hashes.extend(full)
                     parent = full[-1]
                 else:
-                    k = (row.input_tokens - MOONCAKE_BLOCK_TOKENS * last) // bs
+                    k = (row.input_tokens - tb * last) // bs
                     hashes.extend(full[:k])
             tail = HashState(
                 bs,
@@ -275,8 +359,71 @@ class MooncakeTraceWorkload(_TraceWorkload):
                 prompt_tokens=row.input_tokens,
                 output_tokens=row.output_tokens,
                 block_hashes=tuple(hashes),
-                kind="trace",
+                session=row.session,
+                turn=row.turn,
+                kind=row.kind,
             )
+
+
+class MooncakeTraceWorkload(BlockTraceWorkload):
+    """Replay of a Mooncake trace (512-token blocks, no sessions). Kind: ``trace``."""
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        path: str | Path,
+        rng: np.random.Generator,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        time_scale: float = 1.0,
+        duration_s: float = math.inf,
+    ) -> None:
+        if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:  # before reading the file
+            raise WorkloadError(
+                f"block_size must divide {MOONCAKE_BLOCK_TOKENS} to replay a Mooncake trace, "
+                f"got {block_size}"
+            )
+        super().__init__(
+            read_mooncake(path),
+            rng,
+            trace_block_tokens=MOONCAKE_BLOCK_TOKENS,
+            block_size=block_size,
+            time_scale=time_scale,
+            duration_s=duration_s,
+        )
+        self.path = Path(path)
+
+
+class BailianTraceWorkload(BlockTraceWorkload):
+    """Replay of a Qwen-Bailian trace (16-token blocks; sessions from ``parent_chat_id``).
+    Kinds: the trace's request ``type`` (text, search, image, file)."""
+
+    name = "bailian"
+
+    def __init__(
+        self,
+        path: str | Path,
+        rng: np.random.Generator,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        time_scale: float = 1.0,
+        duration_s: float = math.inf,
+    ) -> None:
+        if block_size < 1 or BAILIAN_BLOCK_TOKENS % block_size:
+            raise WorkloadError(
+                f"block_size must divide {BAILIAN_BLOCK_TOKENS} to replay a Qwen-Bailian trace, "
+                f"got {block_size}"
+            )
+        super().__init__(
+            read_bailian(path),
+            rng,
+            trace_block_tokens=BAILIAN_BLOCK_TOKENS,
+            block_size=block_size,
+            time_scale=time_scale,
+            duration_s=duration_s,
+        )
+        self.path = Path(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +580,54 @@ class TimingTraceWorkload(_TraceWorkload):
             )
 
 
+#: Public traces by name: the file each is kept as in the shared traces folder
+#: (``trace_dir()``). docs/traces.md gives each one's source, licence and fetch step.
+KNOWN_TRACES: dict[str, str] = {
+    "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
+    "mooncake-conversation": "mooncake_conversation_trace.jsonl",
+    "mooncake-toolagent": "mooncake_toolagent_trace.jsonl",
+    "azure-conv": "azure2023_AzureLLMInferenceTrace_conv.csv",
+    "bailian-a": "qwen_traceA_blksz_16.jsonl",
+    "bailian-b": "qwen_traceB_blksz_16.jsonl",
+    "bailian-coder": "qwen_coder_blksz_16.jsonl",
+    "bailian-thinking": "qwen_thinking_blksz_16.jsonl",
+}
+
+
+TRACE_DIR_ENV = "FAIRWAY_TRACE_DIR"
+
+
+def trace_dir() -> Path:
+    """Where named traces are looked up: ``$FAIRWAY_TRACE_DIR`` if set (read at each call),
+    else the shared traces folder, ``shared/traces`` beside the repository (a worktree's
+    ``../shared`` links to it)."""
+    env = os.environ.get(TRACE_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def resolve_trace(name_or_path: str | Path) -> Path:
+    """A ``KNOWN_TRACES`` name (or its file name, gzipped or not) in ``trace_dir()``, else
+    the path as given. A named trace that is absent raises ``WorkloadError`` saying where it
+    was looked for and where to read how to fetch it."""
+    text = str(name_or_path)
+    if text not in KNOWN_TRACES:
+        return Path(name_or_path)
+    base = trace_dir() / KNOWN_TRACES[text]
+    for cand in (base, base.with_name(base.name + ".gz")):
+        if cand.exists():
+            return cand
+    raise WorkloadError(
+        f"trace {text!r} not found: expected {base} (or .gz); docs/traces.md says how to fetch it"
+    )
+
+
+def _is_bailian(path: Path) -> bool:
+    """Whether a JSONL trace is in the Qwen-Bailian format: its first record has ``chat_id``."""
+    for _, obj in _json_lines(path):
+        return "chat_id" in obj
+    return False
+
+
 def trace_workload(
     path: str | Path,
     rng: np.random.Generator,
@@ -442,17 +637,19 @@ def trace_workload(
     duration_s: float = math.inf,
     keep_tokens: bool = False,
 ) -> Workload:
-    """A replay chosen by suffix: ``.jsonl`` Mooncake, ``.csv`` timing-only (Azure)."""
-    path = Path(path)
-    suffix = path.suffix.lower()
+    """A replay of ``path`` (or a ``KNOWN_TRACES`` name), chosen by suffix (after a ``.gz``):
+    ``.jsonl`` block ids, Qwen-Bailian if its first record has ``chat_id``, else Mooncake;
+    ``.csv`` timing-only (Azure)."""
+    path = resolve_trace(path)
+    name = path.name.lower()
+    suffix = Path(name[:-3] if name.endswith(".gz") else name).suffix
     if suffix == ".jsonl":
         if keep_tokens:
             raise WorkloadError(
-                f"{path}: Mooncake traces carry no token ids, so keep_tokens is not supported"
+                f"{path}: block-id traces carry no token ids, so keep_tokens is not supported"
             )
-        return MooncakeTraceWorkload(
-            path, rng, block_size=block_size, time_scale=time_scale, duration_s=duration_s
-        )
+        cls = BailianTraceWorkload if _is_bailian(path) else MooncakeTraceWorkload
+        return cls(path, rng, block_size=block_size, time_scale=time_scale, duration_s=duration_s)
     if suffix == ".csv":
         return TimingTraceWorkload(
             path,
@@ -462,4 +659,7 @@ def trace_workload(
             duration_s=duration_s,
             keep_tokens=keep_tokens,
         )
-    raise WorkloadError(f"unknown trace format {path}: expected a .jsonl (Mooncake) or .csv file")
+    raise WorkloadError(
+        f"unknown trace format {path}: expected a .jsonl (Mooncake, Qwen-Bailian) or .csv file, "
+        f"or one of {', '.join(sorted(KNOWN_TRACES))}"
+    )

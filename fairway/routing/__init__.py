@@ -22,10 +22,13 @@ from fairway.routing.anchors import (
     Dynamo,
     LLMDBaseline,
     Pow2,
+    PrefixHash,
     RayPrefix,
     RoundRobin,
+    SessionHash,
     SGLang,
     SGLangClassic,
+    VLLMLoadAware,
     VLLMPrefixAware,
 )
 from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, choice, make_states, ranks_of
@@ -40,8 +43,8 @@ def register_router(cls: type[RouterPolicy]) -> type[RouterPolicy]:
     return cls
 
 
-for _cls in (RoundRobin, Pow2, ConsistentHash, RayPrefix, SGLang, SGLangClassic, Dynamo, LLMD, LLMDBaseline, AIBrix,
-             VLLMPrefixAware, FairwayRouter):
+for _cls in (RoundRobin, Pow2, ConsistentHash, PrefixHash, SessionHash, RayPrefix, SGLang, SGLangClassic, Dynamo,
+             LLMD, LLMDBaseline, AIBrix, VLLMPrefixAware, VLLMLoadAware, FairwayRouter):
     register_router(_cls)
 
 

@@ -85,6 +85,12 @@ class ReplicaState:
         simulator's replicas run at the cost model's pace). ``speed > 0``.
     active_prefill_tokens: uncached prompt tokens routed there whose first token has not been
         reported (llm-d's in-flight token load: held from routing to the first token).
+    unique_active_blocks: distinct prompt blocks of its outstanding requests (Dynamo's active
+        blocks, shared prefixes counted once); 0 when the host does not track them.
+    new_blocks: of this request's prompt blocks, how many are not already active there (after
+        the longest prefix of the prompt that an outstanding request there holds); None when the
+        host does not track active blocks (``RouterPolicy.active_blocks``).
+        ``0 <= new_blocks <= len(block_hashes)``.
     """
 
     replica: int
@@ -104,6 +110,8 @@ class ReplicaState:
     host_blocks: int = 0
     speed: float = 1.0
     active_prefill_tokens: int = 0
+    unique_active_blocks: int = 0
+    new_blocks: int | None = None
 
 
 class RouterPolicy(ABC):
@@ -119,6 +127,9 @@ class RouterPolicy(ABC):
     """
 
     name: ClassVar[str] = "base"
+    #: the prefix index a host builds for this policy when its user names none (the simulator's
+    #: ``--index-mode``): "approx" (the router's own decisions) or "events" (the engines' KV events)
+    default_index_mode: ClassVar[str] = "approx"
 
     def __init__(
         self,
@@ -144,15 +155,19 @@ class RouterPolicy(ABC):
         # whether ``rank`` reads ``ReplicaState.active_prefill_tokens`` released at the first
         # token: the host then reports first tokens to the load view (``LoadView.on_first_token``)
         self.first_tokens = False
+        # whether ``rank`` reads ``ReplicaState.unique_active_blocks`` and ``new_blocks``: the host
+        # then tracks each replica's active prompt blocks (``LoadView.track_blocks``, O(prompt
+        # blocks) per request)
+        self.active_blocks = False
 
     @abstractmethod
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         """Ranked replica ids for ``req`` among ``states`` (see the module's conventions)."""
 
     def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
-        """Another router instance routed a request of ``prompt_tokens`` tokens (``hashes``) to a
-        replica where ``matched_blocks`` of them were cached (a shared view): a policy that keeps
-        its own statistics of the traffic learns of it. Default: nothing. O(1)."""
+        """Another router instance routed a request of ``prompt_tokens`` tokens (``hashes``), whose
+        longest match among the candidates was ``matched_blocks`` (a shared view): a policy that
+        keeps its own statistics of the traffic learns of it. Default: nothing. O(1)."""
         return None
 
     # -- helpers shared by the policies -----------------------------------------------------
@@ -211,10 +226,12 @@ def make_states(
     index_blocks: Sequence[int],
     replicas: Iterable[int] | None = None,
     host: Sequence[int] | None = None,
+    new: Sequence[int] | None = None,
 ) -> list[ReplicaState]:
     """Build the ``ReplicaState`` list for one request from a load snapshot, the index's
     ``match(hashes)`` and ``sizes()`` (all indexed by replica id), for ``replicas`` (default
-    all); ``host``: the host part of each match (``match_tiers``), None for none. O(R)."""
+    all); ``host``: the host part of each match (``match_tiers``), None for none; ``new``: the
+    request's new active blocks per replica (``LoadView.new_blocks``), None when untracked. O(R)."""
     ids = range(len(snap.outstanding)) if replicas is None else replicas
     return [
         ReplicaState(
@@ -235,6 +252,8 @@ def make_states(
             host_blocks=host[j] if host is not None else 0,
             speed=snap.speed[j] if snap.speed else 1.0,
             active_prefill_tokens=snap.active_prefill_tokens[j] if snap.active_prefill_tokens else 0,
+            unique_active_blocks=snap.unique_active_blocks[j] if snap.unique_active_blocks else 0,
+            new_blocks=new[j] if new is not None else None,
         )
         for j in ids
     ]

@@ -277,8 +277,8 @@ class FairwayRouter(RouterPolicy):
     def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
         """A decision of another router instance counts in the prefix shares as one of ours, so
         K routers that share a view replicate on the whole traffic's shares, not on 1/K of it.
-        The prefix is named by the pick's match (the best match of that decision, except when
-        it seeded a new holder). O(1)."""
+        The prefix is named by the decision's best match, as ``_seed_target`` names it for our
+        own decisions, wherever the request went (a seed, a cold pick or a fair one). O(1)."""
         now = self.clock.now()
         self.shares.observe(now)
         b = min(matched_blocks, max(0, (prompt_tokens - 1) // self.block_size))

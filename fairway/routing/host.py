@@ -10,8 +10,8 @@ work), ``record_routed`` (the index learns the prompt is on that replica), ``on_
 ``on_first_token`` / ``on_preempted`` / ``on_finished`` (the load view), ``feedback`` (the cached tokens the engine
 reported correct the index).
 
-Complexity per decision: O(prompt blocks) for the index match, O(replicas) for the states, plus
-the policy's rank.
+Complexity per decision: O(prompt blocks) for the index match (and, for a policy that reads
+active blocks, their walk), O(replicas) for the states, plus the policy's rank.
 """
 
 from __future__ import annotations
@@ -21,26 +21,34 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fairway.load_view import LoadView
-from fairway.prefix_index import PrefixIndex
+from fairway.prefix_index import APPROX, PrefixIndex
 from fairway.routing.base import RouteRequest, RouterPolicy, make_states
 
 
 @dataclass(slots=True)
 class Decision:
     """A routing decision. ``ranks`` is the policy's answer (first rank preferred); ``pick`` is in
-    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's."""
+    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's;
+    ``best_blocks`` is the longest match among the candidates (what a policy's traffic statistics
+    name the request's prefix by, wherever it was sent)."""
 
     ranks: list[list[int]]
     pick: int
     matched_blocks: int
     reason: str
+    best_blocks: int = 0
 
 
 class RoutingHost:
     """A router policy with its own prefix index and load view (see the module docstring)."""
 
-    def __init__(self, policy: RouterPolicy, index: PrefixIndex, load: LoadView, block_size: int = 16) -> None:
+    def __init__(self, policy: RouterPolicy, index: PrefixIndex, load: LoadView, block_size: int = 16,
+                 feedback: bool = True) -> None:
+        """``feedback=False``: an approximate index learns from the router's decisions only, never
+        from the engines' cached-token reports (what Ray's, SGLang's, AIBrix's and
+        production-stack's routers know: docs/design.md, Anchors)."""
         self.policy = policy
+        self.feedback_on = feedback
         self.index = index
         self.load = load
         self.block_size = block_size
@@ -61,16 +69,23 @@ class RoutingHost:
             matched, host = self.index.match_tiers(hashes)
         else:
             matched = self.index.match(hashes)
-        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host)
+        new = self.load.new_blocks(hashes) if self.policy.active_blocks else None  # Dynamo's decode term
+        states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
+                             new=new)
         ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
         first = ranks[0]
         live = self.load.live()
         pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
-        return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice")
+        best = max(s.matched_blocks for s in states)
+        return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice", best)
 
-    def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int) -> None:
-        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached)."""
+    def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int,
+             hashes: Sequence[int] = ()) -> None:
+        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached);
+        a policy that reads active blocks gets its prompt ``hashes`` tracked there."""
         self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size)
+        if self.policy.active_blocks:
+            self.load.track_blocks(rid, hashes)
 
     def unbook(self, rid: int) -> None:
         """Forget a booked request (a retry, or one that was never sent)."""
@@ -82,13 +97,16 @@ class RoutingHost:
         self.reasons[reason] += 1
         self.index.record_routed(replica, hashes)
 
-    def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int) -> None:
+    def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int,
+              best_blocks: int | None = None) -> None:
         """Another router instance sent this request to ``replica`` (a shared view): the index
-        and the load view learn it as if routed here, and the policy's own traffic statistics
-        count it (``RouterPolicy.on_adopted``); it is not one of this policy's decisions."""
+        and the load view learn it as if routed here (``matched_blocks`` cached there), and the
+        policy's own traffic statistics count it (``RouterPolicy.on_adopted``) under the
+        decision's longest match, ``best_blocks`` (default: ``matched_blocks``), as they count
+        the policy's own decisions; it is not one of this policy's decisions."""
         self.index.record_routed(replica, hashes)
-        self.book(rid, replica, prompt_tokens, matched_blocks)
-        self.policy.on_adopted(hashes, matched_blocks, prompt_tokens)
+        self.book(rid, replica, prompt_tokens, matched_blocks, hashes)
+        self.policy.on_adopted(hashes, matched_blocks if best_blocks is None else best_blocks, prompt_tokens)
 
     def finished(self, rid: int, replica: int, hashes: Sequence[int], cached_tokens: int,
                  estimated_blocks: int | None) -> None:
@@ -126,5 +144,9 @@ class RoutingHost:
 
     def feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, estimated_blocks: int | None) -> None:
         """The engine reported ``cached_tokens`` for a prompt the index estimated at
-        ``estimated_blocks`` on ``replica``: the index corrects itself."""
+        ``estimated_blocks`` on ``replica``: the index corrects itself (an exact index only
+        releases the request's blocks from flight; with ``feedback`` off, an approximate one
+        ignores the report)."""
+        if not self.feedback_on and self.index.mode == APPROX:
+            return
         self.index.on_feedback(replica, hashes, cached_tokens, self.block_size, estimated_blocks)

@@ -26,6 +26,9 @@ from typing import Any
 Event = tuple[Any, ...]
 HUB_NAMESPACE = "fairway"  # the Ray namespace of the hub actor that holds an application's log
 REPLICA_SOURCE = "replica:"  # the prefix of a replica's source name (its KV events)
+#: How often each request router exchanges with the shared view by default (seconds): the
+#: cluster's ``router.sync_period_s``, and the simulator's sync delay with several routers.
+DEFAULT_SYNC_PERIOD_S = 0.01
 
 
 def hub_name(app_name: str) -> str:

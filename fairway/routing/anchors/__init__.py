@@ -9,23 +9,24 @@ Every anchor here reads the same ``ReplicaState`` fields, so they differ only by
   (docs/design.md, Block hashes in token units): a "match rate" is matched block tokens / prompt
   tokens;
 - ties that the originals break at random or by map order go by replica id here, unless the
-  rule itself is random (``pow2``'s sampling, ``vllm-prefixaware``) or the anchor has been
-  checked against its source's tie rule (``sglang``, ``aibrix``, ``llmd``, ``llmd-baseline``):
-  those draw from the injected ``rng`` where the original is random.
+  rule itself is random (``pow2``'s sampling and its ties, ``vllm-prefixaware``,
+  ``session-hash`` without a session) or the anchor has been checked against its source's tie
+  rule (``sglang``, ``aibrix``, ``llmd``, ``llmd-baseline``): those draw from the injected
+  ``rng`` where the original is random.
 
 Complexity: every ``rank`` is O(R log R) in the number of candidate replicas R (a sort), plus
-O(k) for ``consistent-hash``'s key and an expected O(R log R) ring walk.
+O(k) for a ring anchor's key and an expected O(R log R) ring walk.
 """
 
 from fairway.routing.anchors.aibrix import AIBrix
 from fairway.routing.anchors.common import pow2_ranks
 from fairway.routing.anchors.dynamo import Dynamo
-from fairway.routing.anchors.hashing import ConsistentHash
+from fairway.routing.anchors.hashing import ConsistentHash, PrefixHash, SessionHash
 from fairway.routing.anchors.llmd import LLMD, LLMDBaseline
 from fairway.routing.anchors.ray import RayPrefix
 from fairway.routing.anchors.sglang import SGLang, SGLangClassic
 from fairway.routing.anchors.simple import Pow2, RoundRobin
-from fairway.routing.anchors.vllm import VLLMPrefixAware
+from fairway.routing.anchors.vllm import VLLMLoadAware, VLLMPrefixAware
 
 __all__ = [
     "AIBrix",
@@ -34,10 +35,13 @@ __all__ = [
     "LLMD",
     "LLMDBaseline",
     "Pow2",
+    "PrefixHash",
     "RayPrefix",
     "RoundRobin",
     "SGLang",
     "SGLangClassic",
+    "SessionHash",
+    "VLLMLoadAware",
     "VLLMPrefixAware",
     "pow2_ranks",
 ]

@@ -29,7 +29,17 @@ class RayPrefix(RouterPolicy):
     Ray matches characters of the prompt text in a tree shared by its routers; we match blocks
     of tokens, so the rate is matched block tokens over prompt tokens.
 
-    Options: imbalanced_threshold = inf (Ray 2.60; 10 before), match_rate_threshold = 0.1.
+    Upstream: ray-project/ray ``python/ray/llm/_internal/serve/request_router/prefix_aware/
+    prefix_aware_router.py`` (the tree: ``prefix_tree.py``). The choice within the set is not
+    random: the router returns the whole set as one rank and Ray's
+    ``RequestRouter._select_from_candidate_replicas`` (``python/ray/serve/_private/
+    request_router/request_router.py``) takes the shortest (cached or probed) queue, keeping the
+    first replica on a tie; the set is in a fixed order (the replicas' or the tree's tenants'
+    insertion order), which the replica id stands for here. Only the imbalanced branch is
+    random: Ray's pow2 draws two replicas and keeps the first drawn on a tie (``pow2_ranks``).
+
+    Options: imbalanced_threshold = inf (Ray 2.60, ray-project/ray #59390; 10 before and in
+    Ray's docs: ``ray-prefix[imbalanced_threshold=10]``), match_rate_threshold = 0.1.
     """
 
     name = "ray-prefix"

@@ -1,0 +1,346 @@
+"""The yardstick: the Fairway router against every faithful anchor, point by point.
+
+``python -m bench.yardstick [--seeds 0,1,2] [--views approx,events] [--points all] [--jobs 2]``
+runs every router in ``ROUTERS`` over the shared workloads and loads (``POINTS``, plus the real
+traces found on disk) in the 8-replica simulator, Fairway replicas under every router, and prints
+per point: Fairway's p50 / p99 / hit ratio, the best faithful anchor for each metric (each the
+median over seeds), the ratios, and the hit bound of an infinite cache. The last lines are the
+medians and maxima of the ratios over the points: the figures the issue's targets are stated in.
+
+Equal views: a view is the routers' prefix index, ``approx`` (each router's own decisions,
+corrected by the engines' cached-token reports) or ``events`` (the engines' KV events, exact);
+every router of one table reads the same view, so "best anchor" compares like with like.
+
+``ABLATIONS`` (today's unbounded ``consistent-hash``, ``round-robin``) run beside the anchors when
+asked for (``--ablations``) and are shown, but never count as the best anchor: no production
+router works that way.
+
+Each run is one process-independent simulator run cached as JSON under ``--out`` (named by its
+configuration), so an interrupted yardstick resumes, and a table can be rebuilt from the cache
+(``--table-only``). The table is pure: ``summarise`` and ``render`` take the runs' summaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fairway.request import WorkloadError
+from fairway.spec import parse_spec, split_specs
+from sim.runner import RunConfig, run
+from workloads.traces import resolve_trace
+
+FAIRWAY = "fairway"
+
+#: The faithful anchors, each the upstream rule as its own source states it (docs/design.md,
+#: Anchors). A name not registered in this build is reported and left out.
+ANCHORS: tuple[str, ...] = (
+    "pow2",
+    "ray-prefix",
+    "ray-prefix[imbalanced_threshold=10]",
+    "sglang",
+    "sglang-classic",
+    "dynamo",
+    "llmd",
+    "llmd-baseline",
+    "aibrix",
+    "vllm-prefixaware",
+    "vllm-loadaware",
+    "prefix-hash",
+    "session-hash",
+)
+
+#: Shown when asked for, never the best anchor: routers no production system runs as they are here.
+ABLATIONS: tuple[str, ...] = ("consistent-hash", "round-robin")
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One workload at one load. ``load`` is a rate (req/s; sessions/s for ``agentic``) or, for a
+    trace replay (``scale``), the time compression."""
+
+    name: str
+    workload: str
+    load: float
+    duration_s: float | None
+    scale: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} x{self.load:g}" if self.scale else f"{self.name} @{self.load:g}"
+
+
+def default_points() -> tuple[list[Point], list[str]]:
+    """The shared points, and the real traces' points for those found (``workloads.traces``
+    looks a named trace up in the shared traces folder, or ``$FAIRWAY_TRACE_DIR``); the second
+    list names the traces that were missing (the table prints it)."""
+    pts = [
+        Point("agentic", "agentic", 2, 300), Point("agentic", "agentic", 3, 300),
+        Point("hotspot", "hotspot", 100, 120), Point("hotspot", "hotspot", 160, 120),
+        Point("rag-spike", "rag-spike", 60, 300), Point("rag-spike", "rag-spike", 100, 300),
+    ]
+    missing = []
+    for name, scales in REAL_TRACES:
+        try:
+            resolve_trace(name)
+        except WorkloadError:
+            missing.append(name)
+            continue
+        pts += [Point(name, f"trace:{name}", s, None, scale=True) for s in scales]
+    return pts, missing
+
+
+#: The real traces with prefix information (``workloads.traces.KNOWN_TRACES`` names) and their
+#: time scales: the Mooncake ones at the loads the router issues state (x2 busy, x3 and x4
+#: overloaded on 8 replicas); the others, not yet measured here, at their own pace and x2.
+REAL_TRACES: tuple[tuple[str, tuple[float, ...]], ...] = (
+    ("mooncake-synthetic", (2, 3, 4)),
+    ("mooncake-conversation", (2, 3, 4)),
+    ("mooncake-toolagent", (1, 2)),
+    ("bailian-a", (1, 2)),
+    ("bailian-b", (1, 2)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One simulator run of the yardstick: a router at a point, in a view, with a seed."""
+
+    point: Point
+    router: str
+    view: str
+    seed: int
+    replicas: int = 8
+
+    def config(self) -> RunConfig:
+        p = self.point
+        return RunConfig(
+            workload=p.workload, policy="fairway", rate=1.0 if p.scale else p.load,
+            time_scale=p.load if p.scale else 1.0, duration_s=p.duration_s if p.duration_s else 1e9,
+            replicas=self.replicas, router=_name(self.router), router_options=_options(self.router),
+            index_mode=self.view, seed=self.seed,
+        )
+
+    @property
+    def key(self) -> str:
+        """A file name for the run's cached summary: readable, and unique per configuration."""
+        cfg = self.config().model_dump_json()
+        digest = hashlib.sha1(cfg.encode()).hexdigest()[:10]
+        slug = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{self.point.label}-{self.router}-{self.view}-s{self.seed}")
+        return f"{slug}-{digest}"
+
+
+def _name(spec: str) -> str:
+    return parse_spec(spec)[0]
+
+
+def _options(spec: str) -> dict[str, Any]:
+    return parse_spec(spec)[1]
+
+
+#: The figures kept from a run's summary (the rest stays in the simulator's own JSON).
+KEPT = ("p50", "p99", "mean")
+
+
+def run_one(r: Run) -> dict[str, Any]:
+    """Run ``r`` and keep what the table needs."""
+    res = run(r.config())
+    return {
+        "point": r.point.label, "router": r.router, "view": r.view, "seed": r.seed,
+        "ttft_s": {k: res["ttft_s"][k] for k in KEPT},
+        "hit": res["cache_hit_ratio"], "hit_bound": res.get("hit_bound_infinite", 0.0),
+        "n_finished": res["n_finished"], "n_requests": res["n_requests"], "sim_wall_s": res["sim_wall_s"],
+    }
+
+
+# -- the table (pure) -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Row:
+    """One point in one view: Fairway's medians over seeds and the best anchor for each metric."""
+
+    point: str
+    view: str
+    fairway: dict[str, float]
+    best: dict[str, tuple[str, float]]  # metric -> (anchor, its median over seeds)
+    ratio: dict[str, float]  # p50, p99, mean: Fairway / best anchor (lower is better)
+    hit_bound: float
+    routers: dict[str, dict[str, float]] = field(default_factory=dict)  # every router's medians
+
+
+def medians(runs: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Median over seeds of p50, p99, mean and the hit ratio."""
+    rs = list(runs)
+    out = {k: statistics.median(r["ttft_s"][k] for r in rs) for k in KEPT}
+    out["hit"] = statistics.median(r["hit"] for r in rs)
+    out["seeds"] = len(rs)
+    return out
+
+
+def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str]) -> list[Row]:
+    """Rows in the order the points first appear; a point without a Fairway run or without any
+    anchor run is left out. Ties between anchors go to the first in ``anchors``."""
+    groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    bound: dict[tuple[str, str], float] = {}
+    for r in results:
+        g = groups.setdefault((r["point"], r["view"]), {})
+        g.setdefault(r["router"], []).append(r)
+        bound[(r["point"], r["view"])] = max(bound.get((r["point"], r["view"]), 0.0), r["hit_bound"])
+    rows = []
+    for (point, view), by_router in groups.items():
+        meds = {name: medians(rs) for name, rs in by_router.items()}
+        present = [a for a in anchors if a in meds]
+        if FAIRWAY not in meds or not present:
+            continue
+        best: dict[str, tuple[str, float]] = {}
+        for k in KEPT:
+            a = min(present, key=lambda n: meds[n][k])
+            best[k] = (a, meds[a][k])
+        a = max(present, key=lambda n: meds[n]["hit"])
+        best["hit"] = (a, meds[a]["hit"])
+        fw = meds[FAIRWAY]
+        ratio = {k: fw[k] / best[k][1] if best[k][1] > 0 else float("inf") for k in KEPT}
+        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds))
+    return rows
+
+
+@dataclass(slots=True)
+class Verdict:
+    """The issue's router targets over the rows of one view."""
+
+    median_p50: float
+    median_p99: float
+    max_p50: float
+    max_p99: float
+    hit_shortfalls: list[str]
+
+    @property
+    def met(self) -> bool:
+        return (self.median_p99 <= 0.9 and self.median_p50 <= 1.0 and self.max_p50 <= 1.05
+                and self.max_p99 <= 1.05 and not self.hit_shortfalls)
+
+
+def verdict(rows: Sequence[Row]) -> Verdict:
+    p50 = [r.ratio["p50"] for r in rows]
+    p99 = [r.ratio["p99"] for r in rows]
+    short = [r.point for r in rows if r.fairway["hit"] < r.best["hit"][1]]
+    return Verdict(statistics.median(p50), statistics.median(p99), max(p50), max(p99), short)
+
+
+def _ratio(x: float) -> str:
+    """A ratio, in bold where Fairway is behind."""
+    return f"**{x:.2f}**" if x > 1.0 else f"{x:.2f}"
+
+
+def render(rows: Sequence[Row], missing: Sequence[str] = ()) -> str:
+    """The markdown table per view, with its verdict line."""
+    out = []
+    for view in dict.fromkeys(r.view for r in rows):
+        vr = [r for r in rows if r.view == view]
+        seeds = sorted({int(r.fairway["seeds"]) for r in vr})
+        out.append(f"View `{view}`, medians over {'/'.join(map(str, seeds))} seed(s):\n")
+        out.append("| point | Fairway p50 / p99 s | best anchor p50 s | best anchor p99 s | p50 / p99 ratio "
+                   "| Fairway hit | best anchor hit | hit bound |")
+        out.append("| --- | ---: | --- | --- | ---: | ---: | --- | ---: |")
+        for r in vr:
+            (a50, v50), (a99, v99), (ah, vh) = r.best["p50"], r.best["p99"], r.best["hit"]
+            out.append(
+                f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | {v50:.3f} ({a50}) "
+                f"| {v99:.2f} ({a99}) | {_ratio(r.ratio['p50'])} / {_ratio(r.ratio['p99'])} "
+                f"| {r.fairway['hit']:.3f} | {vh:.3f} ({ah}) | {r.hit_bound:.3f} |")
+        v = verdict(vr)
+        out.append("")
+        out.append(f"Ratios over {len(vr)} points: p50 median {v.median_p50:.2f}, max {v.max_p50:.2f}; "
+                   f"p99 median {v.median_p99:.2f}, max {v.max_p99:.2f}; hit below the best anchor at "
+                   f"{len(v.hit_shortfalls)} point(s){': ' + ', '.join(v.hit_shortfalls) if v.hit_shortfalls else ''}. "
+                   f"Targets (p99 median <= 0.9, p50 median <= 1.0, no point above 1.05, hit >= best): "
+                   f"{'met' if v.met else 'not met'}.\n")
+    if missing:
+        out.append("Traces not found, left out: " + "; ".join(missing) + ".\n")
+    return "\n".join(out)
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def registered(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``names`` split into the ones this build can make, and the others."""
+    from fairway.routing import RouterError, validated_router
+
+    ok, bad = [], []
+    for n in names:
+        try:
+            validated_router(n)
+            ok.append(n)
+        except RouterError:
+            bad.append(n)
+    return ok, bad
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.yardstick", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--views", default="approx", help="approx, events, or both (approx,events)")
+    ap.add_argument("--points", default="all", help="'all', or labels' prefixes, e.g. 'agentic,Mooncake'")
+    ap.add_argument("--anchors", default=",".join(ANCHORS), help="anchor specs (default: every faithful anchor)")
+    ap.add_argument("--ablations", action="store_true", help="also run ABLATIONS (shown, never the best anchor)")
+    ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    ap.add_argument("--out", default="out/yardstick", help="cache of the runs' summaries")
+    ap.add_argument("--table-only", action="store_true", help="print the table from the cache, run nothing")
+    ap.add_argument("--md", default=None, help="also write the table to this file")
+    args = ap.parse_args(argv)
+
+    anchors, unknown = registered(split_specs(args.anchors))
+    if unknown:
+        print(f"not registered in this build, left out: {', '.join(unknown)}", file=sys.stderr)
+    routers = [FAIRWAY, *anchors, *(ABLATIONS if args.ablations else ())]
+    points, missing = default_points()
+    if args.points != "all":
+        want = split_specs(args.points)
+        points = [p for p in points if any(p.label.startswith(w) for w in want)]
+    runs = [Run(p, r, v, s) for v in split_specs(args.views) for p in points for r in routers
+            for s in (int(x) for x in split_specs(args.seeds))]
+    cache = Path(args.out)
+    cache.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    todo = []
+    for r in runs:
+        f = cache / f"{r.key}.json"
+        if f.exists():
+            results.append(json.loads(f.read_text()))
+        elif not args.table_only:
+            todo.append(r)
+    if todo:
+        print(f"{len(todo)} runs to do ({len(runs) - len(todo)} cached), {args.jobs} at a time", file=sys.stderr)
+        with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+            futs = {ex.submit(run_one, r): r for r in todo}
+            for i, fut in enumerate(as_completed(futs), 1):
+                r = futs[fut]
+                res = fut.result()
+                (cache / f"{r.key}.json").write_text(json.dumps(res))
+                results.append(res)
+                print(f"[{i}/{len(todo)}] {r.point.label} {r.router} {r.view} s{r.seed}: "
+                      f"p50 {res['ttft_s']['p50']:.3f} p99 {res['ttft_s']['p99']:.2f} hit {res['hit']:.3f} "
+                      f"({res['sim_wall_s']:.0f} s)", file=sys.stderr)
+    order = {p.label: i for i, p in enumerate(points)}
+    results = [r for r in results if r["point"] in order and r["router"] in routers]
+    results.sort(key=lambda r: (order[r["point"]], r["view"], r["router"], r["seed"]))
+    text = render(summarise(results, anchors), missing)
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

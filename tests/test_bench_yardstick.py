@@ -1,0 +1,73 @@
+"""The yardstick's table: best anchor per metric over seed medians, ratios, verdict; one real run."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.yardstick import FAIRWAY, Point, Run, render, run_one, summarise, verdict
+
+
+def result(router: str, p50: float, p99: float, hit: float, seed: int = 0, point: str = "w @1",
+           view: str = "approx", bound: float = 0.5) -> dict:
+    return {"point": point, "router": router, "view": view, "seed": seed,
+            "ttft_s": {"p50": p50, "p99": p99, "mean": (p50 + p99) / 2}, "hit": hit, "hit_bound": bound,
+            "n_finished": 10, "n_requests": 10, "sim_wall_s": 0.1}
+
+
+def test_best_anchor_per_metric_over_seed_medians():
+    rs = [
+        # fairway: medians p50 1.0, p99 10
+        result(FAIRWAY, 1.0, 10, 0.30, 0), result(FAIRWAY, 0.8, 12, 0.30, 1), result(FAIRWAY, 1.2, 9, 0.30, 2),
+        # a: best p50 (median 0.9), worse p99
+        result("a", 0.9, 20, 0.20, 0), result("a", 0.5, 30, 0.20, 1), result("a", 2.0, 25, 0.20, 2),
+        # b: best p99 (median 8) and hit, worse p50
+        result("b", 1.5, 8, 0.40, 0), result("b", 1.6, 7, 0.40, 1), result("b", 1.4, 9, 0.40, 2),
+        # an ablation with better everything is not an anchor, so it never counts
+        result("consistent-hash", 0.1, 1, 0.9, 0),
+    ]
+    (row,) = summarise(rs, anchors=["a", "b"])
+    assert row.best["p50"] == ("a", 0.9)
+    assert row.best["p99"] == ("b", 8)
+    assert row.best["hit"] == ("b", 0.40)
+    assert row.ratio["p50"] == pytest.approx(1.0 / 0.9)
+    assert row.ratio["p99"] == pytest.approx(10 / 8)
+    assert row.fairway["seeds"] == 3
+    assert "consistent-hash" in row.routers  # shown, not compared
+
+
+def test_points_and_views_are_separate_rows_in_first_seen_order():
+    rs = [result(FAIRWAY, 1, 2, 0.1, point="p2"), result("a", 1, 2, 0.1, point="p2"),
+          result(FAIRWAY, 1, 2, 0.1, point="p1"), result("a", 2, 4, 0.1, point="p1"),
+          result(FAIRWAY, 1, 2, 0.1, point="p1", view="events"), result("a", 1, 1, 0.1, point="p1", view="events"),
+          result("a", 1, 1, 0.1, point="p3")]  # p3 has no Fairway run: left out
+    rows = summarise(rs, anchors=["a"])
+    assert [(r.point, r.view) for r in rows] == [("p2", "approx"), ("p1", "approx"), ("p1", "events")]
+    assert [r.ratio["p99"] for r in rows] == [1.0, 0.5, 2.0]
+
+
+def test_verdict_targets():
+    good = summarise([result(FAIRWAY, 0.9, 8, 0.5, point=f"p{i}") for i in range(3)]
+                     + [result("a", 1.0, 10, 0.4, point=f"p{i}") for i in range(3)], ["a"])
+    v = verdict(good)
+    assert (v.median_p50, v.median_p99, v.hit_shortfalls) == (pytest.approx(0.9), pytest.approx(0.8), [])
+    assert v.met
+    # one point 1.06x behind on p99 fails "no point above 1.05", whatever the median
+    bad = summarise([result(FAIRWAY, 0.9, 10.6, 0.5, point="p0")] + [result(FAIRWAY, 0.9, 8, 0.5, point=f"p{i}")
+                    for i in (1, 2)] + [result("a", 1.0, 10, 0.6, point=f"p{i}") for i in range(3)], ["a"])
+    v = verdict(bad)
+    assert v.max_p99 == pytest.approx(1.06)
+    assert v.hit_shortfalls == ["p0", "p1", "p2"]
+    assert not v.met
+    text = render(bad, missing=["real (x.jsonl)"])
+    assert "**1.06**" in text and "not met" in text and "real (x.jsonl)" in text
+
+
+def test_one_real_run_through_the_simulator():
+    p = Point("rag", "rag", 4, 20)
+    r1, r2 = run_one(Run(p, FAIRWAY, "approx", 0, replicas=2)), run_one(Run(p, "pow2", "approx", 0, replicas=2))
+    assert r1["n_finished"] == r1["n_requests"] > 0
+    assert 0 <= r1["hit"] <= r1["hit_bound"] <= 1
+    (row,) = summarise([r1, r2], ["pow2"])
+    assert row.best["p99"][0] == "pow2"
+    assert row.ratio["p99"] == pytest.approx(r1["ttft_s"]["p99"] / r2["ttft_s"]["p99"])
+    assert Run(p, "pow2", "approx", 0).key != Run(p, "pow2", "events", 0).key
