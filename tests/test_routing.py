@@ -179,11 +179,11 @@ def test_ray_prefix_imbalance_switch():
     assert set(got) == {1, 2}  # power of two choices never takes the longest queue
 
 
-# -- sglang ------------------------------------------------------------------------------------
+# -- sglang-classic (sglang, llmd, aibrix as their sources state them: tests/test_anchors_score.py) --
 
 
-def test_sglang_imbalance_switch_needs_both_thresholds():
-    r = router("sglang")
+def test_sglang_classic_imbalance_switch_needs_both_thresholds():
+    r = router("sglang-classic")
     full = dict(matched=10)
     # 100 - 30 > 64 and 100 > 1.5 * 30: imbalanced -> least load, despite replica 0's full match.
     assert ranked(r, req(), [st(0, outstanding=100, **full), st(1, outstanding=30), st(2, outstanding=50)]) == [
@@ -197,8 +197,8 @@ def test_sglang_imbalance_switch_needs_both_thresholds():
     assert r.last_reason == "affinity"
 
 
-def test_sglang_match_rate_must_exceed_threshold():
-    r = router("sglang")
+def test_sglang_classic_match_rate_must_exceed_threshold():
+    r = router("sglang-classic")
     # 160-token prompt: 3 blocks = 0.3, not > 0.3 -> smallest tree; 4 blocks = 0.4 -> matched.
     states = [st(0, matched=3, tree=30), st(1, tree=5, outstanding=2), st(2, tree=5, outstanding=1)]
     assert ranked(r, req(160), states) == [[2], [0], [1]]
@@ -214,8 +214,8 @@ def test_sglang_match_rate_must_exceed_threshold():
 # -- llm-d (dynamo: tests/test_anchors_dynamo.py) ---------------------------------------------
 
 
-def test_llmd_score_arithmetic():
-    r = router("llmd")
+def test_llmd_baseline_score_arithmetic():
+    r = router("llmd-baseline")
     states = [
         st(0, matched=10, outstanding=6, running=2, kv=0.5),  # 3*1 + 2*0 + 2*0.5 = 4.0
         st(1, matched=0, outstanding=1, running=1, kv=0.2),  # 0 + 2*1 + 2*0.8 = 3.6
@@ -229,7 +229,7 @@ def test_llmd_score_arithmetic():
     same = [st(0, matched=2, kv=0.5), st(1, matched=2, kv=0.5)]
     ranked(r, req(160), same)
     assert r.last_scores == pytest.approx({0: 0.6 + 2 + 1, 1: 0.6 + 2 + 1})
-    assert choice(ranked(r, req(160), same)) == 0
+    assert set(picks(r, req(160), same, 30)) == {0, 1}  # the max-score picker's random ties
 
 
 # -- aibrix ------------------------------------------------------------------------------------
@@ -238,26 +238,23 @@ def test_llmd_score_arithmetic():
 def test_aibrix_imbalance_switch():
     r = router("aibrix")
     # 10 - 1 = 9 > 8: only the least-loaded pod is considered, whatever the matches.
-    imb = [st(0, running=10, matched=10), st(1, running=1), st(2, running=3, matched=5)]
+    imb = [st(0, outstanding=10, matched=10), st(1, outstanding=1), st(2, outstanding=3, matched=5)]
     assert ranked(r, req(), imb) == [[1], [2], [0]]
     assert r.last_reason == "imbalanced"
-    # Ties among the least loaded: the best match among them.
-    assert choice(ranked(r, req(), [st(0, running=10), st(1, running=1), st(2, running=1, matched=4)])) == 2
-    # 8 - 0 = 8 is not over 8: best match with load <= mean + sigma = 4 + 3.27.
-    bal = [st(0, running=8, matched=10), st(1, running=0), st(2, running=4, matched=5)]
-    assert ranked(r, req(), bal) == [[2], [1], [0]]
+    # Ties among the least loaded: the matched one among them.
+    assert choice(ranked(r, req(), [st(0, outstanding=10), st(1, outstanding=1),
+                                    st(2, outstanding=1, matched=4)])) == 2
+    # 8 - 0 = 8 is not over 8: best match with load <= mean + sample sigma = 4 + 4.
+    bal = [st(0, outstanding=8, matched=10), st(1), st(2, outstanding=4, matched=5)]
+    assert ranked(r, req(), bal) == [[0], [1], [2]]
     assert r.last_reason == "affinity"
-    bal[0] = st(0, running=7, matched=10)  # 7 <= 3.67 + 2.87 is false: still 2
-    assert choice(ranked(r, req(), bal)) == 2
-    bal[0] = st(0, running=6, matched=10)  # mean 3.33, sigma 2.49: 6 <= 5.83 is false
-    assert choice(ranked(r, req(), bal)) == 2
-    bal[0] = st(0, running=5, matched=10)  # mean 3, sigma 2.16: 5 <= 5.16 -> the best match
-    assert choice(ranked(r, req(), bal)) == 0
+    bal[0] = st(0, outstanding=9, matched=10)  # 9 - 0 > 8: imbalanced, only replica 1
+    assert choice(ranked(r, req(), bal)) == 1
 
 
 def test_aibrix_no_match_goes_to_least_loaded():
     r = router("aibrix")
-    assert ranked(r, req(), [st(0, running=3), st(1, running=1), st(2, running=2)]) == [[1], [2], [0]]
+    assert ranked(r, req(), [st(0, outstanding=3), st(1, outstanding=1), st(2, outstanding=2)]) == [[1], [2], [0]]
     assert r.last_reason == "least-loaded"
 
 
@@ -578,8 +575,9 @@ def test_queue_model_options_follow_the_replica_policy():
 # -- every router ------------------------------------------------------------------------------
 
 
-EXPECTED = {"round-robin", "pow2", "consistent-hash", "prefix-hash", "session-hash", "ray-prefix", "sglang", "dynamo",
-            "llmd", "aibrix", "vllm-prefixaware", "vllm-loadaware", "fairway"}
+EXPECTED = {"round-robin", "pow2", "consistent-hash", "prefix-hash", "session-hash", "ray-prefix", "sglang",
+            "sglang-classic", "dynamo", "llmd", "llmd-baseline", "aibrix", "vllm-prefixaware", "vllm-loadaware",
+            "fairway"}
 
 
 def test_registry_names():
@@ -644,8 +642,11 @@ def test_options_match_design_defaults():
     assert (sg.balance_abs_threshold, sg.balance_rel_threshold, sg.cache_threshold) == (64, 1.5, 0.3)
     dy = router("dynamo")
     assert (dy.overlap_score_credit, dy.prefill_load_scale, dy.host_cache_hit_weight) == (1.0, 1.0, 0.75)
-    ll = router("llmd")
+    ll = router("llmd-baseline")
     assert (ll.w_prefix, ll.w_queue, ll.w_kv) == (3, 2, 2)
+    ld = router("llmd")
+    assert (ld.affinity_threshold, ld.exploration, ld.max_ttft_penalty_s, ld.queue_threshold_tokens) == (
+        0.8, 0.0, 18.0, 4194304)
     ai = router("aibrix")
     assert (ai.imbalance_abs_count, ai.std_factor) == (8, 1.0)
     assert router("fairway").theta == 12.0

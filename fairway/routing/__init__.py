@@ -20,12 +20,14 @@ from fairway.routing.anchors import (
     AIBrix,
     ConsistentHash,
     Dynamo,
+    LLMDBaseline,
     Pow2,
     PrefixHash,
     RayPrefix,
     RoundRobin,
     SessionHash,
     SGLang,
+    SGLangClassic,
     VLLMLoadAware,
     VLLMPrefixAware,
 )
@@ -41,8 +43,8 @@ def register_router(cls: type[RouterPolicy]) -> type[RouterPolicy]:
     return cls
 
 
-for _cls in (RoundRobin, Pow2, ConsistentHash, PrefixHash, SessionHash, RayPrefix, SGLang, Dynamo, LLMD, AIBrix,
-             VLLMPrefixAware, VLLMLoadAware, FairwayRouter):
+for _cls in (RoundRobin, Pow2, ConsistentHash, PrefixHash, SessionHash, RayPrefix, SGLang, SGLangClassic, Dynamo,
+             LLMD, LLMDBaseline, AIBrix, VLLMPrefixAware, VLLMLoadAware, FairwayRouter):
     register_router(_cls)
 
 

@@ -10,7 +10,9 @@ Every anchor here reads the same ``ReplicaState`` fields, so they differ only by
   tokens;
 - ties that the originals break at random or by map order go by replica id here, unless the
   rule itself is random (``pow2``'s sampling and its ties, ``vllm-prefixaware``,
-  ``session-hash`` without a session), which draws from the injected ``rng``.
+  ``session-hash`` without a session) or the anchor has been checked against its source's tie
+  rule (``sglang``, ``aibrix``, ``llmd``, ``llmd-baseline``): those draw from the injected
+  ``rng`` where the original is random.
 
 Complexity: every ``rank`` is O(R log R) in the number of candidate replicas R (a sort), plus
 O(k) for a ring anchor's key and an expected O(R log R) ring walk.
@@ -20,9 +22,9 @@ from fairway.routing.anchors.aibrix import AIBrix
 from fairway.routing.anchors.common import pow2_ranks
 from fairway.routing.anchors.dynamo import Dynamo
 from fairway.routing.anchors.hashing import ConsistentHash, PrefixHash, SessionHash
-from fairway.routing.anchors.llmd import LLMD
+from fairway.routing.anchors.llmd import LLMD, LLMDBaseline
 from fairway.routing.anchors.ray import RayPrefix
-from fairway.routing.anchors.sglang import SGLang
+from fairway.routing.anchors.sglang import SGLang, SGLangClassic
 from fairway.routing.anchors.simple import Pow2, RoundRobin
 from fairway.routing.anchors.vllm import VLLMLoadAware, VLLMPrefixAware
 
@@ -31,11 +33,13 @@ __all__ = [
     "ConsistentHash",
     "Dynamo",
     "LLMD",
+    "LLMDBaseline",
     "Pow2",
     "PrefixHash",
     "RayPrefix",
     "RoundRobin",
     "SGLang",
+    "SGLangClassic",
     "SessionHash",
     "VLLMLoadAware",
     "VLLMPrefixAware",
