@@ -1,7 +1,10 @@
 """The HTTP ingress: an OpenAI-compatible API in front of the Fairway replicas.
 
 Per request: validate the body (pydantic; 400 on bad JSON or fields, 404 on an unknown model),
-tokenize (the chat template for chat), check the context length (400), hash the prompt's full
+refuse a text prompt too long in bytes to fit the context whatever its tokens (400, before any
+tokenization: ``Tokenizer.max_text_bytes``), tokenize (the chat template for chat) in a thread pool
+off the event loop (the Hugging Face tokenizer releases the GIL while it encodes, so one large
+prompt does not stall every other client's stream), check the context length (400), hash the prompt's full
 blocks (``fairway/hashing.py``), and call the replicas through a streaming Ray Serve handle whose
 request router (``router/serve_router.py``) picks the replica from those hashes. Tokens stream
 back as SSE (``stream: true``) or are collected into one response.
@@ -21,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -44,6 +49,7 @@ from router.openai_api import (
     new_id,
     now_s,
 )
+from router.tokenizer import utf8_len_over
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -135,6 +141,16 @@ class IngressArgs(ServedModel):
     metrics: bool = True
     limits: RequestLimits = Field(default_factory=RequestLimits)
     auth: AuthArgs = Field(default_factory=AuthArgs)
+    tokenizer_threads: int = Field(0, ge=0, description="threads that tokenize and render chat templates off "
+                                                        "the event loop (0: one per CPU this process may use)")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class FairwayIngress:
@@ -146,6 +162,8 @@ class FairwayIngress:
         self.args = a = args if isinstance(args, IngressArgs) else IngressArgs(**args)
         self.handle = replicas.options(stream=True)
         self.tokenizer = Tokenizer(a.tokenizer)
+        self.max_text_bytes = self.tokenizer.max_text_bytes(a.max_model_len)
+        self.tokenize_pool = ThreadPoolExecutor(a.tokenizer_threads or usable_cpus(), thread_name_prefix="tokenize")
         self.block_size = a.block_size
         self.keys = KeyTable(a.auth)
         self.name = ingress_name()
@@ -219,7 +237,11 @@ class FairwayIngress:
     async def completions(self, body: CompletionRequest, request: Request | None = None) -> Any:
         try:
             self._check_model(body.model)
-            ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+            if isinstance(body.prompt, list):
+                ids = body.prompt
+            else:
+                self._check_text_bytes(body.prompt)
+                ids = await self._off_loop(self.tokenizer.encode, body.prompt)
             call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
                               session_of(body, request))
         except HTTPError as e:
@@ -233,7 +255,9 @@ class FairwayIngress:
             if len(body.messages) > cap:
                 raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}",
                                 reason="bad_request")
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self._check_text_bytes("".join(m["content"] for m in messages))
+            ids = await self._off_loop(self.tokenizer.encode_chat, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(DEFAULT_MAX_TOKENS * 16, self.args.max_model_len - len(ids)))
@@ -241,6 +265,25 @@ class FairwayIngress:
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=True, request=request)
+
+    def _check_text_bytes(self, text: str) -> None:
+        """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in
+        O(1) for most texts and O(len) at worst (``utf8_len_over``), before it is tokenized."""
+        bound = self.max_text_bytes
+        if bound is None:
+            return
+        n = utf8_len_over(text, bound)
+        if n is not None:
+            limit = self.args.max_model_len
+            raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                                 f"{n} bytes of text, more than {limit} tokens can hold (at most {bound} bytes: "
+                                 f"{self.tokenizer.max_token_bytes} bytes per token). Please reduce the length of "
+                                 f"the prompt.", reason="too_long")
+
+    async def _off_loop(self, fn: Any, arg: Any) -> Any:
+        """``fn(arg)`` in the tokenizer's thread pool, so the event loop keeps serving other
+        clients while a long prompt is tokenized."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
 
     def _rejected(self, e: HTTPError) -> JSONResponse:
         if self.stats is not None:

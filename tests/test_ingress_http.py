@@ -11,7 +11,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -93,6 +94,7 @@ class Server:
 
     def __enter__(self) -> Server:
         # the app's routes and guards find this ingress as Serve's replica context would give it
+        self._overrides = dict(app.dependency_overrides)
         app.dependency_overrides[current_ingress] = lambda: self.ingress
         self._current = ingress_mod.current_ingress
         ingress_mod.current_ingress = lambda: self.ingress
@@ -109,8 +111,9 @@ class Server:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-        ingress_mod.current_ingress = self._current
+        ingress_mod.current_ingress = self._current  # a server started before this one is current again
         app.dependency_overrides.clear()
+        app.dependency_overrides.update(self._overrides)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +225,83 @@ def test_a_client_that_leaves_before_a_whole_answer_has_its_call_cancelled(serve
         time.sleep(0.01)
     assert server.replicas.cancelled == before + 1 and time.monotonic() - t0 < 1.0
     assert not server.replicas.open
+
+
+# -- the front door: no prompt stalls the event loop -----------------------------------------
+
+
+@pytest.fixture
+def big_server() -> Iterator[Server]:
+    """The default body limit (8 MiB), a 4,096-token context; for one test (the app is one
+    global: the module's ``server`` is current again after it)."""
+    with Server(RequestLimits()) as srv:
+        yield srv
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def timed_post(server: Server, path: str, body: Any) -> tuple[requests.Response, float]:
+    t0 = time.monotonic()
+    r = post(server, path, body, timeout=60)
+    return r, time.monotonic() - t0
+
+
+def test_a_prompt_too_long_in_bytes_is_refused_at_once_without_tokenizing(big_server, monkeypatch):
+    """A prompt just under the 8 MiB body limit is more bytes than 4,096 tokens can hold: 400
+    naming the limit, without a tokenizer call, and a small request sent meanwhile is not held up.
+    (Tokenizing it took 11-12 s inside the event loop before.) Bounds generous for a loaded box."""
+    tok = big_server.ingress.tokenizer
+    encoded: list[int] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or real(text))
+    bound = big_server.ingress.max_text_bytes
+    assert bound == 4096 * tok.max_token_bytes
+    prompt = "word " * ((8 * 1024 * 1024 - 200) // 5)
+    with ThreadPoolExecutor(2) as pool:
+        big = pool.submit(timed_post, big_server, "/v1/completions", {"model": MODEL, "prompt": prompt})
+        small = pool.submit(timed_post, big_server, "/v1/completions",
+                            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
+        (r_big, t_big), (r_small, t_small) = big.result(60), small.result(60)
+    assert_clear_error(r_big, 400, f"at most {bound} bytes")
+    assert "maximum context length is 4096 tokens" in r_big.json()["error"]["message"]
+    assert r_small.status_code == 200 and r_small.text.endswith("data: [DONE]\n\n")
+    assert t_big < 5.0 and t_small < 5.0, (t_big, t_small)
+    assert len(prompt) not in encoded  # refused before any tokenization
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_other_clients(big_server, monkeypatch):
+    """While a text prompt is inside the tokenizer (held there by the test, so nothing depends
+    on timing), other clients' requests are answered: tokenization runs off the event loop.
+    Then the held prompt finishes and gets its answer too."""
+    tok = big_server.ingress.tokenizer
+    inside, release = threading.Event(), threading.Event()
+    real = tok.encode
+
+    def held(text: str) -> list[int]:
+        if text.startswith("HOLD"):
+            inside.set()
+            assert release.wait(30)
+        return real(text)
+
+    monkeypatch.setattr(tok, "encode", held)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, big_server, "/v1/completions",
+                          {"model": MODEL, "prompt": "HOLD " + "x y " * 10_000, "max_tokens": 1}, None, 60)
+        wait_for(inside.is_set, 20, "the held prompt to reach the tokenizer")
+        for stream in (False, True):
+            r = post(big_server, "/v1/completions",
+                     {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": stream}, timeout=10)
+            assert r.status_code == 200, r.text
+        assert not big.done()
+        release.set()
+        r_big = big.result(30)
+    assert_clear_error(r_big, 400, "maximum context length is 4096 tokens")
 
 
 # -- hostile input -----------------------------------------------------------------------------
