@@ -40,6 +40,7 @@ class ScriptedReplicas:
         self.calls: list[Any] = []
         self.cancelled = 0
         self.open: set[int] = set()  # calls neither finished nor cancelled
+        self.script: list[int] = []  # the token ids to stream, cycled (100 + i without one)
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -73,7 +74,9 @@ class _Gen:
         await asyncio.sleep(0.001)
         if done:
             self.owner.open.discard(id(self))
-        return TokenChunk(token_ids=[100 + self.i], finished=done, finish_reason="length" if done else None,
+        script = self.owner.script
+        tok = script[(self.i - 1) % len(script)] if script else 100 + self.i
+        return TokenChunk(token_ids=[tok], finished=done, finish_reason="length" if done else None,
                           prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0")
 
     def cancel(self) -> None:
@@ -302,6 +305,172 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_clients(big_server, mon
         release.set()
         r_big = big.result(30)
     assert_clear_error(r_big, 400, "maximum context length is 4096 tokens")
+
+
+# -- OpenAI parameters: honoured or refused by name, never ignored --------------------------
+
+WORDS = " alpha beta gamma delta epsilon zeta"
+
+
+def _text(r: requests.Response, chat: bool, stream: bool) -> tuple[str, str | None]:
+    """The answer's text and finish reason, from a whole answer or the stream's frames."""
+    if not stream:
+        ch = r.json()["choices"][0]
+        return (ch["message"]["content"] if chat else ch["text"]), ch["finish_reason"]
+    text, reason = "", None
+    for ln in r.text.split("\n"):
+        if ln.startswith("data: {"):
+            for ch in json.loads(ln[6:])["choices"]:
+                text += ch["delta"].get("content", "") if chat else ch["text"]
+                reason = ch["finish_reason"] or reason
+    return text, reason
+
+
+def _call_has(**want: Any) -> Callable[[Server, dict, bool, bool], None]:
+    def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
+        call = server.replicas.calls[-1]
+        assert {k: getattr(call, k) for k in want} == want
+
+    return check
+
+
+def _stops_before(word: str) -> Callable[[Server, dict, bool, bool], None]:
+    """The text ends just before ``word`` (WORDS's text) with finish "stop", and the usage counts
+    the tokens up to the stop, not max_tokens."""
+    def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
+        r = post(server, "/v1/chat/completions" if chat else "/v1/completions", {**body, "stream": stream})
+        text, reason = _text(r, chat, stream)
+        assert (text, reason) == (WORDS[: WORDS.index(word)], "stop"), (text, reason)
+        if not stream:
+            n = len(server.ingress.tokenizer.encode(WORDS[: WORDS.index(word) + len(word)]))
+            assert r.json()["usage"]["completion_tokens"] <= n < body["max_tokens"]
+
+    return check
+
+
+def _echoes(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    r = post(server, "/v1/completions", {**body, "stream": stream})
+    text, _ = _text(r, chat, stream)
+    assert text == "hi" + WORDS
+
+
+def _session(key: str) -> Callable[[Server, dict, bool, bool], None]:
+    return _call_has(session=key)
+
+
+def _no_effect(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """Accepted and documented as changing no output (the answer is the plain one)."""
+    text, reason = _text(post(server, "/v1/chat/completions" if chat else "/v1/completions", body), chat, False)
+    assert (text, reason) == (WORDS, "length")
+
+
+REFUSE = "400"
+#: Every field of the request models: (value to send, REFUSE or a check that it was honoured).
+#: Values that are the field's no-op default are accepted by both; the matrix sends a real use.
+COMMON: dict[str, tuple[Any, Any]] = {
+    "model": (MODEL, _no_effect),
+    "max_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail("max_tokens")),
+    "stream": (True, lambda srv, b, c, s: None),  # the stream=True runs of every check
+    "stream_options": ({"include_usage": True}, lambda srv, b, c, s: None),  # test_include_usage_* below
+    "temperature": (0.0, _call_has(temperature=0.0)),
+    "top_p": (0.5, _call_has(top_p=0.5)),
+    "n": (2, REFUSE),
+    "stop": (["gamma", "zeta"], _stops_before("gamma")),
+    "stop_token_ids": (None, None),  # filled per tokenizer below
+    "seed": (7, _call_has(seed=7)),
+    "frequency_penalty": (0.5, _call_has(frequency_penalty=0.5)),  # the engine decides (sim refuses)
+    "presence_penalty": (0.5, _call_has(presence_penalty=0.5)),
+    "repetition_penalty": (1.2, _call_has(repetition_penalty=1.2)),
+    "logit_bias": ({"42": 5}, _call_has(logit_bias={42: 5.0})),
+    "ignore_eos": (True, _call_has(ignore_eos=True)),
+    "return_token_ids": (True, lambda srv, b, c, s: None),  # test_the_other_tests... token ids below
+    "cache_salt": ("s1", _call_has(cache_salt="s1")),
+    "user": ("u9", _session("u9")),
+    "safety_identifier": ("sid", _no_effect),
+    "prompt_cache_key": ("pk", _session("pk")),
+    "best_of": (2, REFUSE),
+    "logprobs": (1, REFUSE),
+}
+COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE)}
+CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect), "logprobs": (True, REFUSE),
+        "max_completion_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail()),
+        "top_logprobs": (2, REFUSE), "response_format": ({"type": "json_object"}, REFUSE),
+        "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE), "tool_choice": ("auto", REFUSE),
+        "functions": ([{"name": "f"}], REFUSE), "function_call": ("auto", REFUSE),
+        "parallel_tool_calls": (False, _no_effect), "audio": ({"voice": "alloy", "format": "wav"}, REFUSE),
+        "modalities": (["text", "audio"], REFUSE), "prediction": ({"type": "content", "content": "x"}, REFUSE),
+        "web_search_options": ({}, REFUSE), "moderation": ({"model": "m"}, REFUSE),
+        "reasoning_effort": ("high", REFUSE), "verbosity": ("low", REFUSE), "store": (True, REFUSE),
+        "metadata": ({"k": "v"}, REFUSE), "service_tier": ("flex", REFUSE), "prompt_cache_retention": ("24h", REFUSE),
+        "prompt_cache_options": ({"mode": "explicit"}, REFUSE)}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
+    """The parameter matrix: every field of the request model is in the table (a new field
+    without a row fails here), and each is either honoured (checked on the output or on the
+    replica call) or refused with a 400 naming it; an unknown field is a 400 naming it too."""
+    from router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    tok = server.ingress.tokenizer
+    table = dict(CHAT if chat else COMPLETION)
+    ids = tok.encode(WORDS)
+    k = next(k for k in range(len(ids)) if len(tok.decode(ids[: k + 1])) > WORDS.index(" gamma"))
+    assert tok.decode(ids[:k]) == WORDS[: WORDS.index(" gamma")] and ids[k] not in ids[:k]
+    table["stop_token_ids"] = ([ids[k]], _stops_before(tok.decode(ids[k:k + 1])))
+    model = ChatCompletionRequest if chat else CompletionRequest
+    assert set(table) == set(model.model_fields)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"model": MODEL, "max_tokens": len(ids), **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                   else {"prompt": "hi"})}
+    server.replicas.script = tok.encode(WORDS)
+    try:
+        for name, (value, expect) in table.items():
+            body = {**base, name: value}
+            if expect == REFUSE:
+                r = post(server, path, body)
+                assert_clear_error(r, 400, name)
+                assert r.json()["error"]["param"] == name
+                continue
+            for stream in (False, True):
+                r = post(server, path, {**body, "stream": stream})
+                assert r.status_code == 200, (name, r.text)
+                expect(server, body, chat, stream)
+        r = post(server, path, {**base, "frobnicate": 1})
+        assert_clear_error(r, 400, "frobnicate: Extra inputs are not permitted")
+    finally:
+        server.replicas.script = []
+
+
+def test_chat_content_parts_other_than_text_and_tool_calls_in_history_are_refused(server):
+    base = {"model": MODEL, "max_tokens": 2}
+    image = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
+    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": image}]}),
+                       400, "'image_url' are not supported")
+    calls = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]
+    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": calls}), 400, "tool_calls")
+    ok = [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+          {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": None}]
+    assert post(server, "/v1/chat/completions", {**base, "messages": ok}).status_code == 200
+
+
+def test_what_the_openai_client_and_vllm_bench_send_by_default_is_accepted(server):
+    """``vllm bench serve``'s completions payload (vllm/benchmarks/lib/endpoint_request_func.py:
+    repetition_penalty 1.0, logprobs None, stream_options) and the openai client's chat call."""
+    bench = {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 3, "logprobs": None,
+             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    r = post(server, "/v1/completions", bench)
+    assert r.status_code == 200 and '"usage"' in r.text, r.text
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         n=1, user="u", stop=None, seed=3)
+    assert out.usage.completion_tokens == 2
+    done = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                     stream_options={"include_usage": True})
+    assert [c.usage.completion_tokens for c in done if c.usage] == [2]
 
 
 # -- hostile input -----------------------------------------------------------------------------
