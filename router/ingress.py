@@ -278,8 +278,8 @@ class FairwayIngress:
             self._check_text_bytes("".join(m["content"] for m in messages))
             ids = await self._off_loop(self.tokenizer.encode_chat, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, min(DEFAULT_MAX_TOKENS * 16, self.args.max_model_len - len(ids)))
+            if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
+                max_tokens = max(1, self.args.max_model_len - len(ids))
             call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request))
         except HTTPError as e:
             return self._rejected(e)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
 
 
 #: Most stop strings / stop token ids per request (OpenAI allows 4 strings; vLLM any number).

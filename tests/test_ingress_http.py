@@ -442,6 +442,24 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
         server.replicas.script = []
 
 
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
+    """As vLLM's and OpenAI's chat: max_tokens defaults to max_model_len - prompt (4,096 here);
+    a completion's default stays OpenAI's 16."""
+    tok = server.ingress.tokenizer
+    msgs = [{"role": "user", "content": "tell me a story"}]
+    n = len(tok.encode_chat(msgs))
+    server.replicas.script = [tok.encode(" the")[0], tok.eos_token_id]
+    try:
+        body = {"model": MODEL, "messages": msgs, "stop_token_ids": [tok.eos_token_id]}
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+        assert server.replicas.calls[-1].max_tokens == 4096 - n
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [tok.eos_token_id]})
+        assert r.status_code == 200 and server.replicas.calls[-1].max_tokens == 16
+    finally:
+        server.replicas.script = []
+
+
 def test_chat_content_parts_other_than_text_and_tool_calls_in_history_are_refused(server):
     base = {"model": MODEL, "max_tokens": 2}
     image = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
