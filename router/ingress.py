@@ -43,6 +43,7 @@ from router.detokenize import IncrementalDetokenizer, StopFilter
 from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
+    REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
@@ -59,10 +60,35 @@ SESSION_HEADER = "X-Session-Id"
 app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
 
 
+def validation_reason(error: dict[str, Any]) -> str:
+    """The reject reason of a body that failed validation (its first error), for
+    ``fairway_rejects_total``: "invalid_json", "unknown_field", "unsupported_parameter" (a
+    documented parameter this server refuses, ``n`` above 1 included) or "bad_request"."""
+    kind = error.get("type")
+    if kind == "json_invalid":
+        return "invalid_json"
+    if kind == "extra_forbidden":
+        return "unknown_field"
+    loc = [x for x in error.get("loc", ()) if x != "body"]
+    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n"):
+        return "unsupported_parameter"
+    return "bad_request"
+
+
+def count_reject(reason: str) -> None:
+    """Count a request refused before it reached an ingress method (validation, limits, keys)
+    in this ingress replica's reject metrics, as ``FairwayIngress._rejected`` counts the others."""
+    stats = _current("stats", None)
+    if stats is not None:
+        stats.inc_reject(reason)
+        stats.inc_requests("", "rejected")
+
+
 @app.exception_handler(RequestValidationError)
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     first = errs[0] if errs else {}
+    count_reject(validation_reason(first))
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     if first.get("type") == "json_invalid":
         msg = f"invalid JSON body: {first.get('msg', '')} at character {first.get('loc', ('', '?'))[-1]}"
@@ -640,8 +666,8 @@ def current_limits() -> RequestLimits:
     return args.limits if args is not None else RequestLimits()
 
 
-app.add_middleware(RequestGuard, limits=current_limits)
-app.add_middleware(AuthGuard, keys=current_keys)  # outermost: no body is read for an unknown key
+app.add_middleware(RequestGuard, limits=current_limits, on_reject=count_reject)
+app.add_middleware(AuthGuard, keys=current_keys, on_reject=count_reject)  # outermost: no body read for a bad key
 
 
 Ingress = Annotated[FairwayIngress, Depends(current_ingress)]

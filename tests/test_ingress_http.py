@@ -491,6 +491,61 @@ def test_what_the_openai_client_and_vllm_bench_send_by_default_is_accepted(serve
     assert [c.usage.completion_tokens for c in done if c.usage] == [2]
 
 
+# -- refusals are counted ------------------------------------------------------------------
+
+
+def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeypatch):
+    """Requests refused by validation (n=2, an empty prompt, an empty chat, a batch prompt, bad
+    JSON, an unknown field, a refused parameter), by the limits and in the handler each add one
+    to ``fairway_rejects_total`` with their reason, and one rejected request."""
+    from observability.stats import FairwayStats
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+    monkeypatch.setattr(server.ingress, "stats", stats)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({"model": MODEL, "prompt": "hi", "n": 2}, "unsupported_parameter"),
+        ({"model": MODEL, "prompt": ""}, "bad_request"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "bad_request"),
+        ({"model": MODEL, "prompt": [1], "max_tokens": 0}, "bad_request"),
+        (b"{not json", "invalid_json"),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "unknown_field"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "unsupported_parameter"),
+        ({"model": "other", "prompt": "hi"}, "unknown_model"),
+        ({"model": MODEL, "prompt": [5] * 10, "max_tokens": 10**6}, "too_long"),
+        ({"model": MODEL, "prompt": "x " * 40_000}, "body_too_large"),
+    ]
+    chat_cases = [({**chat, "messages": []}, "bad_request"), ({**chat, "tools": [{"type": "function"}]},
+                                                              "unsupported_parameter"),
+                  ({**chat, "messages": [{"role": "user", "content": "hi"}] * 9}, "bad_request")]
+    for path, group in (("/v1/completions", cases), ("/v1/chat/completions", chat_cases)):
+        for body, reason in group:
+            before = stats.counter("rejects", reason=reason)
+            rejected = stats.counter("requests", status="rejected")
+            r = post(server, path, body)
+            assert 400 <= r.status_code < 500, (body, r.text)
+            assert stats.counter("rejects", reason=reason) == before + 1, (str(body)[:80], reason, stats.snapshot())
+            assert stats.counter("requests", status="rejected") == rejected + 1
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 1}).status_code == 200
+    assert stats.counter("requests", status="rejected") == rejected + 1  # a served request is no reject
+
+
+def test_auth_refusals_are_counted(monkeypatch):
+    from observability.stats import FairwayStats
+
+    monkeypatch.setenv("FAIRWAY_TEST_KEYS", "k1=alice")
+    with Server(RequestLimits(), auth=AuthArgs(keys_env="FAIRWAY_TEST_KEYS")) as srv:
+        stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+        srv.ingress.stats = stats
+        body = {"model": MODEL, "prompt": [5], "max_tokens": 1}
+        assert post(srv, "/v1/completions", body).status_code == 401
+        assert post(srv, "/v1/completions", body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = {"Authorization": "Bearer k1"}
+        assert post(srv, "/v1/completions", body, headers={**ok, "X-Fairway-Prefix-Group": "g"}).status_code == 403
+        assert post(srv, "/v1/completions", body, headers=ok).status_code == 200
+    assert stats.counter("rejects", reason="unauthorized") == 2 and stats.counter("rejects", reason="forbidden") == 1
+
+
 # -- hostile input -----------------------------------------------------------------------------
 
 json_values = st.recursive(
