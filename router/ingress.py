@@ -377,20 +377,27 @@ class FairwayIngress:
 
     # -- response shapes ---------------------------------------------------------------------
 
+    @staticmethod
+    def _filled(first: TokenChunk, last: TokenChunk) -> TokenChunk:
+        """The chunk with the request's figures: the last when the answer ran to its end (the
+        replica fills it), else the first token's (a stop ended the answer mid-stream)."""
+        return last if last.finished else first
+
     def _usage(self, first: TokenChunk, last: TokenChunk, out: _Output) -> dict[str, Any]:
-        """The answer's token counts: the prompt's from the first chunk (the replica fills them
-        there), the completion's as far as a stop cut it."""
+        """The answer's token counts; the completion's as far as a stop cut it."""
+        src = self._filled(first, last)
         completion = len(out.ids) if out.stopped else last.completion_tokens
         return {
-            "prompt_tokens": first.prompt_tokens,
+            "prompt_tokens": src.prompt_tokens,
             "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            "total_tokens": src.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": src.cached_tokens},
         }
 
-    def _fairway(self, first: TokenChunk, stream: _Stream) -> dict[str, Any]:
-        return {"lane": first.lane, "promoted": first.promoted, "replica": first.replica,
-                "queue_wait_s": first.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": first.ttft_s,
+    def _fairway(self, first: TokenChunk, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
+        src = self._filled(first, last)
+        return {"lane": src.lane, "promoted": src.promoted, "replica": src.replica,
+                "queue_wait_s": src.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": src.ttft_s,
                 "ingress": self.name}
 
     def _echo(self, call: GenerateCall, body: Any, chat: bool) -> str:
@@ -418,7 +425,7 @@ class FairwayIngress:
             "model": call.model,
             "choices": [choice],
             "usage": self._usage(first, last, out),
-            "fairway": self._fairway(first, stream),
+            "fairway": self._fairway(first, last, stream),
         }
 
     async def _sse(self, stream: _Stream, first: TokenChunk, out: _Output, body: Any, call: GenerateCall, chat: bool,
@@ -466,7 +473,7 @@ class FairwayIngress:
         finally:
             stream.close()  # the client disconnected mid-stream: abort the request at its replica
         if include_usage:
-            yield frame([], usage=self._usage(first, last, out), fairway=self._fairway(first, stream))
+            yield frame([], usage=self._usage(first, last, out), fairway=self._fairway(first, last, stream))
         yield "data: [DONE]\n\n"
 
 
