@@ -442,6 +442,80 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
         server.replicas.script = []
 
 
+class SimReplicas:
+    """The replicas' handle as one real replica in-process (``replicas/deployment.py``'s
+    ``FairwayReplica``: the sim engine behind its gate, started in the server's event loop on
+    the first call), so the parameters meet the engine that honours or refuses them."""
+
+    def __init__(self) -> None:
+        self.replica: Any = None
+        self.calls: list[Any] = []
+
+    def options(self, **_: Any) -> SimReplicas:
+        return self
+
+    @property
+    def generate(self) -> SimReplicas:
+        return self
+
+    async def started(self) -> Any:
+        if self.replica is None:
+            from replicas.deployment import FairwayReplica
+
+            rep = object.__new__(FairwayReplica)
+            await FairwayReplica.__init__(rep, {"engine": "sim", "metrics": False, "stream_interval_s": 0,
+                                                "engine_args": {"speed": 1000.0, "max_model_len": 4096}})
+            self.replica = rep
+        return self.replica
+
+    def remote(self, call: Any) -> _SimGen:
+        self.calls.append(call)
+        return _SimGen(self, call)
+
+
+class _SimGen:
+    def __init__(self, owner: SimReplicas, call: Any) -> None:
+        self.owner, self.call, self.it = owner, call, None
+
+    def __aiter__(self) -> _SimGen:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self.it is None:
+            self.it = (await self.owner.started()).generate(self.call).__aiter__()
+        return await self.it.__anext__()
+
+    def cancel(self) -> None:
+        if self.it is not None:
+            asyncio.ensure_future(self.it.aclose())
+
+
+def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
+    """The same parameters through the real replica (sim engine + gate): ``seed`` repeats the
+    output, ``stop_token_ids`` ends it at the stop (finish "stop"), and the penalties and
+    ``logit_bias``, which a text-less engine cannot honour, are a 400 naming them."""
+    srv = Server(RequestLimits())
+    srv.replicas = srv.ingress.handle = SimReplicas()
+    with srv:
+        def tokens(**extra: Any) -> dict:
+            body = {"model": MODEL, "prompt": "hi there", "max_tokens": 12, "return_token_ids": True, **extra}
+            r = post(srv, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        a, b, c = tokens(seed=5)["token_ids"], tokens(seed=5)["token_ids"], tokens(seed=6)["token_ids"]
+        assert a == b and a != c and tokens()["token_ids"] != tokens()["token_ids"]
+        at = next(i for i in range(2, 12) if a[i] not in a[:i])
+        stopped = tokens(seed=5, stop_token_ids=[a[at]])
+        assert stopped["token_ids"] == a[: at + 1] and stopped["finish_reason"] == "stop"
+        for name, value in (("frequency_penalty", 0.5), ("presence_penalty", 1.0), ("repetition_penalty", 1.3),
+                            ("logit_bias", {"7": 1.0})):
+            r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, name: value})
+            assert_clear_error(r, 400, f"{name} is not supported by the sim engine")
+            assert r.json()["error"]["param"] == name
+        assert tokens(top_p=0.5, temperature=0.0)["finish_reason"] == "length"
+
+
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
     """As vLLM's and OpenAI's chat: max_tokens defaults to max_model_len - prompt (4,096 here);
     a completion's default stays OpenAI's 16."""
