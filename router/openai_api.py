@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
 
@@ -72,6 +72,11 @@ def _refuse(v: Any, info: ValidationInfo) -> Any:
     return v
 
 
+#: Fields OpenAI's schema lets a client send as null, meaning the default.
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+                                "repetition_penalty", "ignore_eos", "return_token_ids", "echo"})
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -103,6 +108,13 @@ class _Common(BaseModel):
     prompt_cache_key: str | None = Field(None, description="the session key when no X-Session-Id header is sent")
     best_of: int | None = None
     logprobs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
 
     @field_validator("stop")
     @classmethod

@@ -550,6 +550,11 @@ def test_chat_content_parts_other_than_text_and_tool_calls_in_history_are_refuse
 def test_what_the_openai_client_and_vllm_bench_send_by_default_is_accepted(server):
     """``vllm bench serve``'s completions payload (vllm/benchmarks/lib/endpoint_request_func.py:
     repetition_penalty 1.0, logprobs None, stream_options) and the openai client's chat call."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty", "stop",
+                               "seed", "logit_bias", "echo", "user", "stream_options", "max_tokens")}
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", **nulls})  # null: the default, as OpenAI's
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    assert server.replicas.calls[-1].temperature == 1.0
     bench = {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 3, "logprobs": None,
              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     r = post(server, "/v1/completions", bench)
