@@ -95,7 +95,8 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")
     stop_token_ids: list[int] | None = Field(None, description="stop at any of these token ids (vLLM's extension)")
-    seed: int | None = Field(None, description="the same seed, prompt and parameters give the same output")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63,
+                             description="the same seed, prompt and parameters give the same output (int64)")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM's extension; 1 = none")

@@ -647,6 +647,15 @@ fields = {
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans() | json_values,
     "cache_salt": st.text(max_size=20) | json_values,
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | json_values,
+    "stop_token_ids": st.lists(st.integers(-3, 10**6), max_size=20) | json_values,
+    "seed": st.integers(-(2**70), 2**70) | json_values,
+    "logit_bias": st.dictionaries(st.integers(-3, 10**5).map(str), st.floats(-200, 200), max_size=4) | json_values,
+    "echo": st.booleans() | json_values,
+    "logprobs": st.none() | st.integers(0, 5) | json_values,
+    "top_p": st.floats(-1, 2, allow_nan=False) | json_values,
+    "tools": st.none() | json_values,
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | json_values,
 }
 bodies = st.fixed_dictionaries({}, optional=fields)
 
