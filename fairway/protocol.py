@@ -37,6 +37,14 @@ class GenerateCall:
     cache_salt: str | None = None  # tenant salt folded into the first block's hash
     tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
     session: str = ""  # the client's session key ("" for none): session-affinity routers key on it
+    # Sampling beyond temperature (OpenAI's names); an engine honours each or raises
+    # ``UnsupportedParameter`` naming it. Defaults are the no-op values.
+    seed: int | None = None  # same seed + prompt + parameters -> same output
+    top_p: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass(slots=True)
@@ -110,6 +118,12 @@ class Overloaded(ReplicaError):
 
 class RequestTooLarge(ReplicaError):
     """The request can never fit this engine (KV capacity or context length): HTTP 400."""
+
+    status = 400
+
+
+class UnsupportedParameter(ReplicaError):
+    """The engine cannot honour one of the request's parameters (the message names it): HTTP 400."""
 
     status = 400
 

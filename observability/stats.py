@@ -264,8 +264,10 @@ class FairwayStats:
         self._set("prefix_view_exact", (), 1.0 if exact else 0.0)
 
     def inc_reject(self, reason: str, replica: str = "") -> None:
-        """One rejected request: "queue_full" | "too_long" | "bad_request" | "unknown_model" |
-        "replica_dead" | "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal"."""
+        """One rejected request: "queue_full" | "too_long" | "bad_request" | "invalid_json" |
+        "unknown_field" | "unsupported_parameter" | "unknown_model" | "body_too_large" |
+        "body_timeout" | "headers_too_large" | "unauthorized" | "forbidden" | "replica_dead" |
+        "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal"."""
         self._inc("rejects", (reason, self._replica(replica)), 1)
 
     def set_engine(self, replica: str, running: int, waiting: int, kv_usage: float, preemptions_total: int = 0) -> None:

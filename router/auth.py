@@ -162,9 +162,11 @@ class AuthGuard:
     ``scope["state"]["principal"]``. ``keys`` is a ``KeyTable`` or a callable giving this
     replica's (its config is known only once it started)."""
 
-    def __init__(self, app: Any, keys: KeyTable | Callable[[], KeyTable | None] | None = None) -> None:
+    def __init__(self, app: Any, keys: KeyTable | Callable[[], KeyTable | None] | None = None,
+                 on_reject: Callable[[str], None] | None = None) -> None:
         self.app = app
         self._keys = keys
+        self._on_reject = on_reject  # gets "unauthorized" (401) or "forbidden" (403) per refusal
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         keys = self._keys() if callable(self._keys) else self._keys
@@ -175,6 +177,8 @@ class AuthGuard:
         try:
             principal = keys.principal(headers.get("authorization"), headers.get(GROUP_HEADER))
         except AuthError as e:
+            if self._on_reject is not None:
+                self._on_reject("unauthorized" if e.status == 401 else "forbidden")
             await send_error(send, e.status, e.message,
                              headers=[(b"www-authenticate", b"Bearer")] if e.status == 401 else ())
             return

@@ -46,3 +46,34 @@ class IncrementalDetokenizer:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(context):]
+
+
+class StopFilter:
+    """A stream's text with OpenAI's ``stop`` applied: the text up to (not including) the first
+    occurrence of any stop string, as it arrives. Text that could be the start of a stop string is
+    held back until the next push decides it (at most the longest stop string's length - 1
+    characters). Per push: O((held + new text) x stops)."""
+
+    __slots__ = ("_held", "_keep", "_stops", "stopped")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._keep = max((len(s) for s in self._stops), default=1) - 1
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str, final: bool = False) -> str:
+        """The text that can be emitted now ('' once stopped); ``final``: nothing more comes."""
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        if final or self._keep == 0:
+            self._held = ""
+            return buf
+        self._held = buf[-self._keep:]
+        return buf[:-self._keep]

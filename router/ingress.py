@@ -1,7 +1,10 @@
 """The HTTP ingress: an OpenAI-compatible API in front of the Fairway replicas.
 
 Per request: validate the body (pydantic; 400 on bad JSON or fields, 404 on an unknown model),
-tokenize (the chat template for chat), check the context length (400), hash the prompt's full
+refuse a text prompt too long in bytes to fit the context whatever its tokens (400, before any
+tokenization: ``Tokenizer.max_text_bytes``), tokenize (the chat template for chat) in a thread pool
+off the event loop (the Hugging Face tokenizer releases the GIL while it encodes, so one large
+prompt does not stall every other client's stream), check the context length (400), hash the prompt's full
 blocks (``fairway/hashing.py``), and call the replicas through a streaming Ray Serve handle whose
 request router (``router/serve_router.py``) picks the replica from those hashes. Tokens stream
 back as SSE (``stream: true``) or are collected into one response.
@@ -21,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -32,18 +37,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.hashing import block_hashes
-from fairway.protocol import GenerateCall, ReplicaError, TokenChunk
+from fairway.protocol import GenerateCall, ReplicaError, TokenChunk, UnsupportedParameter
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
-from router.detokenize import IncrementalDetokenizer
+from router.detokenize import IncrementalDetokenizer, StopFilter
 from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
+    REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
     new_id,
     now_s,
 )
+from router.tokenizer import utf8_len_over
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -53,16 +60,42 @@ SESSION_HEADER = "X-Session-Id"
 app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
 
 
+def validation_reason(error: dict[str, Any]) -> str:
+    """The reject reason of a body that failed validation (its first error), for
+    ``fairway_rejects_total``: "invalid_json", "unknown_field", "unsupported_parameter" (a
+    documented parameter this server refuses, ``n`` above 1 included) or "bad_request"."""
+    kind = error.get("type")
+    if kind == "json_invalid":
+        return "invalid_json"
+    if kind == "extra_forbidden":
+        return "unknown_field"
+    loc = [x for x in error.get("loc", ()) if x != "body"]
+    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n"):
+        return "unsupported_parameter"
+    return "bad_request"
+
+
+def count_reject(reason: str) -> None:
+    """Count a request refused before it reached an ingress method (validation, limits, keys)
+    in this ingress replica's reject metrics, as ``FairwayIngress._rejected`` counts the others."""
+    stats = _current("stats", None)
+    if stats is not None:
+        stats.inc_reject(reason)
+        stats.inc_requests("", "rejected")
+
+
 @app.exception_handler(RequestValidationError)
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     first = errs[0] if errs else {}
+    count_reject(validation_reason(first))
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     if first.get("type") == "json_invalid":
         msg = f"invalid JSON body: {first.get('msg', '')} at character {first.get('loc', ('', '?'))[-1]}"
         loc = ""
     else:
-        msg = f"invalid request: {loc + ': ' if loc else ''}{first.get('msg', 'bad value')}"
+        detail = str(first.get("msg", "bad value")).removeprefix("Value error, ")
+        msg = f"invalid request: {loc + ': ' if loc else ''}{detail}"
     return JSONResponse(error_body(msg, 400, loc or None), status_code=400)
 
 
@@ -75,24 +108,31 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, retry_after_s: float | None = None, reason: str = "") -> None:
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None, reason: str = "",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s
         self.reason = reason
+        self.param = param
 
     def response(self) -> JSONResponse:
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, int(round(self.retry_after_s))))
-        return JSONResponse(error_body(self.message, self.status), status_code=self.status, headers=headers)
+        return JSONResponse(error_body(self.message, self.status, self.param), status_code=self.status,
+                            headers=headers)
 
 
 def map_error(e: BaseException) -> HTTPError:
     """A replica or Ray failure as the HTTP error the client gets."""
     cause = getattr(e, "cause", None)
     for x in (e, cause):
+        if isinstance(x, UnsupportedParameter):
+            word = x.message.split(" ", 1)[0]
+            named = word in CompletionRequest.model_fields or word in ChatCompletionRequest.model_fields
+            return HTTPError(400, x.message, None, "unsupported_parameter", word if named else None)
         if isinstance(x, ReplicaError):
             reason = {429: "queue_full", 400: "too_long", 504: "stalled"}.get(x.status, "engine_failed")
             return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason)
@@ -135,6 +175,16 @@ class IngressArgs(ServedModel):
     metrics: bool = True
     limits: RequestLimits = Field(default_factory=RequestLimits)
     auth: AuthArgs = Field(default_factory=AuthArgs)
+    tokenizer_threads: int = Field(0, ge=0, description="threads that tokenize and render chat templates off "
+                                                        "the event loop (0: one per CPU this process may use)")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class FairwayIngress:
@@ -146,6 +196,8 @@ class FairwayIngress:
         self.args = a = args if isinstance(args, IngressArgs) else IngressArgs(**args)
         self.handle = replicas.options(stream=True)
         self.tokenizer = Tokenizer(a.tokenizer)
+        self.max_text_bytes = self.tokenizer.max_text_bytes(a.max_model_len)
+        self.tokenize_pool = ThreadPoolExecutor(a.tokenizer_threads or usable_cpus(), thread_name_prefix="tokenize")
         self.block_size = a.block_size
         self.keys = KeyTable(a.auth)
         self.name = ingress_name()
@@ -201,6 +253,11 @@ class FairwayIngress:
         if max(ids) >= self.tokenizer.vocab_size:
             raise HTTPError(400, f"token id {max(ids)} is out of the vocabulary (size {self.tokenizer.vocab_size})",
                             reason="bad_request")
+        vocab = self.tokenizer.vocab_size
+        for name, extra_ids in (("stop_token_ids", body.stop_token_ids), ("logit_bias", body.logit_bias)):
+            if extra_ids and max(extra_ids) >= vocab:
+                raise HTTPError(400, f"{name}: token id {max(extra_ids)} is out of the vocabulary (size {vocab})",
+                                reason="bad_request", param=name)
         salt = who.salt(body.cache_salt)
         return GenerateCall(
             request_id=new_id("req"),
@@ -214,12 +271,22 @@ class FairwayIngress:
             cache_salt=salt,
             tenant=who.tenant,
             session=session,
+            seed=body.seed,
+            top_p=body.top_p,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.logit_bias,
         )
 
     async def completions(self, body: CompletionRequest, request: Request | None = None) -> Any:
         try:
             self._check_model(body.model)
-            ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+            if isinstance(body.prompt, list):
+                ids = body.prompt
+            else:
+                self._check_text_bytes(body.prompt)
+                ids = await self._off_loop(self.tokenizer.encode, body.prompt)
             call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
                               session_of(body, request))
         except HTTPError as e:
@@ -233,14 +300,35 @@ class FairwayIngress:
             if len(body.messages) > cap:
                 raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}",
                                 reason="bad_request")
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            messages = [m.for_template() for m in body.messages]
+            self._check_text_bytes("".join(m["content"] for m in messages))
+            ids = await self._off_loop(self.tokenizer.encode_chat, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, min(DEFAULT_MAX_TOKENS * 16, self.args.max_model_len - len(ids)))
+            if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
+                max_tokens = max(1, self.args.max_model_len - len(ids))
             call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=True, request=request)
+
+    def _check_text_bytes(self, text: str) -> None:
+        """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in
+        O(1) for most texts and O(len) at worst (``utf8_len_over``), before it is tokenized."""
+        bound = self.max_text_bytes
+        if bound is None:
+            return
+        n = utf8_len_over(text, bound)
+        if n is not None:
+            limit = self.args.max_model_len
+            raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                                 f"{n} bytes of text, more than {limit} tokens can hold (at most {bound} bytes: "
+                                 f"{self.tokenizer.max_token_bytes} bytes per token). Please reduce the length of "
+                                 f"the prompt.", reason="too_long")
+
+    async def _off_loop(self, fn: Any, arg: Any) -> Any:
+        """``fn(arg)`` in the tokenizer's thread pool, so the event loop keeps serving other
+        clients while a long prompt is tokenized."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
 
     def _rejected(self, e: HTTPError) -> JSONResponse:
         if self.stats is not None:
@@ -251,6 +339,7 @@ class FairwayIngress:
     async def _respond(self, call: GenerateCall, body: Any, chat: bool, request: Request | None = None) -> Any:
         gen = self.handle.generate.remote(call)
         stream = _Stream(self, call, gen)
+        out = _Output(self.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
         streaming = False  # the streaming response owns the call from its first frame on
         try:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
@@ -260,9 +349,9 @@ class FairwayIngress:
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
-                return StreamingResponse(self._sse(stream, first, body, chat, include_usage),
+                return StreamingResponse(self._sse(stream, first, out, body, call, chat, include_usage),
                                          media_type="text/event-stream")
-            chunks = [first, *await unless_gone(request, stream.collect())]
+            text, last = await unless_gone(request, self._collect(stream, first, out))
         except HTTPError as e:
             return self._rejected(e)
         except ClientGone:
@@ -270,34 +359,64 @@ class FairwayIngress:
         finally:
             if not streaming:
                 stream.close()  # unfinished (its client left, or it failed): stop the replica's work
-        return JSONResponse(self._full(call, body, chat, chunks, stream))
+        return JSONResponse(self._full(call, body, chat, text, first, last, out, stream))
+
+    @staticmethod
+    async def _collect(stream: _Stream, first: TokenChunk, out: _Output) -> tuple[str, TokenChunk]:
+        """A whole answer's text and last chunk, ended early at a stop (the replica's call then
+        ends at once)."""
+        text, last = out.push(first), first
+        if not (first.finished or out.stopped):
+            async for c in stream.rest():
+                text, last = text + out.push(c), c
+                if out.stopped:
+                    break
+        if out.stopped:
+            stream.stop()
+        return text, last
 
     # -- response shapes ---------------------------------------------------------------------
 
-    def _usage(self, last: TokenChunk) -> dict[str, Any]:
+    @staticmethod
+    def _filled(first: TokenChunk, last: TokenChunk) -> TokenChunk:
+        """The chunk with the request's figures: the last when the answer ran to its end (the
+        replica fills it), else the first token's (a stop ended the answer mid-stream)."""
+        return last if last.finished else first
+
+    def _usage(self, first: TokenChunk, last: TokenChunk, out: _Output) -> dict[str, Any]:
+        """The answer's token counts; the completion's as far as a stop cut it."""
+        src = self._filled(first, last)
+        completion = len(out.ids) if out.stopped else last.completion_tokens
         return {
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+            "prompt_tokens": src.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": src.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": src.cached_tokens},
         }
 
-    def _fairway(self, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
-        return {"lane": last.lane, "promoted": last.promoted, "replica": last.replica,
-                "queue_wait_s": last.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": last.ttft_s,
+    def _fairway(self, first: TokenChunk, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
+        src = self._filled(first, last)
+        return {"lane": src.lane, "promoted": src.promoted, "replica": src.replica,
+                "queue_wait_s": src.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": src.ttft_s,
                 "ingress": self.name}
 
-    def _full(self, call: GenerateCall, body: Any, chat: bool, chunks: list[TokenChunk], stream: _Stream) -> dict:
-        ids = [t for c in chunks for t in c.token_ids]
-        last = chunks[-1]
-        text = self.tokenizer.decode(ids)
+    def _echo(self, call: GenerateCall, body: Any, chat: bool) -> str:
+        """The prompt's text, for a completion with ``echo`` ("" otherwise)."""
+        if chat or not body.echo:
+            return ""
+        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(call.prompt_token_ids)
+
+    def _full(self, call: GenerateCall, body: Any, chat: bool, text: str, first: TokenChunk, last: TokenChunk,
+              out: _Output, stream: _Stream) -> dict:
+        reason = out.finish_reason(last)
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": last.finish_reason or "length"}
+                                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason or "length"}
+            choice = {"index": 0, "text": self._echo(call, body, chat) + text, "logprobs": None,
+                      "finish_reason": reason}
         if body.return_token_ids:
-            choice["token_ids"] = ids
+            choice["token_ids"] = out.ids
             choice["prompt_token_ids"] = call.prompt_token_ids
         return {
             "id": new_id("chatcmpl" if chat else "cmpl"),
@@ -305,11 +424,11 @@ class FairwayIngress:
             "created": now_s(),
             "model": call.model,
             "choices": [choice],
-            "usage": self._usage(last),
-            "fairway": self._fairway(last, stream),
+            "usage": self._usage(first, last, out),
+            "fairway": self._fairway(first, last, stream),
         }
 
-    async def _sse(self, stream: _Stream, first: TokenChunk, body: Any, chat: bool,
+    async def _sse(self, stream: _Stream, first: TokenChunk, out: _Output, body: Any, call: GenerateCall, chat: bool,
                    include_usage: bool) -> AsyncIterator[str]:
         rid = new_id("chatcmpl" if chat else "cmpl")
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -320,29 +439,32 @@ class FairwayIngress:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
-        detok = IncrementalDetokenizer(self.tokenizer.decode)
-
-        def choice(c: TokenChunk, role: bool) -> dict[str, Any]:
-            text = detok.push(c.token_ids)
-            if c.finished:
-                text += detok.finish()
+        def choice(c: TokenChunk, prefix: str = "", role: bool = False) -> dict[str, Any]:
+            seen = len(out.ids)
+            text = prefix + out.push(c)
+            reason = out.finish_reason(c) if (c.finished or out.stopped) else None
             if chat:
                 delta: dict[str, Any] = {"content": text}
                 if role:
                     delta["role"] = "assistant"
-                ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": c.finish_reason}
+                ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
             else:
-                ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+                ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             if body.return_token_ids:
-                ch["token_ids"] = c.token_ids
+                ch["token_ids"] = out.ids[seen:]
             return ch
 
         last = first
         try:
-            yield frame([choice(first, True)])
-            async for c in stream.rest():
-                last = c
-                yield frame([choice(c, False)])
+            yield frame([choice(first, self._echo(call, body, chat), role=True)])
+            if not out.stopped:
+                async for c in stream.rest():
+                    last = c
+                    yield frame([choice(c)])
+                    if out.stopped:
+                        break
+            if out.stopped:
+                stream.stop()
         except HTTPError as e:
             self._rejected(e)
             yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"
@@ -351,8 +473,45 @@ class FairwayIngress:
         finally:
             stream.close()  # the client disconnected mid-stream: abort the request at its replica
         if include_usage:
-            yield frame([], usage=self._usage(last), fairway=self._fairway(last, stream))
+            yield frame([], usage=self._usage(first, last, out), fairway=self._fairway(first, last, stream))
         yield "data: [DONE]\n\n"
+
+
+class _Output:
+    """One answer's output as the client gets it, on any engine: the tokens detokenized
+    incrementally, ended at the first stop token id (its text left out) or before the first
+    stop string (``StopFilter``). O(chunk) per push, plus the stop strings' search."""
+
+    def __init__(self, decode: Any, stops: list[str], stop_ids: list[int] | None) -> None:
+        self.detok = IncrementalDetokenizer(decode)
+        self.filter = StopFilter(stops)
+        self.stop_ids = frozenset(stop_ids or ())
+        self.ids: list[int] = []  # the output's token ids, to the stop token (included) when one ended it
+        self.stopped = False
+
+    def push(self, c: TokenChunk) -> str:
+        """The text ``c`` adds ('' once stopped)."""
+        if self.stopped:
+            return ""
+        ids, final = c.token_ids, c.finished
+        if self.stop_ids:
+            at = next((j for j, t in enumerate(ids) if t in self.stop_ids), -1)
+            if at >= 0:
+                self.ids.extend(ids[: at + 1])
+                ids, final, self.stopped = ids[:at], True, True
+            else:
+                self.ids.extend(ids)
+        else:
+            self.ids.extend(ids)
+        text = self.detok.push(ids)
+        if final:
+            text += self.detok.finish()
+        text = self.filter.push(text, final=final)
+        self.stopped = self.stopped or self.filter.stopped
+        return text
+
+    def finish_reason(self, last: TokenChunk) -> str:
+        return "stop" if self.stopped else (last.finish_reason or "length")
 
 
 #: The status of a response nobody will read (the client went away first), nginx's convention.
@@ -424,10 +583,6 @@ class _Stream:
             self._finish("ok")
         return c
 
-    async def collect(self) -> list[TokenChunk]:
-        """The chunks after the first, to the end (``rest`` as a list)."""
-        return [c async for c in self.rest()]
-
     async def rest(self) -> AsyncIterator[TokenChunk]:
         if self.done:
             return
@@ -442,12 +597,22 @@ class _Stream:
             self._finish("error")
             raise
 
+    def stop(self) -> None:
+        """End the call because its output is complete (a stop string or token ended it): the
+        request counts as served, and the replica's generator is cancelled. O(1)."""
+        if not self.done:
+            self._finish("ok")
+            self._cancel()
+
     def close(self) -> None:
         """End the call early if it has not finished (the client went away): cancel the
         replica's generator, which aborts the request in its gate and engine. O(1)."""
         if self.done:
             return
         self._finish("cancelled")
+        self._cancel()
+
+    def _cancel(self) -> None:
         try:
             self.gen.cancel()
         except Exception as e:  # noqa: BLE001 - the replica may already be gone
@@ -482,9 +647,10 @@ def principal_of(request: Request | None) -> Principal:
 
 def session_of(body: CompletionRequest | ChatCompletionRequest, request: Request | None) -> str:
     """The request's session key for session-affinity routers (``session-hash``): the
-    ``X-Session-Id`` header, else the OpenAI body's ``user`` field, else "" (none)."""
+    ``X-Session-Id`` header, else the OpenAI body's ``prompt_cache_key`` (OpenAI's own key for
+    requests that share a prefix), else its ``user`` field, else "" (none)."""
     header = request.headers.get(SESSION_HEADER, "") if request is not None else ""
-    return header or body.user or ""
+    return header or body.prompt_cache_key or body.user or ""
 
 
 def _current(attr: str, default: Any) -> Any:
@@ -507,8 +673,8 @@ def current_limits() -> RequestLimits:
     return args.limits if args is not None else RequestLimits()
 
 
-app.add_middleware(RequestGuard, limits=current_limits)
-app.add_middleware(AuthGuard, keys=current_keys)  # outermost: no body is read for an unknown key
+app.add_middleware(RequestGuard, limits=current_limits, on_reject=count_reject)
+app.add_middleware(AuthGuard, keys=current_keys, on_reject=count_reject)  # outermost: no body read for a bad key
 
 
 Ingress = Annotated[FairwayIngress, Depends(current_ingress)]

@@ -59,9 +59,16 @@ class RequestLimits(BaseModel):
 class RequestGuard:
     """ASGI middleware enforcing the header and body limits (module docstring)."""
 
-    def __init__(self, app: ASGIApp, limits: RequestLimits | Callable[[], RequestLimits] | None = None) -> None:
+    def __init__(self, app: ASGIApp, limits: RequestLimits | Callable[[], RequestLimits] | None = None,
+                 on_reject: Callable[[str], None] | None = None) -> None:
         self.app = app
         self._limits = limits or RequestLimits()
+        self._on_reject = on_reject  # gets the reason of each refusal (the ingress counts them)
+
+    async def _refuse(self, send: Send, status: int, reason: str, message: str) -> None:
+        if self._on_reject is not None:
+            self._on_reject(reason)
+        await _reply(send, status, message)
 
     @property
     def limits(self) -> RequestLimits:
@@ -76,8 +83,9 @@ class RequestGuard:
         limits = self.limits
         header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers") or ())
         if header_bytes > limits.max_header_bytes:
-            await _reply(send, 431, f"request headers are {header_bytes} bytes; the limit is "
-                                    f"{limits.max_header_bytes} bytes")
+            await self._refuse(send, 431, "headers_too_large",
+                               f"request headers are {header_bytes} bytes; the limit is "
+                               f"{limits.max_header_bytes} bytes")
             return
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -90,15 +98,17 @@ class RequestGuard:
                     await asyncio.wait_for(_drain(receive), limits.body_timeout_s)
                 except TimeoutError:
                     pass
-            await _reply(send, 413, f"request body is {declared} bytes; the limit is {limit} bytes")
+            await self._refuse(send, 413, "body_too_large",
+                               f"request body is {declared} bytes; the limit is {limit} bytes")
             return
         try:
             body = await asyncio.wait_for(_read_body(receive, limit), limits.body_timeout_s)
         except _TooLarge:
-            await _reply(send, 413, f"request body exceeds the limit of {limit} bytes")
+            await self._refuse(send, 413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
             return
         except TimeoutError:
-            await _reply(send, 408, f"request body not received within {limits.body_timeout_s:g} s")
+            await self._refuse(send, 408, "body_timeout",
+                               f"request body not received within {limits.body_timeout_s:g} s")
             return
         if body is None:  # the client went away while sending
             return

@@ -4,7 +4,18 @@ Pydantic at the boundary (docs/design.md, Typed config at the boundary): a malfo
 refused with HTTP 400 and an OpenAI-style error object naming the field, before anything is
 queued. Extensions beyond
 OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``return_token_ids``,
-``cache_salt``); Fairway's own figures travel in a ``fairway`` object next to ``usage``.
+``cache_salt``, ``stop_token_ids``, ``repetition_penalty``); Fairway's own figures travel in a
+``fairway`` object next to ``usage``.
+
+No parameter is silently ignored: a field the models do not name is a 400 naming it
+(``extra="forbid"``), and each documented OpenAI parameter is either honoured or refused with a
+400 that names it and says why (``REFUSED``). Honoured: ``stop`` and ``stop_token_ids`` and
+``echo`` by the ingress on the detokenized output (so on every engine); ``seed``, ``top_p`` and the
+penalties and ``logit_bias`` by the engine (vLLM natively; the text-less sim engine makes ``seed``
+deterministic and refuses the others unless they are their no-op values); ``user`` and
+``prompt_cache_key`` are the session key; ``safety_identifier`` and ``parallel_tool_calls``
+change no output and are accepted. Refused: log probabilities, structured output, tools, audio,
+stored completions, ``suffix``, ``n`` / ``best_of`` above 1 (``REFUSED`` has each reason).
 """
 
 from __future__ import annotations
@@ -15,28 +26,128 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
+
+
+#: Most stop strings / stop token ids per request (OpenAI allows 4 strings; vLLM any number).
+MAX_STOPS = 16
+
+NO_TOOLS = "tool and function calling is not supported by this server (no tool-call parser)"
+NO_LOGPROBS = "log probabilities are not returned by this server"
+#: Documented OpenAI parameters this server cannot honour: (accepted values, why not otherwise).
+#: A value outside the accepted ones is a 400 naming the parameter with the reason.
+REFUSED: dict[str, tuple[Any, str]] = {
+    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
+    "suffix": (lambda v: not v, "insertion after a suffix is not supported"),
+    "logprobs": (lambda v: v is None or v is False, NO_LOGPROBS),
+    "top_logprobs": (lambda v: not v, NO_LOGPROBS),
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+                        "structured output (JSON object / JSON schema) is not supported; only {\"type\": \"text\"}"),
+    "tools": (lambda v: not v, NO_TOOLS),
+    "functions": (lambda v: not v, NO_TOOLS),
+    "tool_choice": (lambda v: v in (None, "none"), NO_TOOLS),
+    "function_call": (lambda v: v in (None, "none"), NO_TOOLS),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+    "web_search_options": (lambda v: v is None, "web search is not supported"),
+    "moderation": (lambda v: v is None, "moderation is not supported"),
+    "reasoning_effort": (lambda v: v is None, "this model does not reason; reasoning_effort is not supported"),
+    "verbosity": (lambda v: v is None, "output verbosity control is not supported"),
+    "store": (lambda v: not v, "stored completions are not kept by this server"),
+    "metadata": (lambda v: not v, "metadata is kept only with stored completions, which this server does not keep"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists here"),
+    "prompt_cache_retention": (lambda v: v in (None, "in_memory"), "cached prefixes are kept in memory only"),
+    "prompt_cache_options": (lambda v: not v, "prompt cache options are not supported"),
+}
+
+
+def _refuse(v: Any, info: ValidationInfo) -> Any:
+    """A ``REFUSED`` parameter: its value if accepted, else a ValueError naming why not."""
+    ok, why = REFUSED[info.field_name]
+    if not ok(v):
+        raise ValueError(f"{info.field_name} is not supported: {why}")
+    return v
+
+
+#: Fields OpenAI's schema lets a client send as null, meaning the default.
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+                                "repetition_penalty", "ignore_eos", "return_token_ids", "echo"})
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")
+    stop_token_ids: list[int] | None = Field(None, description="stop at any of these token ids (vLLM's extension)")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63,
+                             description="the same seed, prompt and parameters give the same output (int64)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM's extension; 1 = none")
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> bias added to its logit")
     ignore_eos: bool = False
     return_token_ids: bool = False
     cache_salt: str | None = None
     user: str | None = None
+    safety_identifier: str | None = Field(None, description="identifies the end user; changes no output")
+    prompt_cache_key: str | None = Field(None, description="the session key when no X-Session-Id header is sent")
+    best_of: int | None = None
+    logprobs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if not stops:
+            return None
+        if len(stops) > MAX_STOPS or not all(stops):
+            raise ValueError(f"at most {MAX_STOPS} stop strings, none empty")
+        return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and (len(v) > MAX_STOPS or min(v) < 0):
+            raise ValueError(f"at most {MAX_STOPS} stop token ids, each >= 0")
+        return v or None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v and any(k < 0 or not -100 <= b <= 100 for k, b in v.items()):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        return v or None
+
+    @field_validator("best_of", "logprobs")
+    @classmethod
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse(v, info)
+
+    def stop_strings(self) -> list[str]:
+        return self.stop or []  # type: ignore[return-value]  # ``_stops`` made it a list
 
 
 class CompletionRequest(_Common):
@@ -44,6 +155,13 @@ class CompletionRequest(_Common):
     list of either is accepted too, as OpenAI's batch form with one prompt)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = Field(False, description="the prompt's text before the completion's")
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _refused_too(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse(v, info)
 
     @field_validator("prompt")
     @classmethod
@@ -63,17 +181,58 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One chat message; text content only (a content part of another type is a 400), and tool
+    calls refused as the request's ``tools`` are. ``name`` and ``tool_call_id`` go to the chat
+    template, which renders them or not as the model's template does."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(v, list):
+            for p in v:
+                kind = p.get("type", "text")
+                if kind != "text" or not isinstance(p.get("text", ""), str):
+                    raise ValueError(f"content parts of type {kind!r} are not supported; only text")
+        return v
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_calls(cls, v: Any) -> Any:
+        if v:
+            raise ValueError(NO_TOOLS)
+        return v
+
+    @field_validator("refusal")
+    @classmethod
+    def _no_refusal(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("a refusal in the history is not supported; send it as the content")
+        return v
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type", "text") == "text")
+        return "".join(str(p.get("text", "")) for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_Common):
@@ -81,6 +240,32 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="no effect without tools (which are refused)")
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
+                     "modalities", "prediction", "web_search_options", "moderation", "reasoning_effort", "verbosity",
+                     "store", "metadata", "service_tier", "prompt_cache_retention", "prompt_cache_options")
+    @classmethod
+    def _refused_chat(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse(v, info)
 
     @field_validator("messages")
     @classmethod

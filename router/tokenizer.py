@@ -3,15 +3,30 @@
 Why here: the ingress tokenizes once, so the router can hash block-aligned prefixes and the
 replica never re-tokenizes. A relative path is resolved against the working directory, then the
 repository root (Ray workers may start elsewhere than ``serve run``'s directory).
+
+``max_text_bytes`` is a bound checked before any tokenization: no token covers more than
+``max_token_bytes`` bytes of text (the longest vocabulary entry, added tokens included, in UTF-8:
+a byte-level BPE symbol is one or two UTF-8 bytes per text byte, a SentencePiece piece spells its
+text or more), so a prompt of more UTF-8 bytes than ``max_model_len * max_token_bytes`` cannot fit
+the context and is refused without tokenizing it. It holds only if the tokenizer's normalizer
+does not shrink text: none, Prepend, a Replace by something no shorter, or NFD keep every byte;
+NFC / NFKC / NFKD shrink text by at most 3x (three characters composed into one of no fewer
+bytes; a full-width letter to ASCII), so the bound is taken 4x looser; with any other
+normalizer (one that may delete text) there is no bound (``max_token_bytes`` is None).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Normalizers that never make text shorter in UTF-8 bytes, and those that shrink it by at most 3x.
+KEEPS_BYTES = frozenset({"Prepend", "NFD"})
+SHRINKS_AT_MOST_3X = frozenset({"NFC", "NFKC", "NFKD"})
 
 
 def resolve_path(name: str) -> str:
@@ -26,6 +41,32 @@ def resolve_path(name: str) -> str:
     return name
 
 
+def shrink_factor(normalizer: dict[str, Any] | None) -> int | None:
+    """How many times shorter (in UTF-8 bytes) ``normalizer`` (a ``tokenizer.json`` normalizer
+    entry) can make a text: 1, 4 (module docstring), or None when it may delete text."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for n in normalizer.get("normalizers", []):
+            f = shrink_factor(n)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {})
+        literal = pattern.get("String") if isinstance(pattern, dict) else None
+        content = normalizer.get("content", "")
+        return 1 if literal is not None and len(content.encode()) >= len(literal.encode()) else None
+    if kind in KEEPS_BYTES:
+        return 1
+    if kind in SHRINKS_AT_MOST_3X:
+        return 4
+    return None
+
+
 class Tokenizer:
     """Encode prompts and chat messages to token ids, decode ids to text."""
 
@@ -37,6 +78,22 @@ class Tokenizer:
         self.tok = AutoTokenizer.from_pretrained(self.path)
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
+        self.max_token_bytes = self._max_token_bytes()
+
+    def _max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token can stand for, times the normalizer's shrink
+        factor (module docstring); None when unknown. O(vocabulary), once."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        factor = shrink_factor(json.loads(backend.to_str()).get("normalizer"))
+        if factor is None:
+            return None
+        return factor * max(4, max(len(s.encode()) for s in self.tok.get_vocab()))
+
+    def max_text_bytes(self, max_model_len: int) -> int | None:
+        """The most UTF-8 bytes a text of ``max_model_len`` tokens can have (None: no bound)."""
+        return None if self.max_token_bytes is None else max_model_len * self.max_token_bytes
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -49,3 +106,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def utf8_len_over(text: str, bound: int) -> int | None:
+    """``text``'s UTF-8 length if it is over ``bound``, else None; O(1) when the character count
+    decides it (a character is 1 to 4 bytes), O(len) otherwise."""
+    if len(text) > bound:
+        return len(text.encode("utf-8", "surrogatepass"))
+    if 4 * len(text) <= bound:
+        return None
+    n = len(text.encode("utf-8", "surrogatepass"))
+    return n if n > bound else None

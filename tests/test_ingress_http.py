@@ -11,7 +11,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ class ScriptedReplicas:
         self.calls: list[Any] = []
         self.cancelled = 0
         self.open: set[int] = set()  # calls neither finished nor cancelled
+        self.script: list[int] = []  # the token ids to stream, cycled (100 + i without one)
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -72,7 +74,9 @@ class _Gen:
         await asyncio.sleep(0.001)
         if done:
             self.owner.open.discard(id(self))
-        return TokenChunk(token_ids=[100 + self.i], finished=done, finish_reason="length" if done else None,
+        script = self.owner.script
+        tok = script[(self.i - 1) % len(script)] if script else 100 + self.i
+        return TokenChunk(token_ids=[tok], finished=done, finish_reason="length" if done else None,
                           prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0")
 
     def cancel(self) -> None:
@@ -93,6 +97,7 @@ class Server:
 
     def __enter__(self) -> Server:
         # the app's routes and guards find this ingress as Serve's replica context would give it
+        self._overrides = dict(app.dependency_overrides)
         app.dependency_overrides[current_ingress] = lambda: self.ingress
         self._current = ingress_mod.current_ingress
         ingress_mod.current_ingress = lambda: self.ingress
@@ -109,8 +114,9 @@ class Server:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-        ingress_mod.current_ingress = self._current
+        ingress_mod.current_ingress = self._current  # a server started before this one is current again
         app.dependency_overrides.clear()
+        app.dependency_overrides.update(self._overrides)
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +230,401 @@ def test_a_client_that_leaves_before_a_whole_answer_has_its_call_cancelled(serve
     assert not server.replicas.open
 
 
+# -- the front door: no prompt stalls the event loop -----------------------------------------
+
+
+@pytest.fixture
+def big_server() -> Iterator[Server]:
+    """The default body limit (8 MiB), a 4,096-token context; for one test (the app is one
+    global: the module's ``server`` is current again after it)."""
+    with Server(RequestLimits()) as srv:
+        yield srv
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def timed_post(server: Server, path: str, body: Any) -> tuple[requests.Response, float]:
+    t0 = time.monotonic()
+    r = post(server, path, body, timeout=60)
+    return r, time.monotonic() - t0
+
+
+def test_a_prompt_too_long_in_bytes_is_refused_at_once_without_tokenizing(big_server, monkeypatch):
+    """A prompt just under the 8 MiB body limit is more bytes than 4,096 tokens can hold: 400
+    naming the limit, without a tokenizer call, and a small request sent meanwhile is not held up.
+    (Tokenizing it took 11-12 s inside the event loop before.) Bounds generous for a loaded box."""
+    tok = big_server.ingress.tokenizer
+    encoded: list[int] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or real(text))
+    bound = big_server.ingress.max_text_bytes
+    assert bound == 4096 * tok.max_token_bytes
+    prompt = "word " * ((8 * 1024 * 1024 - 200) // 5)
+    with ThreadPoolExecutor(2) as pool:
+        big = pool.submit(timed_post, big_server, "/v1/completions", {"model": MODEL, "prompt": prompt})
+        small = pool.submit(timed_post, big_server, "/v1/completions",
+                            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
+        (r_big, t_big), (r_small, t_small) = big.result(60), small.result(60)
+    assert_clear_error(r_big, 400, f"at most {bound} bytes")
+    assert "maximum context length is 4096 tokens" in r_big.json()["error"]["message"]
+    assert r_small.status_code == 200 and r_small.text.endswith("data: [DONE]\n\n")
+    assert t_big < 5.0 and t_small < 5.0, (t_big, t_small)
+    assert len(prompt) not in encoded  # refused before any tokenization
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_other_clients(big_server, monkeypatch):
+    """While a text prompt is inside the tokenizer (held there by the test, so nothing depends
+    on timing), other clients' requests are answered: tokenization runs off the event loop.
+    Then the held prompt finishes and gets its answer too."""
+    tok = big_server.ingress.tokenizer
+    inside, release = threading.Event(), threading.Event()
+    real = tok.encode
+
+    def held(text: str) -> list[int]:
+        if text.startswith("HOLD"):
+            inside.set()
+            assert release.wait(30)
+        return real(text)
+
+    monkeypatch.setattr(tok, "encode", held)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, big_server, "/v1/completions",
+                          {"model": MODEL, "prompt": "HOLD " + "x y " * 10_000, "max_tokens": 1}, None, 60)
+        wait_for(inside.is_set, 20, "the held prompt to reach the tokenizer")
+        for stream in (False, True):
+            r = post(big_server, "/v1/completions",
+                     {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": stream}, timeout=10)
+            assert r.status_code == 200, r.text
+        assert not big.done()
+        release.set()
+        r_big = big.result(30)
+    assert_clear_error(r_big, 400, "maximum context length is 4096 tokens")
+
+
+# -- OpenAI parameters: honoured or refused by name, never ignored --------------------------
+
+WORDS = " alpha beta gamma delta epsilon zeta"
+
+
+def _text(r: requests.Response, chat: bool, stream: bool) -> tuple[str, str | None]:
+    """The answer's text and finish reason, from a whole answer or the stream's frames."""
+    if not stream:
+        ch = r.json()["choices"][0]
+        return (ch["message"]["content"] if chat else ch["text"]), ch["finish_reason"]
+    text, reason = "", None
+    for ln in r.text.split("\n"):
+        if ln.startswith("data: {"):
+            for ch in json.loads(ln[6:])["choices"]:
+                text += ch["delta"].get("content", "") if chat else ch["text"]
+                reason = ch["finish_reason"] or reason
+    return text, reason
+
+
+def _call_has(**want: Any) -> Callable[[Server, dict, bool, bool], None]:
+    def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
+        call = server.replicas.calls[-1]
+        assert {k: getattr(call, k) for k in want} == want
+
+    return check
+
+
+def _stops_before(word: str) -> Callable[[Server, dict, bool, bool], None]:
+    """The text ends just before ``word`` (WORDS's text) with finish "stop", and the usage counts
+    the tokens up to the stop, not max_tokens."""
+    def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
+        r = post(server, "/v1/chat/completions" if chat else "/v1/completions", {**body, "stream": stream})
+        text, reason = _text(r, chat, stream)
+        assert (text, reason) == (WORDS[: WORDS.index(word)], "stop"), (text, reason)
+        if not stream:
+            n = len(server.ingress.tokenizer.encode(WORDS[: WORDS.index(word) + len(word)]))
+            assert r.json()["usage"]["completion_tokens"] <= n < body["max_tokens"]
+
+    return check
+
+
+def _echoes(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    r = post(server, "/v1/completions", {**body, "stream": stream})
+    text, _ = _text(r, chat, stream)
+    assert text == "hi" + WORDS
+
+
+def _session(key: str) -> Callable[[Server, dict, bool, bool], None]:
+    return _call_has(session=key)
+
+
+def _no_effect(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """Accepted and documented as changing no output (the answer is the plain one)."""
+    text, reason = _text(post(server, "/v1/chat/completions" if chat else "/v1/completions", body), chat, False)
+    assert (text, reason) == (WORDS, "length")
+
+
+REFUSE = "400"
+#: Every field of the request models: (value to send, REFUSE or a check that it was honoured).
+#: Values that are the field's no-op default are accepted by both; the matrix sends a real use.
+COMMON: dict[str, tuple[Any, Any]] = {
+    "model": (MODEL, _no_effect),
+    "max_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail("max_tokens")),
+    "stream": (True, lambda srv, b, c, s: None),  # the stream=True runs of every check
+    "stream_options": ({"include_usage": True}, lambda srv, b, c, s: None),  # test_include_usage_* below
+    "temperature": (0.0, _call_has(temperature=0.0)),
+    "top_p": (0.5, _call_has(top_p=0.5)),
+    "n": (2, REFUSE),
+    "stop": (["gamma", "zeta"], _stops_before("gamma")),
+    "stop_token_ids": (None, None),  # filled per tokenizer below
+    "seed": (7, _call_has(seed=7)),
+    "frequency_penalty": (0.5, _call_has(frequency_penalty=0.5)),  # the engine decides (sim refuses)
+    "presence_penalty": (0.5, _call_has(presence_penalty=0.5)),
+    "repetition_penalty": (1.2, _call_has(repetition_penalty=1.2)),
+    "logit_bias": ({"42": 5}, _call_has(logit_bias={42: 5.0})),
+    "ignore_eos": (True, _call_has(ignore_eos=True)),
+    "return_token_ids": (True, lambda srv, b, c, s: None),  # test_the_other_tests... token ids below
+    "cache_salt": ("s1", _call_has(cache_salt="s1")),
+    "user": ("u9", _session("u9")),
+    "safety_identifier": ("sid", _no_effect),
+    "prompt_cache_key": ("pk", _session("pk")),
+    "best_of": (2, REFUSE),
+    "logprobs": (1, REFUSE),
+}
+COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE)}
+CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect), "logprobs": (True, REFUSE),
+        "max_completion_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail()),
+        "top_logprobs": (2, REFUSE), "response_format": ({"type": "json_object"}, REFUSE),
+        "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE), "tool_choice": ("auto", REFUSE),
+        "functions": ([{"name": "f"}], REFUSE), "function_call": ("auto", REFUSE),
+        "parallel_tool_calls": (False, _no_effect), "audio": ({"voice": "alloy", "format": "wav"}, REFUSE),
+        "modalities": (["text", "audio"], REFUSE), "prediction": ({"type": "content", "content": "x"}, REFUSE),
+        "web_search_options": ({}, REFUSE), "moderation": ({"model": "m"}, REFUSE),
+        "reasoning_effort": ("high", REFUSE), "verbosity": ("low", REFUSE), "store": (True, REFUSE),
+        "metadata": ({"k": "v"}, REFUSE), "service_tier": ("flex", REFUSE), "prompt_cache_retention": ("24h", REFUSE),
+        "prompt_cache_options": ({"mode": "explicit"}, REFUSE)}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
+    """The parameter matrix: every field of the request model is in the table (a new field
+    without a row fails here), and each is either honoured (checked on the output or on the
+    replica call) or refused with a 400 naming it; an unknown field is a 400 naming it too."""
+    from router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    tok = server.ingress.tokenizer
+    table = dict(CHAT if chat else COMPLETION)
+    ids = tok.encode(WORDS)
+    k = next(k for k in range(len(ids)) if len(tok.decode(ids[: k + 1])) > WORDS.index(" gamma"))
+    assert tok.decode(ids[:k]) == WORDS[: WORDS.index(" gamma")] and ids[k] not in ids[:k]
+    table["stop_token_ids"] = ([ids[k]], _stops_before(tok.decode(ids[k:k + 1])))
+    model = ChatCompletionRequest if chat else CompletionRequest
+    assert set(table) == set(model.model_fields)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"model": MODEL, "max_tokens": len(ids), **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                   else {"prompt": "hi"})}
+    server.replicas.script = tok.encode(WORDS)
+    try:
+        for name, (value, expect) in table.items():
+            body = {**base, name: value}
+            if expect == REFUSE:
+                r = post(server, path, body)
+                assert_clear_error(r, 400, name)
+                assert r.json()["error"]["param"] == name
+                continue
+            for stream in (False, True):
+                r = post(server, path, {**body, "stream": stream})
+                assert r.status_code == 200, (name, r.text)
+                expect(server, body, chat, stream)
+        r = post(server, path, {**base, "frobnicate": 1})
+        assert_clear_error(r, 400, "frobnicate: Extra inputs are not permitted")
+    finally:
+        server.replicas.script = []
+
+
+class SimReplicas:
+    """The replicas' handle as one real replica in-process (``replicas/deployment.py``'s
+    ``FairwayReplica``: the sim engine behind its gate, started in the server's event loop on
+    the first call), so the parameters meet the engine that honours or refuses them."""
+
+    def __init__(self) -> None:
+        self.replica: Any = None
+        self.calls: list[Any] = []
+
+    def options(self, **_: Any) -> SimReplicas:
+        return self
+
+    @property
+    def generate(self) -> SimReplicas:
+        return self
+
+    async def started(self) -> Any:
+        if self.replica is None:
+            from replicas.deployment import FairwayReplica
+
+            rep = object.__new__(FairwayReplica)
+            await FairwayReplica.__init__(rep, {"engine": "sim", "metrics": False, "stream_interval_s": 0,
+                                                "engine_args": {"speed": 1000.0, "max_model_len": 4096}})
+            self.replica = rep
+        return self.replica
+
+    def remote(self, call: Any) -> _SimGen:
+        self.calls.append(call)
+        return _SimGen(self, call)
+
+
+class _SimGen:
+    def __init__(self, owner: SimReplicas, call: Any) -> None:
+        self.owner, self.call, self.it = owner, call, None
+
+    def __aiter__(self) -> _SimGen:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self.it is None:
+            self.it = (await self.owner.started()).generate(self.call).__aiter__()
+        return await self.it.__anext__()
+
+    def cancel(self) -> None:
+        if self.it is not None:
+            asyncio.ensure_future(self.it.aclose())
+
+
+def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
+    """The same parameters through the real replica (sim engine + gate): ``seed`` repeats the
+    output, ``stop_token_ids`` ends it at the stop (finish "stop"), and the penalties and
+    ``logit_bias``, which a text-less engine cannot honour, are a 400 naming them."""
+    srv = Server(RequestLimits())
+    srv.replicas = srv.ingress.handle = SimReplicas()
+    with srv:
+        def tokens(**extra: Any) -> dict:
+            body = {"model": MODEL, "prompt": "hi there", "max_tokens": 12, "return_token_ids": True, **extra}
+            r = post(srv, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        a, b, c = tokens(seed=5)["token_ids"], tokens(seed=5)["token_ids"], tokens(seed=6)["token_ids"]
+        assert a == b and a != c and tokens()["token_ids"] != tokens()["token_ids"]
+        at = next(i for i in range(2, 12) if a[i] not in a[:i])
+        stopped = tokens(seed=5, stop_token_ids=[a[at]])
+        assert stopped["token_ids"] == a[: at + 1] and stopped["finish_reason"] == "stop"
+        for name, value in (("frequency_penalty", 0.5), ("presence_penalty", 1.0), ("repetition_penalty", 1.3),
+                            ("logit_bias", {"7": 1.0})):
+            r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, name: value})
+            assert_clear_error(r, 400, f"{name} is not supported by the sim engine")
+            assert r.json()["error"]["param"] == name
+        assert tokens(top_p=0.5, temperature=0.0)["finish_reason"] == "length"
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
+    """As vLLM's and OpenAI's chat: max_tokens defaults to max_model_len - prompt (4,096 here);
+    a completion's default stays OpenAI's 16."""
+    tok = server.ingress.tokenizer
+    msgs = [{"role": "user", "content": "tell me a story"}]
+    n = len(tok.encode_chat(msgs))
+    server.replicas.script = [tok.encode(" the")[0], tok.eos_token_id]
+    try:
+        body = {"model": MODEL, "messages": msgs, "stop_token_ids": [tok.eos_token_id]}
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+        assert server.replicas.calls[-1].max_tokens == 4096 - n
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [tok.eos_token_id]})
+        assert r.status_code == 200 and server.replicas.calls[-1].max_tokens == 16
+    finally:
+        server.replicas.script = []
+
+
+def test_chat_content_parts_other_than_text_and_tool_calls_in_history_are_refused(server):
+    base = {"model": MODEL, "max_tokens": 2}
+    image = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
+    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": image}]}),
+                       400, "'image_url' are not supported")
+    calls = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]
+    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": calls}), 400, "tool_calls")
+    ok = [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+          {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": None}]
+    assert post(server, "/v1/chat/completions", {**base, "messages": ok}).status_code == 200
+
+
+def test_what_the_openai_client_and_vllm_bench_send_by_default_is_accepted(server):
+    """``vllm bench serve``'s completions payload (vllm/benchmarks/lib/endpoint_request_func.py:
+    repetition_penalty 1.0, logprobs None, stream_options) and the openai client's chat call."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty", "stop",
+                               "seed", "logit_bias", "echo", "user", "stream_options", "max_tokens")}
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", **nulls})  # null: the default, as OpenAI's
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    assert server.replicas.calls[-1].temperature == 1.0
+    bench = {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 3, "logprobs": None,
+             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    r = post(server, "/v1/completions", bench)
+    assert r.status_code == 200 and '"usage"' in r.text, r.text
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         n=1, user="u", stop=None, seed=3)
+    assert out.usage.completion_tokens == 2
+    done = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                     stream_options={"include_usage": True})
+    assert [c.usage.completion_tokens for c in done if c.usage] == [2]
+
+
+# -- refusals are counted ------------------------------------------------------------------
+
+
+def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeypatch):
+    """Requests refused by validation (n=2, an empty prompt, an empty chat, a batch prompt, bad
+    JSON, an unknown field, a refused parameter), by the limits and in the handler each add one
+    to ``fairway_rejects_total`` with their reason, and one rejected request."""
+    from observability.stats import FairwayStats
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+    monkeypatch.setattr(server.ingress, "stats", stats)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({"model": MODEL, "prompt": "hi", "n": 2}, "unsupported_parameter"),
+        ({"model": MODEL, "prompt": ""}, "bad_request"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "bad_request"),
+        ({"model": MODEL, "prompt": [1], "max_tokens": 0}, "bad_request"),
+        (b"{not json", "invalid_json"),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "unknown_field"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "unsupported_parameter"),
+        ({"model": "other", "prompt": "hi"}, "unknown_model"),
+        ({"model": MODEL, "prompt": [5] * 10, "max_tokens": 10**6}, "too_long"),
+        ({"model": MODEL, "prompt": "x " * 40_000}, "body_too_large"),
+    ]
+    chat_cases = [({**chat, "messages": []}, "bad_request"), ({**chat, "tools": [{"type": "function"}]},
+                                                              "unsupported_parameter"),
+                  ({**chat, "messages": [{"role": "user", "content": "hi"}] * 9}, "bad_request")]
+    for path, group in (("/v1/completions", cases), ("/v1/chat/completions", chat_cases)):
+        for body, reason in group:
+            before = stats.counter("rejects", reason=reason)
+            rejected = stats.counter("requests", status="rejected")
+            r = post(server, path, body)
+            assert 400 <= r.status_code < 500, (body, r.text)
+            assert stats.counter("rejects", reason=reason) == before + 1, (str(body)[:80], reason, stats.snapshot())
+            assert stats.counter("requests", status="rejected") == rejected + 1
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 1}).status_code == 200
+    assert stats.counter("requests", status="rejected") == rejected + 1  # a served request is no reject
+
+
+def test_auth_refusals_are_counted(monkeypatch):
+    from observability.stats import FairwayStats
+
+    monkeypatch.setenv("FAIRWAY_TEST_KEYS", "k1=alice")
+    with Server(RequestLimits(), auth=AuthArgs(keys_env="FAIRWAY_TEST_KEYS")) as srv:
+        stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+        srv.ingress.stats = stats
+        body = {"model": MODEL, "prompt": [5], "max_tokens": 1}
+        assert post(srv, "/v1/completions", body).status_code == 401
+        assert post(srv, "/v1/completions", body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = {"Authorization": "Bearer k1"}
+        assert post(srv, "/v1/completions", body, headers={**ok, "X-Fairway-Prefix-Group": "g"}).status_code == 403
+        assert post(srv, "/v1/completions", body, headers=ok).status_code == 200
+    assert stats.counter("rejects", reason="unauthorized") == 2 and stats.counter("rejects", reason="forbidden") == 1
+
+
 # -- hostile input -----------------------------------------------------------------------------
 
 json_values = st.recursive(
@@ -246,6 +647,15 @@ fields = {
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans() | json_values,
     "cache_salt": st.text(max_size=20) | json_values,
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | json_values,
+    "stop_token_ids": st.lists(st.integers(-3, 10**6), max_size=20) | json_values,
+    "seed": st.integers(-(2**70), 2**70) | json_values,
+    "logit_bias": st.dictionaries(st.integers(-3, 10**5).map(str), st.floats(-200, 200), max_size=4) | json_values,
+    "echo": st.booleans() | json_values,
+    "logprobs": st.none() | st.integers(0, 5) | json_values,
+    "top_p": st.floats(-1, 2, allow_nan=False) | json_values,
+    "tools": st.none() | json_values,
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | json_values,
 }
 bodies = st.fixed_dictionaries({}, optional=fields)
 

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from fairway.hashing import block_hashes
-from fairway.protocol import GenerateCall, RequestTooLarge
+from fairway.protocol import GenerateCall, RequestTooLarge, UnsupportedParameter
 from replicas.engines import make_engine
 
 pytestmark = pytest.mark.asyncio
@@ -144,3 +144,36 @@ async def test_a_host_tier_reports_which_hashes_are_host_only_and_none_without_o
 async def test_host_tier_engine_args_are_checked(bad):
     with pytest.raises(ValueError, match="host_"):
         make_engine("sim", **bad)
+
+
+async def test_a_seed_makes_the_output_a_function_of_the_seed_and_the_prompt(engine):
+    """OpenAI's ``seed`` on a text-less engine: same seed and prompt, same tokens, whatever else
+    ran before; another seed or another prompt, other tokens; without a seed, each request draws."""
+    prompt = list(range(300, 340))
+
+    def seeded(rid: str, seed: int | None, ids: list[int] = prompt) -> GenerateCall:
+        c = call(rid, ids, max_tokens=12)
+        c.seed = seed
+        return c
+
+    a, _ = await run(engine, seeded("a", 7))
+    await run(engine, call("other", [9] * 20))
+    b, _ = await run(engine, seeded("b", 7))
+    c, _ = await run(engine, seeded("c", 8))
+    d, _ = await run(engine, seeded("d", 7, prompt + [1]))
+    e1, _ = await run(engine, seeded("e1", None))
+    e2, _ = await run(engine, seeded("e2", None))
+    assert a == b and len({tuple(a), tuple(c), tuple(d)}) == 3 and e1 != e2
+
+
+@pytest.mark.parametrize("field,value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0),
+                                         ("repetition_penalty", 1.1), ("logit_bias", {42: 3.0})])
+async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine, field, value):
+    c = call("p", [5] * 20)
+    setattr(c, field, value)
+    with pytest.raises(UnsupportedParameter, match=f"^{field} is not supported by the sim engine"):
+        await run(engine, c)
+    ok = call("q", [5] * 20)
+    ok.frequency_penalty, ok.repetition_penalty, ok.logit_bias, ok.top_p = 0.0, 1.0, {}, 0.3
+    tokens, _ = await run(engine, ok)
+    assert len(tokens) == 3

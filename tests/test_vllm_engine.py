@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fairway.hashing import block_hashes
-from fairway.protocol import EngineFailed, GenerateCall, RequestTooLarge
+from fairway.protocol import EngineFailed, GenerateCall, RequestTooLarge, UnsupportedParameter
 from replicas.engines import EngineError, engine_class, make_engine
 from replicas.engines.cache_estimate import CacheEstimate
 from replicas.engines.kv_events import KvEventMirror
@@ -382,6 +382,53 @@ def test_engine_args_and_checks_before_start():
     ev_eng._estimate.apply([_stored(["a", "b"], None, toks, 16), BlockStored(["b"], "a", toks[16:], 16, medium="CPU"),
                             BlockRemoved(["b"])])
     assert tier == [(True, block_hashes(toks)[1])] and ev_eng.host_only_hashes() == block_hashes(toks)[1:]
+
+
+def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
+    """seed, top_p, the penalties and logit_bias go to vLLM's SamplingParams as the call has them
+    (vLLM honours each natively); a value SamplingParams rejects is a 400 (UnsupportedParameter).
+    vLLM itself is faked: its SamplingParams records its arguments."""
+    seen: list[dict] = []
+
+    class Params:
+        def __init__(self, **kw):
+            if kw.get("top_p", 1.0) <= 0:
+                raise ValueError("top_p must be in (0, 1]")
+            seen.append(kw)
+
+    @dataclass
+    class Out:
+        token_ids: list
+        finish_reason: str = "length"
+
+    @dataclass
+    class ReqOut:
+        outputs: list
+        finished: bool = True
+        num_cached_tokens: int = 0
+
+    class LLM:
+        def generate(self, prompt, params, rid):
+            async def stream():
+                yield ReqOut([Out([7, 8])])
+            return stream()
+
+    eng = make_engine("vllm", model="m", max_model_len=1024)
+    eng._llm, eng._estimate = LLM(), CacheEstimate(1000, 16, 16)
+    eng._sampling, eng._client_errors, eng._kv_total = (Params, None), (LookupError,), 1000
+    call = GenerateCall("r", [5] * 40, tuple(block_hashes([5] * 40)), 2, time.time(), seed=11, top_p=0.9,
+                        frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1, logit_bias={42: 3.0})
+
+    async def run(c: GenerateCall) -> list[int]:
+        return [t async for out in eng.generate(c) for t in out.token_ids]
+
+    assert asyncio.run(run(call)) == [7, 8]
+    want = {"seed": 11, "top_p": 0.9, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+            "logit_bias": {42: 3.0}}
+    assert {k: seen[-1][k] for k in want} == want
+    call.top_p = 0.0
+    with pytest.raises(UnsupportedParameter, match="vLLM refused the sampling parameters: top_p"):
+        asyncio.run(run(call))
 
 
 # -- the adapter on vLLM (CPU) -----------------------------------------------------------------

@@ -25,8 +25,13 @@ aborted in the model at once: it leaves the queue or the running batch and its K
 as vLLM's ``abort`` does.
 
 Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
-and their blocks are hashed into the prefix cache like any other, so a follow-up turn that sends
-the previous output back hits it. Complexity per step: O(batch) plus the engine model's own.
+standing for samples at any ``temperature`` / ``top_p``; a request with a ``seed`` gets ids drawn
+from that seed and its prompt, so the same seed and prompt give the same output (OpenAI's
+``seed``). The penalties and ``logit_bias`` need a distribution to change, which a text-less engine
+has not: a request that sets one to other than its no-op value is refused
+(``UnsupportedParameter``, HTTP 400 naming it). The output's blocks are hashed into the prefix
+cache like any other, so a follow-up turn that sends the previous output back hits it. Complexity
+per step: O(batch) plus the engine model's own.
 
 Host KV tier (off by default): ``host_kv_blocks`` > 0 (and ``host_link_bytes_per_s``, default
 50e9) give the engine model a host (CPU) tier: evicted blocks are kept there and reloaded at the
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,8 +56,28 @@ from fairway.cost_model import CostModel
 from fairway.engine.model import EngineConfig, EngineModel, EngineRequest
 from fairway.hashing import HashState, salt_seed
 from fairway.policies import make_policy
-from fairway.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
+from fairway.protocol import (
+    EngineFailed,
+    EngineOutput,
+    EngineStats,
+    GenerateCall,
+    RequestTooLarge,
+    UnsupportedParameter,
+)
 from fairway.request import RequestSpec
+
+
+def check_sim_params(call: GenerateCall) -> None:
+    """Refuse what a text-less engine cannot honour (module docstring), naming the parameter."""
+    for name, value, noop in (("frequency_penalty", call.frequency_penalty, 0.0),
+                              ("presence_penalty", call.presence_penalty, 0.0),
+                              ("repetition_penalty", call.repetition_penalty, 1.0)):
+        if value != noop:
+            raise UnsupportedParameter(f"{name} is not supported by the sim engine (its tokens are not sampled "
+                                       f"from a distribution a penalty could change); use {noop:g} or omit it")
+    if call.logit_bias:
+        raise UnsupportedParameter("logit_bias is not supported by the sim engine (its tokens are not sampled "
+                                   "from logits); omit it")
 
 
 @dataclass(slots=True)
@@ -314,9 +340,14 @@ class SimEngine:
             raise RequestTooLarge(
                 f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds the model's context "
                 f"length {self.max_model_len}")
+        check_sim_params(call)
         rid = self._next_rid
         self._next_rid += 1
-        rng = np.random.default_rng([self.seed, rid])
+        if call.seed is None:
+            rng = np.random.default_rng([self.seed, rid])
+        else:  # OpenAI's seed: the output is a function of the seed and the prompt
+            prompt = np.asarray(call.prompt_token_ids, dtype=np.int64).tobytes()
+            rng = np.random.default_rng([call.seed % 2**63, zlib.crc32(prompt), len(call.prompt_token_ids)])
         output_ids = rng.integers(16, self.vocab_size, size=call.max_tokens).tolist()
         spec = self._spec(call, rid, output_ids)
         live = _Live(rid, output_ids)

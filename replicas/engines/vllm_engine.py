@@ -7,7 +7,8 @@ What the adapter measures and what it estimates (``fairway.protocol.Engine``):
 
 - ``generate``: the call's token ids go to vLLM as ``{"prompt_token_ids": ...}`` (no tokenizing
   here; the call's ``cache_salt``, when set, goes along, so vLLM separates tenants as our salted
-  hashes do), with ``SamplingParams(max_tokens, temperature, ignore_eos, output_kind=DELTA)``. Each
+  hashes do), with ``SamplingParams(max_tokens, temperature, ignore_eos, output_kind=DELTA)`` and the
+  call's ``seed``, ``top_p``, penalties and ``logit_bias`` (vLLM honours each natively). Each
   vLLM output becomes an ``EngineOutput`` of the new token ids; ``cached_tokens`` is vLLM's own
   ``num_cached_tokens`` (measured), set from the first output on. Cancelling or closing the
   generator aborts the request in vLLM. A prompt that cannot fit (``prompt + max_tokens >
@@ -53,7 +54,14 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fairway.protocol import EngineFailed, EngineOutput, EngineStats, GenerateCall, RequestTooLarge
+from fairway.protocol import (
+    EngineFailed,
+    EngineOutput,
+    EngineStats,
+    GenerateCall,
+    RequestTooLarge,
+    UnsupportedParameter,
+)
 from replicas.engines.cache_estimate import CacheEstimate
 from replicas.engines.kv_events import KvEventMirror
 
@@ -319,10 +327,17 @@ class VllmEngine:
         self._check(call)
         sampling_params_cls, delta = self._sampling
         kw: dict[str, Any] = {"max_tokens": call.max_tokens, "temperature": call.temperature,
-                              "ignore_eos": call.ignore_eos}
+                              "ignore_eos": call.ignore_eos, "seed": call.seed, "top_p": call.top_p,
+                              "frequency_penalty": call.frequency_penalty, "presence_penalty": call.presence_penalty,
+                              "repetition_penalty": call.repetition_penalty}
+        if call.logit_bias:
+            kw["logit_bias"] = dict(call.logit_bias)
         if delta is not None:
             kw["output_kind"] = delta
-        params = sampling_params_cls(**kw)
+        try:
+            params = sampling_params_cls(**kw)
+        except (ValueError, TypeError) as e:  # vLLM's own check of the values (e.g. a bias out of range)
+            raise UnsupportedParameter(f"vLLM refused the sampling parameters: {e}") from e
         n = len(call.prompt_token_ids)
         rid = f"{call.request_id}#{next(self._ids)}"  # unique in vLLM even when a caller retries an id
         st = _InFlight(n, call.block_hashes, est.predicted_hit_blocks(call.block_hashes, n) * self.block_size)
