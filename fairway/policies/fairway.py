@@ -50,6 +50,10 @@ class FairwayConfig:
     sticky_due: the deadline arrival + theta * max(P, floor) only ever moves earlier (a hit that
         grows while waiting pulls it in; an eviction does not push it out). Off: recomputed from
         the current P at every change.
+    memory_guard: with the host's memory view (``attach_memory``): a Fair-lane pick whose
+        admission would evict more cached context of waiting requests than it keeps of its own
+        (new blocks beyond the free blocks nobody waiting needs > its cached blocks) yields the
+        decision to the Fast lane's pick when that one keeps at least as much as it evicts.
     """
 
     theta: float = 12.0
@@ -59,6 +63,7 @@ class FairwayConfig:
     fair_order: str = "edf"
     sticky_due: bool = True
     fast_scope: str = "all"
+    memory_guard: bool = False
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -106,6 +111,7 @@ class Fairway(QueuePolicy):
         self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
+        self.yields = 0  # Fair-lane picks that yielded to the Fast lane (memory_guard)
         self._n_fair = 0
         self._chosen = (-1, FAST)  # (slot, lane) of the last select()
 
@@ -184,12 +190,33 @@ class Fairway(QueuePolicy):
             return FAIR
         return FAIR if self.passes[FAIR] <= self.passes[FAST] else FAST
 
+    def wants_memory_view(self) -> bool:
+        return self.config.memory_guard
+
     def _choose(self, now: float) -> int:
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
+        if lane == FAIR and self._spare_blocks is not None and self.config.memory_guard:
+            slot, lane = self._guard(slot, now)
         self._chosen = (slot, lane)
         return slot
+
+    def _guard(self, slot: int, now: float) -> tuple[int, str]:
+        """The memory guard (``memory_guard``): the Fair lane's pick ``slot``, or the Fast lane's
+        pick when ``slot`` would evict more cached context of waiting requests than it keeps of
+        its own and the Fast pick would not. O(n) only when ``slot`` destroys more than it keeps."""
+        spare = self._spare_blocks()  # type: ignore[misc]
+        bs = self.block_size
+        if self._new_blocks(slot) - spare <= int(self.cached[slot]) // bs:
+            return slot, FAIR
+        if self.config.fast_scope != "all" and len(self) == self._n_fair:
+            return slot, FAIR
+        alt = self._choose_in(FAST, now)
+        if alt == slot or self._new_blocks(alt) - spare > int(self.cached[alt]) // bs:
+            return slot, FAIR
+        self.yields += 1
+        return alt, FAST
 
     def _choose_in(self, lane: str, now: float) -> int:
         hi = self._hi
