@@ -174,7 +174,7 @@ class EngineModel:
         policy.attach_cache(self.pool.__contains__ if config.host_kv_blocks else self.pool.cached.__contains__)
         if memory_view:
             pool = self.pool
-            policy.attach_memory(lambda: pool.num_free - pool.n_free_wanted)
+            policy.attach_memory(lambda: pool.num_free - pool.n_free_wanted, pool.free_cached)
         self.reqs: dict[int, EngineRequest] = {}  # waiting + running
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []

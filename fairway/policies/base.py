@@ -99,6 +99,7 @@ class QueuePolicy(ABC):
         self._items: dict[int, QueuedRequest] = {}
         self._tracker: HitTracker | None = None
         self._spare_blocks: Callable[[], int] | None = None  # the host's memory view, if any
+        self._free_cached: Callable[[Sequence[int]], int] = len
         self.processed_tokens = 0  # prefill tokens the engine has run (token clock)
         self.steps = 0
 
@@ -115,11 +116,14 @@ class QueuePolicy(ABC):
         blocks waiting requests need, which costs it a little per request)."""
         return False
 
-    def attach_memory(self, spare_blocks: Callable[[], int]) -> None:
+    def attach_memory(self, spare_blocks: Callable[[], int], free_cached: Callable[[Sequence[int]], int]) -> None:
         """Give the policy a read-only view of the KV pool: ``spare_blocks()`` is how many free
         blocks no waiting request (or waiting session) needs, so that a new allocation up to that
-        size evicts nobody's cached context. Optional: hosts without it leave it unset."""
+        size evicts nobody's cached context; ``free_cached(hashes)`` is how many of those cached
+        blocks no running request holds (the ones that waiting can lose). Optional: hosts without
+        it leave it unset."""
         self._spare_blocks = spare_blocks
+        self._free_cached = free_cached
 
     def __len__(self) -> int:
         return len(self._items)
@@ -239,6 +243,12 @@ class QueuePolicy(ABC):
         n = max(0, (req.prompt_tokens - 1) // self.block_size)
         hs = req.block_hashes
         return hs if len(hs) <= n else hs[:n]
+
+    def _at_risk(self, slot: int) -> int:
+        """Blocks of ``slot``'s cache hit that no running request holds (all of the hit without a
+        memory view). O(hit blocks)."""
+        n = int(self.cached[slot]) // self.block_size
+        return self._free_cached(self._items[int(self._rid[slot])].block_hashes[:n]) if n else 0
 
     def _new_blocks(self, slot: int) -> int:
         """KV blocks ``slot``'s admission allocates beyond its cache hit (as the engine plans it)."""

@@ -51,9 +51,10 @@ class FairwayConfig:
         grows while waiting pulls it in; an eviction does not push it out). Off: recomputed from
         the current P at every change.
     memory_guard: with the host's memory view (``attach_memory``): a Fair-lane pick whose
-        admission would evict more cached context of waiting requests than it keeps of its own
-        (new blocks beyond the free blocks nobody waiting needs > its cached blocks) yields the
-        decision to the Fast lane's pick when that one keeps at least as much as it evicts.
+        admission would evict more cached context of waiting requests than it saves of its own
+        (new blocks beyond the free blocks nobody waiting needs > its hit blocks that no running
+        request holds, which its waiting puts at risk) yields the decision to the Fast lane's
+        pick when that one saves at least as much as it evicts.
     """
 
     theta: float = 12.0
@@ -202,18 +203,24 @@ class Fairway(QueuePolicy):
         self._chosen = (slot, lane)
         return slot
 
+    def _destroys(self, slot: int) -> bool:
+        """Whether admitting ``slot`` now evicts more cached context of waiting requests (its new
+        blocks beyond the spare ones) than it saves of its own (hit blocks no running request
+        holds, which its waiting puts at risk). Needs the memory view. O(hit blocks)."""
+        over = self._new_blocks(slot) - self._spare_blocks()  # type: ignore[misc]
+        return over > 0 and over > self._at_risk(slot)
+
     def _guard(self, slot: int, now: float) -> tuple[int, str]:
         """The memory guard (``memory_guard``): the Fair lane's pick ``slot``, or the Fast lane's
-        pick when ``slot`` would evict more cached context of waiting requests than it keeps of
-        its own and the Fast pick would not. O(n) only when ``slot`` destroys more than it keeps."""
-        spare = self._spare_blocks()  # type: ignore[misc]
-        bs = self.block_size
-        if self._new_blocks(slot) - spare <= int(self.cached[slot]) // bs:
+        pick when ``slot`` would evict more cached context of waiting requests than it saves of
+        its own (hit blocks no running request holds) and the Fast pick would not. O(n) only
+        when ``slot`` destroys more than it saves."""
+        if not self._destroys(slot):
             return slot, FAIR
         if self.config.fast_scope != "all" and len(self) == self._n_fair:
             return slot, FAIR
         alt = self._choose_in(FAST, now)
-        if alt == slot or self._new_blocks(alt) - spare > int(self.cached[alt]) // bs:
+        if alt == slot or self._destroys(alt):
             return slot, FAIR
         self.yields += 1
         return alt, FAST
@@ -225,7 +232,10 @@ class Fairway(QueuePolicy):
         if lane == FAST:
             mask = live if cfg.fast_scope == "all" else live & ~self.promoted[:hi]
             if cfg.fast_order == "least-work":
-                return self._argmin(self.prefill_s[:hi], mask)
+                slot = self._argmin(self.prefill_s[:hi], mask)
+                if self._spare_blocks is None or not cfg.memory_guard or not self._destroys(slot):
+                    return slot
+                # memory binds: reuse is the cache a choice keeps, not the work it leaves
             return self._argmin(-self.cached[:hi].astype(float), mask)
         mask = live & self.promoted[:hi]
         if cfg.fair_order == "ratio":
