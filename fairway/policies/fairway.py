@@ -17,6 +17,13 @@
   everything.
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
+- ``memory_guard`` (off by default; needs the host's memory view, ``attach_memory``): when an
+  admission would evict more of waiting requests' cached context than it saves of its own, the
+  Fast lane orders by longest cached prefix instead of least work, and a Fair-lane pick that would
+  do so yields to a Fast pick that would not. Why: in a memory-bound closed loop (agentic,
+  ``--concurrency 100`` at 4 sessions/s) the Fair lane's cold admissions and the Fast lane's
+  new-session first turns evict the contexts of sessions whose next turn is waiting, and the
+  recompute halves throughput (docs/history/2026-12-02-agentic-memory-guard.md).
 
 Complexity: ``select`` is O(n) vectorised over the live slots (a few numpy passes); promotion is
 found in the same pass; ``admit`` is O(1) plus the base class's removal.
