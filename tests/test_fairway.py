@@ -147,3 +147,71 @@ def test_config_bounds():
         FairwayConfig(fair_share=1.0)
     with pytest.raises(ValueError):
         FairwayConfig(fair_order="oldest")
+
+
+def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset()):
+    """Defaults plus the memory guard, with a hand-set memory view: ``spare[0]`` free blocks
+    that no waiting request needs; the cached blocks in ``held`` are held by running requests."""
+    p, clock = policy_with_cache("fairway", cached, memory_guard=True)
+    p.attach_memory(lambda: spare[0], lambda hs: sum(1 for h in hs if h not in held))
+    return p, clock
+
+
+def _cold_head_and_two_warm(p, clock):
+    p.add(queued(0, 0.0, 1600, chain("cold", 100)))  # 100 new blocks, nothing cached: due 19.32
+    p.add(queued(1, 25.0, 336, chain("w1", 21)))  # 20 of 21 blocks cached: 1 new block
+    p.add(queued(2, 25.0, 336, chain("w2", 21)))
+    clock.set(30.0)  # all three promoted; the Fair lane's head (EDF) is the cold r0
+
+
+def test_memory_guard_lets_warm_requests_pass_a_cold_fair_head_only_when_memory_binds():
+    warm = set(chain("w1", 20)) | set(chain("w2", 20))
+    order = {}
+    for spare in (0, 99, 100):
+        p, clock = _guarded([spare], set(warm))
+        _cold_head_and_two_warm(p, clock)
+        order[spare] = [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(3))]
+    # spare 0 or 99: r0 would evict 100 - spare > 0 blocks of others and keeps none of its own;
+    # each warm pick keeps 20 and needs 1: they go first, on the Fast lane's account
+    assert order[0] == order[99] == [(1, FAST), (2, FAST), (0, FAIR)]
+    # 100 spare blocks: r0 evicts nobody's context, so the lanes decide as without the guard
+    assert order[100] == [(0, FAIR), (1, FAST), (2, FAST)]
+    p, clock = policy_with_cache("fairway", set(warm))  # no guard (and no memory view)
+    _cold_head_and_two_warm(p, clock)
+    assert [p.admit(p.select().rid).rid for _ in range(3)] == [0, 1, 2]
+
+
+def test_memory_guard_does_not_yield_to_a_pick_that_also_destroys_more_than_it_keeps():
+    p, clock = _guarded([0], set())
+    p.add(queued(0, 0.0, 1600, chain("cold", 100)))  # Fair head, due 19.32
+    p.add(queued(1, 25.0, 160, chain("small", 10)))  # Fast pick: cold too, 10 new blocks
+    clock.set(30.0)
+    assert [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(2))] == [(0, FAIR), (1, FAST)]
+    assert p.yields == 0
+
+
+def test_memory_guard_counts_only_the_hit_that_waiting_puts_at_risk():
+    """A request whose hit is a prefix that running requests hold (a new session's first turn on
+    the shared system prompt) saves nothing by going first: it does not pass the cold head."""
+    shared = chain("sys", 20)
+    p, clock = _guarded([0], set(shared), held=frozenset(shared))
+    p.add(queued(0, 0.0, 1600, chain("cold", 100)))  # Fair head, due 19.32
+    p.add(queued(1, 25.0, 336, shared + chain("new", 1)))  # 20 blocks cached, all held: 1 new
+    clock.set(30.0)
+    assert [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(2))] == [(0, FAIR), (1, FAST)]
+    assert p.yields == 0
+
+
+def test_memory_guard_orders_the_fast_lane_by_cache_kept_when_memory_binds():
+    """The least-work pick (a first turn on a held shared prefix) would only take memory; when
+    it does not fit in the spare blocks, the Fast lane takes the longest cached prefix instead."""
+    shared = chain("sys", 20)
+    warm = chain("w", 30)
+    order = {}
+    for spare in (0, 10):
+        p, clock = _guarded([spare], set(shared) | set(warm), held=frozenset(shared))
+        p.add(queued(0, 0.0, 336, shared + chain("new", 1)))  # 1 new block, saves nothing
+        p.add(queued(1, 0.0, 640, warm + chain("w-new", 10)))  # 30 own blocks at risk, 10 new
+        order[spare] = [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(2))]
+    assert order[0] == [(1, FAST), (0, FAST)]
+    assert order[10] == [(0, FAST), (1, FAST)]  # r0 fits in the spare blocks: least work first

@@ -241,6 +241,12 @@ class BlockPool:
             out.append(b)
         return out
 
+    def free_cached(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` are cached in free blocks (held by no running request, so the
+        next allocations may evict them). O(len(hashes))."""
+        cached, ref = self.cached, self.ref
+        return sum(1 for h in hashes if (b := cached.get(h)) is not None and ref[b] == 0)
+
     def free_after_touch(self, blocks: Sequence[int]) -> int:
         """Free blocks left if ``blocks`` (cache hits) were touched. O(len(blocks))."""
         return len(self.free) - sum(1 for b in blocks if self.ref[b] == 0)

@@ -150,8 +150,9 @@ class EngineModel:
         n_blocks = config.kv_blocks or cost.default_kv_blocks(bs)
         self.retention = config.retention or getattr(policy, "retention", "lru")
         self.gate = SessionAdmission(config.admission) if config.admission is not None else None
-        self.pool = BlockPool(n_blocks, bs, retention=self.retention,
-                              host_blocks=config.host_kv_blocks, track_demand=self.gate is not None)
+        memory_view = policy.wants_memory_view()
+        self.pool = BlockPool(n_blocks, bs, retention=self.retention, host_blocks=config.host_kv_blocks,
+                              track_demand=self.gate is not None or memory_view)
         self._track = self.pool.tracking
         self.held: HeldQueue[Any] = HeldQueue()
         self._due: list[tuple[float, int, int]] = []  # (deadline, wait token, rid) of waiting requests
@@ -171,6 +172,9 @@ class EngineModel:
         # the policy's cache view: either tier with a host tier, else the GPU dict itself (no
         # second lookup per probe on the default path)
         policy.attach_cache(self.pool.__contains__ if config.host_kv_blocks else self.pool.cached.__contains__)
+        if memory_view:
+            pool = self.pool
+            policy.attach_memory(lambda: pool.num_free - pool.n_free_wanted, pool.free_cached)
         self.reqs: dict[int, EngineRequest] = {}  # waiting + running
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []

@@ -98,6 +98,8 @@ class QueuePolicy(ABC):
         self._slot_of: dict[int, int] = {}
         self._items: dict[int, QueuedRequest] = {}
         self._tracker: HitTracker | None = None
+        self._spare_blocks: Callable[[], int] | None = None  # the host's memory view, if any
+        self._free_cached: Callable[[Sequence[int]], int] = len
         self.processed_tokens = 0  # prefill tokens the engine has run (token clock)
         self.steps = 0
 
@@ -108,6 +110,20 @@ class QueuePolicy(ABC):
         if self._items:
             raise RuntimeError("attach_cache must be called on an empty queue")
         self._tracker = HitTracker(contains, self._on_hit_change)
+
+    def wants_memory_view(self) -> bool:
+        """Whether this policy reads ``attach_memory``'s view (the host then tracks which free
+        blocks waiting requests need, which costs it a little per request)."""
+        return False
+
+    def attach_memory(self, spare_blocks: Callable[[], int], free_cached: Callable[[Sequence[int]], int]) -> None:
+        """Give the policy a read-only view of the KV pool: ``spare_blocks()`` is how many free
+        blocks no waiting request (or waiting session) needs, so that a new allocation up to that
+        size evicts nobody's cached context; ``free_cached(hashes)`` is how many of those cached
+        blocks no running request holds (the ones that waiting can lose). Optional: hosts without
+        it leave it unset."""
+        self._spare_blocks = spare_blocks
+        self._free_cached = free_cached
 
     def __len__(self) -> int:
         return len(self._items)
@@ -227,6 +243,17 @@ class QueuePolicy(ABC):
         n = max(0, (req.prompt_tokens - 1) // self.block_size)
         hs = req.block_hashes
         return hs if len(hs) <= n else hs[:n]
+
+    def _at_risk(self, slot: int) -> int:
+        """Blocks of ``slot``'s cache hit that no running request holds (all of the hit without a
+        memory view). O(hit blocks)."""
+        n = int(self.cached[slot]) // self.block_size
+        return self._free_cached(self._items[int(self._rid[slot])].block_hashes[:n]) if n else 0
+
+    def _new_blocks(self, slot: int) -> int:
+        """KV blocks ``slot``'s admission allocates beyond its cache hit (as the engine plans it)."""
+        bs = self.block_size
+        return -(-int(self.prompt[slot]) // bs) - int(self.cached[slot]) // bs
 
     def _set_cached(self, slot: int, hit_blocks: int) -> None:
         c = hit_blocks * self.block_size

@@ -17,6 +17,13 @@
   everything.
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
+- ``memory_guard`` (off by default; needs the host's memory view, ``attach_memory``): when an
+  admission would evict more of waiting requests' cached context than it saves of its own, the
+  Fast lane orders by longest cached prefix instead of least work, and a Fair-lane pick that would
+  do so yields to a Fast pick that would not. Why: in a memory-bound closed loop (agentic,
+  ``--concurrency 100`` at 4 sessions/s) the Fair lane's cold admissions and the Fast lane's
+  new-session first turns evict the contexts of sessions whose next turn is waiting, and the
+  recompute halves throughput (docs/history/2026-12-02-agentic-memory-guard.md).
 
 Complexity: ``select`` is O(n) vectorised over the live slots (a few numpy passes); promotion is
 found in the same pass; ``admit`` is O(1) plus the base class's removal.
@@ -50,6 +57,11 @@ class FairwayConfig:
     sticky_due: the deadline arrival + theta * max(P, floor) only ever moves earlier (a hit that
         grows while waiting pulls it in; an eviction does not push it out). Off: recomputed from
         the current P at every change.
+    memory_guard: with the host's memory view (``attach_memory``): a Fair-lane pick whose
+        admission would evict more cached context of waiting requests than it saves of its own
+        (new blocks beyond the free blocks nobody waiting needs > its hit blocks that no running
+        request holds, which its waiting puts at risk) yields the decision to the Fast lane's
+        pick when that one saves at least as much as it evicts.
     """
 
     theta: float = 12.0
@@ -59,6 +71,7 @@ class FairwayConfig:
     fair_order: str = "edf"
     sticky_due: bool = True
     fast_scope: str = "all"
+    memory_guard: bool = False
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -106,6 +119,7 @@ class Fairway(QueuePolicy):
         self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
+        self.yields = 0  # Fair-lane picks that yielded to the Fast lane (memory_guard)
         self._n_fair = 0
         self._chosen = (-1, FAST)  # (slot, lane) of the last select()
 
@@ -184,12 +198,39 @@ class Fairway(QueuePolicy):
             return FAIR
         return FAIR if self.passes[FAIR] <= self.passes[FAST] else FAST
 
+    def wants_memory_view(self) -> bool:
+        return self.config.memory_guard
+
     def _choose(self, now: float) -> int:
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
+        if lane == FAIR and self._spare_blocks is not None and self.config.memory_guard:
+            slot, lane = self._guard(slot, now)
         self._chosen = (slot, lane)
         return slot
+
+    def _destroys(self, slot: int) -> bool:
+        """Whether admitting ``slot`` now evicts more cached context of waiting requests (its new
+        blocks beyond the spare ones) than it saves of its own (hit blocks no running request
+        holds, which its waiting puts at risk). Needs the memory view. O(hit blocks)."""
+        over = self._new_blocks(slot) - self._spare_blocks()  # type: ignore[misc]
+        return over > 0 and over > self._at_risk(slot)
+
+    def _guard(self, slot: int, now: float) -> tuple[int, str]:
+        """The memory guard (``memory_guard``): the Fair lane's pick ``slot``, or the Fast lane's
+        pick when ``slot`` would evict more cached context of waiting requests than it saves of
+        its own (hit blocks no running request holds) and the Fast pick would not. O(n) only
+        when ``slot`` destroys more than it saves."""
+        if not self._destroys(slot):
+            return slot, FAIR
+        if self.config.fast_scope != "all" and len(self) == self._n_fair:
+            return slot, FAIR
+        alt = self._choose_in(FAST, now)
+        if alt == slot or self._destroys(alt):
+            return slot, FAIR
+        self.yields += 1
+        return alt, FAST
 
     def _choose_in(self, lane: str, now: float) -> int:
         hi = self._hi
@@ -198,7 +239,10 @@ class Fairway(QueuePolicy):
         if lane == FAST:
             mask = live if cfg.fast_scope == "all" else live & ~self.promoted[:hi]
             if cfg.fast_order == "least-work":
-                return self._argmin(self.prefill_s[:hi], mask)
+                slot = self._argmin(self.prefill_s[:hi], mask)
+                if self._spare_blocks is None or not cfg.memory_guard or not self._destroys(slot):
+                    return slot
+                # memory binds: reuse is the cache a choice keeps, not the work it leaves
             return self._argmin(-self.cached[:hi].astype(float), mask)
         mask = live & self.promoted[:hi]
         if cfg.fair_order == "ratio":
