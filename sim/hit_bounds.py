@@ -101,16 +101,18 @@ def _min_hits(r: np.ndarray, capacity_blocks: int) -> int:
     """Hits of Belady's MIN over the block ids ``r`` with ``capacity_blocks``.
 
     If at every first reference the blocks between their first and last reference (those MIN
-    would keep) number at most ``capacity_blocks``, every eviction MIN makes is of a block never
-    used again, so it hits every repeat: an O(B) sweep decides that and the heap replay is
-    skipped. Otherwise the replay: a max-heap on next use with stale entries skipped on pop.
+    would keep), plus the referenced block when it is never used again, number at most
+    ``capacity_blocks``, every eviction MIN makes is of a block never used again, so it hits
+    every repeat: an O(B) sweep decides that and the heap replay is skipped. Otherwise the
+    replay: a max-heap on next use with stale entries skipped on pop.
     O(B log B)."""
     m = len(r)
     if not m:
         return 0
     nxt, first, last = _next_use(r)
+    # blocks needed later (first <= i < last), plus one slot for a block referenced only once
     live = np.cumsum(np.bincount(first, minlength=m + 1) - np.bincount(last, minlength=m + 1))[:m]
-    if int(live[first].max()) <= capacity_blocks:
+    if int((live[first] + (nxt[first] == m)).max()) <= capacity_blocks:
         return m - len(first)
     nu = nxt.tolist()
     cur = [-1] * (int(r.max()) + 1)  # block id -> its next use while cached, else -1
