@@ -39,8 +39,10 @@ Layout, and why lookups cost O(prompt blocks), not O(replicas x blocks):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, KeysView, Sequence
+from itertools import filterfalse, groupby, repeat
+from operator import itemgetter
 
 from fairway.hashing import longest_cached_prefix
 
@@ -264,10 +266,13 @@ class PrefixIndex:
         """
         if self._mode != APPROX:
             fly, where, bit = self._fly, self._where, 1 << replica
-            for h in hashes:
-                key = (replica, h)
-                fly[key] = fly.get(key, 0) + 1
-                where[h] = where.get(h, 0) | bit
+            keys = list(zip(repeat(replica), hashes))
+            if len(set(hashes)) < len(keys):  # a hash twice: count each routing of it
+                for key in keys:
+                    fly[key] = fly.get(key, 0) + 1
+            else:  # the same updates, in bulk (a prompt is hundreds of blocks)
+                fly.update(zip(keys, map((1).__add__, map(fly.get, keys, repeat(0))), strict=True))
+            where.update(zip(hashes, map(bit.__or__, map(where.get, hashes, repeat(0))), strict=True))
             return 0
         return self._touch(replica, hashes)
 
@@ -278,6 +283,13 @@ class PrefixIndex:
         if self._mode == APPROX:
             return
         fly, lru = self._fly, self._lru[replica]
+        keys = list(zip(repeat(replica), hashes))
+        if all(map((1).__eq__, map(fly.get, keys, repeat(0)))) and len(set(hashes)) == len(keys):
+            # the usual case, in bulk: each block in flight once, for this request only
+            deque(map(fly.__delitem__, keys), maxlen=0)
+            for h in filterfalse(lru.__contains__, hashes):
+                self._unset(replica, h)
+            return
         for h in hashes:
             key = (replica, h)
             left = fly.get(key, 0) - 1
@@ -349,24 +361,28 @@ class PrefixIndex:
         Why: exact routing (Dynamo's and llm-d's precise mode). After the events of every step
         are applied, ``blocks(replica)`` equals the engine's prefix cache. A removal of a hash
         the index does not hold is ignored (events of a cache cleared before). No-op in approx
-        mode. Complexity: O(len(events)).
+        mode. Complexity: O(len(events)); a run of stores is applied in bulk, as ``_touch`` does.
         """
         if self._mode != EVENTS:
             return
         lru = self._lru[replica]
         bit = 1 << replica
-        where = self._where
-        for stored, h in events:
-            if stored:
+        where, fly = self._where, self._fly
+        for stored, run in groupby(events, key=itemgetter(0)):
+            hashes = list(map(itemgetter(1), run))
+            if stored:  # a run of stores: new hashes in, then every one to the end in order (_touch)
+                new = list(filterfalse(lru.__contains__, hashes))
+                if new:
+                    lru.update(zip(new, repeat(None)))
+                    for h in new:
+                        where[h] = where.get(h, 0) | bit
+                deque(map(lru.move_to_end, hashes), maxlen=0)
+                continue
+            for h in hashes:
                 if h in lru:
-                    lru.move_to_end(h)
-                else:
-                    lru[h] = None
-                    where[h] = where.get(h, 0) | bit
-            elif h in lru:
-                del lru[h]
-                if (replica, h) not in self._fly:
-                    self._unset(replica, h)
+                    del lru[h]
+                    if (replica, h) not in fly:
+                        self._unset(replica, h)
 
     def on_tier_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
         """Apply an engine's tier events in order (``BlockPool.tier_events``): ``(True, h)``
@@ -432,16 +448,24 @@ class PrefixIndex:
 
     def _touch(self, replica: int, hashes: Sequence[int]) -> int:
         """Mark ``hashes`` present on ``replica``, tail first (the head ends most recent), then
-        age the replica to its capacity. Returns blocks aged out. O(len(hashes) + aged)."""
+        age the replica to its capacity. Returns blocks aged out. O(len(hashes) + aged).
+
+        Why in two sweeps: a prompt is hundreds of blocks, touched twice per request (routed,
+        then fed back). Inserting the hashes new to the replica, then moving every hash to the
+        end in touch order, leaves the same order as touching them one by one (each touched hash
+        ends where its last touch puts it), and both sweeps run in ``filterfalse``/``map``
+        rather than an interpreted loop; only the new hashes are visited one by one (their
+        ``_where`` bit)."""
         lru = self._lru[replica]
-        bit = 1 << replica
-        where = self._where
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
+        rev = hashes[::-1]
+        new = list(filterfalse(lru.__contains__, rev))
+        if new:
+            lru.update(zip(new, repeat(None)))
+            bit = 1 << replica
+            where = self._where
+            for h in new:
                 where[h] = where.get(h, 0) | bit
+        deque(map(lru.move_to_end, rev), maxlen=0)
         return self._age(replica)
 
     def _age(self, replica: int) -> int:
@@ -450,11 +474,18 @@ class PrefixIndex:
         if cap is None:
             return 0
         lru = self._lru[replica]
-        n = 0
-        while len(lru) > cap:
-            h, _ = lru.popitem(last=False)
-            self._unset(replica, h)
-            n += 1
+        n = len(lru) - cap
+        if n <= 0:
+            return 0
+        where, keep = self._where, ~(1 << replica)
+        popitem = lru.popitem
+        for _ in range(n):  # _unset, inlined
+            h = popitem(last=False)[0]
+            m = where[h] & keep
+            if m:
+                where[h] = m
+            else:
+                del where[h]
         return n
 
 

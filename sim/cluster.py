@@ -23,7 +23,7 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +37,7 @@ from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
+from sim.hit_bounds import References
 
 OWN = "own"  # each router instance learns only from its own decisions (Ray Serve today)
 SHARED = "shared"  # every instance sees every instance's decisions, after sync_delay_s
@@ -234,25 +235,61 @@ class ClusterRouter:
         return dict(sorted(total.items()))
 
 
-def ceiling_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> float:
+def ceiling_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int,
+                      refs: References | None = None) -> float:
     """Hit ratio of one shared LRU prefix cache with the cluster's total capacity, replaying the
     requests in arrival order (each request's prompt is looked up, then its prompt and output
-    blocks are inserted). It ignores concurrency and memory held by running requests, so it is an
-    upper reference for what routing can reach, not an achievable figure. O(total blocks)."""
-    lru: OrderedDict[int, None] = OrderedDict()
-    cached = prompt = 0
-    for s in sorted(specs, key=lambda x: (x.arrival_s, x.rid)):
-        n_cacheable = max(0, (s.prompt_tokens - 1) // block_size)
-        hit = 0
-        for h in s.block_hashes[:n_cacheable]:
-            if h not in lru:
+    blocks are inserted, then the least recently used blocks are dropped down to the capacity).
+    It ignores concurrency and memory held by running requests, so it is an upper reference for
+    what routing can reach, not an achievable figure.
+
+    How, without a linked list per block: after each request the cache holds the
+    ``capacity_blocks`` distinct blocks referenced most recently, so a block is cached iff its
+    last reference lies at or after a threshold position ``t`` of the flattened reference
+    stream (``refs``: ``References.of(specs, block_size)`` if already built). ``t`` only moves
+    forward; per request, a few array operations over its blocks look its prompt up, move its
+    blocks' last references, and advance ``t`` past the references that fell out. O(B log B)
+    for building ``refs``, then O(B) array work in all."""
+    if refs is None:
+        refs = References.of(specs, block_size)
+    ids = refs.ids
+    last = np.full(len(refs.count), -1, dtype=np.int64)  # block id -> its last reference so far
+    is_last = np.zeros(len(ids), dtype=bool)  # reference i is its block's last so far
+    t = 0  # cached iff last reference >= t
+    live = 0  # references >= t that are their block's last: the cached blocks
+    cached = 0
+    for s, n, nc in zip(refs.starts.tolist(), refs.lens.tolist(), refs.cacheable.tolist(), strict=True):
+        x = ids[s : s + n]
+        prev = last[x]
+        if nc:
+            present = prev[:nc] >= t
+            cached += len(present) if present.all() else int(present.argmin())
+        if not n:
+            continue
+        pos = np.arange(s, s + n)
+        last[x] = pos
+        mine = last[x] == pos
+        old = prev[prev >= 0]
+        if int(np.count_nonzero(mine)) < n:  # a block twice in one request: its later reference is its last
+            for i in range(s, s + n):
+                last[ids[i]] = i
+            mine = last[x] == pos
+            old = np.unique(old)
+        is_last[old] = False
+        live -= int(np.count_nonzero(old >= t))
+        is_last[s : s + n] = mine
+        k = int(np.count_nonzero(mine))
+        live += k
+        excess = live - capacity_blocks
+        while excess > 0:  # drop the oldest cached blocks: move t past `excess` live references
+            w = max(4 * excess, 4096)
+            window = np.flatnonzero(is_last[t : t + w])
+            if len(window) >= excess:
+                t += int(window[excess - 1]) + 1
+                live -= excess
                 break
-            hit += 1
-        cached += hit * block_size
-        prompt += s.prompt_tokens
-        for h in s.block_hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-        while len(lru) > capacity_blocks:
-            lru.popitem(last=False)
-    return cached / prompt if prompt else 0.0
+            t += w
+            live -= len(window)
+            excess -= len(window)
+    prompt = refs.prompt_tokens
+    return cached * block_size / prompt if prompt else 0.0

@@ -17,91 +17,153 @@ hashing does on a Mooncake trace). Two true bounds, over the prompt blocks a req
   only adds hits; and MIN maximises hits for a fixed capacity among all eviction orders. Blocks
   held by running requests cannot be evicted in a real engine, which only lowers what it reaches.
 
-Complexity: O(B) and O(B log B) for B blocks referenced in the sequence.
+Complexity: O(B log B) for B blocks referenced in the sequence, vectorised: the references are
+flattened once into dense integer ids (``References``: one numpy sort), the infinite-cache hits
+and the LRU replay are array passes, and MIN runs its heap loop only when the reused blocks do
+not all fit at once (a sweep over the blocks' live intervals decides that in O(B)).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
 
 from fairway.request import RequestSpec
 
 
-def _references(specs: Sequence[RequestSpec], block_size: int) -> tuple[list[int], list[bool], int]:
-    """Every block the requests reference in arrival order, whether each is a reusable prompt
-    block (counted), and the sequence's prompt tokens."""
-    refs: list[int] = []
-    counted: list[bool] = []
-    prompt = 0
-    for s in sorted(specs, key=lambda x: (x.arrival_s, x.rid)):
-        n = max(0, (s.prompt_tokens - 1) // block_size)
-        refs.extend(s.block_hashes)
-        counted.extend(i < n for i in range(len(s.block_hashes)))
-        prompt += s.prompt_tokens
-    return refs, counted, prompt
+@dataclass(frozen=True, slots=True)
+class References:
+    """Every block a request sequence references, in arrival order (requests sorted by
+    ``(arrival_s, rid)``, each request's blocks in order), as dense integer ids.
+
+    ``ids[i]``: the block of reference i (equal ids, equal hashes); ``first[i]``: reference i is
+    its block's first; ``count[x]``: references to block id x; ``starts``/``lens``: each request's
+    slice of ``ids``; ``cacheable``: each request's reusable prompt blocks (all full blocks but
+    the one holding its last token); ``counted[i]``: reference i is one of those;
+    ``prompt_tokens``: the sequence's prompt tokens. Built in O(B log B) (one sort of the hashes).
+    """
+
+    ids: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+    starts: np.ndarray
+    lens: np.ndarray
+    cacheable: np.ndarray
+    counted: np.ndarray
+    prompt_tokens: int
+
+    @classmethod
+    def of(cls, specs: Sequence[RequestSpec], block_size: int) -> References:
+        order = sorted(specs, key=lambda x: (x.arrival_s, x.rid))
+        n = len(order)
+        lens = np.fromiter((len(s.block_hashes) for s in order), np.int64, n)
+        total = int(lens.sum())
+        try:  # engine hashes are 64-bit unsigned: one vectorised sort
+            flat = np.fromiter(chain.from_iterable(s.block_hashes for s in order), np.uint64, total)
+            _, first_idx, ids, count = np.unique(flat, return_index=True, return_inverse=True, return_counts=True)
+        except OverflowError:  # any other ints (hand-made hashes in tests): ids by first appearance
+            seen: dict[int, int] = {}
+            ids = np.fromiter((seen.setdefault(h, len(seen)) for s in order for h in s.block_hashes), np.int64, total)
+            _, first_idx, count = np.unique(ids, return_index=True, return_counts=True)
+        first = np.zeros(total, dtype=bool)
+        first[first_idx] = True
+        starts = np.cumsum(lens) - lens
+        cacheable = np.fromiter((max(0, (s.prompt_tokens - 1) // block_size) for s in order), np.int64, n)
+        counted = (np.arange(total) - np.repeat(starts, lens)) < np.repeat(cacheable, lens)
+        prompt = sum(s.prompt_tokens for s in order)
+        return cls(ids.astype(np.int64, copy=False), first, count, starts, lens, cacheable, counted, prompt)
 
 
-def _infinite_hits(refs: list[int], counted: list[bool]) -> int:
-    seen: set[int] = set()
-    hits = 0
-    for h, c in zip(refs, counted, strict=True):
-        if h in seen:
-            hits += c
-        else:
-            seen.add(h)
-    return hits
+def _infinite_hits(refs: References) -> int:
+    """Reusable prompt blocks that an earlier reference brought in. O(B)."""
+    return int(np.count_nonzero(refs.counted & ~refs.first))
 
 
-def _min_hits(refs: list[int], capacity_blocks: int) -> int:
-    """Hits of Belady's MIN over ``refs`` with ``capacity_blocks``. O(B log B)."""
-    n = len(refs)
-    next_use = [n] * n  # index of the next reference to the same block (n: never)
-    last: dict[int, int] = {}
-    for i in range(n - 1, -1, -1):
-        next_use[i] = last.get(refs[i], n)
-        last[refs[i]] = i
-    cache: dict[int, int] = {}  # block -> its next use
+def _next_use(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index of the next reference to the same block, len(r) if none; each block's first and
+    last reference index). O(B log B)."""
+    m = len(r)
+    o = np.argsort(r, kind="stable")
+    s = r[o]
+    same = s[1:] == s[:-1]
+    nxt = np.full(m, m, dtype=np.int64)
+    nxt[o[:-1][same]] = o[1:][same]
+    starts = np.concatenate(([True], ~same))
+    ends = np.concatenate((~same, [True]))
+    return nxt, o[starts], o[ends]
+
+
+def _min_hits(r: np.ndarray, capacity_blocks: int) -> int:
+    """Hits of Belady's MIN over the block ids ``r`` with ``capacity_blocks``.
+
+    If at every first reference the blocks between their first and last reference (those MIN
+    would keep), plus the referenced block when it is never used again, number at most
+    ``capacity_blocks``, every eviction MIN makes is of a block never used again, so it hits
+    every repeat: an O(B) sweep decides that and the heap replay is skipped. Otherwise the
+    replay: a max-heap on next use with stale entries skipped on pop.
+    O(B log B)."""
+    m = len(r)
+    if not m:
+        return 0
+    nxt, first, last = _next_use(r)
+    # blocks needed later (first <= i < last), plus one slot for a block referenced only once
+    live = np.cumsum(np.bincount(first, minlength=m + 1) - np.bincount(last, minlength=m + 1))[:m]
+    if int((live[first] + (nxt[first] == m)).max()) <= capacity_blocks:
+        return m - len(first)
+    nu = nxt.tolist()
+    cur = [-1] * (int(r.max()) + 1)  # block id -> its next use while cached, else -1
+    size = 0
     heap: list[tuple[int, int]] = []  # (-next use, block); stale entries skipped on pop
     hits = 0
-    for i, h in enumerate(refs):
-        if h in cache:
+    for i, x in enumerate(r.tolist()):
+        if cur[x] >= 0:
             hits += 1
-        elif len(cache) >= capacity_blocks:
-            while True:
-                nu, victim = heapq.heappop(heap)
-                if cache.get(victim) == -nu:
-                    del cache[victim]
-                    break
-        cache[h] = next_use[i]
-        heapq.heappush(heap, (-next_use[i], h))
+        else:
+            if size >= capacity_blocks:
+                while True:
+                    neg, victim = heapq.heappop(heap)
+                    if cur[victim] == -neg:
+                        cur[victim] = -1
+                        size -= 1
+                        break
+            size += 1
+        cur[x] = nu[i]
+        heapq.heappush(heap, (-nu[i], x))
     return hits
 
 
-def hit_ratio_bounds(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> tuple[float, float]:
+def hit_ratio_bounds(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int,
+                     refs: References | None = None) -> tuple[float, float]:
     """(the bound at ``capacity_blocks``, the no-eviction bound), from one pass over the
-    references. O(B), or O(B log B) when the reused blocks do not fit."""
+    references (``refs``: ``References.of(specs, block_size)`` if already built). O(B log B)."""
     if capacity_blocks < 1:
         raise ValueError("capacity_blocks must be >= 1")
-    refs, counted, prompt = _references(specs, block_size)
+    if refs is None:
+        refs = References.of(specs, block_size)
+    prompt = refs.prompt_tokens
     if not prompt:
         return 0.0, 0.0
-    infinite = _infinite_hits(refs, counted)
+    infinite = _infinite_hits(refs)
     # A block referenced once never hits, and MIN evicts it before any other (it is never used
     # again): it changes no hit, so the replay leaves it out. If the reused blocks all fit,
     # nothing that matters is ever evicted and MIN hits every repeat.
-    counts = Counter(refs)
-    reused = [h for h in refs if counts[h] > 1]
-    fits = len(counts) - sum(1 for c in counts.values() if c == 1) <= capacity_blocks
-    at_capacity = infinite if fits else min(_min_hits(reused, capacity_blocks), infinite)
+    reused_block = refs.count > 1
+    fits = int(np.count_nonzero(reused_block)) <= capacity_blocks
+    if fits:
+        at_capacity = infinite
+    else:
+        at_capacity = min(_min_hits(refs.ids[reused_block[refs.ids]], capacity_blocks), infinite)
     return at_capacity * block_size / prompt, infinite * block_size / prompt
 
 
 def infinite_cache_hit_ratio(specs: Sequence[RequestSpec], block_size: int) -> float:
-    """Cached tokens / prompt tokens with a cache that never evicts. O(B)."""
-    refs, counted, prompt = _references(specs, block_size)
-    return _infinite_hits(refs, counted) * block_size / prompt if prompt else 0.0
+    """Cached tokens / prompt tokens with a cache that never evicts. O(B log B)."""
+    refs = References.of(specs, block_size)
+    return _infinite_hits(refs) * block_size / refs.prompt_tokens if refs.prompt_tokens else 0.0
 
 
 def optimal_eviction_hit_ratio(specs: Sequence[RequestSpec], capacity_blocks: int, block_size: int) -> float:

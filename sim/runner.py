@@ -15,7 +15,7 @@ from fairway.policies import make_policy
 from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
-from sim.hit_bounds import hit_ratio_bounds
+from sim.hit_bounds import References, hit_ratio_bounds
 from sim.metrics import summarize
 from sim.simulator import Simulation
 from workloads.registry import make_workload_from
@@ -197,8 +197,10 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         out["per_replica"] = per
         specs = [r.spec for r in res.finished]
         capacity = sum(e.pool.num_blocks for e in sim.replicas)
-        out["ceiling_hit_ratio"] = ceiling_hit_ratio(specs, capacity, cfg.block_size)  # LRU replay
-        out["hit_bound_capacity"], out["hit_bound_infinite"] = hit_ratio_bounds(specs, capacity, cfg.block_size)
+        refs = References.of(specs, cfg.block_size)  # flattened once for the replay and the bounds
+        out["ceiling_hit_ratio"] = ceiling_hit_ratio(specs, capacity, cfg.block_size, refs)  # LRU replay
+        out["hit_bound_capacity"], out["hit_bound_infinite"] = hit_ratio_bounds(specs, capacity, cfg.block_size,
+                                                                                refs)
         out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
     if keep_samples:
         out["ttft_samples_s"] = [r.ttft_s for r in res.finished]

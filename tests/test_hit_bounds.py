@@ -39,3 +39,62 @@ def test_bounds_are_ordered_on_random_sequences():
             lru = ceiling_hit_ratio(specs, cap, 16)
             opt = optimal_eviction_hit_ratio(specs, cap, 16)
             assert lru <= opt + 1e-12 <= infinite_cache_hit_ratio(specs, 16) + 2e-12
+
+
+def _lru_replay(specs, cap: int, bs: int) -> float:
+    """The LRU replay one block at a time (the definition ``ceiling_hit_ratio`` vectorises)."""
+    from collections import OrderedDict
+
+    lru: OrderedDict[int, None] = OrderedDict()
+    cached = prompt = 0
+    for s in sorted(specs, key=lambda x: (x.arrival_s, x.rid)):
+        for h in s.block_hashes[: max(0, (s.prompt_tokens - 1) // bs)]:
+            if h not in lru:
+                break
+            cached += bs
+        prompt += s.prompt_tokens
+        for h in s.block_hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > cap:
+            lru.popitem(last=False)
+    return cached / prompt
+
+
+def _belady(refs: list[int], cap: int) -> int:
+    """MIN by its definition: on a miss with a full cache, evict the block used again farthest
+    in the future (never again counts as farthest). O(B^2), for small cases."""
+    cache: set[int] = set()
+    hits = 0
+    for i, h in enumerate(refs):
+        if h in cache:
+            hits += 1
+            continue
+        if len(cache) >= cap:
+            later = refs[i + 1 :]
+            cache.remove(max(sorted(cache), key=lambda x, later=later: later.index(x) if x in later else len(later)))
+        cache.add(h)
+    return hits
+
+
+def test_vectorised_replays_equal_their_definitions():
+    # 64-bit hashes (the numpy path) and hand-made ones (the dict path), repeats inside one
+    # request, capacities where the MIN fast path holds and where the heap replay runs
+    from sim.hit_bounds import _min_hits
+
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        scale = 2**60 if trial % 2 else 1
+        specs = []
+        for i in range(int(rng.integers(2, 30))):
+            fam = int(rng.integers(0, 5))
+            blocks = [(fam * 100 + k) * scale for k in range(int(rng.integers(0, 6)))] + [10**7 + i]
+            if rng.random() < 0.1:
+                blocks.append(blocks[0])
+            specs.append(spec(i, float(rng.integers(0, 10)), int(rng.integers(1, 16 * len(blocks) + 1)), 1,
+                              blocks))
+        for cap in (1, 2, 4, 8, 30):
+            assert ceiling_hit_ratio(specs, cap, 16) == _lru_replay(specs, cap, 16)
+        refs = [int(x) for x in rng.integers(0, 8, size=int(rng.integers(1, 40)))]
+        for cap in (1, 2, 3, 5, 8):
+            assert _min_hits(np.array(refs), cap) == _belady(refs, cap)

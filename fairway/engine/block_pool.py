@@ -48,8 +48,13 @@ Beyond vLLM (engine model only, off by default):
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from functools import partial
+from itertools import repeat, takewhile
+from operator import is_not
+
+_FOUND = partial(is_not, None)  # x -> x is not None, without a Python frame per probe
 
 RETENTIONS = ("lru", "peek", "prism", "session")
 QUEUE = 0  # demand kinds for ``add_demand``
@@ -231,15 +236,9 @@ class BlockPool:
         return [h for h in self.host if h not in cached]
 
     def longest_hit(self, hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix of ``hashes``. O(matched + 1)."""
-        out: list[int] = []
-        cached = self.cached
-        for h in hashes:
-            b = cached.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        """Block ids of the longest cached prefix of ``hashes``. O(matched + 1) probes, run
+        by ``map``/``takewhile`` (no interpreted loop: this is on every arrival and admission)."""
+        return list(takewhile(_FOUND, map(self.cached.get, hashes)))
 
     def free_cached(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` are cached in free blocks (held by no running request, so the
@@ -249,19 +248,21 @@ class BlockPool:
 
     def free_after_touch(self, blocks: Sequence[int]) -> int:
         """Free blocks left if ``blocks`` (cache hits) were touched. O(len(blocks))."""
-        return len(self.free) - sum(1 for b in blocks if self.ref[b] == 0)
+        return len(self.free) - list(map(self.ref.__getitem__, blocks)).count(0)
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
         track = self.tracking
+        ref, free = self.ref, self.free
         for b in blocks:
-            if self.ref[b] == 0:
-                del self.free[b]
+            r = ref[b]
+            if r == 0:
+                del free[b]
                 if track:
                     h = self.block_hash[b]
                     if h is not None and self._wanted(h):
                         self.n_free_wanted -= 1
-            self.ref[b] += 1
+            ref[b] = r + 1
 
     def allocate(self, n: int) -> list[int]:
         """Pop ``n`` blocks in the retention order (LRU head for ``"lru"``), evicting their
@@ -272,13 +273,25 @@ class BlockPool:
         track = self.tracking
         host = self.host_capacity > 0
         lru = self.retention == "lru"
-        free = self.free
+        free, block_hash, cached, ref = self.free, self.block_hash, self.cached, self.ref
+        if lru and not track and not host:  # the default engine: the same steps, a sweep each
+            popitem = free.popitem
+            out = [popitem(False)[0] for _ in range(n)]
+            gone = [h for h in map(block_hash.__getitem__, out) if h is not None]
+            if gone:
+                deque(map(cached.__delitem__, gone), maxlen=0)
+                self.evictions += len(gone)
+                self.events.extend(zip(repeat(False), gone))
+            for b in out:
+                block_hash[b] = None
+                ref[b] = 1
+            return out
         for _ in range(n):
             b = free.popitem(last=False)[0] if lru else self._pop_victim()
-            h = self.block_hash[b]
+            h = block_hash[b]
             if h is not None:
-                self.block_hash[b] = None
-                del self.cached[h]
+                block_hash[b] = None
+                del cached[h]
                 self.evictions += 1
                 if track and self._wanted(h):
                     self.n_free_wanted -= 1
@@ -286,7 +299,7 @@ class BlockPool:
                     self._to_host(h)
                 else:
                     self.events.append((False, h))
-            self.ref[b] = 1
+            ref[b] = 1
             out.append(b)
         return out
 
@@ -306,15 +319,32 @@ class BlockPool:
             if self.retention != "lru":
                 self._push_free(b)
 
+    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """``cache_block(blocks[k], hashes[k])`` for every k, in order: the blocks a step
+        filled. O(len(blocks))."""
+        block_hash, cached = self.block_hash, self.cached
+        if self.host or self.tracking or self.retention != "lru":
+            for b, h in zip(blocks, hashes, strict=True):
+                self.cache_block(b, h)
+            return
+        events = self.events
+        for b, h in zip(blocks, hashes, strict=True):  # cache_block with no host tier, LRU, no demand
+            if block_hash[b] is not None or h in cached:
+                continue
+            block_hash[b] = h
+            cached[h] = b
+            events.append((True, h))
+
     def release(self, blocks: Sequence[int]) -> None:
         """Drop a request's references, tail block first, so its tail is evicted first."""
         track = self.tracking
         heap_mode = self.retention != "lru"
+        ref, free = self.ref, self.free
         for b in reversed(blocks):
-            r = self.ref[b] - 1
-            self.ref[b] = r
+            r = ref[b] - 1
+            ref[b] = r
             if r == 0:
-                self.free[b] = None
+                free[b] = None
                 if track:
                     h = self.block_hash[b]
                     if h is not None and self._wanted(h):
@@ -322,7 +352,7 @@ class BlockPool:
                 if heap_mode:
                     self._push_free(b)
             elif r < 0:
-                self.ref[b] = 0
+                ref[b] = 0
                 raise RuntimeError(f"block {b} released twice")
         if heap_mode:
             self._compact()

@@ -334,9 +334,9 @@ class EngineModel:
             r.num_computed += n
             hashes = r.spec.block_hashes
             full = min(r.num_computed // bs, len(hashes))
-            for k in range(r.n_hashed, full):
-                pool.cache_block(r.blocks[k], hashes[k])
-            r.n_hashed = max(r.n_hashed, full)
+            if full > r.n_hashed:
+                pool.cache_blocks(r.blocks[r.n_hashed : full], hashes[r.n_hashed : full])
+                r.n_hashed = full
             if r.num_computed == r.target:
                 r.generated += 1
                 if r.first_token_s < 0:

@@ -14,6 +14,7 @@ hashes name their position, so a hash sits at the same index in every prompt tha
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import islice, takewhile
 
 
 class HitTracker:
@@ -57,8 +58,7 @@ class HitTracker:
     def remove(self, key: int) -> None:
         hashes = self._hashes.pop(key)
         hit = self._hit.pop(key)
-        for i in range(hit):
-            self._discard(self._members, hashes[i], key)
+        self._leave(hashes, 0, hit, key)
         if hit < len(hashes):
             self._discard(self._frontier, hashes[hit], key)
 
@@ -87,17 +87,34 @@ class HitTracker:
             if not s:
                 del index[h]
 
+    def _leave(self, hashes: Sequence[int], start: int, stop: int, key: int) -> None:
+        """``_discard(_members, h, key)`` for every h in ``hashes[start:stop]``, inlined (a
+        request leaves the member sets of its whole hit when admitted). O(stop - start)."""
+        members = self._members
+        get = members.get
+        for h in islice(hashes, start, stop):
+            s = get(h)
+            if s is not None:
+                s.discard(key)
+                if not s:
+                    del members[h]
+
     def _advance(self, key: int, notify: bool, frontier_dropped: bool = False) -> None:
         hashes = self._hashes[key]
         old = hit = self._hit[key]
         n = len(hashes)
         if hit < n and not frontier_dropped:
             self._discard(self._frontier, hashes[hit], key)
-        contains = self._contains
+        # the walk runs in takewhile (no interpreted loop per probe), then indexes what it found
+        hit += len(list(takewhile(self._contains, islice(hashes, hit, None))))
         members = self._members
-        while hit < n and contains(hashes[hit]):
-            members.setdefault(hashes[hit], set()).add(key)
-            hit += 1
+        get = members.get
+        for h in islice(hashes, old, hit):
+            keys = get(h)
+            if keys is None:
+                members[h] = {key}
+            else:
+                keys.add(key)
         self._hit[key] = hit
         if hit < n:
             self._frontier.setdefault(hashes[hit], set()).add(key)
@@ -113,8 +130,7 @@ class HitTracker:
             pos -= 1
         if pos < 0:
             return
-        for i in range(pos, old):
-            self._discard(self._members, hashes[i], key)
+        self._leave(hashes, pos, old, key)
         if old < len(hashes):
             self._discard(self._frontier, hashes[old], key)
         self._hit[key] = pos
