@@ -5,6 +5,7 @@ below the match threshold).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -85,7 +86,7 @@ class SGLang(RouterPolicy):
         self._processed: dict[int, int] = {}  # replica -> requests this policy sent there
         # block hash -> the first replica this policy sent a request holding it (the tree
         # node's first tenant); insertion-ordered, so the oldest go first past OWNER_CAPACITY
-        self._owner: dict[int, int] = {}
+        self._owner: OrderedDict[int, int] = OrderedDict()
 
     def _key(self, s: ReplicaState) -> tuple[int, int, int]:
         """Least-loaded order: load, then requests processed, then id (SMG's tie-break)."""
@@ -108,7 +109,7 @@ class SGLang(RouterPolicy):
             if h not in owner:
                 owner[h] = pick
         while len(owner) > OWNER_CAPACITY:
-            del owner[next(iter(owner))]
+            owner.popitem(last=False)  # O(1); deleting a plain dict's first key again and again is O(n) each
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
