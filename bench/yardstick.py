@@ -176,6 +176,7 @@ class Row:
     ratio: dict[str, float]  # p50, p99, mean: Fairway / best anchor (lower is better)
     hit_bound: float
     routers: dict[str, dict[str, float]] = field(default_factory=dict)  # every router's medians
+    missing: list[str] = field(default_factory=list)  # anchors with no run at this point
 
 
 def medians(runs: Iterable[dict[str, Any]]) -> dict[str, float]:
@@ -189,7 +190,9 @@ def medians(runs: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str]) -> list[Row]:
     """Rows in the order the points first appear; a point without a Fairway run or without any
-    anchor run is left out. Ties between anchors go to the first in ``anchors``."""
+    anchor run is left out, and one without a run of every anchor says which are missing (its
+    "best anchor" is then only the best of those run). Ties between anchors go to the first in
+    ``anchors``."""
     groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     bound: dict[tuple[str, str], float] = {}
     for r in results:
@@ -210,7 +213,8 @@ def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str]) -> list
         best["hit"] = (a, meds[a]["hit"])
         fw = meds[FAIRWAY]
         ratio = {k: fw[k] / best[k][1] if best[k][1] > 0 else float("inf") for k in KEPT}
-        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds))
+        missing = [a for a in anchors if a not in meds]
+        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds, missing))
     return rows
 
 
@@ -231,6 +235,7 @@ class Verdict:
 
 
 def verdict(rows: Sequence[Row]) -> Verdict:
+    """The targets over ``rows`` (the caller passes the complete ones: every anchor run)."""
     p50 = [r.ratio["p50"] for r in rows]
     p99 = [r.ratio["p99"] for r in rows]
     short = [r.point for r in rows if r.fairway["hit"] < r.best["hit"][1]]
@@ -242,12 +247,14 @@ def _ratio(x: float) -> str:
     return f"**{x:.2f}**" if x > 1.0 else f"{x:.2f}"
 
 
-def render(rows: Sequence[Row], missing: Sequence[str] = ()) -> str:
-    """The markdown table per view, with its verdict line."""
+def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[str] = ()) -> str:
+    """The markdown table per view, with its verdict line over the complete points; ``missing``:
+    traces not found; ``not_run``: points without a Fairway run and an anchor run yet."""
     out = []
     for view in dict.fromkeys(r.view for r in rows):
-        vr = [r for r in rows if r.view == view]
-        seeds = sorted({int(r.fairway["seeds"]) for r in vr})
+        vr = [r for r in rows if r.view == view and not r.missing]
+        partial = [r for r in rows if r.view == view and r.missing]
+        seeds = sorted({int(r.fairway["seeds"]) for r in rows if r.view == view})
         out.append(f"View `{view}`, medians over {'/'.join(map(str, seeds))} seed(s):\n")
         out.append("| point | Fairway p50 / p99 s | best anchor p50 s | best anchor p99 s | p50 / p99 ratio "
                    "| Fairway hit | best anchor hit | hit bound |")
@@ -258,13 +265,21 @@ def render(rows: Sequence[Row], missing: Sequence[str] = ()) -> str:
                 f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | {v50:.3f} ({a50}) "
                 f"| {v99:.2f} ({a99}) | {_ratio(r.ratio['p50'])} / {_ratio(r.ratio['p99'])} "
                 f"| {r.fairway['hit']:.3f} | {vh:.3f} ({ah}) | {r.hit_bound:.3f} |")
-        v = verdict(vr)
+        for r in partial:
+            out.append(f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | incomplete: "
+                       f"{len(r.missing)} anchor(s) not run ({', '.join(r.missing)}) | | | | | |")
         out.append("")
-        out.append(f"Ratios over {len(vr)} points: p50 median {v.median_p50:.2f}, max {v.max_p50:.2f}; "
+        if not vr:
+            out.append("No point with every anchor run yet.\n")
+            continue
+        v = verdict(vr)
+        out.append(f"Ratios over the {len(vr)} complete points: p50 median {v.median_p50:.2f}, max {v.max_p50:.2f}; "
                    f"p99 median {v.median_p99:.2f}, max {v.max_p99:.2f}; hit below the best anchor at "
                    f"{len(v.hit_shortfalls)} point(s){': ' + ', '.join(v.hit_shortfalls) if v.hit_shortfalls else ''}. "
                    f"Targets (p99 median <= 0.9, p50 median <= 1.0, no point above 1.05, hit >= best): "
                    f"{'met' if v.met else 'not met'}.\n")
+    if not_run:
+        out.append("Points not run yet: " + "; ".join(not_run) + ".\n")
     if missing:
         out.append("Traces not found, left out: " + "; ".join(missing) + ".\n")
     return "\n".join(out)
@@ -335,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     order = {p.label: i for i, p in enumerate(points)}
     results = [r for r in results if r["point"] in order and r["router"] in routers]
     results.sort(key=lambda r: (order[r["point"]], r["view"], r["router"], r["seed"]))
-    text = render(summarise(results, anchors), missing)
+    rows = summarise(results, anchors)
+    shown = {r.point for r in rows}
+    text = render(rows, missing, [p.label for p in points if p.label not in shown])
     print(text)
     if args.md:
         Path(args.md).write_text(text)

@@ -71,3 +71,14 @@ def test_one_real_run_through_the_simulator():
     assert row.best["p99"][0] == "pow2"
     assert row.ratio["p99"] == pytest.approx(r1["ttft_s"]["p99"] / r2["ttft_s"]["p99"])
     assert Run(p, "pow2", "approx", 0).key != Run(p, "pow2", "events", 0).key
+
+
+def test_a_point_missing_an_anchor_is_shown_incomplete_and_left_out_of_the_verdict():
+    rs = [result(FAIRWAY, 1, 2, 0.1, point="p1"), result("a", 2, 4, 0.1, point="p1"),
+          result("b", 2, 4, 0.1, point="p1"), result(FAIRWAY, 1, 9, 0.1, point="p2"), result("a", 1, 1, 0.1, point="p2")]  # no "b" at p2
+    rows = summarise(rs, anchors=["a", "b"])
+    assert [(r.point, r.missing) for r in rows] == [("p1", []), ("p2", ["b"])]
+    text = render(rows, not_run=["p3"])
+    assert "incomplete: 1 anchor(s) not run (b)" in text
+    assert "over the 1 complete points: p50 median 0.50" in text and "p99 median 0.50" in text
+    assert "Points not run yet: p3." in text
