@@ -75,7 +75,8 @@ def test_one_real_run_through_the_simulator():
 
 def test_a_point_missing_an_anchor_is_shown_incomplete_and_left_out_of_the_verdict():
     rs = [result(FAIRWAY, 1, 2, 0.1, point="p1"), result("a", 2, 4, 0.1, point="p1"),
-          result("b", 2, 4, 0.1, point="p1"), result(FAIRWAY, 1, 9, 0.1, point="p2"), result("a", 1, 1, 0.1, point="p2")]  # no "b" at p2
+          result("b", 2, 4, 0.1, point="p1"),
+          result(FAIRWAY, 1, 9, 0.1, point="p2"), result("a", 1, 1, 0.1, point="p2")]  # no "b" at p2
     rows = summarise(rs, anchors=["a", "b"])
     assert [(r.point, r.missing) for r in rows] == [("p1", []), ("p2", ["b"])]
     text = render(rows, not_run=["p3"])
