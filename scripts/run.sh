@@ -10,7 +10,9 @@
 #   FAIRWAY_CONFIG=deploy/cluster-vllm-cpu.yaml scripts/run.sh up   # another deployment
 #
 # Environment: FAIRWAY_CONFIG (deploy/cluster.yaml), FAIRWAY_PORT (8000), LOAD_WORKLOAD
-# (mixed-spike), LOAD_RATE (6), LOAD_DURATION (30 s).
+# (mixed-spike), LOAD_RATE (6), LOAD_DURATION (30 s), FAIRWAY_API_KEY (the key the readiness
+# probe and the load send when the config turns API keys on; default: the first key of the
+# config's auth.keys_file or auth.keys_env).
 source "$(dirname "$0")/_venv.sh"
 CONFIG="${FAIRWAY_CONFIG:-deploy/cluster.yaml}"
 PORT="${FAIRWAY_PORT:-8000}"
@@ -33,12 +35,33 @@ stop() {
   rm -f "$PIDFILE"
 }
 
+# the key to send when the config turns API keys on (empty when it does not): FAIRWAY_API_KEY,
+# else the first key the config names (its keys file's first line, or its environment variable's)
+api_key() {
+  if [ -n "${FAIRWAY_API_KEY:-}" ]; then echo "$FAIRWAY_API_KEY"; return; fi
+  python - "$CONFIG" <<'PY'
+import os, sys, yaml
+from router.auth import parse_keys
+auth = {}
+for app in yaml.safe_load(open(sys.argv[1])).get("applications", []):
+    auth = (app.get("args") or {}).get("auth") or auth
+keys = {}
+if auth.get("keys_file") and os.path.exists(auth["keys_file"]):
+    keys = parse_keys(open(auth["keys_file"]).read(), " ")
+if not keys and auth.get("keys_env") and os.environ.get(auth["keys_env"]):
+    keys = parse_keys(os.environ[auth["keys_env"]], "=")
+print(next(iter(keys), ""))
+PY
+}
+
 ready() {
-  python - "$URL" <<'PY'
+  python - "$URL" "$KEY" <<'PY'
 import json, sys, urllib.request
-req = urllib.request.Request(sys.argv[1] + "/v1/completions", headers={"content-type": "application/json"},
-                             data=json.dumps({"model": json.load(urllib.request.urlopen(sys.argv[1] + "/v1/models",
-                                 timeout=5))["data"][0]["id"], "prompt": [20] * 40, "max_tokens": 2}).encode())
+auth = {"authorization": f"Bearer {sys.argv[2]}"} if sys.argv[2] else {}
+models = urllib.request.Request(sys.argv[1] + "/v1/models", headers=auth)
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", headers={"content-type": "application/json", **auth},
+                             data=json.dumps({"model": json.load(urllib.request.urlopen(models, timeout=5))["data"][0]["id"],
+                                              "prompt": [20] * 40, "max_tokens": 2}).encode())
 sys.exit(0 if json.load(urllib.request.urlopen(req, timeout=10))["usage"]["completion_tokens"] == 2 else 1)
 PY
 }
@@ -79,13 +102,17 @@ PY
   exit 1
 }
 
+KEY="$(api_key)"
+export FAIRWAY_API_KEY="$KEY"
+
 case "${1:-all}" in
   stop) stop ;;
   up) up ;;
   all)
     up
     python -m loadgen run --url "$URL" --workload "${LOAD_WORKLOAD:-mixed-spike}" --rate "${LOAD_RATE:-6}" \
-      --duration "${LOAD_DURATION:-30}" --seed 0 --json "$OUT/loadgen.json"
+      --duration "${LOAD_DURATION:-30}" --seed 0 --json "$OUT/loadgen.json" \
+      ${KEY:+--api-key-env FAIRWAY_API_KEY}
     echo
     echo "results: $OUT/loadgen.json. The cluster is still up at $URL, e.g.:"
     echo "  curl $URL/v1/completions -H 'content-type: application/json' \\"
