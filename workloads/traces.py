@@ -365,10 +365,17 @@ class BlockTraceWorkload(_TraceWorkload):
             )
 
 
-class MooncakeTraceWorkload(BlockTraceWorkload):
-    """Replay of a Mooncake trace (512-token blocks, no sessions). Kind: ``trace``."""
+class _BlockTraceFile(BlockTraceWorkload):
+    """A ``BlockTraceWorkload`` read from a file in one trace format: subclasses name the
+    format (``label``), its block size (``block_tokens``) and its reader. The block size is
+    checked before the file is read."""
 
-    name = "mooncake"
+    label: str
+    block_tokens: int
+
+    @staticmethod
+    def read(path: str | Path) -> list[TraceRow]:
+        raise NotImplementedError
 
     def __init__(
         self,
@@ -379,15 +386,14 @@ class MooncakeTraceWorkload(BlockTraceWorkload):
         time_scale: float = 1.0,
         duration_s: float = math.inf,
     ) -> None:
-        if block_size < 1 or MOONCAKE_BLOCK_TOKENS % block_size:  # before reading the file
+        if block_size < 1 or self.block_tokens % block_size:  # before reading the file
             raise WorkloadError(
-                f"block_size must divide {MOONCAKE_BLOCK_TOKENS} to replay a Mooncake trace, "
-                f"got {block_size}"
+                f"block_size must divide {self.block_tokens} to replay a {self.label} trace, got {block_size}"
             )
         super().__init__(
-            read_mooncake(path),
+            self.read(path),
             rng,
-            trace_block_tokens=MOONCAKE_BLOCK_TOKENS,
+            trace_block_tokens=self.block_tokens,
             block_size=block_size,
             time_scale=time_scale,
             duration_s=duration_s,
@@ -395,35 +401,23 @@ class MooncakeTraceWorkload(BlockTraceWorkload):
         self.path = Path(path)
 
 
-class BailianTraceWorkload(BlockTraceWorkload):
+class MooncakeTraceWorkload(_BlockTraceFile):
+    """Replay of a Mooncake trace (512-token blocks, no sessions). Kind: ``trace``."""
+
+    name = "mooncake"
+    label = "Mooncake"
+    block_tokens = MOONCAKE_BLOCK_TOKENS
+    read = staticmethod(read_mooncake)
+
+
+class BailianTraceWorkload(_BlockTraceFile):
     """Replay of a Qwen-Bailian trace (16-token blocks; sessions from ``parent_chat_id``).
     Kinds: the trace's request ``type`` (text, search, image, file)."""
 
     name = "bailian"
-
-    def __init__(
-        self,
-        path: str | Path,
-        rng: np.random.Generator,
-        *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        time_scale: float = 1.0,
-        duration_s: float = math.inf,
-    ) -> None:
-        if block_size < 1 or BAILIAN_BLOCK_TOKENS % block_size:
-            raise WorkloadError(
-                f"block_size must divide {BAILIAN_BLOCK_TOKENS} to replay a Qwen-Bailian trace, "
-                f"got {block_size}"
-            )
-        super().__init__(
-            read_bailian(path),
-            rng,
-            trace_block_tokens=BAILIAN_BLOCK_TOKENS,
-            block_size=block_size,
-            time_scale=time_scale,
-            duration_s=duration_s,
-        )
-        self.path = Path(path)
+    label = "Qwen-Bailian"
+    block_tokens = BAILIAN_BLOCK_TOKENS
+    read = staticmethod(read_bailian)
 
 
 @dataclass(frozen=True, slots=True)
