@@ -123,9 +123,9 @@ class LLMD(RouterPolicy):
 
     What differs from the original: the prefix score comes from the host's index (llm-d's
     approximate producer hashes 64-token blocks of its own decisions, LRU-bounded per server),
-    and the in-flight count is per router instance, as llm-d's is per EPP replica. The issue
-    text said "match >= 0.8, with a TTFT gate": that is the filter, and the gate's default TTFT
-    source is the in-flight token estimate above, not the latency predictor.
+    and the in-flight count is per router instance, as llm-d's is per EPP replica. The filter's
+    TTFT gate reads the in-flight token estimate above (its default source), not llm-d's latency
+    predictor.
 
     Complexity: O(R log R) per decision.
     """

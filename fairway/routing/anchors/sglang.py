@@ -21,7 +21,34 @@ from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id
 OWNER_CAPACITY = 1 << 18
 
 
-class SGLang(RouterPolicy):
+class _CacheAware(RouterPolicy):
+    """What both SGLang rules share: their options and the fleet-wide imbalance switch (max -
+    min load > ``balance_abs_threshold`` and max > ``balance_rel_threshold`` * min, load =
+    outstanding requests). O(R)."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        block_size: int = 16,
+        rng: np.random.Generator | None = None,
+        *,
+        balance_abs_threshold: float = 64,
+        balance_rel_threshold: float = 1.5,
+        cache_threshold: float = 0.3,
+    ):
+        super().__init__(clock, cost, block_size, rng)
+        self.balance_abs_threshold = float(balance_abs_threshold)
+        self.balance_rel_threshold = float(balance_rel_threshold)
+        self.cache_threshold = float(cache_threshold)
+
+    def imbalanced(self, ss: Sequence[ReplicaState]) -> bool:
+        loads = [s.outstanding for s in ss]
+        mx, mn = max(loads), min(loads)
+        return mx - mn > self.balance_abs_threshold and mx > self.balance_rel_threshold * mn
+
+
+class SGLang(_CacheAware):
     """``sglang``: SGLang Model Gateway's ``cache_aware`` policy (SMG, 2026).
 
     Where: lightseekorg/smg (the gateway's home since it left sgl-project/sglang's
@@ -59,30 +86,17 @@ class SGLang(RouterPolicy):
     block tokens over prompt tokens, and the index (capacity-bounded, corrected by the engines'
     reports) can know more than the gateway's tree. SMG's two KV-usage triggers for the switch
     are off by default (thresholds 1.0) and not modelled, nor is its event-driven mode (gRPC with
-    KV events). There is no per-request spill gate in ``cache_aware`` at this commit (issue 22
-    describes one: "load > 1.5x mean and > mean + 64"); SMG's ``prefix_hash`` policy has a
-    per-request bound (load > 1.25 x mean), which is another anchor's.
+    KV events). There is no per-request spill gate in ``cache_aware`` at this commit; SMG's
+    ``prefix_hash`` policy has a per-request bound (load > 1.25 x mean), which is another
+    anchor's.
 
     Complexity: O(R log R) per decision plus O(prompt blocks) to remember the first holders.
     """
 
     name = "sglang"
 
-    def __init__(
-        self,
-        clock: Clock,
-        cost: CostModel,
-        block_size: int = 16,
-        rng: np.random.Generator | None = None,
-        *,
-        balance_abs_threshold: float = 64,
-        balance_rel_threshold: float = 1.5,
-        cache_threshold: float = 0.3,
-    ):
-        super().__init__(clock, cost, block_size, rng)
-        self.balance_abs_threshold = float(balance_abs_threshold)
-        self.balance_rel_threshold = float(balance_rel_threshold)
-        self.cache_threshold = float(cache_threshold)
+    def __init__(self, *args: object, **options: object):
+        super().__init__(*args, **options)  # type: ignore[arg-type]
         self._processed: dict[int, int] = {}  # replica -> requests this policy sent there
         # block hash -> the first replica this policy sent a request holding it (the tree
         # node's first tenant); insertion-ordered, so the oldest go first past OWNER_CAPACITY
@@ -109,14 +123,12 @@ class SGLang(RouterPolicy):
             if h not in owner:
                 owner[h] = pick
         while len(owner) > OWNER_CAPACITY:
-            owner.popitem(last=False)  # O(1); deleting a plain dict's first key again and again is O(n) each
+            owner.popitem(last=False)  # O(1), where deleting a plain dict's first key rescans
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
-        loads = [s.outstanding for s in ss]
-        mx, mn = max(loads), min(loads)
         pick: ReplicaState
-        if mx - mn > self.balance_abs_threshold and mx > self.balance_rel_threshold * mn:
+        if self.imbalanced(ss):
             self.last_reason = "imbalanced"
             pick = min(ss, key=self._key)
         else:
@@ -134,7 +146,7 @@ class SGLang(RouterPolicy):
         return ranks_of([pick.replica], (s.replica for s in rest))
 
 
-class SGLangClassic(RouterPolicy):
+class SGLangClassic(_CacheAware):
     """``sglang-classic``: sgl-router's ``cache_aware`` policy as it stood before December 2025.
 
     Where: sgl-project/sglang, ``sgl-router/src/policies/cache_aware.rs`` (before PR 14650).
@@ -145,35 +157,16 @@ class SGLangClassic(RouterPolicy):
     best-matched replica (``"affinity"``); otherwise the one with the smallest tree
     (``"smallest-tree"``). Ties (several best-matched or smallest) go to the lower load, then
     the id. The others follow by load. Like Ray, SGLang matches characters; we match blocks.
-    Kept as this project modelled it before issue 22, unchanged (the ``sglang`` anchor is the
-    2026 gateway's rule).
+    The ``sglang`` anchor is the 2026 gateway's rule.
 
     Options: balance_abs_threshold = 64, balance_rel_threshold = 1.5, cache_threshold = 0.3.
     """
 
     name = "sglang-classic"
 
-    def __init__(
-        self,
-        clock: Clock,
-        cost: CostModel,
-        block_size: int = 16,
-        rng: np.random.Generator | None = None,
-        *,
-        balance_abs_threshold: float = 64,
-        balance_rel_threshold: float = 1.5,
-        cache_threshold: float = 0.3,
-    ):
-        super().__init__(clock, cost, block_size, rng)
-        self.balance_abs_threshold = float(balance_abs_threshold)
-        self.balance_rel_threshold = float(balance_rel_threshold)
-        self.cache_threshold = float(cache_threshold)
-
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
         ss = by_id(states)
-        loads = [s.outstanding for s in ss]
-        mx, mn = max(loads), min(loads)
-        if mx - mn > self.balance_abs_threshold and mx > self.balance_rel_threshold * mn:
+        if self.imbalanced(ss):
             self.last_reason = "imbalanced"
             cand = ss
         else:
