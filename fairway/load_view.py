@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
+from fairway.prefix_index import prefix_walk
 
 #: Routed requests per replica behind its routed-work rate: 32 arrivals put the relative standard
 #: error of a Poisson rate estimate near 1/sqrt(32) = 18%, and span a few seconds to a minute of a
@@ -248,10 +249,15 @@ class LoadView:
         ``on_prefill_done`` it leaves the estimated prefill end alone, so a host that reports
         first tokens for llm-d's sake changes nothing the other policies read. Idempotent;
         unknown ids are ignored. O(1)."""
+        if rid in self._held:
+            self._release_held(rid, self._req[rid].replica)
+            self._version += 1
+
+    def _release_held(self, rid: int, j: int) -> None:
+        """``rid``'s held prefill tokens leave replica ``j``'s count (none held: nothing). O(1)."""
         tok = self._held.pop(rid, None)
         if tok is not None:
-            self._ptok[self._req[rid].replica] -= tok
-            self._version += 1
+            self._ptok[j] -= tok
 
     def track_blocks(self, rid: int, hashes: Sequence[int]) -> None:
         """Record the prompt block hashes of the routed request ``rid`` (after ``on_routed``) as
@@ -280,28 +286,8 @@ class LoadView:
 
         Complexity: O(blocks matched on some replica + 1) dict probes plus O(replicas): a
         replica leaves the walk at its first miss, the walk ends when none is left."""
-        n = len(hashes)
-        out = [n] * len(self._ab)
-        alive = (1 << len(self._ab)) - 1
-        where = self._abw
-        i = 0
-        for h in hashes:
-            m = where.get(h, 0) & alive
-            if m != alive:
-                gone = alive & ~m
-                while gone:
-                    low = gone & -gone
-                    out[low.bit_length() - 1] = n - i
-                    gone ^= low
-                alive = m
-                if not alive:
-                    return out
-            i += 1
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = 0
-            alive ^= low
-        return out
+        n, held = len(hashes), prefix_walk(self._abw, (1 << len(self._ab)) - 1, hashes, len(self._ab))
+        return [n - k for k in held]
 
     def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
         """A running ``rid`` went back to its engine's waiting queue (preempted, to be
@@ -336,9 +322,7 @@ class LoadView:
             self._unqueue(t)
         self._out[t.replica] -= 1
         self._blocks[t.replica] -= t.blocks
-        tok = self._held.pop(rid, None)
-        if tok is not None:
-            self._ptok[t.replica] -= tok
+        self._release_held(rid, t.replica)
         self._untrack_blocks(rid, t.replica)
         self._version += 1
 

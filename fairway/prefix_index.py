@@ -40,7 +40,7 @@ Layout, and why lookups cost O(prompt blocks), not O(replicas x blocks):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import Iterable, KeysView, Mapping, Sequence
 from itertools import filterfalse, groupby, repeat
 from operator import itemgetter
 
@@ -49,6 +49,28 @@ from fairway.hashing import longest_cached_prefix
 APPROX = "approx"
 EVENTS = "events"
 MODES = (APPROX, EVENTS)
+
+
+def prefix_walk(where: Mapping[int, int], alive: int, hashes: Sequence[int], n: int) -> list[int]:
+    """For each of ``n`` replicas (index = id), how many leading ``hashes`` it holds, where
+    ``where`` maps a hash to the bitmask of the replicas holding it and ``alive`` is the mask of
+    the replicas to walk (the others get 0). Each replica leaves the walk at its first miss, and
+    the walk stops once none is left: O(matched blocks + 1) dict probes plus O(n), never
+    O(n x blocks). Shared by the prefix index and the load view's active blocks."""
+    out = [0] * n
+    if not alive:
+        return out
+    i = 0
+    for h in hashes:
+        m = where.get(h, 0) & alive
+        if m != alive:
+            _scatter(out, alive & ~m, i)  # each replica leaves the walk once: O(n) in total
+            alive = m
+            if not alive:
+                return out
+        i += 1
+    _scatter(out, alive, i)
+    return out
 
 
 def _scatter(out: list[int], mask: int, value: int) -> None:
@@ -156,22 +178,7 @@ class PrefixIndex:
         Complexity: O(matched blocks + 1) dict probes plus O(num_replicas) to write the result;
         never O(replicas x blocks).
         """
-        out = [0] * len(self._lru)
-        alive = self._all
-        if not alive:
-            return out
-        where = self._where
-        i = 0
-        for h in hashes:
-            m = where.get(h, 0) & alive
-            if m != alive:
-                _scatter(out, alive & ~m, i)  # each replica leaves the walk once: O(replicas) in total
-                alive = m
-                if not alive:
-                    return out
-            i += 1
-        _scatter(out, alive, i)
-        return out
+        return prefix_walk(self._where, self._all, hashes, len(self._lru))
 
     def match_tiers(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
         """``match`` split by tier: ``(matched, host)`` per replica, where ``matched[j]`` is
