@@ -123,9 +123,17 @@ class RequestTooLarge(ReplicaError):
 
 
 class UnsupportedParameter(ReplicaError):
-    """The engine cannot honour one of the request's parameters (the message names it): HTTP 400."""
+    """The engine cannot honour one of the request's parameters: HTTP 400 naming it (``param``:
+    the request field, None when the engine does not say which)."""
 
     status = 400
+
+    def __init__(self, message: str, retry_after_s: float | None = None, param: str | None = None) -> None:
+        super().__init__(message, retry_after_s)
+        self.param = param
+
+    def __reduce__(self):  # keep the fields across pickling (Ray)
+        return (type(self), (self.message, self.retry_after_s, self.param))
 
 
 class EngineFailed(ReplicaError):

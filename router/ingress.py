@@ -130,9 +130,7 @@ def map_error(e: BaseException) -> HTTPError:
     cause = getattr(e, "cause", None)
     for x in (e, cause):
         if isinstance(x, UnsupportedParameter):
-            word = x.message.split(" ", 1)[0]
-            named = word in CompletionRequest.model_fields or word in ChatCompletionRequest.model_fields
-            return HTTPError(400, x.message, None, "unsupported_parameter", word if named else None)
+            return HTTPError(400, x.message, None, "unsupported_parameter", x.param)
         if isinstance(x, ReplicaError):
             reason = {429: "queue_full", 400: "too_long", 504: "stalled"}.get(x.status, "engine_failed")
             return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason)
@@ -364,16 +362,17 @@ class FairwayIngress:
     @staticmethod
     async def _collect(stream: _Stream, first: TokenChunk, out: _Output) -> tuple[str, TokenChunk]:
         """A whole answer's text and last chunk, ended early at a stop (the replica's call then
-        ends at once)."""
-        text, last = out.push(first), first
+        ends at once). O(output): the pieces are joined once."""
+        parts, last = [out.push(first)], first
         if not (first.finished or out.stopped):
             async for c in stream.rest():
-                text, last = text + out.push(c), c
+                parts.append(out.push(c))
+                last = c
                 if out.stopped:
                     break
         if out.stopped:
             stream.stop()
-        return text, last
+        return "".join(parts), last
 
     # -- response shapes ---------------------------------------------------------------------
 

@@ -74,10 +74,11 @@ def check_sim_params(call: GenerateCall) -> None:
                               ("repetition_penalty", call.repetition_penalty, 1.0)):
         if value != noop:
             raise UnsupportedParameter(f"{name} is not supported by the sim engine (its tokens are not sampled "
-                                       f"from a distribution a penalty could change); use {noop:g} or omit it")
+                                       f"from a distribution a penalty could change); use {noop:g} or omit it",
+                                       param=name)
     if call.logit_bias:
         raise UnsupportedParameter("logit_bias is not supported by the sim engine (its tokens are not sampled "
-                                   "from logits); omit it")
+                                   "from logits); omit it", param="logit_bias")
 
 
 @dataclass(slots=True)
