@@ -123,10 +123,11 @@ class Run:
 
     def config(self) -> RunConfig:
         p = self.point
+        router, options = parse_spec(self.router)
         return RunConfig(
             workload=p.workload, policy="fairway", rate=1.0 if p.scale else p.load,
             time_scale=p.load if p.scale else 1.0, duration_s=p.duration_s if p.duration_s else 1e9,
-            replicas=self.replicas, router=_name(self.router), router_options=_options(self.router),
+            replicas=self.replicas, router=router, router_options=options,
             index_mode=self.view, seed=self.seed,
         )
 
@@ -137,14 +138,6 @@ class Run:
         digest = hashlib.sha1(cfg.encode()).hexdigest()[:10]
         slug = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{self.point.label}-{self.router}-{self.view}-s{self.seed}")
         return f"{slug}-{digest}"
-
-
-def _name(spec: str) -> str:
-    return parse_spec(spec)[0]
-
-
-def _options(spec: str) -> dict[str, Any]:
-    return parse_spec(spec)[1]
 
 
 #: The figures kept from a run's summary (the rest stays in the simulator's own JSON).
