@@ -141,7 +141,7 @@ class _Common(BaseModel):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         return v or None
 
-    @field_validator("best_of", "logprobs")
+    @field_validator(*REFUSED, check_fields=False)  # each model has its own subset of them
     @classmethod
     def _refused(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse(v, info)
@@ -157,11 +157,6 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = Field(False, description="the prompt's text before the completion's")
     suffix: str | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _refused_too(cls, v: Any, info: ValidationInfo) -> Any:
-        return _refuse(v, info)
 
     @field_validator("prompt")
     @classmethod
@@ -259,13 +254,6 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-
-    @field_validator("top_logprobs", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
-                     "modalities", "prediction", "web_search_options", "moderation", "reasoning_effort", "verbosity",
-                     "store", "metadata", "service_tier", "prompt_cache_retention", "prompt_cache_options")
-    @classmethod
-    def _refused_chat(cls, v: Any, info: ValidationInfo) -> Any:
-        return _refuse(v, info)
 
     @field_validator("messages")
     @classmethod
