@@ -22,12 +22,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from observability.exporter import free_port
 
 MODEL = "fairway-tiny"
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,12 +76,6 @@ def serve(port: int, interval_s: float) -> None:
     app.dependency_overrides[current_ingress] = lambda: ingress
     ingress_mod.current_ingress = lambda: ingress
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_up(url: str, timeout_s: float = 60) -> None:
