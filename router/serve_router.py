@@ -192,6 +192,18 @@ class FairwayRequestRouter(RequestRouter):
 
     # -- stats from the replicas ---------------------------------------------------------------
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray calls this with the running replicas whenever their set or their routing stats
+        change (the controller broadcasts every ``request_routing_stats_period_s``). The stats
+        are applied here too, not only at the next decision, so the load view, the index's
+        feedback and the cached-token counters are current within one stats period of a request
+        finishing, whether or not more requests come. O(replicas + tracked requests)."""
+        super().update_replicas(replicas)
+        for rep in replicas:
+            stats = rep.routing_stats
+            if stats:
+                self._apply_stats(self._index_of(rep.replica_id), stats)
+
     def _apply_stats(self, j: int, stats: dict[str, Any]) -> None:
         taken = float(stats.get("taken_at", 0.0))
         if not taken or self._seen_stats.get(j) == taken:

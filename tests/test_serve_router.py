@@ -136,6 +136,26 @@ async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
     assert "iid-a" not in r._routed and "a" in r._done and 0 not in r.load
 
 
+def test_replica_updates_apply_stats_without_another_decision(monkeypatch):
+    """Ray calls ``update_replicas`` on every stats broadcast. The finished request's cached-token
+    report is taken in then, not at the next decision, so the counters do not lag when no request
+    follows."""
+    from ray.serve.request_router import RequestRouter
+
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Ray's own bookkeeping
+    r, _, j = one_replica()
+    book(r, j, "a", 4096, routed_at=T0 - 5.0)
+    r._routed["iid-a"].sent = True
+    r.on_request_completed(replica("replica-0").replica_id, "iid-a")
+    assert "a" in r._done
+    r.update_replicas([replica("replica-0", {"taken_at": T0, "waiting_ids": [], "prefilling": {},
+                                             "recent_cached": {"a": 1024}, "kv_usage": 0.25})])
+    assert "a" not in r._done  # its feedback was applied
+    assert r.load.snapshot().kv_usage[j] == 0.25
+    r.update_replicas([replica("replica-1")])  # a replica without stats yet: nothing to apply
+    assert "replica-1" not in r._ids
+
+
 async def settle() -> None:
     """Let the loop run the futures' done callbacks (scheduled with call_soon)."""
     import asyncio
