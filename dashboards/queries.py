@@ -51,7 +51,7 @@ class Query:
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return tuple(sorted(set(re.findall(r"\bfairway_[a-z_]+", self.expr))))
+        return tuple(sorted(set(re.findall(r"\bfairway_[a-z0-9_]+", self.expr))))
 
 
 def promql(expr: str, rate_interval: str = "30s") -> str:
@@ -99,7 +99,8 @@ PANELS: tuple[Panel, ...] = (
         "timeseries",
         "s",
         "Latency",
-        description="histogram_quantile over fairway_ttft_seconds{level=router}: ingress arrival to first token.",
+        description="histogram_quantile over fairway_ttft_seconds{level=router}: from the moment the ingress has "
+                    "the request's headers to its first token there (what the client waits for).",
     ),
     Panel(
         "overview",
@@ -108,9 +109,21 @@ PANELS: tuple[Panel, ...] = (
         "timeseries",
         "s",
         "Latency",
-        description="The same TTFT as measured at the replica (arrival stamped by the ingress).",
+        description="The TTFT as measured at the replica: from the ingress sending the request (after "
+                    "tokenization) to the first token at the replica.",
     ),
     Panel("overview", "queue_wait", "Queue wait p50 / p90 per lane", "timeseries", "s", "Latency"),
+    Panel(
+        "overview",
+        "ttft_parts",
+        "Where the time goes (p90)",
+        "timeseries",
+        "s",
+        "Latency",
+        description="p90 of each stage: ingress (headers -> sent to the replicas: body, tokenization), routing "
+                    "hop (sent -> at the replica's gate), gate wait, prefill (admission -> first token), beside "
+                    "the client's TTFT and end-to-end time as the ingress measures them.",
+    ),
     Panel(
         "overview",
         "lane_split",
@@ -191,6 +204,12 @@ QUERIES: tuple[Query, ...] = (
     Query("ttft_lane_replica_level", "A", _q(0.9, "fairway_ttft_seconds", "lane", 'level="replica"'), "{{lane}} p90"),
     Query("queue_wait", "A", _q(0.5, "fairway_queue_wait_seconds", "lane", 'level="replica"'), "{{lane}} p50"),
     Query("queue_wait", "B", _q(0.9, "fairway_queue_wait_seconds", "lane", 'level="replica"'), "{{lane}} p90"),
+    Query("ttft_parts", "A", _q(0.9, "fairway_ingress_seconds", "level", 'level="router"'), "ingress"),
+    Query("ttft_parts", "B", _q(0.9, "fairway_dispatch_seconds", "level", 'level="replica"'), "routing hop"),
+    Query("ttft_parts", "C", _q(0.9, "fairway_queue_wait_seconds", "level", 'level="replica"'), "gate wait"),
+    Query("ttft_parts", "D", _q(0.9, "fairway_prefill_seconds", "level", 'level="replica"'), "prefill"),
+    Query("ttft_parts", "E", _q(0.9, "fairway_ttft_seconds", "level", 'level="router"'), "TTFT (client)"),
+    Query("ttft_parts", "F", _q(0.9, "fairway_e2e_seconds", "level", 'level="router"'), "end to end"),
     # -- traffic and lanes ------------------------------------------------------------------
     Query(
         "lane_split",

@@ -22,8 +22,10 @@ class GenerateCall:
 
     Invariants: ``len(block_hashes) == len(prompt_token_ids) // block_size`` (full prompt blocks
     only, chained, tenant-salted as ``fairway/hashing.py`` computes them); ``max_tokens >= 1``.
-    ``arrival_s`` is the ingress's wall-clock receive time (``time.time()``), so TTFT counts the
-    routing hop too.
+    ``arrival_s`` is the wall-clock time (``time.time()``) the ingress sent it, after validation
+    and tokenization, so a replica's TTFT counts the routing hop too; ``received_s`` is when the
+    ingress had the request's headers (0 when unknown: then ``arrival_s``), where the client's wait
+    starts.
     """
 
     request_id: str
@@ -37,6 +39,7 @@ class GenerateCall:
     cache_salt: str | None = None  # tenant salt folded into the first block's hash
     tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
     session: str = ""  # the client's session key ("" for none): session-affinity routers key on it
+    received_s: float = 0.0  # wall time the ingress had the headers (0: unknown, take arrival_s)
     # Sampling beyond temperature (OpenAI's names); an engine honours each or raises
     # ``UnsupportedParameter`` naming it. Defaults are the no-op values.
     seed: int | None = None  # same seed + prompt + parameters -> same output

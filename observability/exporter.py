@@ -64,8 +64,20 @@ class MetricSpec:
 
 
 METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("ttft", "histogram", "fairway_ttft_seconds", "Time to first token (ingress arrival to first token)."),
+    MetricSpec("ttft", "histogram", "fairway_ttft_seconds",
+               "Time to first token. Level router: the ingress has the request's headers -> its first token at the "
+               "ingress (what the client waits for). Level replica: the ingress sent it -> first token at the "
+               "replica."),
+    MetricSpec("e2e", "histogram", "fairway_e2e_seconds",
+               "Level router: the ingress has the request's headers -> the answer's last token at the ingress."),
+    MetricSpec("ingress", "histogram", "fairway_ingress_seconds",
+               "Level router: the ingress has the request's headers -> it sends the request to the replicas "
+               "(body, validation, tokenization, hashing)."),
+    MetricSpec("dispatch", "histogram", "fairway_dispatch_seconds",
+               "Level replica: the ingress sent the request -> the replica's gate has it (routing and transfer)."),
     MetricSpec("queue_wait", "histogram", "fairway_queue_wait_seconds", "Replica gate arrival to engine admission."),
+    MetricSpec("prefill", "histogram", "fairway_prefill_seconds",
+               "Level replica: engine admission -> first token (the prefill and any wait inside the engine)."),
     MetricSpec("requests", "counter", "fairway_requests_total", "Finished requests by lane and status."),
     MetricSpec("promotions", "counter", "fairway_lane_promotions_total", "Requests promoted to the fair lane."),
     MetricSpec("queue_depth", "gauge", "fairway_queue_depth", "Requests waiting in the replica gate, per lane."),

@@ -116,6 +116,10 @@ _GAUGES = (
 _HISTOGRAMS = {
     "ttft": TTFT_BUCKETS_S,  # (lane, replica)
     "queue_wait": QUEUE_WAIT_BUCKETS_S,  # (lane, replica)
+    "e2e": TTFT_BUCKETS_S,  # (lane, replica): level router, headers -> the answer's last token
+    "ingress": QUEUE_WAIT_BUCKETS_S,  # (): level router, headers -> sent to the replicas
+    "dispatch": QUEUE_WAIT_BUCKETS_S,  # (replica,): level replica, sent by the ingress -> at the gate
+    "prefill": QUEUE_WAIT_BUCKETS_S,  # (lane, replica): level replica, engine admission -> first token
     "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
 }
 # The label names of each series key, in key order.
@@ -140,6 +144,10 @@ LABELS: dict[str, tuple[str, ...]] = {
     "prefix_view_exact": (),
     "ttft": ("lane", "replica"),
     "queue_wait": ("lane", "replica"),
+    "e2e": ("lane", "replica"),
+    "ingress": (),
+    "dispatch": ("replica",),
+    "prefill": ("lane", "replica"),
     "cache_estimate_error": ("replica",),
 }
 COUNTERS = _COUNTERS
@@ -198,8 +206,28 @@ class FairwayStats:
     # -- the recording API (hot path, O(1) / O(log B)) ----------------------------------------
 
     def observe_ttft(self, lane: str, seconds: float, replica: str = "") -> None:
-        """Time to first token of one request (ingress arrival -> first token)."""
+        """Time to first token of one request: level router, from the moment the ingress had the
+        request's headers to its first token there (what the client waits for); level replica,
+        from the ingress sending it to the first token at the replica."""
         self._observe("ttft", (lane, self._replica(replica)), _clamp0(seconds))
+
+    def observe_e2e(self, lane: str, seconds: float, replica: str = "") -> None:
+        """Headers at the ingress -> the answer's last token there, of one finished request."""
+        self._observe("e2e", (lane, self._replica(replica)), _clamp0(seconds))
+
+    def observe_ingress(self, seconds: float) -> None:
+        """Headers at the ingress -> the request sent to the replicas: body, validation,
+        tokenization, hashing (and any wait for the ingress's event loop or tokenizer threads)."""
+        self._observe("ingress", (), _clamp0(seconds))
+
+    def observe_dispatch(self, seconds: float, replica: str = "") -> None:
+        """The ingress sending a request -> the replica's gate having it: Ray's routing (the
+        request router's decision, its wait for a replica slot) and the transfer."""
+        self._observe("dispatch", (self._replica(replica),), _clamp0(seconds))
+
+    def observe_prefill(self, lane: str, seconds: float, replica: str = "") -> None:
+        """Admission into the engine -> the first token: the prefill, and any wait inside the engine."""
+        self._observe("prefill", (lane, self._replica(replica)), _clamp0(seconds))
 
     def observe_queue_wait(self, lane: str, seconds: float, replica: str = "") -> None:
         """Gate arrival -> admission into the engine of one request."""

@@ -292,6 +292,8 @@ class AdmissionGate:
         if full:
             self._reject("queue_full")
             raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=max(1.0, round(wait, 1)))
+        if self.stats is not None:
+            self.stats.observe_dispatch(time.time() - call.arrival_s, replica=self.replica)
         rid = self._seq
         self._seq += 1
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -378,6 +380,7 @@ class AdmissionGate:
         cached = 0
         ttft = 0.0
         produced = 0
+        admitted_at = time.time()
         async for out in self.engine.generate(call):
             self._progress()
             produced += len(out.token_ids)
@@ -390,6 +393,7 @@ class AdmissionGate:
                 ttft = max(0.0, time.time() - call.arrival_s)
                 if self.stats is not None:
                     self.stats.observe_ttft(adm.lane, ttft, replica=self.replica)
+                    self.stats.observe_prefill(adm.lane, time.time() - admitted_at, replica=self.replica)
                 self._fill(chunk, n, cached, adm, ttft)
                 progress["prefilled"] = True
                 self._prefill_over(adm)

@@ -15,8 +15,10 @@ never hold is 400. A failure after the stream started ends the stream with an er
 ``[DONE]``, so a client never hangs. A client that disconnects has its call cancelled at the
 replica, which aborts the request in its gate and engine (queue slot and KV blocks freed).
 
-Metrics (level "router"): TTFT as the client sees it, per lane; requests by status; rejects by
-reason.
+Metrics (level "router"): TTFT as the client sees it (from the moment this ingress has the
+request's headers, stamped by ``ReceivedAt``, to the first token here), per lane; end-to-end
+latency; the ingress's own share (headers -> sent to the replicas); requests by status; rejects by
+reason. docs/observability.md says where each of the replicas' timings starts and ends.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
 #: the client's session key, for session-affinity routers (``session_of``)
 SESSION_HEADER = "X-Session-Id"
+#: where ``ReceivedAt`` puts the time the ingress had a request's headers, in its ASGI scope state
+RECEIVED_KEY = "fairway_received_s"
 
 app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
 
@@ -239,7 +243,7 @@ class FairwayIngress:
                             reason="unknown_model")
 
     def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int,
-              who: Principal = NO_AUTH, session: str = "") -> GenerateCall:
+              who: Principal = NO_AUTH, session: str = "", received_s: float = 0.0) -> GenerateCall:
         n = len(ids)
         if n == 0:
             raise HTTPError(400, "prompt must not be empty", reason="bad_request")
@@ -269,6 +273,7 @@ class FairwayIngress:
             cache_salt=salt,
             tenant=who.tenant,
             session=session,
+            received_s=received_s,
             seed=body.seed,
             top_p=body.top_p,
             frequency_penalty=body.frequency_penalty,
@@ -286,7 +291,7 @@ class FairwayIngress:
                 self._check_text_bytes(body.prompt)
                 ids = await self._off_loop(self.tokenizer.encode, body.prompt)
             call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
-                              session_of(body, request))
+                              session_of(body, request), received_at(request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=False, request=request)
@@ -304,7 +309,8 @@ class FairwayIngress:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
                 max_tokens = max(1, self.args.max_model_len - len(ids))
-            call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request))
+            call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
+                              received_at(request))
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=True, request=request)
@@ -335,6 +341,8 @@ class FairwayIngress:
         return e.response()
 
     async def _respond(self, call: GenerateCall, body: Any, chat: bool, request: Request | None = None) -> Any:
+        if self.stats is not None and call.received_s:
+            self.stats.observe_ingress(call.arrival_s - call.received_s)
         gen = self.handle.generate.remote(call)
         stream = _Stream(self, call, gen)
         out = _Output(self.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
@@ -343,7 +351,7 @@ class FairwayIngress:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
             # at once when the client goes away; a stream's own disconnects are seen by the
             # streaming response
-            first = await unless_gone(request, stream.first())
+            first = await unless_gone(request, stream.first(sent=not body.stream))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
@@ -456,6 +464,7 @@ class FairwayIngress:
         last = first
         try:
             yield frame([choice(first, self._echo(call, body, chat), role=True)])
+            stream.sent_first()  # the first event is written: the client has its first token
             if not out.stopped:
                 async for c in stream.rest():
                     last = c
@@ -557,6 +566,7 @@ class _Stream:
         self.gen = gen
         self.ttft_s = 0.0
         self.lane = ""
+        self.replica = ""
         self.done = False
 
     async def _next(self) -> TokenChunk:
@@ -570,17 +580,27 @@ class _Stream:
         except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP status
             raise map_error(e) from e
 
-    async def first(self) -> TokenChunk:
+    async def first(self, sent: bool = True) -> TokenChunk:
+        """The first chunk. Its TTFT is taken now when the answer is a whole one (``sent``), else
+        by ``sent_first`` once the first event has been written (what a streaming client waits
+        for)."""
         c = await self._next()
-        self.ttft_s = max(0.0, time.time() - self.call.arrival_s)
         self.lane = c.lane
-        st = self.ingress.stats
-        if st is not None:
-            st.observe_ttft(c.lane, self.ttft_s, replica=c.replica)
-            st.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
+        self.replica = c.replica
+        if self.ingress.stats is not None:
+            self.ingress.stats.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
+        if sent:
+            self.sent_first()
         if c.finished:
             self._finish("ok")
         return c
+
+    def sent_first(self) -> None:
+        """Record the TTFT: from the headers (``ReceivedAt``) to now. O(1)."""
+        self.ttft_s = max(0.0, time.time() - (self.call.received_s or self.call.arrival_s))
+        st = self.ingress.stats
+        if st is not None:
+            st.observe_ttft(self.lane, self.ttft_s, replica=self.replica)
 
     async def rest(self) -> AsyncIterator[TokenChunk]:
         if self.done:
@@ -621,8 +641,12 @@ class _Stream:
         if self.done:
             return
         self.done = True
-        if self.ingress.stats is not None:
-            self.ingress.stats.inc_requests(self.lane, status)
+        st = self.ingress.stats
+        if st is not None:
+            st.inc_requests(self.lane, status)
+            if status == "ok":
+                st.observe_e2e(self.lane, time.time() - (self.call.received_s or self.call.arrival_s),
+                               replica=self.replica)
 
 
 # -- routes ------------------------------------------------------------------------------------
@@ -635,6 +659,27 @@ def current_ingress() -> FairwayIngress:
     from ray import serve
 
     return serve.get_replica_context().servable_object
+
+
+class ReceivedAt:
+    """ASGI middleware, the outermost: stamps the wall time this ingress had the request's
+    headers into its scope (``received_at``), where the client's wait starts; everything after it
+    (the guards, the body, validation, tokenization) counts toward the TTFT it exports. O(1)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[RECEIVED_KEY] = time.time()
+        await self.app(scope, receive, send)
+
+
+def received_at(request: Request | None) -> float:
+    """The wall time ``ReceivedAt`` stamped on ``request`` (0 when unknown: no middleware ran)."""
+    if request is None:
+        return 0.0
+    return request.scope.get("state", {}).get(RECEIVED_KEY, 0.0)
 
 
 def principal_of(request: Request | None) -> Principal:
@@ -673,7 +718,8 @@ def current_limits() -> RequestLimits:
 
 
 app.add_middleware(RequestGuard, limits=current_limits, on_reject=count_reject)
-app.add_middleware(AuthGuard, keys=current_keys, on_reject=count_reject)  # outermost: no body read for a bad key
+app.add_middleware(AuthGuard, keys=current_keys, on_reject=count_reject)  # no body read for a bad key
+app.add_middleware(ReceivedAt)  # outermost: the client's wait starts before any guard
 
 
 Ingress = Annotated[FairwayIngress, Depends(current_ingress)]

