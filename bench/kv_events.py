@@ -6,7 +6,8 @@ to reach a request router (``router.prefix_view: events``), with the real classe
 - the replica's ``KvPublisher``: merging stored / removed hashes, then building one batch;
 - the hub (``ViewHub.publish``): updating that replica's block set and appending the batch to the
   log; and one router's ``exchange`` reading it back;
-- the router: applying the batch to its exact index (``FairwayRequestRouter._apply_remote``).
+- the router: applying the batch to its exact index (its ledger's ``apply_remote``:
+  ``fairway/routing/bookings.py``).
 
 A batch is ``--batch`` stored and as many removed hashes (a steady cache: every store evicts
 one), over ``--replicas`` replicas. The figures are medians of ``--repeats`` runs. The actor
@@ -22,7 +23,8 @@ import time
 
 from bench.tables import md_table
 from fairway.clock import ManualClock
-from replicas.kv_publisher import KvPublisher
+from fairway.routing.view_log import KvFull
+from replicas.kv_publisher import KvPublisher, ReplicaEvent
 from router.serve_router import FairwayRequestRouter
 from router.view_hub import ViewHub
 
@@ -48,7 +50,7 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
         next_hash[0] += n
         return list(range(start, start + n))
 
-    async def never(events: list[tuple]) -> bool:
+    async def never(events: list[ReplicaEvent]) -> bool:
         return False
 
     pubs = [KvPublisher(uid, never, list) for uid in uids]
@@ -56,10 +58,10 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
         p._full = False
     held = {uid: hashes(batch) for uid in uids}
     for uid in uids:
-        hub.publish("replica:" + uid, [("kv-full", uid, held[uid])], now=0.0)
-        router._apply_remote(("kv-full", uid, held[uid]))
+        hub.publish("replica:" + uid, [KvFull(uid, held[uid])], now=0.0)
+        router.bookings.apply_remote(KvFull(uid, held[uid]))
     n = 2 * batch * replicas  # hashes per round: stored + removed on every replica
-    batches: list[list[tuple]] = []
+    batches: list[list[ReplicaEvent]] = []
 
     def publisher() -> None:
         batches.clear()
@@ -80,7 +82,7 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
     def router_round() -> None:
         for events in batches:
             for e in events:
-                router._apply_remote(e)
+                router.bookings.apply_remote(e)
 
     out: dict[str, list[float]] = {"publisher": [], "hub": [], "router": []}
     for _ in range(repeats):
@@ -88,7 +90,7 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
         out["hub"].append(_timed(hub_round, n))
         out["router"].append(_timed(router_round, n))
     exact = router.index.exact
-    same = all(set(exact.blocks(router._ids[uid])) == hub.kv[uid] == set(held[uid]) for uid in uids)
+    same = all(set(exact.blocks(router.bookings.index_of(uid))) == hub.kv[uid] == set(held[uid]) for uid in uids)
     return {k: statistics.median(v) * 1e6 for k, v in out.items()}, same
 
 
