@@ -21,11 +21,18 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 from bench.tables import md_table
 from fairway.clock import ManualClock
+from fairway.cost_model import CostModel
+from fairway.load_view import LoadView
+from fairway.routing import make_router
+from fairway.routing.bookings import Bookings
+from fairway.routing.fallback_index import FallbackIndex
+from fairway.routing.host import RoutingHost
 from fairway.routing.view_log import KvFull
 from replicas.kv_publisher import KvPublisher, ReplicaEvent
-from router.serve_router import FairwayRequestRouter
 from router.view_hub import ViewHub
 
 
@@ -39,9 +46,11 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
     """Microseconds per hash for each step (see the module docstring), and whether the router's
     exact index ends equal to the hub's block sets (the pipeline lost nothing)."""
     hub = ViewHub()
-    router = object.__new__(FairwayRequestRouter)
-    router.initialize_state(policy="fairway", metrics=False, clock=ManualClock(0.0), wall=lambda: 0.0,
-                            prefix_view="events")
+    clock, cost = ManualClock(0.0), CostModel.from_profile("h200-llama3-8b")
+    index = FallbackIndex(0)
+    host = RoutingHost(make_router("fairway", clock=clock, cost=cost, rng=np.random.default_rng(0)), index,
+                       LoadView(0, clock, cost))
+    router = Bookings(host, clock, wall=lambda: 0.0, exact=True)  # a router's ledger on the exact view
     uids = [f"replica-{j}" for j in range(replicas)]
     next_hash = [1]
 
@@ -59,7 +68,7 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
     held = {uid: hashes(batch) for uid in uids}
     for uid in uids:
         hub.publish("replica:" + uid, [KvFull(uid, held[uid])], now=0.0)
-        router.bookings.apply_remote(KvFull(uid, held[uid]))
+        router.apply_remote(KvFull(uid, held[uid]))
     n = 2 * batch * replicas  # hashes per round: stored + removed on every replica
     batches: list[list[ReplicaEvent]] = []
 
@@ -82,15 +91,15 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
     def router_round() -> None:
         for events in batches:
             for e in events:
-                router.bookings.apply_remote(e)
+                router.apply_remote(e)
 
     out: dict[str, list[float]] = {"publisher": [], "hub": [], "router": []}
     for _ in range(repeats):
         out["publisher"].append(_timed(publisher, n))
         out["hub"].append(_timed(hub_round, n))
         out["router"].append(_timed(router_round, n))
-    exact = router.index.exact
-    same = all(set(exact.blocks(router.bookings.index_of(uid))) == hub.kv[uid] == set(held[uid]) for uid in uids)
+    exact = index.exact
+    same = all(set(exact.blocks(router.replica(uid))) == hub.kv[uid] == set(held[uid]) for uid in uids)
     return {k: statistics.median(v) * 1e6 for k, v in out.items()}, same
 
 
