@@ -6,7 +6,8 @@ to reach a request router (``router.prefix_view: events``), with the real classe
 - the replica's ``KvPublisher``: merging stored / removed hashes, then building one batch;
 - the hub (``ViewHub.publish``): updating that replica's block set and appending the batch to the
   log; and one router's ``exchange`` reading it back;
-- the router: applying the batch to its exact index (``FairwayRequestRouter._apply_remote``).
+- the router: applying the batch to its exact index (its ledger's ``apply_remote``:
+  ``fairway/routing/bookings.py``).
 
 A batch is ``--batch`` stored and as many removed hashes (a steady cache: every store evicts
 one), over ``--replicas`` replicas. The figures are medians of ``--repeats`` runs. The actor
@@ -20,10 +21,18 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 from bench.tables import md_table
 from fairway.clock import ManualClock
-from replicas.kv_publisher import KvPublisher
-from router.serve_router import FairwayRequestRouter
+from fairway.cost_model import CostModel
+from fairway.load_view import LoadView
+from fairway.routing import make_router
+from fairway.routing.bookings import Bookings
+from fairway.routing.fallback_index import FallbackIndex
+from fairway.routing.host import RoutingHost
+from fairway.routing.view_log import KvFull
+from replicas.kv_publisher import KvPublisher, ReplicaEvent
 from router.view_hub import ViewHub
 
 
@@ -37,9 +46,11 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
     """Microseconds per hash for each step (see the module docstring), and whether the router's
     exact index ends equal to the hub's block sets (the pipeline lost nothing)."""
     hub = ViewHub()
-    router = object.__new__(FairwayRequestRouter)
-    router.initialize_state(policy="fairway", metrics=False, clock=ManualClock(0.0), wall=lambda: 0.0,
-                            prefix_view="events")
+    clock, cost = ManualClock(0.0), CostModel.from_profile("h200-llama3-8b")
+    index = FallbackIndex(0)
+    host = RoutingHost(make_router("fairway", clock=clock, cost=cost, rng=np.random.default_rng(0)), index,
+                       LoadView(0, clock, cost))
+    router = Bookings(host, clock, wall=lambda: 0.0, exact=True)  # a router's ledger on the exact view
     uids = [f"replica-{j}" for j in range(replicas)]
     next_hash = [1]
 
@@ -48,7 +59,7 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
         next_hash[0] += n
         return list(range(start, start + n))
 
-    async def never(events: list[tuple]) -> bool:
+    async def never(events: list[ReplicaEvent]) -> bool:
         return False
 
     pubs = [KvPublisher(uid, never, list) for uid in uids]
@@ -56,10 +67,10 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
         p._full = False
     held = {uid: hashes(batch) for uid in uids}
     for uid in uids:
-        hub.publish("replica:" + uid, [("kv-full", uid, held[uid])], now=0.0)
-        router._apply_remote(("kv-full", uid, held[uid]))
+        hub.publish("replica:" + uid, [KvFull(uid, held[uid])], now=0.0)
+        router.apply_remote(KvFull(uid, held[uid]))
     n = 2 * batch * replicas  # hashes per round: stored + removed on every replica
-    batches: list[list[tuple]] = []
+    batches: list[list[ReplicaEvent]] = []
 
     def publisher() -> None:
         batches.clear()
@@ -80,15 +91,15 @@ def measure(batch: int = 500, replicas: int = 8, repeats: int = 20) -> tuple[dic
     def router_round() -> None:
         for events in batches:
             for e in events:
-                router._apply_remote(e)
+                router.apply_remote(e)
 
     out: dict[str, list[float]] = {"publisher": [], "hub": [], "router": []}
     for _ in range(repeats):
         out["publisher"].append(_timed(publisher, n))
         out["hub"].append(_timed(hub_round, n))
         out["router"].append(_timed(router_round, n))
-    exact = router.index.exact
-    same = all(set(exact.blocks(router._ids[uid])) == hub.kv[uid] == set(held[uid]) for uid in uids)
+    exact = index.exact
+    same = all(set(exact.blocks(router.replica(uid))) == hub.kv[uid] == set(held[uid]) for uid in uids)
     return {k: statistics.median(v) * 1e6 for k, v in out.items()}, same
 
 

@@ -199,36 +199,35 @@ class Engine(Protocol):
 
 @dataclass(slots=True)
 class ReplicaRoutingStats:
-    """What a replica reports to the request routers (Ray Serve's ``record_routing_stats``).
+    """What a replica reports to the request routers (Ray Serve's ``record_routing_stats``; the
+    dataclass itself crosses Ray, and a router reads nothing else).
 
+    ``taken_at`` is the replica's wall clock when taken. ``kv_usage`` (0-1), ``kv_blocks_total``
+    and ``max_num_seqs`` are its engine's; ``drain_rate`` the cost-model prefill seconds its gate
+    works off per wall second (``replicas/drain.py``).
     ``recent_cached`` maps recently finished request ids to the cached tokens they got: the
     feedback that corrects the routers' prefix-index estimates. ``waiting_ids`` are the requests
-    still in the gate's queue at ``taken_at`` (wall clock): a router marks its other requests on
-    this replica routed before ``taken_at`` as started, so its queued-work estimate follows the
-    replica's real queue. ``prefilling`` maps the requests admitted into the engine and still
-    without a first token at ``taken_at`` to their admission time (wall clock): a router dates
-    their prefill from it and counts every other started request as past its prefill.
-    ``admitted_ids`` are all the requests in the engine at ``taken_at`` (prefilling or past it):
-    a request a router routed that is in none of the lists (nor in ``recent_cached``) has not
-    reached the replica yet, so it is left queued; ``None`` (an older replica): not reported.
+    still in the gate's queue at ``taken_at``: a router marks its other requests on this replica
+    routed before ``taken_at`` as started, so its queued-work estimate follows the replica's real
+    queue. ``prefilling`` maps the requests admitted into the engine and still without a first
+    token at ``taken_at`` to their admission time (wall clock): a router dates their prefill from
+    it and counts every other started request as past its prefill. ``admitted_ids`` are all the
+    requests in the engine at ``taken_at`` (prefilling or past it): a request a router routed that
+    is in none of the lists (nor in ``recent_cached``) has not reached the replica yet, so it is
+    left queued; ``None``: not reported (every request off the waiting list counts as started).
     ``stalled``: the replica's engine is stalled (``replicas/gate.py``); routers avoid it.
     ``full``: the gate's estimated wait of its queue is at its bound (``max_queue_wait_s``), so it
     refuses new requests (429); routers leave it out while another replica is not full.
     """
 
-    replica: str
     taken_at: float
-    waiting: int
-    running: int
-    queued_prefill_s: float
     kv_usage: float
     kv_blocks_total: int
-    lanes: dict[str, int] = field(default_factory=dict)
     max_num_seqs: int = 0
     recent_cached: dict[str, int] = field(default_factory=dict)
     waiting_ids: list[str] = field(default_factory=list)
     prefilling: dict[str, float] = field(default_factory=dict)
     admitted_ids: list[str] | None = None
-    stalled: bool = False  # the gate found its engine stalled: routers leave it out until it recovers
-    full: bool = False  # the gate's queue is at its wait bound: routers prefer a replica that is not
-    drain_rate: float = 1.0  # cost-model prefill seconds the gate works off per wall second (replicas/drain.py)
+    stalled: bool = False
+    full: bool = False
+    drain_rate: float = 1.0

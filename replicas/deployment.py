@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fairway.clock import MonotonicClock
 from fairway.cost_model import CostModel
 from fairway.policies import make_policy
-from fairway.protocol import GenerateCall, TokenChunk
+from fairway.protocol import GenerateCall, ReplicaRoutingStats, TokenChunk
 from fairway.spec import resolve_spec
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
@@ -139,12 +138,12 @@ class FairwayReplica:
         from ray import serve
 
         from fairway.routing.view_log import HUB_NAMESPACE, REPLICA_SOURCE, hub_name
-        from replicas.kv_publisher import HubNotReady, KvPublisher
+        from replicas.kv_publisher import HubNotReady, KvPublisher, ReplicaEvent
 
         name, source = hub_name(serve.get_replica_context().app_name), REPLICA_SOURCE + self.name
         hub: list[Any] = []
 
-        async def send(events: list[tuple]) -> bool:
+        async def send(events: list[ReplicaEvent]) -> bool:
             import ray
 
             if not hub:
@@ -172,8 +171,8 @@ class FairwayReplica:
         async for chunk in coalesce(self.gate.submit(call), self.args.stream_interval_s, self.clock):
             yield chunk
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        return asdict(self.gate.routing_stats())
+    def record_routing_stats(self) -> ReplicaRoutingStats:
+        return self.gate.routing_stats()
 
     async def check_health(self) -> None:
         healthy = getattr(self.engine, "healthy", True)

@@ -448,15 +448,10 @@ class AdmissionGate:
         st = self.engine.stats()
         queued = self.policy.queued_prefill_s()
         return ReplicaRoutingStats(
-            replica=self.replica,
             taken_at=time.time(),
-            waiting=len(self.policy),
-            running=st.running,
-            queued_prefill_s=queued,
             kv_usage=st.kv_usage,
             kv_blocks_total=st.kv_blocks_total,
             max_num_seqs=self.engine.max_num_seqs,
-            lanes=dict(self.policy.lane_sizes()),
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),
             prefilling={self._admitted[rid]: t for rid, t in self._prefilling.items()},

@@ -18,13 +18,13 @@ Host KV tier (engines that keep evicted blocks in host memory: the sim engine wi
 ``host_kv_blocks``, vLLM with CPU offloading and ``kv_events``): the engine also reports *tier
 events*, ``(host_only, hash)`` transitions of the hashes it holds only in its host tier
 (``fairway/engine/block_pool.py``, Tier events). They are merged per hash the same way, in a second
-dict, and travel as a second event after the KV one: ``("tier", uid, host_only, back)`` (hashes
-that became host-only, hashes that stopped being so). The whole set then carries the host-only
-hashes too: ``("kv-full", uid, hashes, host_only)``. Why a second event, not a flag per hash: the
-KV batch stays what it was, so with no host tier nothing changes on the wire or in any cost (no
-"tier" event, and the 3-field ``kv-full`` while the host-only set is empty). Last wins per hash in
-each stream, and each stream alone replays its set exactly, so the receiver (KV batch first, then
-the tier batch) ends with the engine's block set and host-only set.
+dict, and travel as a second event after the KV one: a ``TierDelta`` (hashes that became
+host-only, hashes that stopped being so). The whole set (``KvFull``) then carries the host-only
+hashes too. The events are the core's (``fairway/routing/view_log.py``). Why a second event, not a
+flag per hash: the KV batch stays what it was, so with no host tier nothing changes on the wire or
+in any cost (no ``TierDelta``, and an empty ``KvFull.host_only``). Last wins per hash in each
+stream, and each stream alone replays its set exactly, so the receiver (KV batch first, then the
+tier batch) ends with the engine's block set and host-only set.
 
 Costs: O(1) per event (a dict write), O(hashes) per flush; memory O(distinct hashes per period).
 """
@@ -35,9 +35,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
+from fairway.routing.view_log import KvDelta, KvFull, TierDelta
+
 log = logging.getLogger("ray.serve")
 
-Send = Callable[[list[tuple]], Awaitable[bool]]  # events -> "send your whole state"
+ReplicaEvent = KvDelta | TierDelta | KvFull
+Send = Callable[[list[ReplicaEvent]], Awaitable[bool]]  # events -> "send your whole state"
 TierEvents = Iterable[tuple[bool, int]]  # (host_only, hash) transitions
 
 
@@ -95,24 +98,22 @@ class KvPublisher:
 
     # -- publishing --------------------------------------------------------------------------
 
-    def batch(self) -> list[tuple]:
+    def batch(self) -> list[ReplicaEvent]:
         """The events the next call carries (and forget them): the whole set, a delta or none."""
         if self._full:
             self._pending.clear()
             self._tier.clear()
             host = list(self.host_only()) if self.host_only is not None else []
-            if host:
-                return [("kv-full", self.uid, list(self.snapshot()), host)]
-            return [("kv-full", self.uid, list(self.snapshot()))]
-        out: list[tuple] = []
+            return [KvFull(self.uid, list(self.snapshot()), host or ())]
+        out: list[ReplicaEvent] = []
         if self._pending:
             pending, self._pending = self._pending, {}
             stored = [h for h, s in pending.items() if s]
             removed = [h for h, s in pending.items() if not s]
-            out.append(("kv", self.uid, stored, removed))
+            out.append(KvDelta(self.uid, stored, removed))
         if self._tier:
             tier, self._tier = self._tier, {}
-            out.append(("tier", self.uid, [h for h, t in tier.items() if t], [h for h, t in tier.items() if not t]))
+            out.append(TierDelta(self.uid, [h for h, t in tier.items() if t], [h for h, t in tier.items() if not t]))
         return out
 
     async def flush(self) -> bool:
@@ -133,7 +134,7 @@ class KvPublisher:
         self._full = bool(want_full)
         if events:
             self.sent_batches += 1
-            self.sent_hashes += sum(len(part) for e in events for part in e[2:])
+            self.sent_hashes += sum(e.hash_count for e in events)
         return True
 
     def start(self) -> None:

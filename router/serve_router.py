@@ -3,23 +3,21 @@
 Ray Serve runs one request router per deployment handle, i.e. one per ingress replica. This one
 calls the same ``RoutingHost`` (``fairway/routing/host.py``) as the simulator's ``ClusterRouter``:
 a router policy (``fairway`` or any anchor, by name or dotted path), a prefix index and a load
-view:
+view, with the core's ledger (``fairway/routing/bookings.py``) keeping the requests booked and
+reconciling them with the replicas' reports and the other routers' events:
 
 - ``choose_replicas`` reads the ``GenerateCall`` the ingress passed (token count and chained
-  block hashes), matches it against the index, builds the ``ReplicaState`` list for the live
-  candidates and returns the policy's ranks (Ray then picks the shortest queue within a rank);
-- ``on_request_routed``: the index records the prompt's blocks on the chosen replica, the load
-  view adds its estimated prefill time to that replica's queued work;
-- ``on_request_completed``: the request leaves the load view; so does a booking Ray will never
-  report, because its caller left (a client that hung up) before the request was sent;
-- the replicas' periodic ``record_routing_stats`` (``fairway/protocol.py:ReplicaRoutingStats``)
-  bring KV usage and capacity, the requests still waiting in each gate (the others routed before
-  the report have started: their work leaves the queued figure) and the cached tokens each
-  finished request got, which corrects the index (feedback mode).
+  block hashes) and lets the ledger decide among the live candidates and book the pick; it
+  returns the policy's ranks (Ray then picks the shortest queue within a rank);
+- ``on_request_routed`` / ``on_request_completed`` and the end of a request's future (a caller
+  that left before the send) reach the ledger;
+- the replicas' periodic ``record_routing_stats`` (``fairway/protocol.py:ReplicaRoutingStats``),
+  applied on every stats broadcast (``update_replicas``) and before each decision;
+- the shared view (``router/view_hub.py``): this router's events out, the others' into the ledger.
 
-This class only adapts Ray's callbacks and the replicas' stats to the core's host, so the decision
-is the one the simulator measures. Complexity per decision: O(prompt blocks) index match +
-O(replicas) states + the policy's rank.
+This class is the glue: Ray's callbacks, the metrics (it publishes the replicas whose load the
+ledger reports changed, and its cached-token reports) and the hub exchange loop. Complexity per
+decision: O(prompt blocks) index match + O(replicas) states + the policy's rank.
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -40,36 +36,18 @@ from fairway.clock import Clock, MonotonicClock
 from fairway.cost_model import CostModel
 from fairway.load_view import LoadView
 from fairway.prefix_index import PrefixIndex
-from fairway.protocol import GenerateCall
+from fairway.protocol import GenerateCall, ReplicaRoutingStats
 from fairway.routing import make_router
+from fairway.routing.bookings import MAX_TRACKED, Booking, Bookings, Changes
 from fairway.routing.fallback_index import FallbackIndex
 from fairway.routing.host import RoutingHost
-from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S, REPLICA_SOURCE, Exchange
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S, Event, Exchange
 
 logger = logging.getLogger("ray.serve")
-MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
-MAX_TRACKED = 65536  # outstanding requests tracked per router
-SPEED_RANGE = (0.05, 20.0)  # a replica's reported drain rate is clamped into this before it is used
 #: A request Ray assigned a replica but did not send within this long is taken as never sent: its
 #: caller was cancelled between the assignment and the send, and Ray reports neither (see
 #: ``FairwayRequestRouter._unbook_if_unsent``). An accepted send reports within milliseconds.
 UNSENT_GRACE_S = 5.0
-
-
-@dataclass(slots=True)
-class _Routed:
-    rid: int
-    request_id: str
-    replica: int
-    hashes: tuple[int, ...]
-    estimated_blocks: int
-    prompt_tokens: int
-    routed_at: float  # wall clock, to compare with a replica's stats time
-    started: bool = False
-    sent: bool = False  # on_request_routed seen (Ray sent it and the replica accepted it)
-    reason: str = "choice"
-    remote: bool = False  # routed by another router (shared view): no metrics here
-    best_blocks: int = 0  # the decision's longest match among the candidates (the policy's statistics)
 
 
 def find_call(pending: PendingRequest | None) -> GenerateCall | None:
@@ -80,6 +58,13 @@ def find_call(pending: PendingRequest | None) -> GenerateCall | None:
         if isinstance(a, GenerateCall):
             return a
     return None
+
+
+def routing_stats(rep: RunningReplica) -> ReplicaRoutingStats | None:
+    """A replica's routing stats as Ray holds them: the dataclass the replica returned, or None
+    (Ray's ``{}`` until the replica's first report)."""
+    stats = rep.routing_stats
+    return stats if isinstance(stats, ReplicaRoutingStats) else None
 
 
 class FairwayRequestRouter(RequestRouter):
@@ -109,7 +94,7 @@ class FairwayRequestRouter(RequestRouter):
         prefix_view: str = "approx",
         clock: Clock | None = None,
         wall: Callable[[], float] | None = None,
-        exchange: Callable[[str, list, int, bool], Awaitable[Exchange]] | None = None,
+        exchange: Callable[[str, list[Event], int, bool], Awaitable[Exchange]] | None = None,
         unsent_grace_s: float = UNSENT_GRACE_S,
         **unused: Any,
     ) -> None:
@@ -133,12 +118,8 @@ class FairwayRequestRouter(RequestRouter):
         )
         self.policy, self.index, self.load = self.host.policy, self.host.index, self.host.load
         self.reasons = self.host.reasons
-        self._ids: dict[str, int] = {}  # replica unique id -> index in the host
-        self._names: list[str] = []
-        self._routed: OrderedDict[str, _Routed] = OrderedDict()  # internal_request_id -> record
-        self._done: OrderedDict[str, _Routed] = OrderedDict()  # finished, awaiting feedback
-        self._seen_stats: dict[int, float] = {}
-        self._next_rid = 0
+        self.router_id = uuid.uuid4().hex[:12]
+        self.bookings = Bookings(self.host, self.clock, self.wall, source=self.router_id, exact=self.exact)
         self.decision_s: list[float] = []
         self.stats = None
         self.exporter = None
@@ -147,17 +128,15 @@ class FairwayRequestRouter(RequestRouter):
         # shared view (router/view_hub.py): events out, the other routers' events in
         self.shared_view = shared_view or self.exact
         self.sync_period_s = sync_period_s
-        self.router_id = uuid.uuid4().hex[:12]
         self._exchange = exchange
         self._connects = exchange is None  # this router finds the hub itself (not injected)
-        self._outbox: list[tuple] = []
+        self._outbox: list[Event] = []
         self._seq = 0  # the last hub seq applied
         self._synced = False
         self._sync_task: asyncio.Task | None = None
         self.view_degraded = False
         self.view_gaps = 0
         self._need_snapshot = self.exact  # the replicas' block sets, before the exact view is used
-        self.kv_hashes_applied = 0
 
     def _start_metrics(self) -> None:
         from observability.exporter import MetricsExporter
@@ -171,24 +150,30 @@ class FairwayRequestRouter(RequestRouter):
         except Exception as e:  # noqa: BLE001 - routing must not depend on metrics
             logger.warning("fairway router: metrics endpoint not started: %s", e)
 
-    # -- replica ids -------------------------------------------------------------------------
+    @property
+    def kv_hashes_applied(self) -> int:
+        """Hashes of the replicas' KV events applied to the exact view."""
+        return self.bookings.kv_hashes_applied
 
     def _index_of(self, rid: ReplicaID) -> int:
-        return self._slot(rid.unique_id)
-
-    def _slot(self, uid: str) -> int:
-        j = self._ids.get(uid)
-        if j is None:
-            j = self.host.add_replica()
-            self._ids[uid] = j
-            self._names.append(uid)
-        return j
+        return self.bookings.replica(rid.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        j = self._ids.get(replica_id.unique_id)
-        if j is not None:
-            self.index.clear_replica(j)
+        self.bookings.replica_died(replica_id.unique_id)
+
+    def _publish(self, changes: Changes) -> None:
+        """The replicas' gauges (what this router counts there: outstanding, queued prefill) and
+        the cached-token counters, for what a ledger call changed. O(changes)."""
+        if self.stats is None:
+            return
+        names = self.bookings.names
+        for j in changes.replicas:
+            out, queued_s = self.load.replica_load(j)
+            self.stats.set_router_load(names[j], out, queued_s)
+        for c in changes.cached:
+            self.stats.observe_cached_tokens(c.estimated_tokens, c.cached_tokens, c.prompt_tokens,
+                                             replica=names[c.replica])
 
     # -- stats from the replicas ---------------------------------------------------------------
 
@@ -200,56 +185,9 @@ class FairwayRequestRouter(RequestRouter):
         finishing, whether or not more requests come. O(replicas + tracked requests)."""
         super().update_replicas(replicas)
         for rep in replicas:
-            stats = rep.routing_stats
-            if stats:
-                self._apply_stats(self._index_of(rep.replica_id), stats)
-
-    def _apply_stats(self, j: int, stats: dict[str, Any]) -> None:
-        taken = float(stats.get("taken_at", 0.0))
-        if not taken or self._seen_stats.get(j) == taken:
-            return
-        self._seen_stats[j] = taken
-        total = int(stats.get("kv_blocks_total", 0))
-        if total > 0:
-            self.index.set_capacity(j, total)
-        self.load.report_max_running(j, max(0, int(stats.get("max_num_seqs", 0))))
-        usage = float(stats.get("kv_usage", 0.0))
-        self.load.report_kv_usage(j, min(1.0, max(0.0, usage)))
-        self.load.report_speed(j, min(SPEED_RANGE[1], max(SPEED_RANGE[0], float(stats.get("drain_rate", 1.0)))))
-        waiting = set(stats.get("waiting_ids", ()))
-        # Wall times from the replica, on the load view's clock. A request missing from the
-        # waiting list started before ``taken``: at its admission time if the replica lists it
-        # as prefilling, else (an older replica) at ``taken`` at the latest. One that started
-        # and is not prefilling has its first token: its prefill no longer delays anyone.
-        wall_to_clock = self.clock.now() - self.wall()
-        started_by = wall_to_clock + taken
-        prefilling = stats.get("prefilling")
-        in_engine = stats.get("admitted_ids")
-        # a request in none of the replica's lists had not reached it at ``taken`` (still in
-        # transit from this router): it stays queued, or a burst would look already served
-        seen = None if in_engine is None else set(in_engine) | set(stats.get("recent_cached", ()))
-        for r in self._routed.values():
-            if r.replica != j or r.routed_at >= taken or r.request_id in waiting or r.rid not in self.load:
-                continue
-            if seen is not None and r.request_id not in seen:
-                continue
-            admitted = prefilling.get(r.request_id) if prefilling is not None else None
-            if not r.started:
-                r.started = True
-                self.host.on_started(r.rid, started_at=started_by if admitted is None else wall_to_clock + admitted)
-            if prefilling is not None and admitted is None:
-                self.load.on_prefill_done(r.rid)
-        for request_id, got in stats.get("recent_cached", {}).items():
-            r = self._done.pop(request_id, None)
-            if r is not None and r.replica == j:
-                self._feedback(r, int(got))
-        self._publish(j)
-
-    def _feedback(self, r: _Routed, cached: int) -> None:
-        self.host.feedback(r.replica, r.hashes, cached, r.estimated_blocks)
-        if self.stats is not None and not r.remote:
-            self.stats.observe_cached_tokens(r.estimated_blocks * self.block_size, cached, r.prompt_tokens,
-                                             replica=self._names[r.replica])
+            stats = routing_stats(rep)
+            if stats is not None:
+                self._publish(self.bookings.apply_stats(self._index_of(rep.replica_id), stats))
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -266,12 +204,12 @@ class FairwayRequestRouter(RequestRouter):
         for rep in candidate_replicas:
             j = self._index_of(rep.replica_id)
             by_idx[j] = rep
-            stats = rep.routing_stats
-            if stats:
-                self._apply_stats(j, stats)
-                if stats.get("stalled"):
+            stats = routing_stats(rep)
+            if stats is not None:
+                self._publish(self.bookings.apply_stats(j, stats))
+                if stats.stalled:
                     stalled.append(j)
-                elif stats.get("full"):
+                elif stats.full:
                     full.append(j)
         # avoid stalled engines while another replica is up, then queues at their wait bound
         # (they would answer 429) while another replica has room
@@ -286,53 +224,23 @@ class FairwayRequestRouter(RequestRouter):
         if self.shared_view:
             await self._ensure_synced()
         n_hash = len(call.prompt_token_ids) // self.block_size
-        hashes = tuple(call.block_hashes[:n_hash])
         iid = pending_request.metadata.internal_request_id
-        self._unbook(iid)  # a retry of the same request: forget its previous provisional booking
-        d = self.host.decide(self._next_rid, len(call.prompt_token_ids), hashes, replicas=sorted(by_idx),
-                             session=call.session or None)
-        # Book the expected pick now: Ray routes requests concurrently, and a burst that all sees
-        # the same load would herd onto one replica before the first on_request_routed.
-        booked = self._book(iid, call, hashes, d.pick, d.matched_blocks, d.reason, d.best_blocks)
+        # The ledger books the expected pick now: Ray routes requests concurrently, and a burst
+        # that all sees the same load would herd onto one replica before the first
+        # on_request_routed. A retry of the same request replaces its previous booking.
+        d, changes = self.bookings.choose(iid, call.request_id, len(call.prompt_token_ids),
+                                          call.block_hashes[:n_hash], sorted(by_idx), session=call.session or None)
+        self._publish(changes)
+        booked = changes.booking
         # A caller that goes away before Ray assigns a replica (a client that hung up) gets no
         # on_request_routed and no on_request_completed: its booking must not stay queued.
         pending_request.future.add_done_callback(lambda f: self._unbook_if_unsent(iid, booked, f))
-        ranks = d.ranks
         self.decision_s.append(time.perf_counter() - t0)
         if len(self.decision_s) > 4096:
             del self.decision_s[:2048]
-        return [[by_idx[j] for j in rank if j in by_idx] for rank in ranks]
+        return [[by_idx[j] for j in rank if j in by_idx] for rank in d.ranks]
 
-    def _book(self, iid: str, call: GenerateCall, hashes: tuple[int, ...], j: int, est: int,
-              reason: str, best: int = 0) -> _Routed:
-        rid = self._next_rid
-        self._next_rid += 1
-        n = len(call.prompt_token_ids)
-        self.host.book(rid, j, n, est, hashes)
-        r = _Routed(rid, call.request_id, j, hashes, est, n, self.wall(), reason=reason, best_blocks=max(best, est))
-        self._track(iid, r)
-        self._publish(j)
-        return r
-
-    def _track(self, key: str, r: _Routed) -> None:
-        """Keep ``r`` until it completes; beyond MAX_TRACKED the oldest (ranked or learnt, but
-        never completed) is forgotten."""
-        self._routed[key] = r
-        while len(self._routed) > MAX_TRACKED:
-            _, old = self._routed.popitem(last=False)
-            self._drop(old)
-
-    def _unbook(self, iid: str) -> None:
-        r = self._routed.pop(iid, None)
-        if r is not None:
-            self._drop(r)
-
-    def _drop(self, r: _Routed) -> None:
-        """Forget a booking that will never complete here (not sent, evicted, its router gone)."""
-        self.host.unbook(r.rid)
-        self._publish(r.replica)
-
-    def _unbook_if_unsent(self, iid: str, booked: _Routed, future: asyncio.Future) -> None:
+    def _unbook_if_unsent(self, iid: str, booked: Booking, future: asyncio.Future) -> None:
         """The done callback of the pending request's future. Ray reports neither routing nor
         completion for a request whose caller left (a client that hung up) before it was sent:
 
@@ -346,55 +254,32 @@ class FairwayRequestRouter(RequestRouter):
         else:
             future.get_loop().call_later(self.unsent_grace_s, self._unbook_unsent, iid, booked)
 
-    def _unbook_unsent(self, iid: str, booked: _Routed) -> None:
-        if self._routed.get(iid) is booked and not booked.sent:
-            self._unbook(iid)
-
-    def _publish(self, j: int) -> None:
-        """Replica j's gauges: what this router counts there (outstanding, queued prefill). O(1)."""
-        if self.stats is not None:
-            out, queued_s = self.load.replica_load(j)
-            self.stats.set_router_load(self._names[j], out, queued_s)
+    def _unbook_unsent(self, iid: str, booked: Booking) -> None:
+        self._publish(self.bookings.unbook_unsent(iid, booked))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         call = find_call(pending_request)
         if call is None:
             return
         j = self._index_of(replica_id)
-        iid = pending_request.metadata.internal_request_id
-        r = self._routed.get(iid)
-        if r is None or r.replica != j:  # Ray picked another replica of the rank than booked
-            n_hash = len(call.prompt_token_ids) // self.block_size
-            hashes = tuple(call.block_hashes[:n_hash])
-            reason = r.reason if r is not None else "choice"
-            best = r.best_blocks if r is not None else 0
-            self._unbook(iid)
-            r = self._book(iid, call, hashes, j, self.index.match_one(j, hashes), reason, best)
-        r.routed_at = self.wall()
-        r.sent = True
-        self.host.record_routed(j, r.hashes, r.reason)
+        n_hash = len(call.prompt_token_ids) // self.block_size
+        changes = self.bookings.sent(pending_request.metadata.internal_request_id, j, call.request_id,
+                                     len(call.prompt_token_ids), call.block_hashes[:n_hash])
+        self._publish(changes)
+        b = changes.booking
+        assert b is not None
         if self.shared_view:
-            self._outbox.append(("r", self._names[j], f"{self.router_id}:{r.rid}", r.hashes, r.prompt_tokens,
-                                 r.estimated_blocks, r.request_id, r.routed_at, r.best_blocks))
+            self._outbox.append(self.bookings.routed_event(b))
         if self.stats is not None:
-            self.stats.inc_routing_decision(r.reason, replica=self._names[j])
+            self.stats.inc_routing_decision(b.reason, replica=self.bookings.names[j])
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        r = self._routed.get(internal_request_id)
-        if r is None or self._ids.get(replica_id.unique_id) != r.replica:
+        changes = self.bookings.complete(internal_request_id, self.bookings.index_of(replica_id.unique_id))
+        if changes.booking is None:
             return  # not booked, or an earlier attempt on another replica (refused, then routed again)
-        del self._routed[internal_request_id]
         if self.shared_view:
-            self._outbox.append(("f", f"{self.router_id}:{r.rid}"))
-        self._finished(r)
-
-    def _finished(self, r: _Routed) -> None:
-        self.host.on_finished(r.rid)
-        self._publish(r.replica)
-        self._done[r.request_id] = r
-        while len(self._done) > MAX_AWAITING_FEEDBACK:
-            _, old = self._done.popitem(last=False)
-            self.host.release(old.replica, old.hashes)
+            self._outbox.append(self.bookings.finished_event(changes.booking))
+        self._publish(changes)
 
     # -- the shared view (router/view_hub.py) ---------------------------------------------------
 
@@ -443,14 +328,12 @@ class FairwayRequestRouter(RequestRouter):
             self.view_gaps += 1
         self._seq = ex.head
         if ex.kv is not None:  # a snapshot of every replica's blocks, as of before ex.events
-            host = ex.host or {}
-            for uid, hashes in ex.kv.items():
-                self.index.replace_blocks(self._slot(uid), hashes, host.get(uid, ()))
+            self.bookings.apply_snapshot(ex.kv, ex.host)
             self._need_snapshot = False
         elif ex.gap and self.exact:  # KV events were lost: exact again after the next snapshot
             self._need_snapshot = True
         for event in ex.events:
-            self._apply_remote(event)
+            self._publish(self.bookings.apply_remote(event))
         self._synced = True
         self._use_exact(not self._need_snapshot)
         if self.view_degraded:
@@ -472,62 +355,3 @@ class FairwayRequestRouter(RequestRouter):
             self.index.use_exact(on)
             if self.stats is not None:
                 self.stats.set_prefix_view_exact(on)
-
-    def _apply_remote(self, event: tuple) -> None:
-        """An event from the shared view: another router's "r" (a request routed: its prompt on
-        that replica, its work queued there), "f" (it finished: it leaves the load view and
-        awaits its feedback); a replica's "kv" (blocks stored and removed), "tier" (blocks that
-        became / stopped being host-only: engines with a host KV tier, applied after the "kv" of
-        the same batch) or "kv-full" (its whole block set, and its host-only set when it has
-        one); or "gone" (a router stopped exchanging: its requests in flight leave
-        the load view; a replica stopped publishing: its blocks are no longer known)."""
-        kind = event[0]
-        if kind == "kv":
-            if self.exact:
-                _, uid, stored, removed = event
-                self.index.on_kv_events(self._slot(uid), _as_events(stored, removed))
-                self.kv_hashes_applied += len(stored) + len(removed)
-        elif kind == "tier":
-            if self.exact:
-                _, uid, host_only, back = event
-                self.index.on_tier_events(self._slot(uid), _as_events(host_only, back))
-                self.kv_hashes_applied += len(host_only) + len(back)
-        elif kind == "kv-full":
-            if self.exact:
-                host = event[3] if len(event) > 3 else ()  # 3 fields without a host tier
-                self.index.replace_blocks(self._slot(event[1]), event[2], host)
-                self.kv_hashes_applied += len(event[2]) + len(host)
-        elif kind == "r":
-            _, uid, key, hashes, prompt_tokens, est, request_id, routed_at, *more = event
-            best = more[0] if more else est  # a router of the previous release sends no best match
-            if "remote:" + key in self._routed:  # a batch sent twice (its first exchange timed out)
-                return
-            j = self._slot(uid)
-            rid = self._next_rid
-            self._next_rid += 1
-            self.host.adopt(rid, j, hashes, prompt_tokens, est, best)
-            self._track("remote:" + key, _Routed(rid, request_id, j, tuple(hashes), est, prompt_tokens, routed_at,
-                                                 remote=True))
-            self._publish(j)
-        elif kind == "f":
-            r = self._routed.pop("remote:" + event[1], None)
-            if r is not None:
-                self._finished(r)
-        elif kind == "gone" and event[1].startswith(REPLICA_SOURCE):
-            j = self._ids.get(event[1][len(REPLICA_SOURCE):])
-            if self.exact and j is not None:
-                self.index.replace_blocks(j, ())
-        elif kind == "gone" and event[1] != self.router_id:  # a router died: drop what it had in flight
-            prefix = f"remote:{event[1]}:"
-            for key in [k for k in self._routed if k.startswith(prefix)]:
-                self._drop(self._routed.pop(key))
-
-
-def _as_events(on: list[int], off: list[int]) -> Iterator[tuple[bool, int]]:
-    """A replica's batch, ("kv", uid, stored, removed) or ("tier", uid, host_only, back), as the
-    index's (flag, hash) events: the False ones first (a batch holds one event per hash, so the
-    order only matters across hashes, where it does not). O(1) each."""
-    for h in off:
-        yield False, h
-    for h in on:
-        yield True, h

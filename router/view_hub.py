@@ -10,17 +10,17 @@ prefix-aware router keeps its tree in one), it needs no broker or port of ours, 
 trip per period per router costs far less than a decision.
 
 With the exact prefix view (``router.prefix_view: events``) the replicas ``publish`` their engines'
-KV events here too (``replicas/kv_publisher.py``): ``("kv", replica, stored, removed)`` batches,
-or ``("kv-full", replica, hashes)`` when the hub did not know the replica (its first call, the hub
-restarted, or the replica was silent past ``ttl_s`` and announced gone). The hub keeps every
-replica's block set from them, so a router that starts, restarts or fell behind the log asks
-for a snapshot (``exchange(..., snapshot=True)``) and routes exactly from its first request.
-Replicas whose engines have a host KV tier also publish ``("tier", replica, host_only, back)``
-(hashes that became / stopped being host-only) and send ``("kv-full", replica, hashes,
-host_only)``; the hub keeps each replica's host-only set beside its block set and a snapshot
-carries both (``Exchange.host``: only the replicas holding some), so a router that starts tells a
-GPU hit, a host hit and a miss apart from its first request (docs/cost-model.md, The router's
-view of the host tier). Without a host tier no such event comes and ``host`` stays empty.
+KV events here too (``replicas/kv_publisher.py``): ``KvDelta`` batches, or a ``KvFull`` when the hub
+did not know the replica (its first call, the hub restarted, or the replica was silent past
+``ttl_s`` and announced gone); the event types are the core's (``fairway/routing/view_log.py``).
+The hub keeps every replica's block set from them, so a router that starts, restarts or fell
+behind the log asks for a snapshot (``exchange(..., snapshot=True)``) and routes exactly from its
+first request. Replicas whose engines have a host KV tier also publish ``TierDelta``s (hashes that
+became / stopped being host-only) and a ``KvFull`` with its ``host_only`` set; the hub keeps each
+replica's host-only set beside its block set and a snapshot carries both (``Exchange.host``: only
+the replicas holding some), so a router that starts tells a GPU hit, a host hit and a miss apart
+from its first request (docs/cost-model.md, The router's view of the host tier). Without a host
+tier no ``TierDelta`` comes and ``host`` stays empty.
 Costs: an exchange O(events in + events out + replicas), a snapshot O(blocks cached in the
 cluster); a publish O(hashes in it).
 """
@@ -30,7 +30,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fairway.routing.view_log import HUB_NAMESPACE, REPLICA_SOURCE, Event, Exchange, ViewLog, hub_name
+from fairway.routing.view_log import (
+    HUB_NAMESPACE,
+    REPLICA_SOURCE,
+    Event,
+    Exchange,
+    KvDelta,
+    KvFull,
+    TierDelta,
+    ViewLog,
+    hub_name,
+)
 
 
 class ViewHub:
@@ -53,26 +63,26 @@ class ViewHub:
 
     def publish(self, source: str, events: list[Event], now: float | None = None) -> bool:
         """A replica's KV events. Returns True when the hub wants the replica's whole block set
-        (it did not know the replica): the replica then sends ``("kv-full", uid, hashes)``."""
+        (it did not know the replica): the replica then sends a ``KvFull``."""
         now = time.monotonic() if now is None else now
         self._forget(self.log.expire(now, keep=source))
         for e in events:
-            if e[0] == "kv":
-                blocks = self.kv.setdefault(e[1], set())
-                blocks.difference_update(e[3])
-                blocks.update(e[2])
-            elif e[0] == "tier":
-                hs = self.host.setdefault(e[1], set())
-                hs.difference_update(e[3])
-                hs.update(e[2])
-            elif e[0] == "kv-full":
-                self.kv[e[1]] = set(e[2])
-                if len(e) > 3:
-                    self.host[e[1]] = set(e[3])
+            if isinstance(e, KvDelta):
+                blocks = self.kv.setdefault(e.replica, set())
+                blocks.difference_update(e.removed)
+                blocks.update(e.stored)
+            elif isinstance(e, TierDelta):
+                hs = self.host.setdefault(e.replica, set())
+                hs.difference_update(e.back)
+                hs.update(e.host_only)
+            elif isinstance(e, KvFull):
+                self.kv[e.replica] = set(e.hashes)
+                if e.host_only:
+                    self.host[e.replica] = set(e.host_only)
                 else:
-                    self.host.pop(e[1], None)
+                    self.host.pop(e.replica, None)
         unknown = self.log.publish(source, events, now)
-        return unknown and not any(e[0] == "kv-full" for e in events)
+        return unknown and not any(isinstance(e, KvFull) for e in events)
 
     def _forget(self, gone: list[str]) -> None:
         for src in gone:

@@ -282,7 +282,7 @@ def test_dynamo_reads_the_events_index_unless_told_otherwise():
 
 
 def test_the_ray_host_tracks_active_blocks_and_releases_prefill_at_the_first_token():
-    from tests.test_serve_router import T0, book, replica, router
+    from tests.test_serve_router import T0, book, replica, router, rstats
 
     r, _ = router("dynamo")
     j = r._index_of(replica("replica-0").replica_id)
@@ -291,5 +291,5 @@ def test_the_ray_host_tracks_active_blocks_and_releases_prefill_at_the_first_tok
     s = r.load.snapshot()
     assert (s.unique_active_blocks, s.active_prefill_tokens) == ((200,), (3200,))
     # "a" is still prefilling, "b" has its first token: only "a"'s prompt stays in the prefill load
-    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {"a": T0 - 0.5}, "kv_usage": 0.0})
+    r.bookings.apply_stats(j, rstats(T0 - 0.1, waiting_ids=[], prefilling={"a": T0 - 0.5}))
     assert r.load.snapshot().active_prefill_tokens == (1600,)

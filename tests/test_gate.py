@@ -289,7 +289,7 @@ async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
     await settle()
     before = time.time()
     st = gate.routing_stats()
-    assert st.waiting_ids == ["b"] and st.recent_cached == {} and st.lanes == {"fast": 1, "fair": 0}
+    assert st.waiting_ids == ["b"] and st.recent_cached == {} and gate.policy.lane_sizes() == {"fast": 1, "fair": 0}
     assert st.max_num_seqs == 8  # the engine's sequence capacity, for the router's wait model
     # "a" is in the engine without a first token: listed with its admission time (wall clock)
     assert list(st.prefilling) == ["a"] and st.prefilling["a"] <= before

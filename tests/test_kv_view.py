@@ -8,13 +8,14 @@ import asyncio
 
 from fairway.prefix_index import PrefixIndex
 from fairway.routing.fallback_index import FallbackIndex
+from fairway.routing.view_log import KvDelta, KvFull, TierDelta
 from replicas.kv_publisher import KvPublisher
 from router.view_hub import ViewHub
 from tests.factories import chain
 
 
 def publisher(held: list[int], answers: list[object]):
-    sent: list[list[tuple]] = []
+    sent: list[list] = []
 
     async def send(events):
         sent.append(events)
@@ -30,11 +31,11 @@ def test_the_publisher_sends_the_whole_set_first_then_merged_deltas_and_heartbea
     held = [1, 2]
     pub, sent = publisher(held, [False, False, False])
     pub.on_stored([3])
-    assert asyncio.run(pub.flush()) and sent[-1] == [("kv-full", "r0", [1, 2])]  # the set replaces the delta
+    assert asyncio.run(pub.flush()) and sent[-1] == [KvFull("r0", [1, 2])]  # the set replaces the delta
     pub.on_stored([4, 5])
     pub.on_removed([4, 1])  # 4 stored then removed within the period: its last event wins
     pub.on_stored([6])
-    assert asyncio.run(pub.flush()) and sent[-1] == [("kv", "r0", [5, 6], [4, 1])]
+    assert asyncio.run(pub.flush()) and sent[-1] == [KvDelta("r0", [5, 6], [4, 1])]
     assert asyncio.run(pub.flush()) and sent[-1] == []  # nothing new: a heartbeat
     assert (pub.sent_batches, pub.sent_hashes) == (2, 2 + 4)
 
@@ -46,18 +47,18 @@ def test_a_failed_or_unknown_publish_makes_the_next_one_carry_the_whole_set():
     pub.on_stored([2])
     held.append(2)
     assert not asyncio.run(pub.flush()) and pub.failures == 1  # the delta [2] is lost with the call
-    assert asyncio.run(pub.flush()) and sent[-1] == [("kv-full", "r0", [1, 2])]
+    assert asyncio.run(pub.flush()) and sent[-1] == [KvFull("r0", [1, 2])]
     pub.on_removed([1])
     asyncio.run(pub.flush())  # the hub answers "unknown" (it restarted): the next call resends
     held.remove(1)
     asyncio.run(pub.flush())
-    assert sent[-1] == [("kv-full", "r0", [2])]
+    assert sent[-1] == [KvFull("r0", [2])]
 
 
 def test_the_hub_keeps_each_replicas_block_set_and_snapshots_it():
     hub = ViewHub()
-    assert hub.publish("replica:a", [("kv-full", "a", [1, 2, 3])], now=0.0) is False
-    assert hub.publish("replica:a", [("kv", "a", [4], [1])], now=0.1) is False
+    assert hub.publish("replica:a", [KvFull("a", [1, 2, 3])], now=0.0) is False
+    assert hub.publish("replica:a", [KvDelta("a", [4], [1])], now=0.1) is False
     ex = hub.exchange("router-x", [], 0, snapshot=True, now=0.2)
     assert sorted(ex.kv["a"]) == [2, 3, 4] and ex.head == 2 and len(ex.events) == 2
     assert hub.exchange("router-x", [], ex.head, now=0.3).kv is None  # only when asked
@@ -65,9 +66,9 @@ def test_the_hub_keeps_each_replicas_block_set_and_snapshots_it():
 
 def test_the_publisher_carries_tier_events_beside_the_kv_batch_and_the_host_only_set_when_whole():
     """A host KV tier: tier events merge per hash (last wins) into a second event after the KV
-    one; the whole set carries the host-only hashes; with none host-only it is the 3-field one."""
+    one; the whole set carries the host-only hashes; with none host-only, an empty host-only set."""
     held, host = [1, 2, 3], [3]
-    sent: list[list[tuple]] = []
+    sent: list[list] = []
 
     async def send(events):
         sent.append(events)
@@ -75,34 +76,34 @@ def test_the_publisher_carries_tier_events_beside_the_kv_batch_and_the_host_only
 
     pub = KvPublisher("r0", send, lambda: list(held), host_only=lambda: list(host))
     pub.on_tier([(True, 9)])  # before the first call: the whole set replaces it
-    assert asyncio.run(pub.flush()) and sent[-1] == [("kv-full", "r0", [1, 2, 3], [3])]
+    assert asyncio.run(pub.flush()) and sent[-1] == [KvFull("r0", [1, 2, 3], [3])]
     pub.on_stored([4])
     pub.on_tier([(True, 1), (True, 2), (False, 3)])
     pub.on_tier([(False, 2)])  # 2 became host-only and back within the period: last wins
-    assert asyncio.run(pub.flush()) and sent[-1] == [("kv", "r0", [4], []), ("tier", "r0", [1], [3, 2])]
+    assert asyncio.run(pub.flush()) and sent[-1] == [KvDelta("r0", [4], []), TierDelta("r0", [1], [3, 2])]
     pub.on_tier([(False, 1)])  # tier events alone (a reload): no KV event
-    assert asyncio.run(pub.flush()) and sent[-1] == [("tier", "r0", [], [1])]
+    assert asyncio.run(pub.flush()) and sent[-1] == [TierDelta("r0", [], [1])]
     assert (pub.sent_batches, pub.sent_hashes) == (3, 4 + (1 + 3) + 1)
     pub._full, host[:] = True, []  # resend with nothing host-only: exactly the old event
-    assert asyncio.run(pub.flush()) and sent[-1] == [("kv-full", "r0", [1, 2, 3])]
+    assert asyncio.run(pub.flush()) and sent[-1] == [KvFull("r0", [1, 2, 3])]
 
 
 def test_the_hub_keeps_each_replicas_host_only_set_and_snapshots_it():
     hub = ViewHub(ttl_s=3.0)
-    assert hub.publish("replica:a", [("kv-full", "a", [1, 2, 3], [3])], now=0.0) is False
-    assert hub.publish("replica:b", [("kv-full", "b", [7])], now=0.0) is False
-    assert hub.publish("replica:a", [("kv", "a", [4], []), ("tier", "a", [1, 2], [3])], now=0.1) is False
+    assert hub.publish("replica:a", [KvFull("a", [1, 2, 3], [3])], now=0.0) is False
+    assert hub.publish("replica:b", [KvFull("b", [7])], now=0.0) is False
+    assert hub.publish("replica:a", [KvDelta("a", [4], []), TierDelta("a", [1, 2], [3])], now=0.1) is False
     ex = hub.exchange("router-x", [], 0, snapshot=True, now=0.2)
     assert sorted(ex.kv["a"]) == [1, 2, 3, 4] and ex.kv["b"] == [7]
     assert {uid: sorted(hs) for uid, hs in ex.host.items()} == {"a": [1, 2]}  # b holds none: left out
-    assert [e[0] for e in ex.events] == ["kv-full", "kv-full", "kv", "tier"]  # replayed as published
-    assert hub.publish("replica:a", [("tier", "a", [], [1, 2])], now=0.3) is False
+    assert [type(e) for e in ex.events] == [KvFull, KvFull, KvDelta, TierDelta]  # replayed as published
+    assert hub.publish("replica:a", [TierDelta("a", [], [1, 2])], now=0.3) is False
     assert hub.exchange("router-x", [], 0, snapshot=True, now=0.4).host == {}
-    assert hub.publish("replica:a", [("kv-full", "a", [1, 2], [2])], now=0.5) is False
+    assert hub.publish("replica:a", [KvFull("a", [1, 2], [2])], now=0.5) is False
     assert hub.host == {"a": {2}}
-    assert hub.publish("replica:a", [("kv-full", "a", [1, 2])], now=0.6) is False  # no host-only now
+    assert hub.publish("replica:a", [KvFull("a", [1, 2])], now=0.6) is False  # no host-only now
     assert hub.host == {}
-    hub.publish("replica:a", [("kv-full", "a", [5], [5])], now=0.7)
+    hub.publish("replica:a", [KvFull("a", [5], [5])], now=0.7)
     hub.exchange("router-x", [], 0, now=10.0)  # a silent past the ttl: gone, its sets with it
     assert "a" not in hub.kv and "a" not in hub.host
 
@@ -172,10 +173,10 @@ def test_the_replica_wires_the_sim_engines_tier_events_to_its_publisher(monkeypa
 
     delta, full, seen, ha, hb = asyncio.run(serve_two(64))
     evicted = [ha[i] for i in (6, 5, 4, 3, 2, 1)]  # b pushed a's blocks but its first out of the GPU
-    assert delta == [("kv", "r0", ha + hb, []), ("tier", "r0", evicted, [])]
-    assert full == [("kv-full", "r0", [ha[0]] + hb + evicted, evicted)]  # GPU blocks, then the host tier
+    assert delta == [KvDelta("r0", ha + hb, []), TierDelta("r0", evicted, [])]
+    assert full == [KvFull("r0", [ha[0]] + hb + evicted, evicted)]  # GPU blocks, then the host tier
     assert seen == ha + hb  # the policy's listener: both tiers cached, nothing removed
     delta, full, seen, ha, hb = asyncio.run(serve_two(0))  # no host tier: evicted means removed
-    assert delta == [("kv", "r0", [ha[0]] + hb, evicted)]
-    assert full == [("kv-full", "r0", [ha[0]] + hb)]  # the 3-field whole set, as before
+    assert delta == [KvDelta("r0", [ha[0]] + hb, evicted)]
+    assert full == [KvFull("r0", [ha[0]] + hb)]  # the whole set without a host-only part, as before
     assert seen == ha + evicted + hb

@@ -1,9 +1,10 @@
 """The Ray Serve request router (``FairwayRequestRouter``) without a Ray cluster: the object is
 built directly on a manual clock and fed what Ray feeds it (replicas, pending requests, the
-replicas' stats dicts), so every expectation is exact."""
+replicas' ``ReplicaRoutingStats``), so every expectation is exact."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,9 @@ from ray.serve._private.common import DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from fairway.clock import ManualClock
-from fairway.protocol import GenerateCall
+from fairway.protocol import GenerateCall, ReplicaRoutingStats
 from fairway.routing import make_states
+from fairway.routing.view_log import KvDelta, KvFull, SourceGone, TierDelta
 from router.serve_router import FairwayRequestRouter
 from tests.factories import chain
 
@@ -28,9 +30,14 @@ def router(policy: str = "fairway", unsent_grace_s: float = 60.0,
     return r, clock
 
 
-def replica(uid: str, stats: dict | None = None) -> SimpleNamespace:
-    """What ``choose_replicas`` reads of a Ray ``RunningReplica``."""
+def replica(uid: str, stats: ReplicaRoutingStats | None = None) -> SimpleNamespace:
+    """What ``choose_replicas`` reads of a Ray ``RunningReplica`` (Ray holds ``{}`` until the
+    replica's first report)."""
     return SimpleNamespace(replica_id=ReplicaID(uid, DeploymentID("FairwayReplica")), routing_stats=stats or {})
+
+
+def rstats(taken_at: float, kv_usage: float = 0.0, kv_blocks_total: int = 0, **fields) -> ReplicaRoutingStats:
+    return ReplicaRoutingStats(taken_at=taken_at, kv_usage=kv_usage, kv_blocks_total=kv_blocks_total, **fields)
 
 
 def call(request_id: str, prompt: int, family: str | None = None) -> GenerateCall:
@@ -45,8 +52,7 @@ def pending(c: GenerateCall) -> PendingRequest:
 
 def book(r: FairwayRequestRouter, j: int, request_id: str, prompt: int, routed_at: float) -> None:
     c = call(request_id, prompt)
-    r._book("iid-" + request_id, c, c.block_hashes, j, 0, "cold")
-    r._routed["iid-" + request_id].routed_at = routed_at
+    r.bookings.book("iid-" + request_id, request_id, j, prompt, c.block_hashes, 0, "cold", routed_at=routed_at)
 
 
 def one_replica() -> tuple[FairwayRequestRouter, ManualClock, int]:
@@ -62,8 +68,8 @@ def test_stats_mark_starts_date_prefills_and_drop_finished_prefills():
     p = r.load.snapshot().queued_prefills[j]
     assert len(p) == 3 and r.load.snapshot().running == (0,)
     pa = p[0]  # the three prompts cost the same
-    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": ["c"], "prefilling": {"a": T0 - 0.5},
-                       "kv_usage": 0.0, "max_num_seqs": 256})
+    r.bookings.apply_stats(j, rstats(taken_at=T0 - 0.1, waiting_ids=["c"], prefilling={"a": T0 - 0.5},
+                                     kv_usage=0.0, max_num_seqs=256))
     snap = r.load.snapshot()
     assert snap.running == (2,) and snap.queued_prefills[j] == (pa,)
     # "a" is dated from its admission; "b" is past its prefill and does not count
@@ -74,18 +80,10 @@ def test_stats_mark_starts_date_prefills_and_drop_finished_prefills():
     (state,) = make_states(r.load.snapshot(), [0], r.index.sizes())
     assert r.policy.running_prefill_s(state) == pytest.approx(pa - 0.75, rel=1e-12)
     # the same report again changes nothing; the next one: "a" has its first token too
-    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": ["c"], "prefilling": {}, "kv_usage": 0.0})
+    r.bookings.apply_stats(j, rstats(taken_at=T0 - 0.1, waiting_ids=["c"], prefilling={}, kv_usage=0.0))
     assert r.load.snapshot().prefill_ends[j] == (T0 - 0.5 + pa,)
-    r._apply_stats(j, {"taken_at": T0, "waiting_ids": ["c"], "prefilling": {}, "kv_usage": 0.0})
+    r.bookings.apply_stats(j, rstats(taken_at=T0, waiting_ids=["c"], prefilling={}, kv_usage=0.0))
     assert r.load.snapshot().prefill_ends[j] == ()
-
-
-def test_stats_without_a_prefilling_list_date_starts_at_the_report():
-    r, _, j = one_replica()
-    book(r, j, "a", 20000, routed_at=T0 - 5.0)
-    r._apply_stats(j, {"taken_at": T0 - 0.2, "waiting_ids": [], "kv_usage": 0.0})  # an older replica
-    p = r.load._req[0].prefill_s
-    assert r.load.snapshot().prefill_ends[j] == (T0 - 0.2 + p,)  # started by ``taken`` at the latest
 
 
 def test_a_request_the_replica_has_not_seen_yet_stays_queued():
@@ -96,8 +94,8 @@ def test_a_request_the_replica_has_not_seen_yet_stays_queued():
     for rid in ("a", "b", "done"):
         book(r, j, rid, 20000, routed_at=T0 - 5.0)
     pa = r.load.snapshot().queued_prefills[j][0]
-    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {"a": T0 - 0.5},
-                       "admitted_ids": ["a"], "recent_cached": {"done": 0}, "kv_usage": 0.0})
+    r.bookings.apply_stats(j, rstats(taken_at=T0 - 0.1, waiting_ids=[], prefilling={"a": T0 - 0.5},
+                                     admitted_ids=["a"], recent_cached={"done": 0}, kv_usage=0.0))
     snap = r.load.snapshot()
     # "a" prefilling since its admission; "done" finished (past its prefill); "b" not arrived: queued
     assert snap.running == (2,) and snap.prefill_ends[j] == (T0 - 0.5 + pa,)
@@ -105,14 +103,14 @@ def test_a_request_the_replica_has_not_seen_yet_stays_queued():
     # without the list (an older replica), "b" is taken as past its prefill, as before
     r2, _, j2 = one_replica()
     book(r2, j2, "b", 20000, routed_at=T0 - 5.0)
-    r2._apply_stats(j2, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {}, "kv_usage": 0.0})
+    r2.bookings.apply_stats(j2, rstats(taken_at=T0 - 0.1, waiting_ids=[], prefilling={}, kv_usage=0.0))
     assert r2.load.snapshot().running == (1,) and r2.load.snapshot().queued_prefills[j2] == ()
 
 
 def test_a_request_routed_after_the_report_is_not_started_by_it():
     r, _, j = one_replica()
     book(r, j, "late", 20000, routed_at=T0 - 0.05)
-    r._apply_stats(j, {"taken_at": T0 - 0.1, "waiting_ids": [], "prefilling": {}, "kv_usage": 0.0})
+    r.bookings.apply_stats(j, rstats(taken_at=T0 - 0.1, waiting_ids=[], prefilling={}, kv_usage=0.0))
     assert r.load.snapshot().running == (0,) and len(r.load.snapshot().queued_prefills[j]) == 1
 
 
@@ -124,16 +122,16 @@ async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
     ranks = await r.choose_replicas(reps, pending(first))
     pick = ranks[0][0]
     r.on_request_routed(pending(first), pick.replica_id, None)
-    j = r._ids[pick.replica_id.unique_id]
-    assert r.index.match(first.block_hashes[:256])[j] == 256 and r.reasons == {r._routed["iid-a"].reason: 1}
+    j = r.bookings.index_of(pick.replica_id.unique_id)
+    assert r.index.match(first.block_hashes[:256])[j] == 256 and r.reasons == {r.bookings.get("iid-a").reason: 1}
     # a second request of the same family goes to the replica that holds its prefix
     second = call("b", 4096, family="doc")
     ranks = await r.choose_replicas(reps, pending(second))
     assert ranks[0] == [pick]
-    assert r._routed["iid-b"].replica == j and r._routed["iid-b"].estimated_blocks == 256
+    assert r.bookings.get("iid-b").replica == j and r.bookings.get("iid-b").estimated_blocks == 256
     # completion: the request leaves the load view and waits for its cached-token feedback
     r.on_request_completed(pick.replica_id, "iid-a")
-    assert "iid-a" not in r._routed and "a" in r._done and 0 not in r.load
+    assert "iid-a" not in r.bookings and r.bookings.awaiting_feedback("a") and 0 not in r.load
 
 
 def test_replica_updates_apply_stats_without_another_decision(monkeypatch):
@@ -145,15 +143,15 @@ def test_replica_updates_apply_stats_without_another_decision(monkeypatch):
     monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Ray's own bookkeeping
     r, _, j = one_replica()
     book(r, j, "a", 4096, routed_at=T0 - 5.0)
-    r._routed["iid-a"].sent = True
+    r.bookings.get("iid-a").sent = True
     r.on_request_completed(replica("replica-0").replica_id, "iid-a")
-    assert "a" in r._done
-    r.update_replicas([replica("replica-0", {"taken_at": T0, "waiting_ids": [], "prefilling": {},
-                                             "recent_cached": {"a": 1024}, "kv_usage": 0.25})])
-    assert "a" not in r._done  # its feedback was applied
+    assert r.bookings.awaiting_feedback("a")
+    r.update_replicas([replica("replica-0", rstats(taken_at=T0, waiting_ids=[], prefilling={},
+                                                   recent_cached={"a": 1024}, kv_usage=0.25))])
+    assert not r.bookings.awaiting_feedback("a")  # its feedback was applied
     assert r.load.snapshot().kv_usage[j] == 0.25
     r.update_replicas([replica("replica-1")])  # a replica without stats yet: nothing to apply
-    assert "replica-1" not in r._ids
+    assert r.bookings.index_of("replica-1") is None
 
 
 async def settle() -> None:
@@ -177,21 +175,21 @@ async def test_a_request_whose_caller_left_before_its_assignment_leaves_the_load
     gone, kept = pending(call("gone", 4096)), pending(call("kept", 4096))
     await r.choose_replicas(reps, gone)
     await r.choose_replicas(reps, kept)
-    j_gone, j_kept = r._routed["iid-gone"].replica, r._routed["iid-kept"].replica
+    j_gone, j_kept = r.bookings.get("iid-gone").replica, r.bookings.get("iid-kept").replica
     assert j_gone != j_kept and r.load.snapshot().outstanding == (1, 1)
-    assert r.stats.gauge("router_outstanding", replica=r._names[j_gone]) == 1
+    assert r.stats.gauge("router_outstanding", replica=r.bookings.names[j_gone]) == 1
     gone.future.cancel()
     kept.future.set_result(reps[j_kept])  # assigned: Ray will report it routed, then completed
     await settle()
-    assert "iid-gone" not in r._routed and r.load.snapshot().outstanding[j_gone] == 0
-    assert r.load.snapshot().outstanding[j_kept] == 1 and "iid-kept" in r._routed
-    assert r.stats.gauge("router_outstanding", replica=r._names[j_gone]) == 0
-    assert r.stats.gauge("queued_prefill", replica=r._names[j_gone]) == 0.0
-    assert r.stats.gauge("queued_prefill", replica=r._names[j_kept]) > 0.0
+    assert "iid-gone" not in r.bookings and r.load.snapshot().outstanding[j_gone] == 0
+    assert r.load.snapshot().outstanding[j_kept] == 1 and "iid-kept" in r.bookings
+    assert r.stats.gauge("router_outstanding", replica=r.bookings.names[j_gone]) == 0
+    assert r.stats.gauge("queued_prefill", replica=r.bookings.names[j_gone]) == 0.0
+    assert r.stats.gauge("queued_prefill", replica=r.bookings.names[j_kept]) > 0.0
     r.on_request_routed(kept, reps[j_kept].replica_id, None)
     r.on_request_completed(reps[j_kept].replica_id, "iid-kept")
     assert r.load.snapshot().outstanding == (0, 0)
-    assert r.stats.gauge("router_outstanding", replica=r._names[j_kept]) == 0
+    assert r.stats.gauge("router_outstanding", replica=r.bookings.names[j_kept]) == 0
 
 
 @pytest.mark.asyncio
@@ -206,16 +204,16 @@ async def test_a_request_assigned_but_never_sent_leaves_the_load_view_after_the_
     unsent, sent = pending(call("unsent", 4096)), pending(call("sent", 4096))
     await r.choose_replicas(reps, unsent)
     await r.choose_replicas(reps, sent)
-    j_sent = r._routed["iid-sent"].replica
-    unsent.future.set_result(reps[r._routed["iid-unsent"].replica])
+    j_sent = r.bookings.get("iid-sent").replica
+    unsent.future.set_result(reps[r.bookings.get("iid-unsent").replica])
     sent.future.set_result(reps[j_sent])
     r.on_request_routed(sent, reps[j_sent].replica_id, None)
     await settle()
     assert sum(r.load.snapshot().outstanding) == 2  # within the grace both count
     deadline = asyncio.get_running_loop().time() + 5.0
-    while "iid-unsent" in r._routed and asyncio.get_running_loop().time() < deadline:
+    while "iid-unsent" in r.bookings and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
-    assert "iid-unsent" not in r._routed and "iid-sent" in r._routed
+    assert "iid-unsent" not in r.bookings and "iid-sent" in r.bookings
     assert r.load.snapshot().outstanding[j_sent] == 1 and sum(r.load.snapshot().outstanding) == 1
 
 
@@ -231,16 +229,16 @@ async def test_a_retried_choice_is_not_undone_by_the_first_futures_end():
     p.future.set_result(reps[0])
     p.reset_future()
     await r.choose_replicas(reps, p)  # the retry: the first booking is replaced
-    second = r._routed["iid-a"]
+    second = r.bookings.get("iid-a")
     await settle()
-    assert r._routed["iid-a"] is second and sum(r.load.snapshot().outstanding) == 1
+    assert r.bookings.get("iid-a") is second and sum(r.load.snapshot().outstanding) == 1
     # the refused attempt's completion (Ray cancels it) names the other replica: ignored
     other = reps[1 - second.replica]
     r.on_request_completed(other.replica_id, "iid-a")
-    assert r._routed["iid-a"] is second and sum(r.load.snapshot().outstanding) == 1
+    assert r.bookings.get("iid-a") is second and sum(r.load.snapshot().outstanding) == 1
     p.future.cancel()
     await settle()
-    assert "iid-a" not in r._routed and sum(r.load.snapshot().outstanding) == 0
+    assert "iid-a" not in r.bookings and sum(r.load.snapshot().outstanding) == 0
 
 
 @pytest.mark.asyncio
@@ -250,7 +248,7 @@ async def test_a_call_without_a_generate_call_may_go_anywhere():
     health = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="h", internal_request_id="iid-h"))
     assert await r.choose_replicas(reps, health) == [reps]
     assert await r.choose_replicas([], health) == []
-    assert r._routed == {}
+    assert len(r.bookings) == 0
 
 
 # -- the shared view: two routers (two ingress replicas) over one log ----------------------------
@@ -292,14 +290,14 @@ async def test_a_second_router_sees_the_firsts_routing_and_sends_the_sibling_to_
     first = call("a", 4096, family="doc")
     pick = await route(a, reps, first)
     assert await a.sync_once() and await b.sync_once()
-    j = b._ids[pick.replica_id.unique_id]
+    j = b.bookings.index_of(pick.replica_id.unique_id)
     assert b.index.match(first.block_hashes)[j] == 256 and b.load.live().outstanding[j] == 1
     second = call("b", 4096, family="doc")
     assert (await b.choose_replicas(reps, pending(second)))[0] == [pick]
     # a's request finishes: it leaves b's load view too, and waits there for its cached-token report
     a.on_request_completed(pick.replica_id, "iid-a")
     assert await a.sync_once() and await b.sync_once()
-    assert b.load.live().outstanding[j] == 1 and "a" in b._done  # only b's own "b" is left
+    assert b.load.live().outstanding[j] == 1 and b.bookings.awaiting_feedback("a")  # only b's own "b" is left
     assert b.reasons == {}  # a remote routing is not one of b's decisions (b's own was never routed)
 
 
@@ -326,7 +324,7 @@ async def test_an_unreachable_hub_degrades_to_the_own_view_and_recovers():
     assert not await a.sync_once() and a.view_degraded and len(a._outbox) == 1  # kept for later
     fail[0] = False
     assert await a.sync_once() and not a.view_degraded and a._outbox == []
-    assert await b.sync_once() and b.index.match(c.block_hashes)[b._ids[pick.replica_id.unique_id]] == 256
+    assert await b.sync_once() and b.index.match(c.block_hashes)[b.bookings.index_of(pick.replica_id.unique_id)] == 256
 
 
 @pytest.mark.asyncio
@@ -336,18 +334,18 @@ async def test_the_requests_of_a_router_that_died_leave_the_others_load_view():
     c = call("a", 4096, family="doc")
     pick = await route(a, reps, c)
     assert await a.sync_once() and await b.sync_once()
-    j = b._ids[pick.replica_id.unique_id]
+    j = b.bookings.index_of(pick.replica_id.unique_id)
     assert b.load.live().outstanding[j] == 1
-    b._apply_remote(("gone", a.router_id))  # what the hub says once a stops exchanging
-    assert b.load.live().outstanding[j] == 0 and not any(k.startswith("remote:") for k in b._routed)
+    b.bookings.apply_remote(SourceGone(a.router_id))  # what the hub says once a stops exchanging
+    assert b.load.live().outstanding[j] == 0 and not any(k.startswith("remote:") for k in b.bookings)
     assert b.index.match(c.block_hashes)[j] == 256  # where its prompt went is still known
 
 
 @pytest.mark.asyncio
 async def test_a_replica_that_reports_a_stalled_engine_is_left_out_while_another_is_up():
     r, _ = router()
-    stalled = {"taken_at": T0, "stalled": True, "kv_blocks_total": 1000, "max_num_seqs": 8}
-    a, b = replica("a", stalled), replica("b", {"taken_at": T0, "kv_blocks_total": 1000, "max_num_seqs": 8})
+    stalled = rstats(T0, stalled=True, kv_blocks_total=1000, max_num_seqs=8)
+    a, b = replica("a", stalled), replica("b", rstats(T0, kv_blocks_total=1000, max_num_seqs=8))
     ranks = await r.choose_replicas([a, b], pending(call("x", 64)))
     assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"]]
     alone = await r.choose_replicas([a], pending(call("y", 64)))  # nothing else: it may still be tried
@@ -360,7 +358,7 @@ async def test_a_replica_whose_queue_is_at_its_wait_bound_is_left_out_while_anot
     would answer 429) the router sends x to a; with every replica full, all are candidates (the
     gate then refuses with Retry-After); a stalled replica goes before a full one."""
     r, _ = router()
-    ok = {"taken_at": T0, "kv_blocks_total": 1000, "max_num_seqs": 8}
+    ok = rstats(T0, kv_blocks_total=1000, max_num_seqs=8)
     x = call("x", 256)
     r.host.index.record_routed(r._index_of(replica("b").replica_id), x.block_hashes)
 
@@ -368,11 +366,11 @@ async def test_a_replica_whose_queue_is_at_its_wait_bound_is_left_out_while_anot
         return [[rep.replica_id.unique_id for rep in rank] for rank in ranks]
 
     assert ids(await r.choose_replicas([replica("a", ok), replica("b", ok)], pending(x)))[0] == ["b"]
-    full = {**ok, "full": True}
+    full = dataclasses.replace(ok, full=True)
     assert ids(await r.choose_replicas([replica("a", ok), replica("b", full)], pending(call("x", 256)))) == [["a"]]
     both = await r.choose_replicas([replica("a", full), replica("b", full)], pending(call("x", 256)))
     assert sorted(rep.replica_id.unique_id for rank in both for rep in rank) == ["a", "b"]
-    stalled = {**ok, "stalled": True}
+    stalled = dataclasses.replace(ok, stalled=True)
     rest = await r.choose_replicas([replica("a", stalled), replica("b", full)], pending(call("x", 256)))
     assert ids(rest) == [["b"]]
 
@@ -380,7 +378,7 @@ async def test_a_replica_whose_queue_is_at_its_wait_bound_is_left_out_while_anot
 @pytest.mark.asyncio
 async def test_a_replicas_reported_drain_rate_becomes_its_speed_clamped():
     r, _ = router()
-    reps = [replica("a", {"taken_at": T0, "drain_rate": 0.25}), replica("b", {"taken_at": T0, "drain_rate": 1e-6})]
+    reps = [replica("a", rstats(T0, drain_rate=0.25)), replica("b", rstats(T0, drain_rate=1e-6))]
     await r.choose_replicas(reps, pending(call("x", 64)))
     ja, jb = (r._index_of(rep.replica_id) for rep in reps)
     speed = r.load.live().speed
@@ -399,20 +397,20 @@ def test_the_exact_view_routes_on_the_replicas_kv_events_from_a_snapshot_then_de
         hub = ViewHub()
         doc = chain("doc", 64)
         # replica-1 computed the prompt before any router started (another path, a restart)
-        assert hub.publish("replica:replica-1", [("kv", "replica-1", doc, [])], now=0.0)  # unknown: send all
-        assert not hub.publish("replica:replica-1", [("kv-full", "replica-1", doc)], now=0.0)
+        assert hub.publish("replica:replica-1", [KvDelta("replica-1", doc, [])], now=0.0)  # unknown: send all
+        assert not hub.publish("replica:replica-1", [KvFull("replica-1", doc)], now=0.0)
         (a, b), _ = shared_pair(prefix_view="events", hub=hub)
         reps = [replica("replica-0"), replica("replica-1")]
         assert a.index.mode == "approx"  # no snapshot yet: the fallback
         assert await a.sync_once()
         assert a.index.mode == "events" and not a._need_snapshot
-        j1 = a._ids["replica-1"]
+        j1 = a.bookings.index_of("replica-1")
         c = GenerateCall(request_id="x", prompt_token_ids=[1] * 1024, block_hashes=tuple(doc), max_tokens=4,
                          arrival_s=T0)
         assert (await a.choose_replicas(reps, pending(c)))[0] == [reps[1]]
-        assert a._routed["iid-x"].estimated_blocks == 64
+        assert a.bookings.get("iid-x").estimated_blocks == 64
         # replica-1 evicts the tail: a delta, and the next exchange applies it
-        assert not hub.publish("replica:replica-1", [("kv", "replica-1", [], doc[32:])], now=0.0)
+        assert not hub.publish("replica:replica-1", [KvDelta("replica-1", [], doc[32:])], now=0.0)
         assert await a.sync_once()
         assert a.index.match(doc)[j1] == 32
         assert a.kv_hashes_applied == 64 + 64 + 32  # the log's two batches replayed onto the snapshot, the delta
@@ -430,11 +428,11 @@ async def test_lost_kv_events_fall_back_to_the_approximate_view_until_a_new_snap
     (a, b), _ = shared_pair(prefix_view="events", hub=hub)
     assert await a.sync_once() and a.index.mode == "events"
     for i in range(3):  # three batches while a does not exchange: the first is dropped
-        hub.publish("replica:replica-0", [("kv", "replica-0", [i], [])], now=0.0)
+        hub.publish("replica:replica-0", [KvDelta("replica-0", [i], [])], now=0.0)
     assert await a.sync_once()
     assert a.view_gaps == 1 and a._need_snapshot and a.index.mode == "approx"
     assert await a.sync_once()  # this exchange carries the snapshot
-    assert a.index.mode == "events" and sorted(a.index.blocks(a._ids["replica-0"])) == [0, 1, 2]
+    assert a.index.mode == "events" and sorted(a.index.blocks(a.bookings.index_of("replica-0"))) == [0, 1, 2]
 
 
 @pytest.mark.asyncio
@@ -454,14 +452,15 @@ async def test_a_replica_that_stops_publishing_is_forgotten_and_resends_its_whol
 
     hub = ViewHub(ttl_s=3.0)
     (a, b), _ = shared_pair(prefix_view="events", hub=hub)
-    a._slot("replica-0")
-    assert hub.publish("replica:replica-0", [("kv-full", "replica-0", [7, 8])], now=0.0) is False
+    a.bookings.replica("replica-0")
+    assert hub.publish("replica:replica-0", [KvFull("replica-0", [7, 8])], now=0.0) is False
     hub.exchange(a.router_id, [], 0, now=10.0)  # the replica has been silent 10 s > 3 s: gone
     assert "replica-0" not in hub.kv
     ex = hub.exchange(b.router_id, [], 0, now=10.0)
     for e in ex.events:
-        b._apply_remote(e)
-    assert ("gone", "replica:replica-0") in ex.events and list(b.index.exact.blocks(b._ids["replica-0"])) == []
+        b.bookings.apply_remote(e)
+    assert SourceGone("replica:replica-0") in ex.events
+    assert list(b.index.exact.blocks(b.bookings.index_of("replica-0"))) == []
     assert hub.publish("replica:replica-0", [], now=11.0) is True  # back: the hub asks for everything
 
 
@@ -488,27 +487,27 @@ async def test_the_exact_view_applies_host_only_sets_from_the_snapshot_and_tier_
 
     hub = ViewHub()
     doc = chain("doc", 64)
-    hub.publish("replica:replica-0", [("kv-full", "replica-0", doc, doc)], now=0.0)  # all host-only
-    hub.publish("replica:replica-1", [("kv-full", "replica-1", doc)], now=0.0)  # all on the GPU
+    hub.publish("replica:replica-0", [KvFull("replica-0", doc, doc)], now=0.0)  # all host-only
+    hub.publish("replica:replica-1", [KvFull("replica-1", doc)], now=0.0)  # all on the GPU
     r = events_router(hub)
     assert await r.sync_once() and r.index.mode == "events"
-    j0, j1 = r._ids["replica-0"], r._ids["replica-1"]
+    j0, j1 = r.bookings.index_of("replica-0"), r.bookings.index_of("replica-1")
     assert (j0, j1) == (0, 1) and r.index.match_tiers(doc) == ([64, 64], [64, 0])
     assert r.kv_hashes_applied == (64 + 64) + 64  # the log's two whole sets, replayed onto the snapshot
     # replica-0 reloads the first half (back on its GPU); replica-1 offloads its last 16 blocks
-    hub.publish("replica:replica-0", [("tier", "replica-0", [], doc[:32])], now=0.0)
-    hub.publish("replica:replica-1", [("kv", "replica-1", [], []), ("tier", "replica-1", doc[48:], [])], now=0.0)
+    hub.publish("replica:replica-0", [TierDelta("replica-0", [], doc[:32])], now=0.0)
+    hub.publish("replica:replica-1", [KvDelta("replica-1", [], []), TierDelta("replica-1", doc[48:], [])], now=0.0)
     assert await r.sync_once()
     assert r.index.match_tiers(doc) == ([64, 64], [32, 16])
     assert sorted(r.index.exact.host_only(j1)) == sorted(doc[48:])
     # replica-0 resends its whole set with nothing host-only (the 3-field event): none left
-    hub.publish("replica:replica-0", [("kv-full", "replica-0", doc)], now=0.0)
+    hub.publish("replica:replica-0", [KvFull("replica-0", doc)], now=0.0)
     assert await r.sync_once() and r.index.match_tiers(doc) == ([64, 64], [0, 16])
     # a router that starts now gets the same split from the snapshot alone
     late = events_router(hub)
     assert await late.sync_once() and late.index.match_tiers(doc) == ([64, 64], [0, 16])
     # replica-1 is gone: its blocks and its host-only set leave the index
-    r._apply_remote(("gone", "replica:replica-1"))
+    r.bookings.apply_remote(SourceGone("replica:replica-1"))
     assert r.index.match_tiers(doc) == ([64, 0], [0, 0]) and r.index.exact.host_only(j1) == set()
 
 
@@ -518,8 +517,8 @@ async def test_fairway_prefers_a_gpu_hit_to_a_host_hit_of_the_same_prefix_and_is
 
     hub = ViewHub()
     doc = chain("doc", 64)
-    hub.publish("replica:replica-0", [("kv-full", "replica-0", doc, doc)], now=0.0)  # a reload on 0
-    hub.publish("replica:replica-1", [("kv-full", "replica-1", doc[:62])], now=0.0)  # GPU, 2 blocks short
+    hub.publish("replica:replica-0", [KvFull("replica-0", doc, doc)], now=0.0)  # a reload on 0
+    hub.publish("replica:replica-1", [KvFull("replica-1", doc[:62])], now=0.0)  # GPU, 2 blocks short
     reps = [replica("replica-0"), replica("replica-1")]
     c = GenerateCall(request_id="x", prompt_token_ids=[1] * 1024, block_hashes=tuple(doc), max_tokens=4,
                      arrival_s=T0)

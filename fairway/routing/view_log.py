@@ -7,12 +7,14 @@ appends its own events here and reads everyone else's, so all of them hold the s
 and in-flight load. A router that starts (or restarts) reads the whole retained log first, which
 rebuilds the recent routing of the cluster before its first decision.
 
-The log is a bounded ring of ``(seq, source, event)``; an event is a plain tuple the hosts define.
-``exchange`` appends a batch and returns the others' events after the caller's last seen seq.
-A source that has not exchanged for ``ttl_s`` (its router died) is announced once with the event
-``("gone", source)``, so the others drop the requests it had in flight instead of counting them
-on their replicas forever. Complexity: O(batch + returned events + sources) per exchange; memory
-O(capacity).
+The log is a bounded ring of ``(seq, source, event)``. The events are the frozen dataclasses
+below, defined here once for every host: a router's ``RequestRouted`` / ``RequestFinished``, a
+replica's ``KvDelta`` / ``TierDelta`` / ``KvFull`` (``replicas/kv_publisher.py``), and the log's own
+``SourceGone``. ``exchange`` appends a batch and returns the others' events after the caller's
+last seen seq. A source that has not exchanged for ``ttl_s`` (its router died) is announced once
+with ``SourceGone(source)``, so the others drop the requests it had in flight instead of counting
+them on their replicas forever. Complexity: O(batch + returned events + sources) per exchange;
+memory O(capacity).
 """
 
 from __future__ import annotations
@@ -21,14 +23,88 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
 
-Event = tuple[Any, ...]
 HUB_NAMESPACE = "fairway"  # the Ray namespace of the hub actor that holds an application's log
 REPLICA_SOURCE = "replica:"  # the prefix of a replica's source name (its KV events)
 #: How often each request router exchanges with the shared view by default (seconds): the
 #: cluster's ``router.sync_period_s``, and the simulator's sync delay with several routers.
 DEFAULT_SYNC_PERIOD_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRouted:
+    """A router sent a request to ``replica`` (a replica's unique id). ``key`` names it across
+    the view (``"<router id>:<its number there>"``); ``estimated_blocks``: the router's index match
+    on ``replica``; ``best_blocks``: the decision's longest match among the candidates;
+    ``routed_at``: the router's wall clock."""
+
+    replica: str
+    key: str
+    hashes: tuple[int, ...]
+    prompt_tokens: int
+    estimated_blocks: int
+    request_id: str
+    routed_at: float
+    best_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """The request ``key`` (a ``RequestRouted``'s) ended on its replica."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class KvDelta:
+    """Replica ``replica``'s engine stored and removed these block hashes since its last batch."""
+
+    replica: str
+    stored: Sequence[int]
+    removed: Sequence[int]
+
+    @property
+    def hash_count(self) -> int:
+        return len(self.stored) + len(self.removed)
+
+
+@dataclass(frozen=True, slots=True)
+class TierDelta:
+    """Host KV tier: hashes that became host-only (``host_only``) and that stopped being so
+    (``back``); sent after the ``KvDelta`` of the same batch."""
+
+    replica: str
+    host_only: Sequence[int]
+    back: Sequence[int]
+
+    @property
+    def hash_count(self) -> int:
+        return len(self.host_only) + len(self.back)
+
+
+@dataclass(frozen=True, slots=True)
+class KvFull:
+    """Replica ``replica``'s whole block set, and the host-only part of it (empty without a host
+    KV tier): sent when the hub did not know the replica."""
+
+    replica: str
+    hashes: Sequence[int]
+    host_only: Sequence[int] = ()
+
+    @property
+    def hash_count(self) -> int:
+        return len(self.hashes) + len(self.host_only)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceGone:
+    """The log announces ``source`` silent past its ttl: a router (its requests in flight leave
+    the others' load views) or a replica (``REPLICA_SOURCE`` + its id: its blocks are forgotten)."""
+
+    source: str
+
+
+Event = RequestRouted | RequestFinished | KvDelta | TierDelta | KvFull | SourceGone
 
 
 def hub_name(app_name: str) -> str:
@@ -96,12 +172,12 @@ class ViewLog:
         return new
 
     def expire(self, now: float, keep: str = "") -> list[str]:
-        """Announce every source but ``keep`` silent for more than ``ttl_s`` with ``("gone", source)``
+        """Announce every source but ``keep`` silent for more than ``ttl_s`` with ``SourceGone(source)``
         and forget it; return those sources. O(sources)."""
         gone = [src for src, seen in self._seen.items() if src != keep and now - seen > self.ttl_s]
         for src in gone:
             del self._seen[src]
-            self._append("", (("gone", src),))
+            self._append("", (SourceGone(src),))
         return gone
 
     def _append(self, source: str, events: Sequence[Event]) -> None:

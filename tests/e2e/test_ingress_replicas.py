@@ -17,6 +17,7 @@ import urllib.error
 import pytest
 
 from cluster.launch import post_json
+from fairway.routing.view_log import Event, SourceGone
 from observability.exporter import free_port
 from tests.factories import prompt_ids
 
@@ -167,8 +168,8 @@ def test_killing_one_ingress_replica_loses_no_request(url):
     # the others no longer count its requests as running on the holder
     hub = ray.get_actor("fairway-view-fairway", namespace="fairway")
     deadline = time.monotonic() + 30
-    def router_gone(e: tuple) -> bool:  # not this test's own probe, nor a replica's publisher
-        return e[0] == "gone" and e[1] != "test-probe" and not e[1].startswith("replica:")
+    def router_gone(e: Event) -> bool:  # not this test's own probe, nor a replica's publisher
+        return isinstance(e, SourceGone) and e.source != "test-probe" and not e.source.startswith("replica:")
 
     while not any(router_gone(e) for e in ray.get(hub.exchange.remote("test-probe", [], 0)).events):
         assert time.monotonic() < deadline, "the dead ingress's router was never announced gone"
