@@ -266,7 +266,7 @@ def test_concurrent_requests_all_complete(url):
 
 def test_the_openapi_schema_fuzzed_against_the_cluster_never_gets_a_5xx(url):
     """schemathesis over the cluster's own OpenAPI schema through Serve's HTTP stack (the
-    in-process suite, tests/test_ingress_http.py, runs many more examples): no 5xx, each answer
+    in-process suite, tests/router/test_ingress.py, runs many more examples): no 5xx, each answer
     within 15 s, and a served request still completes afterwards. Each case is sent as drawn,
     then with the served model and at most MAX_FUZZ_TOKENS tokens to generate: a valid request
     for 29,493 tokens (one was drawn) rightly takes minutes, which is not a hang."""

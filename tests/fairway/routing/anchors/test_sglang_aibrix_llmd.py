@@ -10,7 +10,7 @@ from fairway.prefix_index import PrefixIndex
 from fairway.routing import choice
 from fairway.routing.host import RoutingHost
 from tests.factories import LinearCost, chain
-from tests.test_routing import BS, picks, ranked, req, router, st, view
+from tests.fairway.routing.test_routing import BS, picks, ranked, req, router, st, view
 
 
 def tok(replica: int, tokens: int, matched: int = 0, **kw):
@@ -193,7 +193,7 @@ def test_only_a_policy_that_reads_them_hears_first_tokens():
 
 def test_the_simulator_releases_llmds_tokens_at_each_first_token(monkeypatch):
     from fairway.load_view import LoadView
-    from tests.test_cluster import cluster, family_specs
+    from tests.sim.test_cluster import cluster, family_specs
 
     early: list[int] = []
     real = LoadView.on_first_token

@@ -23,7 +23,7 @@ from workloads.stats import drain, perfect_cache_uncached
 from workloads.synthetic import AgenticParams, AgenticWorkload, RagWorkload
 from workloads.traces import MooncakeTraceWorkload, TimingTraceWorkload
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl"
 AZURE = TRACES / "azure2023_AzureLLMInferenceTrace_conv.csv"
 SYNTHETIC = ["rag", "rag-spike", "mixed", "mixed-spike", "agentic", "agentic-spike"]

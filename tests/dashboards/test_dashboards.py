@@ -14,7 +14,7 @@ from dashboards.queries import DASHBOARDS, PANELS, QUERIES, RATE, promql
 from dashboards.render import legend, parse_duration, rate_interval, render_all
 from observability.exporter import METRICS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_json_equals_generated():

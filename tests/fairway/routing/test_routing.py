@@ -179,7 +179,7 @@ def test_ray_prefix_imbalance_switch():
     assert set(got) == {1, 2}  # power of two choices never takes the longest queue
 
 
-# -- sglang-classic (sglang, llmd, aibrix as their sources state them: tests/test_anchors_score.py) --
+# -- sglang-classic (sglang, llmd, aibrix as their sources state them: anchors/test_sglang_aibrix_llmd.py) --
 
 
 def test_sglang_classic_imbalance_switch_needs_both_thresholds():
@@ -211,7 +211,7 @@ def test_sglang_classic_match_rate_must_exceed_threshold():
     assert choice(ranked(r, req(160), tie)) == 1
 
 
-# -- llm-d (dynamo: tests/test_anchors_dynamo.py) ---------------------------------------------
+# -- llm-d (dynamo: tests/fairway/routing/anchors/test_dynamo.py) ---------------------------------------------
 
 
 def test_llmd_baseline_score_arithmetic():

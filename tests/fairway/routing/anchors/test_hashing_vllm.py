@@ -14,7 +14,7 @@ from fairway.routing import RouteRequest, RouterError, RouterPolicy, choice, mak
 from fairway.routing.anchors.common import RecentRoutes
 from fairway.routing.anchors.hashing import HashRing, session_key
 from tests.factories import LinearCost, chain
-from tests.test_routing import check, st
+from tests.fairway.routing.test_routing import check, st
 
 BS = 16
 
