@@ -137,6 +137,7 @@ def prometheus_binary():
     return path
 
 
+@pytest.mark.e2e
 def test_pipeline_exporter_prometheus_dashboards(prometheus_binary, tmp_path):
     """Real exporters (process-local target store) + a real Prometheus using the committed config's
     http_sd job: every dashboard query that should have data has it, and Prometheus's per-lane
