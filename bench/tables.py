@@ -89,12 +89,6 @@ def _loadavg(res: dict[str, Any]) -> str:
     return f"{la[0]:.1f}/{la[1]:.1f}" if la else "-"
 
 
-def _prefill_busy(res: dict[str, Any]) -> str:
-    per = res.get("per_replica") or []
-    vals = [p.get("prefill_busy_fraction") for p in per if p.get("prefill_busy_fraction") is not None]
-    return "/".join(f"{v:.2f}" for v in vals) or "-"
-
-
 def sim_vs_real_table(sim: dict[str, Any], reals: dict[str, dict[str, Any]],
                       engines: dict[str, list[dict[str, Any]]] | None = None) -> str:
     """Markdown: sim row, one row per real run, and real/sim ratio rows."""

@@ -3,10 +3,10 @@
     python -m dashboards.demo --duration 60 --out out/dashboards-demo/
 
 One router-level and two replica-level ``FairwayStats`` (the processes of a small cluster) are
-fed synthetic requests, each exported by ``start_exporter`` on its own port and registered in a
+fed synthetic requests, each exported by a ``MetricsExporter`` on its own port and registered in a
 process-local target store; a real Prometheus discovers them through the exporter's
 ``/metrics/targets`` (the committed config's http_sd job), scrapes them, and every dashboard
-query is checked for data; then the PNGs are rendered. ``tests/test_dashboards.py`` runs a short
+query is checked for data; then the PNGs are rendered. ``tests/dashboards/test_dashboards.py`` runs a short
 version. Traffic is seeded (``random.Random(seed)``); wall time only drives the scrapes.
 """
 

@@ -319,9 +319,3 @@ def _sample(r: RequestRecord) -> RequestSample:
     return RequestSample(ttft_s=ttft, queue_wait_s=res.queue_wait_s, lane=res.lane, prompt_tokens=prompt,
                          cached_tokens=cached, work=float(prompt - cached))
 
-
-def run_http(cfg: HttpRunConfig, *, progress: TextIO | None = None, clock: Clock | None = None) -> dict[str, Any]:
-    """Build the workload, run it against the server, return the summary (blocking)."""
-    runner = HttpLoadRun(cfg, clock=clock, progress=progress)
-    return asyncio.run(runner.run())
-

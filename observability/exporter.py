@@ -6,7 +6,7 @@ custom ``Collector`` that reads ``FairwayStats.snapshot()`` at scrape time, and 
 ``/metrics`` endpoint with its service discovery.
 
 Scrape path (the Ray way, one endpoint per process): every process that records Fairway stats
-(each ingress replica, each Fairway replica actor) calls ``start_exporter``. It serves
+(each ingress replica, each Fairway replica actor) starts a ``MetricsExporter``. It serves
 ``/metrics`` on an ephemeral port bound on all interfaces and registers ``node_ip:port`` in a
 ``TargetStore`` every process of the cluster can read: Ray's internal KV (GCS), namespace
 ``fairway``, keys ``fairway/metrics/<component>@<ip:port>``. The entry carries an expiry time,
@@ -460,27 +460,6 @@ class MetricsExporter:
             atexit.unregister(self.stop)
         except Exception:  # noqa: BLE001
             pass
-
-
-_RUNNING: dict[str, MetricsExporter] = {}  # address -> exporter started by start_exporter
-
-
-def start_exporter(stats_objects: StatsSource, component: str, **kwargs: Any) -> str:
-    """Serve ``/metrics`` for ``stats_objects`` in this process and register the target; returns
-    ``"ip:port"``. Keyword arguments go to ``MetricsExporter`` (``level``, ``bind_host``,
-    ``advertise_host``, ``port``, ``store``, ``ttl_s``, ``refresh_s``, ``include_global_registry``,
-    ``extra_labels``). Call once per process (ingress replica, Fairway replica actor)."""
-    exp = MetricsExporter(stats_objects, component, **kwargs)
-    addr = exp.start()
-    _RUNNING[addr] = exp
-    return addr
-
-
-def stop_exporter(address: str) -> None:
-    """Stop an exporter ``start_exporter`` returned the address of (no-op if unknown)."""
-    exp = _RUNNING.pop(address, None)
-    if exp is not None:
-        exp.stop()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -357,9 +357,6 @@ class FairwayStats:
         """TTFT observations, summed over the series matching ``lane`` / ``replica`` (None = any)."""
         return self._hist_count("ttft", lane, replica)
 
-    def queue_wait_count(self, lane: str | None = None, replica: str | None = None) -> int:
-        return self._hist_count("queue_wait", lane, replica)
-
     def _hist_count(self, name: str, lane: str | None, replica: str | None) -> int:
         with self._lock:
             return sum(

@@ -18,7 +18,7 @@ t1=$(date +%s)
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 set +e
-HF_HUB_OFFLINE=1 nice -n 10 .venv-vllm/bin/python -m pytest tests/test_vllm_engine.py tests/e2e/test_vllm_cluster.py \
+HF_HUB_OFFLINE=1 nice -n 10 .venv-vllm/bin/python -m pytest tests/replicas/engines/test_vllm_engine.py tests/e2e/test_vllm_cluster.py \
   -q -p no:cacheprovider "$@" | tee "$report"
 rc=${PIPESTATUS[0]}
 set -e

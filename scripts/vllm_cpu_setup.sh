@@ -90,4 +90,4 @@ if [ -n "${FORCE:-}" ] || [ ! -f "$mstamp" ] || [ "$(cat "$mstamp")" != "$mwant"
 else
   log "model up to date ($MODEL_DIR)"
 fi
-log "done: scripts/test_vllm.sh (or $VENV/bin/python -m pytest tests/test_vllm_engine.py tests/e2e/test_vllm_cluster.py)"
+log "done: scripts/test_vllm.sh (or $VENV/bin/python -m pytest tests/replicas/engines/test_vllm_engine.py tests/e2e/test_vllm_cluster.py)"

@@ -36,8 +36,17 @@ def register_policy(cls: type[QueuePolicy]) -> type[QueuePolicy]:
     return cls
 
 
-for _cls in (FCFS, LPM, DFSWeight, HRRN, KLPM, LPMAging, VLLMSJF, SRPTOracle, Fairway,
-             PEEK, PRISM, SVF, SVF1Bit):  # the last four: published schedulers rebuilt (docs/design.md)
+#: The product: Fairway's own queue policy (docs/design.md, Fairway queue policy).
+PRODUCT_POLICIES: tuple[type[QueuePolicy], ...] = (Fairway,)
+#: Baselines, for comparison only: the engines' and papers' orders as keys (``baselines.py``;
+#: docs/design.md, Queue baselines), ``srpt-oracle`` being a reference bound.
+BASELINE_POLICIES: tuple[type[QueuePolicy], ...] = (FCFS, LPM, DFSWeight, HRRN, KLPM, LPMAging, VLLMSJF,
+                                                    SRPTOracle)
+#: Baselines too: published schedulers rebuilt from their descriptions (docs/design.md, SVF and
+#: Sorted-F; PEEK and PRISM).
+PUBLISHED_BASELINES: tuple[type[QueuePolicy], ...] = (PEEK, PRISM, SVF, SVF1Bit)
+
+for _cls in (*BASELINE_POLICIES, *PRODUCT_POLICIES, *PUBLISHED_BASELINES):  # the registry's listing order
     register_policy(_cls)
 
 

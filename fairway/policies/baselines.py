@@ -1,4 +1,5 @@
-"""Baseline queue policies (docs/design.md, Queue baselines), each a key over the shared columns.
+"""Baseline queue policies (docs/design.md, Queue baselines), each a key over the shared columns
+(``BASELINE_POLICIES``; the published schedulers rebuilt are ``PUBLISHED_BASELINES``).
 
 Every class states its key; "first" means admitted first; ties go to the smaller host ``seq``
 (arrival order). Sources: vLLM (fcfs, sjf), SGLang (lpm, dfs-weight, hrrn, lpm with aging),

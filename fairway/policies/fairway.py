@@ -10,7 +10,7 @@
   deadline is earlier: at most the requests that arrived before its deadline, under any load.
   ``"ratio"`` (highest W / max(P, P_floor), the reference design's order) is kept as an option: it
   lets a stream of cheap promoted requests (ratio growing at 1 / P_floor) starve an expensive
-  one for as long as an overload lasts (tests/test_sim.py shows it; docs/benchmarks.md compares).
+  one for as long as an overload lasts (tests/sim/test_simulator.py shows it; docs/benchmarks.md compares).
 - Capacity split: stride scheduling over estimated prefill work. Each lane has a pass; admit from
   the non-empty lane with the smaller pass, then add P / share to that lane's pass. A lane that
   was empty restarts at the other lane's pass (it banks no credit); an empty lane gives the other

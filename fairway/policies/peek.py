@@ -1,6 +1,6 @@
 """PEEK: cluster pioneers first, siblings once the prefix is cached, a stride over three lanes.
 
-Rebuilt from the published description (docs/design.md, PEEK and PRISM):
+A baseline (``PUBLISHED_BASELINES``), rebuilt from the published description (docs/design.md, PEEK and PRISM):
 
 - **Pending tree and hits.** ``DemandQueue`` keeps the radix tree of the waiting requests'
   blocks; every waiting request's longest cached prefix is kept current by the base class's hit

@@ -1,6 +1,6 @@
 """PRISM: query-aware admission over a demand-aware radix tree, agreeing with demand retention.
 
-Rebuilt from the published description (docs/design.md, PEEK and PRISM):
+A baseline (``PUBLISHED_BASELINES``), rebuilt from the published description (docs/design.md, PEEK and PRISM):
 
 - **Demand-aware tree.** ``DemandQueue``'s pending tree counts, per block, the waiting requests
   that need it. The same counts drive retention (``retention = "prism"``: the engine model

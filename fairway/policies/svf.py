@@ -1,4 +1,5 @@
-"""Smallest volume first (SVF) and its one-bit variant (docs/design.md, SVF and Sorted-F).
+"""Smallest volume first (SVF) and its one-bit variant (docs/design.md, SVF and Sorted-F): baselines
+(``PUBLISHED_BASELINES``), published schedulers rebuilt.
 
 A request's *volume* is the KV memory it occupies integrated over its life, in token-steps.
 While it decodes its k-th token it holds its context plus the tokens generated so far, so with

@@ -39,8 +39,7 @@ class RouteRequest:
     """A request as a router policy sees it.
 
     ``block_hashes`` are the chained hashes of the prompt's full blocks (not the output's);
-    ``prompt_chars`` is kept for character-level anchors and metrics (no policy here needs it:
-    every match is in blocks of tokens); ``session`` is the conversation or user the request
+    ``session`` is the conversation or user the request
     belongs to, when the client or the workload names one (the routing key of session-affinity
     routers), else None.
     """
@@ -48,7 +47,6 @@ class RouteRequest:
     rid: int
     prompt_tokens: int
     block_hashes: Sequence[int]
-    prompt_chars: int | None = None
     session: str | None = None
 
 

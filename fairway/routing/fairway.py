@@ -1,42 +1,23 @@
-"""Fairway's replica choice: the minimum expected TTFT (docs/design.md, Fairway router).
+"""Fairway's replica choice: the minimum expected TTFT. The model, its reasons and options are
+stated once, in docs/design.md, Fairway router.
 
-For replica j: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix),
-P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj), Q_j the prefill seconds routed to j and not yet
-started, R_j the prefill still to run of the requests j has started (``running_prefill``).
+Rule: rank replica j for request r by T_rj = (W_rj + S_rj + footprint_weight * P_rj * fullness_j)
+/ s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) and pick the minimum, unless
+hot-prefix replication seeds a non-holder (``replicate``); ``rule="affinity"`` keeps the
+reference design's test instead.
 
-- Expected TTFT: T_rj = W_rj + S_rj + footprint_weight * P_rj * fullness_j, with S_rj the step
-  that computes the first token, priced with j's running decodes (``decode_batch``; else P_rj),
-  and the footprint term charging the cached work a placement displaces (``footprint``).
-- Wait: a Fairway replica's Fast lane serves the least work first, so with a hit on j,
-  W_rj = R_j + min(Q_j, A_rj / fast_share), A_rj the queued work no heavier than P_rj; with no
-  free sequence slot, or FCFS replicas (``wait_model="fcfs"``), W_rj = R_j + Q_j.
-- Overtaking: a cold request is passed by later, lighter work until its promotion:
-  W_rj = (R_j + Q_j) / (1 - rho_rj) (M/G/1, lowest class), capped at R_j + Q_j + theta * P_rj;
-  rho_rj is the lighter prefill routed to j per second over its recent window (``LoadView``).
-- Hot-prefix replication: while a prefix draws a share s > k / R of the decisions (k holders
-  among R replicas, ``popularity.py``) and a non-holder, once seeded, would serve it sooner than
-  the best holder now does, the request seeds that non-holder; a per-request score never would,
-  since the seed pays the recompute and the later requests get the gain.
-- Host KV tier: with the exact index and engines that keep evicted blocks in host memory, the
-  match on j splits into GPU hits, host hits (the match from its first host-only block on: a
-  reload, not a recompute) and the miss. T_rj then adds the reload, H_rj * kv bytes per token /
-  ``host_link_bytes_per_s``, for the H_rj host tokens (the engine loads them after admission,
-  before the request's first step; the replica's compute is free meanwhile, so the reload is
-  not in P_rj, Q_j or the footprint). ``host_tier=False``: a host hit counts as a GPU hit.
-- Replica speed (``speed_aware``, off by default): the live replicas report their measured
-  pace s_j, the cost-model seconds of queued prefill their gate works off per wall second
-  (``ReplicaState.speed``: decode steps, a slower engine or a wrong profile are in it); the
-  wait, the first step and the footprint term are in the cost model's seconds, so T_rj divides
-  them by s_j. A replica that drains at a fifth of the pace looks five times as far. The
-  simulator's replicas keep 1.0 (the cost model's pace).
-- Fallbacks: a prompt no replica holds goes to the minimum T (reason ``"cold"``).
-  ``rule="affinity"`` keeps the reference design's test: the best-cached replica while its
-  W <= theta * max(P, p_floor_s), else the minimum T. By default there is no separate affinity
-  test: the holder wins while the work ahead there costs less than recomputing elsewhere.
+Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix);
+P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj); Q_j the prefill seconds routed to j and not yet
+started; R_j the prefill still to run of the requests j has started (``running_prefill``);
+W_rj the wait (``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit on j, A_rj the
+queued work no heavier than P_rj; R_j + Q_j with no free slot or ``wait_model="fcfs"``; cold:
+``overtaken_wait``); S_rj the first-token step with j's decodes (``decode_batch``); fullness_j
+per ``footprint``; reload_rj the host-tier hits' reload (``host_tier``); s_j the measured pace
+(``speed_aware``, else 1).
 
 Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
-id). ``last_reason``: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is best-cached) or
-``"fair"``; ``last_scores`` holds each T_rj, ``last_wait`` each W_rj.
+id). ``last_reason``: ``"replicate"``, ``"cold"``, ``"affinity"`` or ``"fair"``; ``last_scores``
+holds each T_rj, ``last_wait`` each W_rj.
 
 Complexity: O(R log R + n + k + R W) for R candidates, n requests waiting across them, k started
 requests still prefilling and W = 31 routed estimates per replica; two cost-model calls per

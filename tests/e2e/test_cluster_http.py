@@ -17,13 +17,13 @@ import pytest
 
 from cluster.launch import post_json, running_cluster
 from observability.probe import replica_gauges, router_outstanding, wait_idle
+from tests.e2e.probes import wait_routers_idle
 from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "fairway-tiny"
 MAX_FUZZ_TOKENS = 64  # about 0.5 s of decoding on the sim engine: a fuzzed valid request ends well within 15 s
-STATS_SETTLE_S = 1.2  # see tests/e2e/test_two_nodes.py: one stats period between affinity probes
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_prefix_affinity_and_cached_tokens(url):
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         replicas = {first["fairway"]["replica"]}
         for k in range(3):
-            time.sleep(STATS_SETTLE_S)
+            wait_routers_idle(url)  # the previous request no longer counts as queued
             status, body, _ = complete(url, shared + prompt_ids(200 + 10 * family + k, 24))
             assert status == 200
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4000  # 250 full blocks
@@ -266,7 +266,7 @@ def test_concurrent_requests_all_complete(url):
 
 def test_the_openapi_schema_fuzzed_against_the_cluster_never_gets_a_5xx(url):
     """schemathesis over the cluster's own OpenAPI schema through Serve's HTTP stack (the
-    in-process suite, tests/test_ingress_http.py, runs many more examples): no 5xx, each answer
+    in-process suite, tests/router/test_ingress.py, runs many more examples): no 5xx, each answer
     within 15 s, and a served request still completes afterwards. Each case is sent as drawn,
     then with the served model and at most MAX_FUZZ_TOKENS tokens to generate: a valid request
     for 29,493 tokens (one was drawn) rightly takes minutes, which is not a hang."""

@@ -19,16 +19,13 @@ import pytest
 from cluster.launch import post_json
 from fairway.routing.view_log import Event, SourceGone
 from observability.exporter import free_port
+from tests.e2e.probes import wait_routers_idle
 from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "fairway-tiny"
 SHARED = 4000  # tokens: 250 full blocks
-# As in tests/e2e/test_cluster_http.py: back-to-back requests of one prefix race the replicas'
-# stats (a request the router still counts as queued makes an idle replica look better), so the
-# affinity checks leave one stats period between requests; the shared view itself syncs in 20 ms.
-STATS_SETTLE_S = 1.2
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +41,7 @@ def url():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # replicate=false: one family is all the traffic here, which the router may copy to a second
         # replica by design; these tests are about the shared view, so the holder must stay one
-        serve.run(build_app({"num_replicas": 3, "ingress_replicas": 2, "metrics": False,
+        serve.run(build_app({"num_replicas": 3, "ingress_replicas": 2,
                              "router": {"policy": "fairway", "policy_options": {"replicate": False},
                                         "prefix_view": "events"},
                              "engine_args": {"kv_blocks": 4000, "host_kv_blocks": 4000}}),
@@ -78,7 +75,7 @@ def test_a_prefix_stays_on_its_replica_whichever_ingress_serves_it(url):
         holder = first["fairway"]["replica"]
         ingresses.add(first["fairway"]["ingress"])
         for k in range(6):
-            time.sleep(STATS_SETTLE_S)
+            wait_routers_idle(url)  # both routers: the previous request no longer counts as queued
             body = complete(url, shared + prompt_ids(100 + 10 * family + k, 24))
             ingresses.add(body["fairway"]["ingress"])
             assert body["fairway"]["replica"] == holder, f"family {family} request {k} left its replica"
@@ -133,7 +130,7 @@ def test_host_tier_blocks_reach_the_shared_view_and_a_host_hit_is_served_there(u
         assert time.monotonic() < deadline, f"no host-only blocks reached the hub for {holder}"
         asyncio.run(burst(range(k, k + 6)))
         k += 6
-    time.sleep(STATS_SETTLE_S)
+    wait_routers_idle(url)
     again = complete(url, first)
     assert again["fairway"]["replica"] == holder
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= SHARED
@@ -179,7 +176,7 @@ def test_killing_one_ingress_replica_loses_no_request(url):
     # (with the exact view a router knows every replica that computed the prefix)
     served = []
     for k in range(8):
-        time.sleep(STATS_SETTLE_S)
+        wait_routers_idle(url)  # the killed router's metrics entry expires within its TTL (15 s)
         try:
             served.append(complete(url, shared + prompt_ids(7000 + k, 24)))
         except (urllib.error.URLError, AssertionError):

@@ -65,11 +65,12 @@ def test_targets_registered_in_ray_kv_and_expire():
         @ray.remote(num_cpus=0)
         class Recorder:
             def __init__(self) -> None:
-                from observability.exporter import start_exporter
+                from observability.exporter import MetricsExporter
 
                 self.stats = FairwayStats("replica", "kv-test-replica", "fairway")
                 self.stats.observe_ttft("fast", 0.05)
-                self.addr = start_exporter([self.stats], "kv-test-replica", ttl_s=3.0, refresh_s=0.5)
+                self.exporter = MetricsExporter([self.stats], "kv-test-replica", ttl_s=3.0, refresh_s=0.5)
+                self.addr = self.exporter.start()
 
             def address(self) -> str:
                 return self.addr

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import pytest
 
 from cluster.launch import post_json
+from tests.e2e.probes import wait_routers_idle
 from tests.e2e.test_cluster_http import MODEL, prompt_ids
 
 pytestmark = pytest.mark.e2e
-
-# The router learns that a request has left its replica's queue from Ray's completion callback
-# and the replicas' stats (every stats_period_s = 1 s). A follow-up sent within milliseconds can
-# be ranked while the previous one still counts as queued there; the model then sees both
-# replicas as about equally good and may pick either. Back-to-back identical-prefix requests are
-# a race by construction, so the affinity tests leave the router one stats period.
-STATS_SETTLE_S = 1.2
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,7 +35,7 @@ def two_nodes():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        serve.run(build_app({"num_replicas": 2, "max_replicas_per_node": 1, "metrics": False,
+        serve.run(build_app({"num_replicas": 2, "max_replicas_per_node": 1,
                              "engine_args": {"kv_blocks": 4000}}),
                   name="fairway", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -69,7 +61,7 @@ def test_replicas_on_both_nodes_and_affinity_holds(two_nodes):
     for family in (11, 12, 13, 14):
         shared = prompt_ids(family, 3000)
         for k in range(3):
-            time.sleep(STATS_SETTLE_S)
+            wait_routers_idle(two_nodes)  # the previous request no longer counts as queued
             status, body, _ = post_json(f"{two_nodes}/v1/completions",
                                         {"model": MODEL, "prompt": shared + prompt_ids(900 + 10 * family + k, 20),
                                          "max_tokens": 2})

@@ -674,12 +674,14 @@ def check_answer(r: requests.Response) -> None:
         assert r.json()["choices"]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_fuzzed_bodies_never_get_a_5xx_and_always_a_clear_answer(server, body, path):
     check_answer(post(server, path, body, timeout=10))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(read=st.integers(0, 3000), max_tokens=st.integers(1, 400), stream=st.booleans())
 def test_clients_that_stop_reading_anywhere_leave_no_call_open(server, read, max_tokens, stream):
@@ -743,6 +745,7 @@ def test_an_oversized_header_block_is_refused_with_431(server):
 # -- the OpenAPI schema, fuzzed (schemathesis) -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_openapi_schema_fuzzed_never_gets_a_5xx(server):
     """Every operation of the ingress's own OpenAPI schema, with inputs schemathesis generates
     from it (valid and invalid; bodies sent once as generated and once naming the served model):

@@ -9,7 +9,7 @@ import requests
 
 from router.auth import AuthArgs, AuthError, KeyTable, TenantArgs, parse_keys
 from router.limits import RequestLimits
-from tests.test_ingress_http import MODEL, Server, assert_clear_error
+from tests.router.test_ingress import MODEL, Server, assert_clear_error
 
 ENV = {"FAIRWAY_KEYS": "k-alice=alice, k-bob=bob,k-carol=carol"}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,6 +130,7 @@ def test_run_json_schema():
     assert fcfs["ttft_by_lane_s"] == {}
 
 
+@pytest.mark.slow
 def test_seed_runs_combine_the_kv_memory_counts_as_sums_and_keep_its_settings():
     from sim.sweep import KV_COUNTS, median_over_seeds
 

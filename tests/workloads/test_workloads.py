@@ -23,7 +23,7 @@ from workloads.stats import drain, perfect_cache_uncached
 from workloads.synthetic import AgenticParams, AgenticWorkload, RagWorkload
 from workloads.traces import MooncakeTraceWorkload, TimingTraceWorkload
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl"
 AZURE = TRACES / "azure2023_AzureLLMInferenceTrace_conv.csv"
 SYNTHETIC = ["rag", "rag-spike", "mixed", "mixed-spike", "agentic", "agentic-spike"]
@@ -518,6 +518,7 @@ needs_azure = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_real_mooncake_trace_replay():
     start = time.perf_counter()
@@ -539,6 +540,7 @@ def test_real_mooncake_trace_replay():
     assert half_specs[-1].arrival_s < 100.0 <= arrivals[len(half_specs)] / 2
 
 
+@pytest.mark.slow
 @needs_azure
 def test_real_azure_trace_replay():
     w = make_workload(f"trace:{AZURE}", rate=1.0, duration_s=math.inf, seed=0)
@@ -592,6 +594,7 @@ def test_register_workload_is_open():
         del WORKLOADS["test-custom"]
 
 
+@pytest.mark.slow
 def test_hashing_is_fast_for_a_large_workload():
     """~5,000 requests averaging ~10k tokens (mostly unique cold prompts) build in seconds."""
     from workloads.content import LogNormalLen

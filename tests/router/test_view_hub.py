@@ -147,7 +147,7 @@ def test_the_replica_wires_the_sim_engines_tier_events_to_its_publisher(monkeypa
     from fairway.hashing import block_hashes
     from replicas.deployment import FairwayReplica, ReplicaArgs
     from replicas.engines import make_engine
-    from tests.test_sim_engine import call, run
+    from tests.replicas.engines.test_sim_engine import call, run
 
     monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
     monkeypatch.setattr(KvPublisher, "start", lambda self: None)  # no hub here: batches are read directly

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from bench.calibrate import DEFAULT_STEP_OVERHEAD_S, FitSettings, fit_calibration
 from fairway.cost_model import CostModel, CostProfile, available_profiles, load_profile
 
-REPO = Path(__file__).resolve().parents[1]
-CALIBRATION = Path(__file__).resolve().parents[2] / "shared" / "calibration" / "h200_prefill.json"
+REPO = Path(__file__).resolve().parents[2]
+CALIBRATION = Path(__file__).resolve().parents[3] / "shared" / "calibration" / "h200_prefill.json"
 needs_calibration = pytest.mark.skipif(
     not CALIBRATION.is_file(),
     reason=f"calibration data not found at {CALIBRATION} (the shared/ folder beside the repo)",

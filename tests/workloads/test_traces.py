@@ -129,7 +129,7 @@ def test_named_traces_resolve_in_the_trace_dir(tmp_path, monkeypatch):
     write_jsonl(tmp_path / (KNOWN_TRACES["bailian-a"] + ".gz"), CONVERSATIONS)
     assert [s.session for s in replay("bailian-a")] == [0, 1, 1, 2, 2, 2]
     monkeypatch.delenv(TRACE_DIR_ENV)
-    assert trace_dir() == Path(__file__).resolve().parents[2] / "shared" / "traces"
+    assert trace_dir() == Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 # ------------------------------------------------------------------------------- real traces

@@ -12,7 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterArgs
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def serve_configs() -> list[tuple[str, dict]]:

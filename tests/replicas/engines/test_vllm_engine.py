@@ -3,7 +3,7 @@
 The estimate tests need nothing but this repo. The vLLM tests run only where ``vllm`` imports and
 the tiny model exists (``scripts/vllm_cpu_setup.sh`` makes both), i.e. from ``.venv-vllm``:
 
-    .venv-vllm/bin/python -m pytest tests/test_vllm_engine.py
+    .venv-vllm/bin/python -m pytest tests/replicas/engines/test_vllm_engine.py
 
 They start one engine for the module (~30 s on 2 cores) and run one scenario against it.
 """
@@ -27,7 +27,7 @@ from replicas.engines import EngineError, engine_class, make_engine
 from replicas.engines.cache_estimate import CacheEstimate
 from replicas.engines.kv_events import KvEventMirror
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TINY_MODEL = ROOT / "deploy" / "models" / "fairway-tiny-llama"
 
 

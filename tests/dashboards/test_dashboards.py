@@ -14,7 +14,7 @@ from dashboards.queries import DASHBOARDS, PANELS, QUERIES, RATE, promql
 from dashboards.render import legend, parse_duration, rate_interval, render_all
 from observability.exporter import METRICS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_json_equals_generated():
@@ -137,6 +137,7 @@ def prometheus_binary():
     return path
 
 
+@pytest.mark.e2e
 def test_pipeline_exporter_prometheus_dashboards(prometheus_binary, tmp_path):
     """Real exporters (process-local target store) + a real Prometheus using the committed config's
     http_sd job: every dashboard query that should have data has it, and Prometheus's per-lane

@@ -282,7 +282,7 @@ def test_demand_columns_match_a_rebuild_under_random_events(script, name):
 @pytest.mark.asyncio
 async def test_gate_runs_peek_and_releases_siblings_on_the_store_event():
     from replicas.gate import AdmissionGate, GateConfig
-    from tests.test_gate import ScriptedEngine, call, consume, settle
+    from tests.replicas.test_gate import ScriptedEngine, call, consume, settle
 
     clock = ManualClock()
     engine = ScriptedEngine()

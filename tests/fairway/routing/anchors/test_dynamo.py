@@ -282,7 +282,7 @@ def test_dynamo_reads_the_events_index_unless_told_otherwise():
 
 
 def test_the_ray_host_tracks_active_blocks_and_releases_prefill_at_the_first_token():
-    from tests.test_serve_router import T0, book, replica, router, rstats
+    from tests.router.test_serve_router import T0, book, replica, router, rstats
 
     r, _ = router("dynamo")
     j = r._index_of(replica("replica-0").replica_id)

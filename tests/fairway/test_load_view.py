@@ -1,0 +1,163 @@
+"""The load view (fairway/load_view.py): the routed / started / finished lifecycle, the waiting
+work and its capacity, the started prefills' ends, the routed window, reported speed, staleness."""
+
+from __future__ import annotations
+
+import pytest
+
+from fairway.load_view import ROUTED_WINDOW
+from fairway.routing import make_states
+from tests.fairway.routing.helpers import view
+
+
+def test_load_view_lifecycle():
+    lv, _ = view()
+    assert lv.on_routed(1, 0, prompt_tokens=1000, cached_tokens=800) == pytest.approx(0.21)
+    assert lv.on_routed(2, 0, prompt_tokens=100) == pytest.approx(0.11)
+    lv.on_routed(3, 1, prompt_tokens=160, cached_tokens=160)  # capped at 159 cached: 1 token to compute
+    s = lv.snapshot()
+    assert s.queued_prefill_s == pytest.approx((0.32, 0.011))
+    assert s.queued_prefill_tokens == (300, 1)
+    assert s.outstanding == (2, 1)
+    assert s.running == (0, 0)
+    assert s.active_blocks == (63 + 7, 10)
+    lv.on_started(1)
+    lv.on_started(1)  # idempotent
+    s = lv.snapshot()
+    assert s.queued_prefill_s == pytest.approx((0.11, 0.011))
+    assert (s.outstanding, s.running, s.waiting) == ((2, 1), (1, 0), (1, 1))
+    lv.on_finished(2)  # rejected before it started: leaves Q too
+    lv.on_finished(1)
+    s = lv.snapshot()
+    assert s.queued_prefill_s[0] == 0.0
+    assert (s.outstanding[0], s.running[0], s.active_blocks[0], s.queued_prefill_tokens[0]) == (0, 0, 0, 0)
+    assert 3 in lv and 1 not in lv
+    with pytest.raises(KeyError):
+        lv.on_finished(1)
+    with pytest.raises(KeyError):
+        lv.on_routed(3, 0, 10)
+
+
+def test_load_view_carries_each_replicas_reported_speed():
+    lv, _ = view(2)
+    assert lv.snapshot().speed == (1.0, 1.0)
+    lv.report_speed(1, 0.25)
+    assert lv.snapshot().speed == (1.0, 0.25)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            lv.report_speed(0, bad)
+
+
+def test_load_view_queue_resets_to_exact_zero():
+    lv, _ = view(1)
+    for rid, p in enumerate((0.1, 0.2, 0.3, 0.7)):
+        lv.on_routed(rid, 0, 100, prefill_s=p)
+    for rid in (2, 0, 3):
+        lv.on_started(rid)
+    assert lv.snapshot().queued_prefill_s[0] == pytest.approx(0.2)
+    lv.on_started(1)
+    assert lv.snapshot().queued_prefill_s[0] == 0.0
+
+
+def test_load_view_preemption_requeues_the_work():
+    lv, _ = view(1)
+    lv.on_routed(1, 0, prompt_tokens=1000)
+    lv.on_started(1)
+    lv.on_preempted(1, cached_tokens=480, prompt_tokens=1040)
+    s = lv.snapshot()
+    assert s.queued_prefill_s[0] == pytest.approx(0.01 + 0.56)
+    assert (s.running[0], s.queued_prefill_tokens[0], s.outstanding[0]) == (0, 560, 1)
+
+
+def test_load_view_lists_the_waiting_work_sorted_and_the_capacity():
+    lv, _ = view(2)
+    for rid, p in ((1, 0.5), (2, 0.1), (3, 0.3), (4, 0.1)):
+        lv.on_routed(rid, 0, 100, prefill_s=p)
+    lv.on_routed(5, 1, 100, prefill_s=0.2)
+    assert lv.snapshot().queued_prefills == ((0.1, 0.1, 0.3, 0.5), (0.2,))
+    lv.on_started(4)  # one of two equal estimates leaves: the other stays
+    lv.on_finished(3)  # cancelled before it started
+    assert lv.snapshot().queued_prefills == ((0.1, 0.5), (0.2,))
+    lv.on_preempted(4, cached_tokens=0, prompt_tokens=100)  # back in the queue, re-priced: 0.11
+    qp = lv.snapshot().queued_prefills
+    assert qp[0] == pytest.approx((0.1, 0.11, 0.5)) and qp[1] == (0.2,)
+    assert lv.snapshot().max_running == (0, 0)
+    lv.report_max_running(1, 256)
+    snap = lv.snapshot()
+    assert snap.max_running == (0, 256)
+    assert make_states(snap, [0, 0], [0, 0])[1].max_running == 256
+    with pytest.raises(ValueError):
+        lv.report_max_running(0, -1)
+
+
+def test_load_view_lists_the_started_prefills_until_their_estimated_end():
+    lv, clock = view(2)
+    for rid, p in ((1, 0.5), (2, 0.2), (3, 0.4)):
+        lv.on_routed(rid, 0, 100, prefill_s=p)
+    lv.on_routed(4, 1, 100, prefill_s=1.0)
+    clock.set(1.0)
+    lv.on_started(1)  # ends at 1.5
+    lv.on_started(2, started_at=0.9)  # the host learned of it late: ends at 1.1
+    lv.on_started(4, started_at=5.0)  # never later than now: ends at 2.0
+    assert lv.snapshot().prefill_ends == ((1.5, pytest.approx(1.1)), (2.0,))
+    clock.set(1.2)
+    lv.on_started(3)  # ends at 1.6
+    snap = lv.snapshot()
+    assert snap.prefill_ends == ((1.5, 1.6), (2.0,))  # 1.1 has passed: decoding
+    assert make_states(snap, [0, 0], [0, 0])[0].prefill_ends == (1.5, 1.6)
+    lv.on_finished(1)  # finished (or cancelled) early
+    lv.on_preempted(4, cached_tokens=0, prompt_tokens=100)  # back in the queue
+    assert lv.snapshot().prefill_ends == ((1.6,), ())
+    lv.on_started(4)  # restarted at 1.2, re-priced at 0.11 s: ends at 1.31
+    lv.on_prefill_done(4)  # a host that saw its first token says so: gone before its estimate
+    lv.on_prefill_done(99)  # unknown (already finished): ignored
+    assert lv.snapshot().prefill_ends == ((1.6,), ())
+    clock.set(1.6)
+    lv.on_routed(5, 1, 100, prefill_s=0.1)
+    assert lv.snapshot().prefill_ends == ((), ())
+
+
+def test_load_view_keeps_a_window_of_the_work_routed_lately():
+    lv, clock = view(2)
+    lv.on_routed(1, 0, 100, prefill_s=0.5)
+    assert lv.snapshot().routed_windows == ((0.0, ()), (0.0, ()))  # one arrival: no rate yet
+    clock.set(1.0)
+    lv.on_routed(2, 0, 100, prefill_s=0.9)
+    clock.set(2.0)
+    lv.on_routed(3, 0, 100, prefill_s=0.3)
+    lv.on_finished(2)  # finishing does not leave the window: it is the arrival rate
+    snap = lv.snapshot()
+    assert snap.routed_windows[0] == (0.0, (0.3, 0.9))
+    s0 = make_states(snap, [0, 0], [0, 0])[0]
+    assert (s0.routed_since, s0.routed_prefills) == (0.0, (0.3, 0.9))
+    # bounded: the last ROUTED_WINDOW arrivals, the oldest of them marking the window's start
+    for i in range(ROUTED_WINDOW + 2):
+        clock.set(10.0 + i)
+        lv.on_routed(100 + i, 1, 100, prefill_s=i / 100)
+    t0, ps = lv.snapshot().routed_windows[1]
+    assert t0 == 12.0 and ps == pytest.approx(tuple(i / 100 for i in range(3, ROUTED_WINDOW + 2)))
+
+
+def test_load_view_staleness():
+    lv, clock = view(2, stale_s=10.0)
+    first = lv.snapshot()
+    lv.on_routed(1, 0, 100)
+    lv.report_kv_usage(1, 0.5)
+    clock.set(9.99)
+    assert lv.snapshot() is first
+    assert lv.live().outstanding == (1, 0)
+    clock.set(10.0)
+    s = lv.snapshot()
+    assert s.taken_s == 10.0 and s.outstanding == (1, 0) and s.kv_usage == (0.0, 0.5)
+    lv.on_finished(1)
+    clock.set(19.0)
+    assert lv.snapshot() is s
+    live, clock = view(1, stale_s=0.0)
+    a = live.snapshot()
+    assert live.snapshot() is a  # nothing changed: the same snapshot
+    live.on_routed(1, 0, 100)
+    assert live.snapshot().outstanding == (1,)
+    with pytest.raises(ValueError):
+        live.report_kv_usage(0, 1.5)
+    with pytest.raises(ValueError):
+        view(1, stale_s=-1.0)
