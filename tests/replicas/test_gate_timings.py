@@ -9,7 +9,7 @@ import time
 import pytest
 
 from observability.stats import FairwayStats
-from tests.test_gate import call, consume, make_gate, settle
+from tests.replicas.test_gate import call, consume, make_gate, settle
 
 pytestmark = pytest.mark.asyncio
 
