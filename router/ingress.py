@@ -52,7 +52,7 @@ from router.openai_api import (
     new_id,
     now_s,
 )
-from router.tokenizer import utf8_len_over
+from router.tokenizer import TooManyTokens, utf8_len_over
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -289,7 +289,7 @@ class FairwayIngress:
                 ids = body.prompt
             else:
                 self._check_text_bytes(body.prompt)
-                ids = await self._off_loop(self.tokenizer.encode, body.prompt)
+                ids = await self._tokenized(self.tokenizer.encode_within, body.prompt)
             call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
                               session_of(body, request), received_at(request))
         except HTTPError as e:
@@ -305,7 +305,7 @@ class FairwayIngress:
                                 reason="bad_request")
             messages = [m.for_template() for m in body.messages]
             self._check_text_bytes("".join(m["content"] for m in messages))
-            ids = await self._off_loop(self.tokenizer.encode_chat, messages)
+            ids = await self._tokenized(self.tokenizer.encode_chat_within, messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
                 max_tokens = max(1, self.args.max_model_len - len(ids))
@@ -329,10 +329,16 @@ class FairwayIngress:
                                  f"{self.tokenizer.max_token_bytes} bytes per token). Please reduce the length of "
                                  f"the prompt.", reason="too_long")
 
-    async def _off_loop(self, fn: Any, arg: Any) -> Any:
-        """``fn(arg)`` in the tokenizer's thread pool, so the event loop keeps serving other
-        clients while a long prompt is tokenized."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
+    async def _tokenized(self, encode: Any, prompt: Any) -> list[int]:
+        """``encode(prompt, max_model_len)`` off the loop; a prompt whose prefix alone is over the
+        context (``Tokenizer.check_within``) is refused without tokenizing the rest."""
+        limit = self.args.max_model_len
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, encode, prompt, limit)
+        except TooManyTokens as e:
+            raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                                 f"at least {e.at_least} tokens. Please reduce the length of the prompt.",
+                            reason="too_long") from None
 
     def _rejected(self, e: HTTPError) -> JSONResponse:
         if self.stats is not None:

@@ -13,6 +13,13 @@ does not shrink text: none, Prepend, a Replace by something no shorter, or NFD k
 NFC / NFKC / NFKD shrink text by at most 3x (three characters composed into one of no fewer
 bytes; a full-width letter to ASCII), so the bound is taken 4x looser; with any other
 normalizer (one that may delete text) there is no bound (``max_token_bytes`` is None).
+
+``encode_within`` tokenizes a long text's prefix first, so a prompt far over the context (but
+under the byte bound) is refused after a bounded amount of work, not after tokenizing megabytes:
+a prefix of ``PREFIX_CHARS_PER_TOKEN * limit`` characters, cut at a whitespace, yields tokens that
+the whole text's tokenization also has, up to the last word before the cut (pre-tokenizers split
+at whitespace; ``PREFIX_MARGIN`` tokens cover the cut word and any merge across it), so a prefix
+with more than ``limit + PREFIX_MARGIN`` tokens proves the text has more than ``limit``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Normalizers that never make text shorter in UTF-8 bytes, and those that shrink it by at most 3x.
 KEEPS_BYTES = frozenset({"Prepend", "NFD"})
 SHRINKS_AT_MOST_3X = frozenset({"NFC", "NFKC", "NFKD"})
+#: ``encode_within``: the prefix tokenized first, in characters per token of the limit (prompts
+#: average 3-5 characters per token; a text past it with fewer tokens is tokenized whole)
+PREFIX_CHARS_PER_TOKEN = 8
+#: tokens the cut can cost: the word it splits, and a merge across it
+PREFIX_MARGIN = 256
+#: how far back from the cut a whitespace is looked for
+CUT_LOOKBACK = 4096
+
+
+class TooManyTokens(ValueError):  # noqa: N818 - it is what the caller refuses
+    """A text has more tokens than the limit: at least ``at_least`` (a lower bound)."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"at least {at_least} tokens")
+        self.at_least = at_least
 
 
 def resolve_path(name: str) -> str:
@@ -97,6 +119,28 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def check_within(self, text: str, limit: int) -> None:
+        """Raise ``TooManyTokens`` when a prefix of ``text`` alone proves it has more than
+        ``limit`` tokens (module docstring); O(min(len(text), PREFIX_CHARS_PER_TOKEN * limit))."""
+        cut = PREFIX_CHARS_PER_TOKEN * limit
+        if len(text) > cut:
+            space = text.rfind(" ", max(0, cut - CUT_LOOKBACK), cut)
+            n = len(self.tok(text[: space if space > 0 else cut], add_special_tokens=False)["input_ids"])
+            if n > limit + PREFIX_MARGIN:
+                raise TooManyTokens(n - PREFIX_MARGIN)
+
+    def encode_within(self, text: str, limit: int) -> list[int]:
+        """``encode(text)`` after ``check_within``: a text far over ``limit`` costs a bounded
+        prefix, not its whole tokenization."""
+        self.check_within(text, limit)
+        return self.encode(text)
+
+    def encode_chat_within(self, messages: list[dict[str, Any]], limit: int) -> list[int]:
+        """``encode_chat`` after ``check_within`` on the messages' text (their tokens are no more
+        than the templated prompt's)."""
+        self.check_within("\n".join(m["content"] for m in messages), limit)
+        return self.encode_chat(messages)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

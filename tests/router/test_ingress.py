@@ -278,6 +278,50 @@ def test_a_prompt_too_long_in_bytes_is_refused_at_once_without_tokenizing(big_se
     assert len(prompt) not in encoded  # refused before any tokenization
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_far_over_the_context_but_under_the_byte_bound_is_refused_from_a_prefix(big_server, monkeypatch,
+                                                                                           chat):
+    """A prompt under the byte bound but far over 4,096 tokens (about 1 MB of short words) is
+    refused after tokenizing a prefix only: the whole text never reaches the tokenizer, and the
+    400 gives a lower bound on its tokens."""
+    tok = big_server.ingress.tokenizer
+    seen: list[int] = []
+    real = tok.tok
+
+    def spy(text: str, **kw: Any) -> Any:
+        seen.append(len(text))
+        return real(text, **kw)
+
+    monkeypatch.setattr(tok, "tok", spy)
+    monkeypatch.setattr(tok, "encode_chat", lambda messages: pytest.fail("the whole chat was tokenized"))
+    prompt = "a b " * 90_000  # 360 KB (under the byte bound), 180,000 tokens
+    assert len(prompt.encode()) < big_server.ingress.max_text_bytes
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        r = post(big_server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    else:
+        r = post(big_server, "/v1/completions", {"model": MODEL, "prompt": prompt})
+    assert_clear_error(r, 400, "maximum context length is 4096 tokens. However, your prompt has at least")
+    at_least = int(r.json()["error"]["message"].split("at least ")[1].split()[0])
+    assert 4096 < at_least < 180_000
+    assert seen and max(seen) <= 8 * 4096  # only the prefix was tokenized
+
+
+def test_the_prefix_check_never_refuses_a_prompt_within_the_context(big_server):
+    """Long texts with few tokens (long words, long runs of spaces) pass the prefix check when
+    their whole tokenization fits, and the check's bound is a true lower bound."""
+    from router.tokenizer import TooManyTokens
+
+    tok = big_server.ingress.tokenizer
+    for text in ("x" * 40_000, " " * 40_000, ("supercalifragilistic" * 20 + " ") * 100, "a b " * 9_000):
+        n = len(tok.encode(text))
+        for limit in (n, n + 1, max(1, n - 1), n // 2):
+            try:
+                tok.check_within(text, limit)
+            except TooManyTokens as e:
+                assert n > limit and e.at_least <= n, (text[:20], n, limit, e.at_least)
+
+
 def test_a_prompt_being_tokenized_does_not_hold_up_other_clients(big_server, monkeypatch):
     """While a text prompt is inside the tokenizer (held there by the test, so nothing depends
     on timing), other clients' requests are answered: tokenization runs off the event loop.
@@ -295,7 +339,7 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_clients(big_server, mon
     monkeypatch.setattr(tok, "encode", held)
     with ThreadPoolExecutor(1) as pool:
         big = pool.submit(post, big_server, "/v1/completions",
-                          {"model": MODEL, "prompt": "HOLD " + "x y " * 10_000, "max_tokens": 1}, None, 60)
+                          {"model": MODEL, "prompt": "HOLD " + "x y " * 3_000, "max_tokens": 1}, None, 60)
         wait_for(inside.is_set, 20, "the held prompt to reach the tokenizer")
         for stream in (False, True):
             r = post(big_server, "/v1/completions",
