@@ -50,8 +50,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.clock import Clock
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
@@ -75,30 +76,27 @@ RECENT_FEEDBACK = 512  # finished requests whose cached tokens the routing stats
 PUMP_TICK_S = 0.02  # safety re-check while requests wait (engines without step callbacks)
 
 
-@dataclass(slots=True)
-class GateConfig:
-    """Gate limits. ``max_queue``: waiting requests beyond which new ones get 429.
-    ``prefill_budget_tokens``: admitted-but-unprefilled tokens allowed in the engine (None: the
-    engine's ``max_num_batched_tokens``)."""
+class GateConfig(BaseModel):
+    """The gate's limits: the one declaration of these settings and their defaults (the YAML's
+    ``replica:`` block, ``replicas/deployment.py:ReplicaOptions``, extends it)."""
 
-    max_queue: int = 512
-    prefill_budget_tokens: int | None = None
-    stall_timeout_s: float = 15.0
-    max_queue_wait_s: float | None = 5.0  # estimated wall seconds of queue beyond which new ones get 429
-    tenant_recent_s: float = 30.0  # a tenant seen this recently is owed room (replicas/tenants.py)
-    oldest_first_after_s: float | None = None  # a request waiting this long goes before the policy's pick
+    model_config = ConfigDict(extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
-        if not self.stall_timeout_s > 0:
-            raise ValueError("stall_timeout_s must be > 0")
-        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
-            raise ValueError("max_queue_wait_s must be > 0 (or None: no bound)")
-        if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
-            raise ValueError("prefill_budget_tokens must be >= 1")
-        if self.oldest_first_after_s is not None and not self.oldest_first_after_s > 0:
-            raise ValueError("oldest_first_after_s must be > 0 (or None: the policy's order only)")
+    max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
+    prefill_budget_tokens: int | None = Field(None, ge=1, description="admitted-but-unprefilled tokens allowed "
+                                              "in the engine; null: the engine's max_num_batched_tokens")
+    stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests in "
+                                                           "it: fail them with 504, report unhealthy")
+    max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds: "
+                                           "its prefill work over the rate the engine works it off) beyond "
+                                           "which new requests get 429; null: no bound")
+    tenant_recent_s: float = Field(30.0, gt=0, description="with tenant_fair: a tenant seen this recently that "
+                                                        "holds less of the engine is owed one slot and room for "
+                                                        "its largest recent prompt")
+    oldest_first_after_s: float | None = Field(None, gt=0, description="a request that has waited this long "
+                                               "(wall seconds) is admitted before the policy's pick, oldest "
+                                               "first (an age bound on the queue order, for memory-bound "
+                                               "agentic loads; docs/benchmarks.md 2.6); null: off")
 
 
 class AdmissionGate:

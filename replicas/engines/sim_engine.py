@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fairway.clock import Clock, MonotonicClock
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.engine.model import EngineConfig, EngineModel, EngineRequest
 from fairway.hashing import HashState, salt_seed
 from fairway.policies import make_policy
@@ -97,7 +97,7 @@ class SimEngine:
 
     def __init__(
         self,
-        profile: str = "h200-llama3-8b",
+        profile: str = DEFAULT_PROFILE,
         block_size: int = 16,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
