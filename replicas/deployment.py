@@ -107,7 +107,7 @@ class FairwayReplica:
         self.name = replica_name()
         self.engine = make_engine(a.engine, **a.engine_args)
         self.clock = clock = MonotonicClock()
-        block_size = getattr(self.engine, "block_size", 16)
+        block_size = self.engine.block_size
         cost = CostModel.from_profile(a.profile)
 
         def new_policy() -> Any:  # one per tenant (replicas/tenants.py)
@@ -168,12 +168,11 @@ class FairwayReplica:
                 raise
 
         pub = KvPublisher(self.name, send, self.engine.cached_hashes, period_s=self.args.kv_publish_period_s,
-                          host_only=getattr(self.engine, "host_only_hashes", None))
+                          host_only=self.engine.host_only_hashes)
         policy = self.gate.policy
         self.engine.set_cache_listener(_tee(policy.on_blocks_stored, pub.on_stored),
                                        _tee(policy.on_blocks_removed, pub.on_removed))
-        if hasattr(self.engine, "set_tier_listener"):  # engines with a host KV tier: which hashes are host-only
-            self.engine.set_tier_listener(pub.on_tier)
+        self.engine.set_tier_listener(pub.on_tier)  # engines with a host KV tier: which hashes are host-only
         pub.start()
         return pub
 
@@ -185,8 +184,7 @@ class FairwayReplica:
         return asdict(self.gate.routing_stats())
 
     async def check_health(self) -> None:
-        healthy = getattr(self.engine, "healthy", True)
-        if not healthy:
+        if not self.engine.healthy:
             raise RuntimeError(f"replica {self.name}: engine is not running")
         if self.gate.stalled:
             raise RuntimeError(f"replica {self.name}: engine stalled")
@@ -201,7 +199,7 @@ class FairwayReplica:
             "max_model_len": e.max_model_len,
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs,
-            "timing": e.timing() if hasattr(e, "timing") else None,  # the sim engine's real-time pacing
+            "timing": e.timing(),  # the sim engine's real-time pacing; None for the others
         }
 
     def __del__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fairway.protocol import Engine
 from fairway.registry import resolve_class
 
 # name -> "module:Class"; one line per engine.
@@ -23,16 +24,17 @@ class EngineError(ValueError):
     """An unknown engine kind, a failed import, or bad engine options."""
 
 
-def engine_class(kind: str) -> type:
-    """The class registered as ``kind``, or imported from ``module:Class`` / ``module.Class``."""
+def engine_class(kind: str) -> type[Engine]:
+    """The class registered as ``kind``, or imported from ``module:Class`` / ``module.Class``: a
+    ``fairway.protocol.Engine`` subclass (``EngineError`` otherwise)."""
     path = ENGINES.get(kind, kind)
     if ":" not in path and "." not in path:
         raise EngineError(f"unknown engine {kind!r}; known: {', '.join(sorted(ENGINES))}")
-    return resolve_class(path, {}, object, "engine", EngineError)
+    return resolve_class(path, {}, Engine, "engine", EngineError)
 
 
-def make_engine(kind: str, **kwargs: Any) -> Any:
-    """Build an engine (it implements ``fairway.protocol.Engine``); ``start()`` is the caller's."""
+def make_engine(kind: str, **kwargs: Any) -> Engine:
+    """Build an engine; ``start()`` is the caller's."""
     cls = engine_class(kind)
     try:
         return cls(**kwargs)
