@@ -14,7 +14,7 @@ from fairway.routing import RouteRequest, RouterError, RouterPolicy, choice, mak
 from fairway.routing.anchors.common import RecentRoutes
 from fairway.routing.anchors.hashing import HashRing, session_key
 from tests.factories import LinearCost, chain
-from tests.test_routing import check, st
+from tests.test_routing import last, ranked, st
 
 BS = 16
 
@@ -27,12 +27,6 @@ def router(name: str, seed: int = 0, clock: ManualClock | None = None, **kw) -> 
 def req(prompt: int = 160, hashes=None, rid: int = 0, session: str | None = None) -> RouteRequest:
     hs = chain("p", prompt // BS) if hashes is None else list(hashes)
     return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=hs, session=session)
-
-
-def ranked(r: RouterPolicy, rq: RouteRequest, states) -> list[list[int]]:
-    ranks = r.rank(rq, states)
-    check(ranks, states)
-    return ranks
 
 
 def ring_order(r: RouterPolicy, key: int, ids: list[int]) -> list[int]:
@@ -72,14 +66,14 @@ def test_prefix_hash_owner_within_the_bound_then_least_loaded_spill():
     owner = order[0]
     idle = [st(j) for j in range(4)]
     assert ranked(r, rq, idle) == [[j] for j in order]  # the owner, then ring order
-    assert r.last_reason == "ring"
+    assert last(r).reason == "ring"
     # owner at 2 of total 5: bound 1.25 * 6 / 4 = 1.875 -> over; the others 1, 1, 1: the
     # least loaded within the bound is a tie at 1, SMG takes the first in worker order (id)
     loads = {j: 1 for j in range(4)} | {owner: 2}
     states = [st(j, outstanding=loads[j]) for j in range(4)]
     want = min(j for j in range(4) if j != owner)
     ranks = ranked(r, rq, states)
-    assert choice(ranks) == want and r.last_reason == "spill"
+    assert choice(ranks) == want and last(r).reason == "spill"
     assert [x[0] for x in ranks[1:]] == [j for j in order if j != want]
     # not a walk: with the next on the ring busier than another, SMG still takes the least loaded
     nxt, far = order[1], order[-1]
@@ -87,7 +81,7 @@ def test_prefix_hash_owner_within_the_bound_then_least_loaded_spill():
     states = [st(j, outstanding=loads[j]) for j in range(4)]  # total 12: bound 4.06
     assert choice(ranked(r, rq, states)) == far
     walk = router("prefix-hash", spill="walk")  # KubeAI CHWBL: the next within the bound clockwise
-    assert choice(ranked(walk, rq, states)) == nxt and walk.last_reason == "spill"
+    assert choice(ranked(walk, rq, states)) == nxt and last(walk).reason == "spill"
 
 
 def test_prefix_hash_keeps_the_owner_at_the_bound():
@@ -96,7 +90,7 @@ def test_prefix_hash_keeps_the_owner_at_the_bound():
     owner = ring_order(r, r.key(rq), [0, 1])[0]
     # owner 2, other 1: bound 1.25 * 4 / 2 = 2.5 -> the owner stays
     assert choice(ranked(r, rq, [st(owner, outstanding=2), st(1 - owner, outstanding=1)])) == owner
-    assert r.last_reason == "ring"
+    assert last(r).reason == "ring"
     # owner 3, other 0: bound 1.25 * 4 / 2 = 2.5 -> spill to the other
     assert choice(ranked(r, rq, [st(owner, outstanding=3), st(1 - owner)])) == 1 - owner
 
@@ -118,7 +112,7 @@ def test_session_hash_same_session_same_replica_and_unbounded_by_default():
         order = ring_order(r, session_key(s), ids)
         busy = [st(j, outstanding=50 if j == order[0] else 0) for j in ids]  # SMG: no load bound
         assert ranked(r, req(session=s), busy) == [[j] for j in order]
-        assert r.last_reason == "session"
+        assert last(r).reason == "session"
     owners = {choice(ranked(r, req(session=f"u{i}"), [st(j) for j in ids])) for i in range(60)}
     assert owners == set(ids)  # sessions spread over the ring
 
@@ -130,7 +124,7 @@ def test_session_hash_bounded_walks_the_ring():
     # total 8, mean 2: bound 1.5 * 2 = 3. Owner 5 > 3; the next on the ring 3 <= 3 -> it.
     loads = {order[0]: 5, order[1]: 3, order[2]: 0, order[3]: 0}
     assert choice(ranked(r, req(session="alice"), [st(j, outstanding=loads[j]) for j in ids])) == order[1]
-    assert r.last_reason == "spill"
+    assert last(r).reason == "spill"
     # low load: the baseline is max(mean, 1) -> owner at 1 of total 1 stays (bound 1.5)
     loads = {j: 0 for j in ids} | {order[0]: 1}
     assert choice(ranked(r, req(session="alice"), [st(j, outstanding=loads[j]) for j in ids])) == order[0]
@@ -140,7 +134,7 @@ def test_session_hash_without_a_session_random_or_lowest_qps():
     states = [st(j) for j in range(3)]
     r = router("session-hash", seed=4)
     got = [choice(ranked(r, req(), states)) for _ in range(60)]
-    assert set(got) == {0, 1, 2} and r.last_reason == "no-session"  # SMG: uniformly random
+    assert set(got) == {0, 1, 2} and last(r).reason == "no-session"  # SMG: uniformly random
     same = router("session-hash", seed=4)
     assert got == [choice(ranked(same, req(), states)) for _ in range(60)]
     clock = ManualClock()
@@ -173,11 +167,11 @@ def test_vllm_prefixaware_min_match_falls_back_to_lowest_qps():
     states = [st(0, matched=10), st(1, matched=10), st(2)]
     r = router("vllm-prefixaware", min_match=640, seed=3)
     assert set(choice(ranked(r, req(320), states)) for _ in range(20)) == {0, 1}
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     clock = ManualClock()
     q = router("vllm-prefixaware", min_match=641, clock=clock, seed=3)
     assert [choice(ranked(q, req(320), states)) for _ in range(4)] == [0, 1, 2, 0]  # unseen, then fewest
-    assert q.last_reason == "qps"
+    assert last(q).reason == "qps"
     assert router("vllm-prefixaware", min_match=4096).min_match == 4096
     assert validated_router("vllm-prefixaware[min_match=4096]") == ("vllm-prefixaware", {"min_match": 4096})
 
@@ -186,7 +180,7 @@ def test_vllm_prefixaware_default_min_match_is_off():
     r = router("vllm-prefixaware")
     assert r.min_match == 0  # upstream --prefix-min-match-length defaults to 0
     ranked(r, req(), [st(0), st(1)])
-    assert r.last_reason == "random"
+    assert last(r).reason == "random"
 
 
 # -- vllm-loadaware ----------------------------------------------------------------------------
@@ -198,8 +192,8 @@ def test_vllm_loadaware_cold_idle_beats_warm_busy_at_beta_1():
     states = [st(0, outstanding=6, matched=10), st(1, outstanding=2), st(2, outstanding=1)]
     r = router("vllm-loadaware")
     assert ranked(r, req(160), states) == [[2], [1], [0]]
-    assert r.last_reason == "score"
-    assert r.last_scores == pytest.approx({0: 0.0, 1: 1 / 3, 2: 2 / 3})
+    assert last(r).reason == "score"
+    assert last(r).scores == pytest.approx({0: 0.0, 1: 1 / 3, 2: 2 / 3})
     # beta 0.2: score0 = 1 - 0.2 = 0.8 beats 0.067 and 0.133
     assert choice(ranked(router("vllm-loadaware", beta=0.2), req(160), states)) == 0
 
@@ -209,7 +203,7 @@ def test_vllm_loadaware_idle_fleet_clamps_the_mean_and_ties_go_to_the_lowest_id(
     states = [st(0), st(1, outstanding=1, matched=5), st(2, matched=5)]
     r = router("vllm-loadaware")
     assert choice(ranked(r, req(160), states)) == 2
-    assert r.last_scores[1] == pytest.approx(0.5 - 2 / 3)
+    assert last(r).scores[1] == pytest.approx(0.5 - 2 / 3)
     tie = [st(3, matched=5), st(1, matched=5), st(2, matched=1)]
     assert ranked(r, req(160), tie) == [[1], [3], [2]]
     over = [st(0, matched=40), st(1, matched=5)]  # matched beyond the prompt counts as a full hit
@@ -222,9 +216,9 @@ def test_vllm_loadaware_no_holder_falls_back_to_session_ring_or_qps():
     states = [st(j, outstanding=10 * j) for j in range(3)]
     order = ring_order(r, session_key("bob"), [0, 1, 2])
     assert ranked(r, req(session="bob"), states) == [[j] for j in order]
-    assert r.last_reason == "session"
+    assert last(r).reason == "session"
     got = [choice(ranked(r, req(), states)) for _ in range(3)]
-    assert r.last_reason == "qps"
+    assert last(r).reason == "qps"
     assert got == [j for j in range(3) if j != order[0]] + [0]  # never routed first, then fewest (id)
 
 
@@ -236,10 +230,10 @@ def test_ray_prefix_imbalanced_threshold_10_spec_builds_and_switches_above_10():
     r = router("ray-prefix", imbalanced_threshold=10, seed=1)
     assert r.imbalanced_threshold == 10 and math.isinf(router("ray-prefix").imbalanced_threshold)
     ten = [st(0, outstanding=10, matched=10), st(1), st(2)]
-    assert choice(ranked(r, req(), ten)) == 0 and r.last_reason == "affinity"  # 10 - 0 is not > 10
+    assert choice(ranked(r, req(), ten)) == 0 and last(r).reason == "affinity"  # 10 - 0 is not > 10
     eleven = [st(0, outstanding=11, matched=10), st(1), st(2)]
     got = {choice(ranked(r, req(), eleven)) for _ in range(30)}
-    assert got == {1, 2} and r.last_reason == "imbalanced"
+    assert got == {1, 2} and last(r).reason == "imbalanced"
 
 
 def test_pow2_equal_queues_keep_the_draw_order():

@@ -10,7 +10,7 @@ from fairway.prefix_index import PrefixIndex
 from fairway.routing import choice
 from fairway.routing.host import RoutingHost
 from tests.factories import LinearCost, chain
-from tests.test_routing import BS, picks, ranked, req, router, st, view
+from tests.test_routing import BS, last, picks, ranked, req, router, st, view
 
 
 def tok(replica: int, tokens: int, matched: int = 0, **kw):
@@ -27,7 +27,7 @@ def test_sglang_below_threshold_takes_the_least_loaded_not_the_smallest_tree():
     states = [st(0, tree=1, outstanding=5), st(1, tree=50, outstanding=2), st(2, tree=30, outstanding=3)]
     r = router("sglang")
     assert ranked(r, req(160), states) == [[1], [2], [0]]
-    assert r.last_reason == "least-loaded"
+    assert last(r).reason == "least-loaded"
     assert choice(ranked(router("sglang-classic"), req(160), states)) == 0  # the old rule: smallest tree
 
 
@@ -47,12 +47,12 @@ def test_sglang_affinity_goes_to_the_first_holder_whatever_its_load(seed):
     # all three now hold the whole prompt: the tree names its first tenant, not the idlest holder
     full = [st(0, matched=10), st(1, matched=10), st(2, matched=10, outstanding=60)]
     assert ranked(r, req(160, hashes=shared), full) == [[2], [0], [1]]
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     # no per-request spill gate: 60 > 1.5 x mean (20) and > mean + 40, still the owner; only the
     # fleet-wide switch (max - min > 64 and max > 1.5 min) moves it
     full[2] = st(2, matched=10, outstanding=65)
     assert ranked(r, req(160, hashes=shared), full) == [[0], [1], [2]]
-    assert r.last_reason == "imbalanced"
+    assert last(r).reason == "imbalanced"
 
 
 def test_sglang_affinity_without_a_known_owner_is_random_among_the_best_matched():
@@ -65,7 +65,7 @@ def test_sglang_match_rate_must_exceed_the_threshold():
     r = router("sglang")
     # 160-token prompt: 3 blocks = 0.3 is not > 0.3: least loaded; 4 blocks = 0.4: the match
     assert choice(ranked(r, req(160), [st(0, matched=3, outstanding=1), st(1)])) == 1
-    assert r.last_reason == "least-loaded"
+    assert last(r).reason == "least-loaded"
     assert choice(ranked(router("sglang"), req(160), [st(0, matched=4, outstanding=1), st(1)])) == 0
 
 
@@ -79,7 +79,7 @@ def test_aibrix_load_is_the_gateways_in_flight_count_not_engine_running():
               st(2, outstanding=2, running=2)]
     r = router("aibrix")
     assert ranked(r, req(160), states) == [[1], [2], [0]]
-    assert r.last_reason == "imbalanced"
+    assert last(r).reason == "imbalanced"
 
 
 def test_aibrix_std_filter_uses_the_sample_deviation():
@@ -87,7 +87,7 @@ def test_aibrix_std_filter_uses_the_sample_deviation():
     # loads 4, 0, 2: mean 2, sample sigma 2 -> 4 <= 4, the best match wins (the population
     # sigma, 1.63, would skip it for replica 2)
     assert choice(ranked(r, req(160), [st(0, outstanding=4, matched=10), st(1), st(2, outstanding=2, matched=5)])) == 0
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     # loads 5, 0, 2: mean 2.33, sample sigma 2.52 -> 5 > 4.85, skipped for the next match
     assert choice(ranked(r, req(160), [st(0, outstanding=5, matched=10), st(1), st(2, outstanding=2, matched=5)])) == 2
 
@@ -106,7 +106,7 @@ def test_aibrix_equal_match_and_load_and_the_fallback_are_random():
     idle = [st(0, outstanding=2), st(1), st(2)]
     r = router("aibrix", seed=5)
     assert set(picks(r, req(160), idle, 30)) == {1, 2}
-    assert r.last_reason == "least-loaded"
+    assert last(r).reason == "least-loaded"
 
 
 # -- llm-d ---------------------------------------------------------------------------------------
@@ -124,8 +124,8 @@ def test_llmd_filters_to_sticky_replicas_then_the_least_token_load():
     # 10-block prompt: 8 and 10 blocks are sticky (>= 0.8), 7 is not, however idle it is
     states = [tok(0, 5000, matched=8), tok(1, 3000, matched=10), tok(2, 0, matched=7)]
     assert ranked(r, req(160), states) == [[1], [0], [2]]
-    assert r.last_reason == "affinity"
-    assert r.last_scores[1] == pytest.approx(1 - 3000 / 4194304)
+    assert last(r).reason == "affinity"
+    assert last(r).scores[1] == pytest.approx(1 - 3000 / 4194304)
 
 
 def test_llmd_ttft_gate_breaks_stickiness_past_18_seconds_of_prefill():
@@ -135,14 +135,14 @@ def test_llmd_ttft_gate_breaks_stickiness_past_18_seconds_of_prefill():
     assert choice(ranked(r, req(160), states)) == 0
     states[0] = tok(0, 18_001, matched=10)
     assert ranked(r, req(160), states) == [[1], [2], [0]]
-    assert r.last_reason == "affinity-broken"
+    assert last(r).reason == "affinity-broken"
 
 
 def test_llmd_without_a_sticky_replica_scores_all_and_ties_are_random():
     r = router("llmd", seed=1)
     states = [tok(0, 100, matched=7), tok(1, 100), tok(2, 200)]
     assert set(picks(r, req(160), states, 30)) == {0, 1}
-    assert r.last_reason == "no-affinity"
+    assert last(r).reason == "no-affinity"
     # past queue_threshold_tokens the score is 0 for every replica: all tie
     full = [tok(0, 5_000_000), tok(1, 4_194_304), tok(2, 9_000_000)]
     assert set(picks(r, req(160), full, 40)) == {0, 1, 2}
@@ -151,7 +151,7 @@ def test_llmd_without_a_sticky_replica_scores_all_and_ties_are_random():
 def test_llmd_exploration_skips_the_filter():
     r = router("llmd", exploration=1.0)
     assert choice(ranked(r, req(160), [tok(0, 900, matched=10), tok(1, 0)])) == 1
-    assert r.last_reason == "explore"
+    assert last(r).reason == "explore"
 
 
 def test_llmd_peak_prefill_throughput_is_calibrated_on_one_8192_token_chunk():
