@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from fairway.clock import ManualClock
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.policies import QueuedRequest, QueuePolicy, make_policy
 
 
@@ -34,7 +34,7 @@ def measure(policy: str, waiting: int, cycles: int, seed: int = 0) -> dict[str, 
     cached: set[int] = set()
     for fam in range(50):  # each family has a random cached prefix
         cached.update(fam * 10_000_000 + b for b in range(int(rng.integers(0, 256))))
-    p: QueuePolicy = make_policy(policy, clock=clock, cost=CostModel.from_profile("h200-llama3-8b"))
+    p: QueuePolicy = make_policy(policy, clock=clock, cost=CostModel.from_profile(DEFAULT_PROFILE))
     p.attach_cache(cached.__contains__)
     for r in _requests(rng, waiting, 0):
         p.add(r)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from fairway.clock import ManualClock
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.load_view import LoadView
 from fairway.prefix_index import EVENTS, PrefixIndex
 from fairway.routing import ROUTERS, make_router
@@ -30,7 +30,7 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
     lookup splits real host hits."""
     rng = np.random.default_rng(0)
     clock = ManualClock()
-    cost = CostModel.from_profile("h200-llama3-8b")
+    cost = CostModel.from_profile(DEFAULT_PROFILE)
     policy = make_router(name, clock=clock, cost=cost, block_size=bs, rng=np.random.default_rng(1))
     events = index_mode == EVENTS
     index = PrefixIndex(replicas, mode=index_mode, capacity_blocks=None if events else cost.default_kv_blocks(bs))

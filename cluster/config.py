@@ -2,8 +2,9 @@
 
 ``serve run`` calls ``cluster.app:build_app(args)``, which parses ``ClusterArgs`` here before
 anything is deployed, so a typo fails ``serve run`` with the field named: unknown keys are errors,
-and every policy spec is resolved and checked by building the policy once (an unknown policy or a
-misspelled option fails here, not later in a replica). From the parsed config, ``ingress_args``,
+every policy spec is resolved and checked by building the policy once, and the engine options by
+building the engine once, unstarted (an unknown policy or engine or a misspelled option fails here,
+not later in a replica). From the parsed config, ``ingress_args``,
 ``replica_args`` and ``router_kwargs`` give each deployment its own typed arguments.
 
 A policy is named the same way everywhere: ``policy: fairway`` with ``policy_options: {theta: 4}``,
@@ -17,14 +18,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fairway.cost_model import DEFAULT_PROFILE
 from fairway.policies import validated_policy
 from fairway.routing import validated_router
 from fairway.routing.fairway import router_options_for
 from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import resolve_spec
-from replicas.deployment import ReplicaArgs
-from replicas.stream import DEFAULT_STREAM_INTERVAL_S
+from replicas.deployment import ReplicaArgs, ReplicaOptions, ServedEngine
+from replicas.engines import validated_engine
 from router.auth import AuthArgs, KeyTable
 from router.ingress import IngressArgs, ServedModel
 from router.limits import RequestLimits
@@ -53,37 +53,10 @@ class RouterArgs(BaseModel):
                               "approximate index as the fallback while they are not current")
 
 
-class ReplicaOptions(BaseModel):
-    """The replica gate: local queue policy and its bound."""
+class ClusterArgs(ServedModel, ServedEngine):
+    """The application's arguments (the YAML's ``args``): the served model's keys, the engine's
+    (``replicas/deployment.py:ServedEngine``), then these."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    policy: str = Field("fairway", description="queue policy spec (fairway.policies) or dotted path")
-    policy_options: dict[str, Any] = Field(default_factory=dict)
-    max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
-    prefill_budget_tokens: int | None = Field(None, ge=1)
-    stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests in "
-                                                           "it: fail them with 504, report unhealthy")
-    fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
-    tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
-    tenant_recent_s: float = Field(30.0, gt=0, description="with tenant_fair: a tenant seen this recently that "
-                                                        "holds less of the engine is owed one slot and room for "
-                                                        "its largest recent prompt")
-    max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds: "
-                                           "its prefill work over the rate the engine works it off) beyond "
-                                           "which new requests get 429; null: no bound")
-    oldest_first_after_s: float | None = Field(None, gt=0, description="a request that has waited this long "
-                                               "(wall seconds) is admitted before the policy's pick, oldest "
-                                               "first (an age bound on the queue order, for memory-bound "
-                                               "agentic loads; docs/benchmarks.md 2.6); null: off")
-
-
-class ClusterArgs(ServedModel):
-    """The application's arguments (the YAML's ``args``): the served model's keys, then these."""
-
-    profile: str = Field(DEFAULT_PROFILE, description="cost profile (router estimates, sim engine timing)")
-    engine: str = Field("sim", description="sim | vllm | module:Class")
-    engine_args: dict[str, Any] = Field(default_factory=dict)
     num_replicas: int = Field(2, ge=1)
     ingress_replicas: int = Field(1, ge=1)
     replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
@@ -93,10 +66,6 @@ class ClusterArgs(ServedModel):
     replica_num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(4096, ge=1, description="per replica, Ray level; the gate bounds the queue")
     max_queued_requests: int = Field(-1, description="Ray-level queue at each handle (-1 unbounded) -> 503")
-    stream_interval_s: float = Field(DEFAULT_STREAM_INTERVAL_S, ge=0, le=1.0,
-                                     description="replicas merge a stream's tokens over this interval; the "
-                                                 "first token leaves at once (0: one item per engine step)")
-    metrics: bool = True
     limits: RequestLimits = Field(default_factory=RequestLimits)
     auth: AuthArgs = Field(default_factory=AuthArgs)
 
@@ -114,6 +83,7 @@ class ClusterArgs(ServedModel):
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
+        validated_engine(self.engine, self.replica_engine_args())
         if self.router.policy != RAY_DEFAULT_ROUTER:  # checked once, with the options it will run with
             t = self.router
             t.policy, t.policy_options = resolve_spec(t.policy, t.policy_options)
@@ -132,7 +102,9 @@ class ClusterArgs(ServedModel):
         return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
                            auth=self.auth)
 
-    def replica_args(self) -> ReplicaArgs:
+    def replica_engine_args(self) -> dict[str, Any]:
+        """The engine options every replica builds its engine with: the YAML's ``engine_args``,
+        plus the served model's block size and context length (and, for ``sim``, the profile)."""
         engine_args = dict(self.engine_args)
         for key in ("model", "tokenizer"):  # repo-relative paths, so replicas find them from any cwd
             if isinstance(engine_args.get(key), str):
@@ -141,24 +113,17 @@ class ClusterArgs(ServedModel):
         engine_args.setdefault("max_model_len", self.max_model_len)
         if self.engine == "sim":
             engine_args.setdefault("profile", self.profile)
+        return engine_args
+
+    def replica_args(self) -> ReplicaArgs:
+        """Each replica's arguments: the ``replica:`` block, the engine's keys (its options as
+        ``replica_engine_args``), and KV-event publishing for the exact prefix view."""
         return ReplicaArgs(
-            engine=self.engine,
-            engine_args=engine_args,
-            policy=self.replica.policy,
-            policy_options=self.replica.policy_options,
-            max_queue=self.replica.max_queue,
-            stall_timeout_s=self.replica.stall_timeout_s,
-            fault_file=self.replica.fault_file,
-            tenant_fair=self.replica.tenant_fair,
-            tenant_recent_s=self.replica.tenant_recent_s,
-            max_queue_wait_s=self.replica.max_queue_wait_s,
-            oldest_first_after_s=self.replica.oldest_first_after_s,
+            **self.replica.model_dump(),
+            **self.model_dump(include=set(ServedEngine.model_fields) - {"engine_args"}),
+            engine_args=self.replica_engine_args(),
             publish_kv_events=self.router.prefix_view == "events",
             kv_publish_period_s=self.router.sync_period_s,
-            prefill_budget_tokens=self.replica.prefill_budget_tokens,
-            profile=self.profile,
-            metrics=self.metrics,
-            stream_interval_s=self.stream_interval_s,
         )
 
     def router_kwargs(self) -> dict[str, Any]:

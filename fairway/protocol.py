@@ -11,9 +11,9 @@ Every type here is a plain dataclass: cheap to pickle through Ray, no framework 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -152,41 +152,60 @@ class EngineStalled(ReplicaError):
     status = 504
 
 
-class Engine(Protocol):
-    """An engine behind the gate (``sim`` or ``vllm``).
+class Engine(ABC):
+    """An engine behind the gate (``sim``, ``vllm`` or a ``module:Class``): every engine subclasses it.
 
     The gate decides *when* a request enters; the engine serves what it is given in arrival
     order. ``generate`` must start yielding only after the request is in the engine, and must
-    finish (``finished=True``) or raise ``ReplicaError``; it never hangs on its own.
+    finish (``finished=True``) or raise ``ReplicaError``; it never hangs on its own. The gate
+    checks each request once before ``generate`` (an empty prompt, ``max_tokens < 1``, prompt +
+    ``max_tokens`` over ``max_model_len``), so an engine refuses only what its own capacity cannot
+    hold (more KV blocks than it has).
 
-    Optional, for engines with a host KV tier (``sim`` with ``host_kv_blocks``; ``vllm`` with
-    ``kv_events`` and CPU offloading), looked up with ``getattr`` by the replica's KV publisher:
-    ``set_tier_listener(on_tier)`` (``on_tier`` gets ``(host_only, hash)`` transitions, after
-    the stored / removed events of the same step) and ``host_only_hashes()`` (the hashes held in
-    the host tier only).
+    Required: the four sizes and the abstract methods. Optional members have their defaults here,
+    and an engine overrides those it has: ``healthy`` (True), ``preemptions`` (0), ``on_step``
+    (None; an engine that can calls it after every step), ``timing()`` (None), ``set_fault()``
+    (applies none), and for engines with a host KV tier (``sim`` with ``host_kv_blocks``; ``vllm``
+    with ``kv_events`` and CPU offloading) ``set_tier_listener(on_tier)`` (``on_tier`` gets
+    ``(host_only, hash)`` transitions, after the stored / removed events of the same step) and
+    ``host_only_hashes()`` (the hashes held in the host tier only): without a tier, no events and
+    none held.
     """
 
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    #: the gate's pump (set by the gate): an engine that can calls it after every step, so waiting
+    #: requests enter at step boundaries; the gate's ticker re-checks otherwise
+    on_step: Callable[[], None] | None = None
 
+    @abstractmethod
     async def start(self) -> None: ...
 
+    @abstractmethod
     async def shutdown(self) -> None: ...
 
+    @abstractmethod
     def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]: ...
 
+    @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    @abstractmethod
     def can_fit(self, prompt_tokens: int, block_hashes: Sequence[int]) -> bool:
         """Whether admitting this prompt now needs no more KV blocks than are free."""
-        ...
 
+    @abstractmethod
     def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         """The engine's (or the gate's best estimate of the) cached prefix of these hashes."""
-        ...
 
+    @abstractmethod
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the engine's prefix cache holds (either tier): the set the stored /
+        removed events describe, sent whole when the routers' shared view asks for it."""
+
+    @abstractmethod
     def set_cache_listener(
         self,
         on_stored: Callable[[Iterable[int]], None],
@@ -194,7 +213,34 @@ class Engine(Protocol):
     ) -> None:
         """Receive block-stored / block-removed events in the ``fairway/hashing.py`` hash space
         (exact for ``sim``; the vLLM adapter reports what it can observe)."""
-        ...
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine runs; the replica's health check fails otherwise. Default: True."""
+        return True
+
+    @property
+    def preemptions(self) -> int:
+        """Requests the engine preempted so far (a metric). Default: 0."""
+        return 0
+
+    def timing(self) -> dict[str, float | str] | None:
+        """How a real-time engine kept its pace (the sim engine), for the replica's ``info``;
+        default: None."""
+        return None
+
+    def set_fault(self, stall: bool = False, slowdown: float = 1.0) -> bool:
+        """Apply an injected fault (``replicas/faults.py``, a test hook); whether the engine
+        applied it. Default: it applies none."""
+        return False
+
+    def set_tier_listener(self, on_tier: Callable[[Sequence[tuple[bool, int]]], None] | None) -> None:
+        """Receive the host-tier events (class docstring). Default: no host tier, no events."""
+        return None
+
+    def host_only_hashes(self) -> list[int]:
+        """The hashes held in the host KV tier only (class docstring). Default: [] (no tier)."""
+        return []
 
 
 @dataclass(slots=True)

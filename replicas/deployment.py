@@ -19,9 +19,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.clock import MonotonicClock
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.policies import make_policy
 from fairway.protocol import GenerateCall, ReplicaRoutingStats, TokenChunk
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import resolve_spec
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
@@ -30,41 +31,51 @@ from replicas.stream import DEFAULT_STREAM_INTERVAL_S, coalesce
 logger = logging.getLogger("ray.serve")
 
 
-class ReplicaArgs(BaseModel):
-    """A replica's configuration (the ``replica`` and ``engine*`` keys of the app args)."""
+class ReplicaOptions(GateConfig):
+    """The replica's queue policy and gate (the YAML's ``replica:`` block): ``GateConfig``'s limits
+    plus these."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    engine: str = Field("sim", description="engine kind: sim | vllm | module:Class")
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    policy: str = Field("fairway", description="local queue policy spec (fairway.policies)")
+    policy: str = Field("fairway", description="queue policy spec (fairway.policies) or dotted path")
     policy_options: dict[str, Any] = Field(default_factory=dict)
-    max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
-    prefill_budget_tokens: int | None = Field(None, ge=1)
-    profile: str = Field("h200-llama3-8b", description="cost profile for the policy's prefill estimates")
-    metrics: bool = Field(True, description="serve /metrics for this replica")
-    stream_interval_s: float = Field(DEFAULT_STREAM_INTERVAL_S, ge=0, le=1.0,
-                                     description="merge a stream's tokens over this interval (0: every step)")
-    stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests "
-                                                           "in it: fail them (504) and report unhealthy")
-    fault_file: str | None = Field(None, description="test hook: a JSON file of injected faults "
-                                                     "(replicas/faults.py); off by default")
-    tenant_fair: bool = Field(True, description="one queue per tenant, fair queueing across them (API keys)")
-    tenant_recent_s: float = Field(30.0, gt=0, description="a recent tenant holding less is owed room in the engine")
-    max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds, "
-                                           "replicas/drain.py) beyond which new requests get 429; None: no bound")
-    oldest_first_after_s: float | None = Field(None, gt=0, description="a request waiting this long is "
-                                               "admitted before the policy's pick, oldest first; None: off")
-    publish_kv_events: bool = Field(False, description="send the engine's KV events to the routers' shared "
-                                                       "view (router.prefix_view: events)")
-    kv_publish_period_s: float = Field(0.01, gt=0, le=1.0, description="how often KV events are sent")
+    fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
+    tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
 
     @model_validator(mode="after")
-    def _resolve_policy(self) -> ReplicaArgs:
+    def _resolve_policy(self) -> ReplicaOptions:
         """``policy`` may be a spec (``fairway[theta=4]``): resolve it. Its options are checked where
         the config is parsed (``cluster/config.py``) and when ``FairwayReplica`` builds the policy."""
         self.policy, self.policy_options = resolve_spec(self.policy, self.policy_options)
         return self
+
+    def gate_config(self) -> GateConfig:
+        """The gate's part of these options."""
+        return GateConfig(**self.model_dump(include=set(GateConfig.model_fields)))
+
+
+class ServedEngine(BaseModel):
+    """The engine every replica runs and the settings the replicas share with the rest of the
+    application (the YAML's top-level keys: ``ClusterArgs`` has these too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: str = Field(DEFAULT_PROFILE, description="cost profile (router estimates, the policy's prefill "
+                                                      "estimates, sim engine timing)")
+    engine: str = Field("sim", description="engine kind: sim | vllm | module:Class")
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    stream_interval_s: float = Field(DEFAULT_STREAM_INTERVAL_S, ge=0, le=1.0,
+                                     description="replicas merge a stream's tokens over this interval; the "
+                                                 "first token leaves at once (0: one item per engine step)")
+    metrics: bool = Field(True, description="serve /metrics (ingress, routers and replicas)")
+
+
+class ReplicaArgs(ReplicaOptions, ServedEngine):
+    """A replica's configuration (``ClusterArgs.replica_args`` builds it from the app args): its
+    options, the engine, and whether it publishes KV events to the routers' shared view."""
+
+    publish_kv_events: bool = Field(False, description="send the engine's KV events to the routers' shared "
+                                                       "view (router.prefix_view: events)")
+    kv_publish_period_s: float = Field(DEFAULT_SYNC_PERIOD_S, gt=0, le=1.0, description="how often KV events "
+                                                                                          "are sent")
 
 
 def replica_name() -> str:
@@ -95,7 +106,7 @@ class FairwayReplica:
         self.name = replica_name()
         self.engine = make_engine(a.engine, **a.engine_args)
         self.clock = clock = MonotonicClock()
-        block_size = getattr(self.engine, "block_size", 16)
+        block_size = self.engine.block_size
         cost = CostModel.from_profile(a.profile)
 
         def new_policy() -> Any:  # one per tenant (replicas/tenants.py)
@@ -115,9 +126,7 @@ class FairwayReplica:
             except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
                 logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
                 self.exporter = None
-        gate_config = GateConfig(a.max_queue, a.prefill_budget_tokens, a.stall_timeout_s, a.max_queue_wait_s,
-                                 a.tenant_recent_s, oldest_first_after_s=a.oldest_first_after_s)
-        self.gate = AdmissionGate(self.engine, policy, clock, gate_config, replica=self.name, stats=self.stats,
+        self.gate = AdmissionGate(self.engine, policy, clock, a.gate_config(), replica=self.name, stats=self.stats,
                                   policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()
         self.kv_publisher = self._publish_kv() if a.publish_kv_events else None
@@ -158,12 +167,11 @@ class FairwayReplica:
                 raise
 
         pub = KvPublisher(self.name, send, self.engine.cached_hashes, period_s=self.args.kv_publish_period_s,
-                          host_only=getattr(self.engine, "host_only_hashes", None))
+                          host_only=self.engine.host_only_hashes)
         policy = self.gate.policy
         self.engine.set_cache_listener(_tee(policy.on_blocks_stored, pub.on_stored),
                                        _tee(policy.on_blocks_removed, pub.on_removed))
-        if hasattr(self.engine, "set_tier_listener"):  # engines with a host KV tier: which hashes are host-only
-            self.engine.set_tier_listener(pub.on_tier)
+        self.engine.set_tier_listener(pub.on_tier)  # engines with a host KV tier: which hashes are host-only
         pub.start()
         return pub
 
@@ -175,8 +183,7 @@ class FairwayReplica:
         return self.gate.routing_stats()
 
     async def check_health(self) -> None:
-        healthy = getattr(self.engine, "healthy", True)
-        if not healthy:
+        if not self.engine.healthy:
             raise RuntimeError(f"replica {self.name}: engine is not running")
         if self.gate.stalled:
             raise RuntimeError(f"replica {self.name}: engine stalled")
@@ -191,7 +198,7 @@ class FairwayReplica:
             "max_model_len": e.max_model_len,
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs,
-            "timing": e.timing() if hasattr(e, "timing") else None,  # the sim engine's real-time pacing
+            "timing": e.timing(),  # the sim engine's real-time pacing; None for the others
         }
 
     def __del__(self) -> None:

@@ -10,7 +10,8 @@ modification time every ``POLL_S`` and, when it changes, applies the entry under
 
 ``stall``: the engine stops stepping (its actor stays alive and answers health checks: the gate's
 watchdog must find it); ``slowdown``: every engine step takes that many times longer. Engines
-without ``set_fault`` (vLLM) ignore it. An entry absent or removed means no fault.
+that apply no faults (vLLM: ``Engine.set_fault``'s default) ignore it. An entry absent or removed
+means no fault.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import logging
 import os
 from typing import Any
 
+from fairway.protocol import Engine
+
 logger = logging.getLogger("ray.serve")
 
 POLL_S = 0.2
@@ -29,7 +32,7 @@ POLL_S = 0.2
 class FaultFile:
     """Polls ``path`` and applies this replica's entry to ``engine.set_fault`` (module docstring)."""
 
-    def __init__(self, path: str, name: str, engine: Any) -> None:
+    def __init__(self, path: str, name: str, engine: Engine) -> None:
         self.path = path
         self.name = name
         self.engine = engine
@@ -57,9 +60,7 @@ class FaultFile:
             except (OSError, ValueError, AttributeError) as e:
                 logger.warning("replica %s: fault file %s unreadable: %s", self.name, self.path, e)
                 return None
-        set_fault = getattr(self.engine, "set_fault", None)
-        if set_fault is not None:
-            set_fault(stall=bool(entry.get("stall", False)), slowdown=float(entry.get("slowdown", 1.0)))
+        if self.engine.set_fault(stall=bool(entry.get("stall", False)), slowdown=float(entry.get("slowdown", 1.0))):
             logger.warning("replica %s: injected fault %s", self.name, entry or "none")
         return entry
 

@@ -32,8 +32,12 @@ tenant's flood cannot starve another's requests; and the wait bound counts, for 
 only the work it would wait for under that fair queueing (its tenant's queue and the others'
 equal share), so a flood is refused while a quiet tenant is not.
 
-A stalled engine (requests in it, no output from any of them for ``stall_timeout_s``) is
-detected by the gate's ticker: the requests it holds end at once with ``EngineStalled`` (HTTP
+Each request's length is checked here, once (an empty prompt, ``max_tokens < 1``, or prompt +
+``max_tokens`` over the engine's ``max_model_len``: ``RequestTooLarge``, HTTP 400); the engines do
+not check it again.
+
+A stalled engine (requests in it, no output from any of them for ``stall_timeout_s`` on the
+injected clock) is detected by the gate's ticker: the requests it holds end at once with ``EngineStalled`` (HTTP
 504), new ones are refused with 503 while it lasts, ``stalled`` is set (the replica's health
 check then fails, so Serve replaces it), and the first output after it clears the state.
 
@@ -50,8 +54,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.clock import Clock
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
@@ -75,30 +80,27 @@ RECENT_FEEDBACK = 512  # finished requests whose cached tokens the routing stats
 PUMP_TICK_S = 0.02  # safety re-check while requests wait (engines without step callbacks)
 
 
-@dataclass(slots=True)
-class GateConfig:
-    """Gate limits. ``max_queue``: waiting requests beyond which new ones get 429.
-    ``prefill_budget_tokens``: admitted-but-unprefilled tokens allowed in the engine (None: the
-    engine's ``max_num_batched_tokens``)."""
+class GateConfig(BaseModel):
+    """The gate's limits: the one declaration of these settings and their defaults (the YAML's
+    ``replica:`` block, ``replicas/deployment.py:ReplicaOptions``, extends it)."""
 
-    max_queue: int = 512
-    prefill_budget_tokens: int | None = None
-    stall_timeout_s: float = 15.0
-    max_queue_wait_s: float | None = 5.0  # estimated wall seconds of queue beyond which new ones get 429
-    tenant_recent_s: float = 30.0  # a tenant seen this recently is owed room (replicas/tenants.py)
-    oldest_first_after_s: float | None = None  # a request waiting this long goes before the policy's pick
+    model_config = ConfigDict(extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
-        if not self.stall_timeout_s > 0:
-            raise ValueError("stall_timeout_s must be > 0")
-        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
-            raise ValueError("max_queue_wait_s must be > 0 (or None: no bound)")
-        if self.prefill_budget_tokens is not None and self.prefill_budget_tokens < 1:
-            raise ValueError("prefill_budget_tokens must be >= 1")
-        if self.oldest_first_after_s is not None and not self.oldest_first_after_s > 0:
-            raise ValueError("oldest_first_after_s must be > 0 (or None: the policy's order only)")
+    max_queue: int = Field(512, ge=1, description="waiting requests beyond which new ones get 429")
+    prefill_budget_tokens: int | None = Field(None, ge=1, description="admitted-but-unprefilled tokens allowed "
+                                              "in the engine; null: the engine's max_num_batched_tokens")
+    stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests in "
+                                                           "it: fail them with 504, report unhealthy")
+    max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds: "
+                                           "its prefill work over the rate the engine works it off) beyond "
+                                           "which new requests get 429; null: no bound")
+    tenant_recent_s: float = Field(30.0, gt=0, description="with tenant_fair: a tenant seen this recently that "
+                                                        "holds less of the engine is owed one slot and room for "
+                                                        "its largest recent prompt")
+    oldest_first_after_s: float | None = Field(None, gt=0, description="a request that has waited this long "
+                                               "(wall seconds) is admitted before the policy's pick, oldest "
+                                               "first (an age bound on the queue order, for memory-bound "
+                                               "agentic loads; docs/benchmarks.md 2.6); null: off")
 
 
 class AdmissionGate:
@@ -117,7 +119,7 @@ class AdmissionGate:
         self.engine = engine
         # the tenants' queues, each ordered by ``policy``'s kind (``policy`` serves requests without a key)
         self.config = config or GateConfig()
-        self.policy = TenantQueues(policy, policy_factory, block_size=getattr(engine, "block_size", 16),
+        self.policy = TenantQueues(policy, policy_factory, block_size=engine.block_size,
                                    recent_s=self.config.tenant_recent_s)
         self.clock = clock
         self.replica = replica
@@ -136,14 +138,13 @@ class AdmissionGate:
         self.cancelled = 0  # requests whose consumer left before they finished
         self.stalled = False  # the engine holds requests and produced nothing for stall_timeout_s
         self.stalls = 0
-        self._progress_at = time.monotonic()  # the engine's last output (or its last idle moment)
+        self._progress_at = clock.now()  # the engine's last output (or its last idle moment)
         self._deadlines: dict[int, Any] = {}  # admitted rid -> its asyncio.Timeout (fired on a stall)
         self._ticker: asyncio.Task | None = None
         self.drain = DrainRate()  # cost-model prefill seconds worked off per busy second
         self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
         engine.set_cache_listener(self.policy.on_blocks_stored, self.policy.on_blocks_removed)
-        if hasattr(engine, "on_step"):
-            engine.on_step = self.pump
+        engine.on_step = self.pump
 
     async def start(self) -> None:
         await self.engine.start()
@@ -169,7 +170,7 @@ class AdmissionGate:
 
     def _watch(self) -> None:
         """Stall detection (see the module docstring). O(requests in the engine) on a stall."""
-        now = time.monotonic()
+        now = self.clock.now()
         if not self._admitted:
             self._progress_at = now
             return
@@ -184,7 +185,7 @@ class AdmissionGate:
             timeout.reschedule(loop_now)
 
     def _progress(self) -> None:
-        self._progress_at = time.monotonic()
+        self._progress_at = self.clock.now()
         if self.stalled:
             self.stalled = False
             logger.warning("replica %s: engine making progress again", self.replica)
@@ -276,9 +277,9 @@ class AdmissionGate:
         """Queue ``call``, wait for admission, stream its tokens. Raises ``Overloaded`` at once
         when the queue is full and ``RequestTooLarge`` for a request the engine can never hold."""
         n = len(call.prompt_token_ids)
-        if n < 1:
+        if n < 1 or call.max_tokens < 1:
             self._reject("bad_request")
-            raise RequestTooLarge("empty prompt")
+            raise RequestTooLarge("empty prompt" if n < 1 else "max_tokens must be >= 1")
         if n + call.max_tokens > self.engine.max_model_len:
             self._reject("too_long")
             raise RequestTooLarge(
@@ -442,7 +443,7 @@ class AdmissionGate:
         self.stats.set_queue_wait_estimate(self.drain.wait_s(queued), replica=self.replica)
         st = self.engine.stats()
         self.stats.set_engine(self.replica, running=st.running, waiting=len(self.policy),
-                              kv_usage=st.kv_usage, preemptions_total=getattr(self.engine, "preemptions", 0))
+                              kv_usage=st.kv_usage, preemptions_total=self.engine.preemptions)
 
     def routing_stats(self) -> ReplicaRoutingStats:
         st = self.engine.stats()

@@ -33,7 +33,7 @@ import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from fairway.clock import Clock, MonotonicClock
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.load_view import LoadView
 from fairway.prefix_index import PrefixIndex
 from fairway.protocol import GenerateCall, ReplicaRoutingStats
@@ -85,7 +85,7 @@ class FairwayRequestRouter(RequestRouter):
         self,
         policy: str = "fairway",
         policy_options: dict[str, Any] | None = None,
-        profile: str = "h200-llama3-8b",
+        profile: str = DEFAULT_PROFILE,
         block_size: int = 16,
         seed: int = 0,
         metrics: bool = True,

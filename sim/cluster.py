@@ -31,7 +31,7 @@ import numpy as np
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
-from fairway.engine.model import EngineModel, EngineRequest
+from fairway.engine.model import EngineListener, EngineModel, EngineRequest
 from fairway.load_view import LoadView
 from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
@@ -48,7 +48,7 @@ DECISIONS = "decisions"
 INDEX_MODES = (APPROX, DECISIONS, EVENTS)
 
 
-class ClusterRouter:
+class ClusterRouter(EngineListener):
     """K router instances over N replicas; callable as the simulator's ``Router``."""
 
     def __init__(

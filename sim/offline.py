@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.offline import MODES, PLANNERS, Budget, Job, execute, lower_bound
 from fairway.summary import pct
 from workloads.registry import make_workload
@@ -30,7 +30,7 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="both", choices=[*MODES, "both"],
                    help="static: batch after batch; continuous: the plan's order, admitted as memory frees")
     p.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated planner names")
-    p.add_argument("--profile", default="h200-llama3-8b")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

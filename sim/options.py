@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fairway.cost_model import DEFAULT_PROFILE
 from fairway.engine.block_pool import RETENTIONS
 from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import parse_spec
@@ -33,7 +34,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "only (what most anchors' originals know), or engine KV events (exact); default: the "
                         "router's own, events for dynamo, else approx")
     p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
-    p.add_argument("--profile", default="h200-llama3-8b")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)

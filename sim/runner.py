@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
-from fairway.cost_model import CostModel
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.engine.model import EngineConfig, EngineModel
 from fairway.policies import make_policy
 from fairway.routing import RouterError, router_class
@@ -46,7 +46,7 @@ class RunConfig(BaseModel):
     sync_delay_s: float = Field(0.0, ge=0, description="shared view: seconds before one instance's news reaches "
                                                        "the others")
     stale_s: float = Field(0.0, ge=0, description="router load-view staleness (seconds)")
-    profile: str = "h200-llama3-8b"
+    profile: str = DEFAULT_PROFILE
     kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks per replica")
     block_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)

@@ -32,6 +32,7 @@ sit outside the policy's queue, in ``held``, until their rule or bound releases 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,30 @@ class EngineRequest:
         return self.first_token_s - self.spec.arrival_s
 
 
+class EngineListener:
+    """An observer of an ``EngineModel``'s lifecycle (``EngineModel.listener``): the simulator's
+    cluster router host and the ``sim`` engine subclass it and override what they need; every
+    callback defaults to nothing. Each is called in the step that causes it, O(1) per call here."""
+
+    def on_admitted(self, replica: int, r: EngineRequest) -> None:
+        """``r`` entered the running batch."""
+
+    def on_first_token(self, replica: int, r: EngineRequest) -> None:
+        """``r``'s first output token was produced."""
+
+    def on_preempted(self, replica: int, r: EngineRequest) -> None:
+        """``r`` was preempted back to the waiting queue."""
+
+    def on_finished(self, replica: int, r: EngineRequest) -> None:
+        """``r`` finished (or was rejected at arrival)."""
+
+    def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
+        """``(stored, hash)`` prefix-cache events of one flush, in order."""
+
+    def on_kv_tier_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
+        """Host tier only: ``(host_only, hash)`` transitions, after the same flush's KV events."""
+
+
 class EngineModel:
     """One replica's engine. Host protocol: ``add`` arrivals; when idle and ``has_work()``,
     ``start_step()`` returns the step duration; at its end, ``finish_step()`` returns the requests
@@ -179,9 +204,8 @@ class EngineModel:
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []
         self._seq = 0
-        # optional lifecycle observer (the cluster router host): on_admitted, on_preempted,
-        # on_finished, on_kv_events, and if it has them on_first_token and on_kv_tier_events
-        self.listener: Any = None
+        # optional lifecycle observer (the cluster router host, the sim engine)
+        self.listener: EngineListener | None = None
         self.busy_s = 0.0
         self.prefill_busy_s = 0.0  # time in steps that computed prompt tokens
         self.steps = 0
@@ -341,8 +365,8 @@ class EngineModel:
                 r.generated += 1
                 if r.first_token_s < 0:
                     r.first_token_s = now
-                    if self.listener is not None and (on_first := getattr(self.listener, "on_first_token", None)):
-                        on_first(self.replica, r)
+                    if self.listener is not None:
+                        self.listener.on_first_token(self.replica, r)
                 if r.generated >= r.spec.output_tokens:
                     r.finished_s = now
                     done.append(r)
@@ -588,8 +612,8 @@ class EngineModel:
         if listener is not None:
             if events:
                 listener.on_kv_events(self.replica, events)
-            if tier and (on_tier := getattr(listener, "on_kv_tier_events", None)) is not None:
-                on_tier(self.replica, tier)  # which hashes are host-only: after the KV events
+            if tier:
+                listener.on_kv_tier_events(self.replica, tier)  # which hashes are host-only: after the KV events
         if not events:
             return
         run: list[int] = []

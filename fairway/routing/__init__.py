@@ -31,7 +31,7 @@ from fairway.routing.anchors import (
     VLLMLoadAware,
     VLLMPrefixAware,
 )
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, choice, make_states, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, choice, make_states, ranks_of
 from fairway.routing.fairway import FairwayRouter
 
 ROUTERS: dict[str, type[RouterPolicy]] = {}
@@ -86,6 +86,7 @@ def validated_router(spec: str, options: dict[str, Any] | None = None, *, block_
 
 __all__ = [
     "ROUTERS",
+    "Ranking",
     "ReplicaState",
     "RouteRequest",
     "RouterError",

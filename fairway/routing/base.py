@@ -1,8 +1,9 @@
 """The router-policy interface: one request and the replicas' states in, ranked replicas out.
 
-A router policy answers one question: where should this request go? It returns ranks in the
-shape of Ray Serve's ``RequestRouter.choose_replicas`` (docs/design.md, Ray Serve): a list of
-ranks, each a list of replica ids, the first rank preferred. It never awaits, never does I/O and
+A router policy answers one question: where should this request go? It returns a ``Ranking``:
+ranks in the shape of Ray Serve's ``RequestRouter.choose_replicas`` (docs/design.md, Ray Serve),
+a list of ranks, each a list of replica ids, the first rank preferred, with the decision's reason
+and, where the policy computes them, its scores and expected waits. It never awaits, never does I/O and
 never reads the wall clock (docs/design.md, Decisions as data; Injected clock and RNG): the host
 builds the ``ReplicaState`` list from its prefix index (``fairway/prefix_index.py``) and load view
 (``fairway/load_view.py``), calls ``rank``, routes, and then tells the index and the load view
@@ -23,8 +24,8 @@ Rank conventions (every policy here):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -112,13 +113,33 @@ class ReplicaState:
     new_blocks: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """A router policy's whole answer for one request (docs/design.md, Decisions as data).
+
+    ranks: replica ids, first rank preferred (the module's conventions: every candidate exactly
+        once across the ranks, no rank empty; ``ranks[0][0]`` is the policy's choice).
+    reason: why the choice was made, a low-cardinality label (the "routing decisions by reason"
+        metric); "" when the policy gives none (hosts then count it as "choice").
+    scores: replica id -> the score or cost the policy compared, for the policies that score
+        replicas (the Fairway router: its expected TTFT T_rj); empty otherwise.
+    waits: replica id -> the expected wait W_rj, for the policies that model one (the Fairway
+        router); empty otherwise.
+    """
+
+    ranks: list[list[int]]
+    reason: str
+    scores: Mapping[int, float] = field(default_factory=dict)
+    waits: Mapping[int, float] = field(default_factory=dict)
+
+
 class RouterPolicy(ABC):
     """Base class of every router policy.
 
     Subclasses take their options as keyword arguments after ``rng`` (the anchors' defaults:
-    docs/design.md, Anchors), implement ``rank``, and set ``last_reason`` (why the last choice was
-    made, a low-cardinality label for the "routing decisions by reason" metric) and, where they
-    score replicas, ``last_scores`` (replica id -> the score or cost they compared).
+    docs/design.md, Anchors) and implement ``rank``, which returns a ``Ranking``: the ranks, the
+    reason and, where they score replicas, the scores (replica id -> the score or cost they
+    compared).
 
     ``rank`` is pure (no I/O, no awaits, no wall clock: docs/design.md, Decisions as data). It may
     advance the policy's own state: the round-robin counter and the injected ``rng``.
@@ -145,8 +166,6 @@ class RouterPolicy(ABC):
         self.cost = cost
         self.block_size = block_size
         self.rng = rng if rng is not None else np.random.default_rng(0)
-        self.last_reason = ""
-        self.last_scores: dict[int, float] = {}
         # whether ``rank`` reads ``ReplicaState.host_blocks``: the host then asks the index for
         # the tier split (``PrefixIndex.match_tiers``); the others count both tiers as hits
         self.host_tier = False
@@ -159,8 +178,9 @@ class RouterPolicy(ABC):
         self.active_blocks = False
 
     @abstractmethod
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
-        """Ranked replica ids for ``req`` among ``states`` (see the module's conventions)."""
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
+        """Ranked replica ids for ``req`` among ``states`` (see the module's conventions), with
+        the reason and any scores and waits."""
 
     def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
         """Another router instance routed a request of ``prompt_tokens`` tokens (``hashes``), whose
@@ -257,4 +277,4 @@ def make_states(
     ]
 
 
-__all__ = ["ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice", "make_states", "ranks_of"]
+__all__ = ["Ranking", "ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice", "make_states", "ranks_of"]

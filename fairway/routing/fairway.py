@@ -16,8 +16,8 @@ per ``footprint``; reload_rj the host-tier hits' reload (``host_tier``); s_j the
 (``speed_aware``, else 1).
 
 Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
-id). ``last_reason``: ``"replicate"``, ``"cold"``, ``"affinity"`` or ``"fair"``; ``last_scores``
-holds each T_rj, ``last_wait`` each W_rj.
+id). The ``Ranking``'s reason: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is
+best-cached) or ``"fair"``; its scores are each T_rj, its waits each W_rj.
 
 Complexity: O(R log R + n + k + R W) for R candidates, n requests waiting across them, k started
 requests still prefilling and W = 31 routed estimates per replica; two cost-model calls per
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -35,7 +36,7 @@ import xxhash
 from fairway.clock import Clock
 from fairway.cost_model import CostModel, reload_s_per_token
 from fairway.policies.fairway import FairwayConfig
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 from fairway.routing.popularity import PrefixShares
 
 #: The replica queue's default promotion threshold.
@@ -44,11 +45,10 @@ DEFAULT_THETA = FairwayConfig().theta
 DEFAULT_FAST_SHARE = 1.0 - FairwayConfig().fair_share
 
 
-class FairwayRouter(RouterPolicy):
-    """``fairway``: the minimum expected TTFT, with the wait modelled on the replica's own queue
-    order (see the module docstring).
+@dataclass(frozen=True, slots=True)
+class FairwayRouterConfig:
+    """The Fairway router's options, validated once (an error names the option).
 
-    Options:
     - wait_model = "queue" ("fcfs": W = R_j + Q_j, for FCFS replicas; hosts set it from the
       replica policy, ``queue_model_options``); fast_share = 0.4 (1 - the replicas' fair_share).
     - rule = "score" (the minimum T_rj) or "affinity" (the reference design's test, see the
@@ -69,8 +69,60 @@ class FairwayRouter(RouterPolicy):
       it is idle, so a rate learned under a heavy mix goes stale and skews a later cold burst.
     - host_tier = True (price a host-tier hit as a reload; the host asks the index for the tier
       split), host_link_bytes_per_s = 50e9 (the engines' host-to-GPU copy bandwidth, as
-      ``EngineConfig``'s default). Without tier information (approx index, no host tier) the
-      reload term is 0 and the decisions are those of ``host_tier=False``.
+      ``EngineConfig``'s default; checked with the cost model by ``reload_s_per_token``). Without
+      tier information (approx index, no host tier) the reload term is 0 and the decisions are
+      those of ``host_tier=False``.
+    """
+
+    theta: float = DEFAULT_THETA
+    p_floor_s: float = 0.0
+    extra_work_weight: float = 0.0
+    footprint_weight: float = 1.0
+    footprint: str = "kv"
+    affinity_ties: str = "ttft"
+    wait_model: str = "queue"
+    fast_share: float = DEFAULT_FAST_SHARE
+    rule: str = "score"
+    running_prefill: bool = True
+    decode_batch: bool = True
+    replicate: bool = True
+    overtaking: bool = True
+    host_tier: bool = True
+    speed_aware: bool = False
+    host_link_bytes_per_s: float = 50e9
+
+    def __post_init__(self) -> None:
+        if not self.theta > 0:
+            raise ValueError("theta must be > 0")
+        if not self.p_floor_s >= 0:
+            raise ValueError("p_floor_s must be >= 0")
+        if not self.extra_work_weight >= 0:
+            raise ValueError("extra_work_weight must be >= 0")
+        if not self.footprint_weight >= 0:
+            raise ValueError("footprint_weight must be >= 0")
+        if self.footprint not in ("index", "kv", "kv-abs"):
+            raise ValueError("footprint must be 'index', 'kv' or 'kv-abs'")
+        if self.affinity_ties not in ("id", "ttft", "hash", "kv"):
+            raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
+        if self.wait_model not in ("queue", "fcfs"):
+            raise ValueError("wait_model must be 'queue' or 'fcfs'")
+        if not 0.0 < self.fast_share <= 1.0:
+            raise ValueError("fast_share must be in (0, 1]")
+        if self.rule not in ("score", "affinity"):
+            raise ValueError("rule must be 'score' or 'affinity'")
+        for name in ("host_tier", "speed_aware"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
+        for name in ("theta", "p_floor_s", "extra_work_weight", "footprint_weight", "fast_share"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("running_prefill", "decode_batch", "replicate", "overtaking"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+
+class FairwayRouter(RouterPolicy):
+    """``fairway``: the minimum expected TTFT, with the wait modelled on the replica's own queue
+    order (see the module docstring). Its options are ``FairwayRouterConfig``'s, given as keyword
+    arguments (the registry's way) or as ``config``.
 
     The defaults minimise the worst case against the best anchor router (docs/benchmarks.md):
     the queue model keeps a mostly cached request on its replica behind a long but heavier
@@ -87,81 +139,34 @@ class FairwayRouter(RouterPolicy):
         block_size: int = 16,
         rng: np.random.Generator | None = None,
         *,
-        theta: float = DEFAULT_THETA,
-        p_floor_s: float = 0.0,
-        extra_work_weight: float = 0.0,
-        footprint_weight: float = 1.0,
-        footprint: str = "kv",
-        affinity_ties: str = "ttft",
-        wait_model: str = "queue",
-        fast_share: float = DEFAULT_FAST_SHARE,
-        rule: str = "score",
-        running_prefill: bool = True,
-        decode_batch: bool = True,
-        replicate: bool = True,
-        overtaking: bool = True,
-        host_tier: bool = True,
-        speed_aware: bool = False,
-        host_link_bytes_per_s: float = 50e9,
+        config: FairwayRouterConfig | None = None,
+        **options: object,
     ):
         super().__init__(clock, cost, block_size, rng)
-        if not theta > 0:
-            raise ValueError("theta must be > 0")
-        if not p_floor_s >= 0:
-            raise ValueError("p_floor_s must be >= 0")
-        self.theta = float(theta)
-        self.p_floor_s = float(p_floor_s)
-        if not extra_work_weight >= 0:
-            raise ValueError("extra_work_weight must be >= 0")
-        self.extra_work_weight = float(extra_work_weight)
-        if not footprint_weight >= 0:
-            raise ValueError("footprint_weight must be >= 0")
-        self.footprint_weight = float(footprint_weight)
-        if footprint not in ("index", "kv", "kv-abs"):
-            raise ValueError("footprint must be 'index', 'kv' or 'kv-abs'")
-        self.footprint = footprint
-        if affinity_ties not in ("id", "ttft", "hash", "kv"):
-            raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
-        self.affinity_ties = affinity_ties
-        if wait_model not in ("queue", "fcfs"):
-            raise ValueError("wait_model must be 'queue' or 'fcfs'")
-        self.wait_model = wait_model
-        if not 0.0 < fast_share <= 1.0:
-            raise ValueError("fast_share must be in (0, 1]")
-        self.fast_share = float(fast_share)
-        if rule not in ("score", "affinity"):
-            raise ValueError("rule must be 'score' or 'affinity'")
-        self.rule = rule
-        self.running_prefill = bool(running_prefill)
-        self.decode_batch = bool(decode_batch)
-        self.replicate = bool(replicate)
-        self.overtaking = bool(overtaking)
-        for name, flag in (("host_tier", host_tier), ("speed_aware", speed_aware)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be true or false")
-        self.host_tier = host_tier
-        self.speed_aware = speed_aware
+        if config is not None and options:
+            raise TypeError("give FairwayRouter a config or options, not both")
+        self.config = cfg = config if config is not None else FairwayRouterConfig(**options)  # type: ignore[arg-type]
+        self.host_tier = cfg.host_tier
         # seconds to reload one token's KV from the host tier (the engine model's own rate; the
         # bandwidth is checked there)
-        self.reload_s_per_token = reload_s_per_token(cost, host_link_bytes_per_s)
+        self.reload_s_per_token = reload_s_per_token(cost, cfg.host_link_bytes_per_s)
         self.shares = PrefixShares()
-        self.last_wait: dict[int, float] = {}
 
     def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
         """W_rj for a request with prefill estimate ``prefill_s`` and ``cached_tokens`` on
         replica ``s`` (see the module docstring). O(log n) plus a C-level sum over the n
         requests waiting there."""
         q = s.queued_prefill_s
-        r = self.running_prefill_s(s) if self.running_prefill else 0.0
-        queue_model = self.wait_model == "queue"
-        if queue_model and cached_tokens <= 0 and self.overtaking:
+        r = self.running_prefill_s(s) if self.config.running_prefill else 0.0
+        queue_model = self.config.wait_model == "queue"
+        if queue_model and cached_tokens <= 0 and self.config.overtaking:
             return self.overtaken_wait(s, r + q, prefill_s)
         qp = s.queued_prefills
         slots_full = s.max_running and s.outstanding >= s.max_running
         if not queue_model or cached_tokens <= 0 or not qp or slots_full:
             return r + q  # the whole queue ahead: FCFS replicas, a cold request, or no free slot
         ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
-        return r + min(q, ahead / self.fast_share)
+        return r + min(q, ahead / self.config.fast_share)
 
     def lighter_rate(self, s: ReplicaState, prefill_s: float) -> float:
         """rho_rj: prefill seconds per second of the work lighter than ``prefill_s`` routed to
@@ -177,7 +182,7 @@ class FairwayRouter(RouterPolicy):
         """A cold request's wait on ``s`` behind ``ahead_s`` seconds of work: stretched by the
         lighter work that keeps arriving and overtaking it, ahead_s / (1 - rho), until its
         promotion after theta * P: capped at ahead_s + theta * P. O(log W)."""
-        bound = ahead_s + self.theta * prefill_s
+        bound = ahead_s + self.config.theta * prefill_s
         rho = self.lighter_rate(s, prefill_s)
         return min(ahead_s / (1.0 - rho), bound) if rho < 1.0 else bound
 
@@ -208,27 +213,27 @@ class FairwayRouter(RouterPolicy):
                       wait_s: float, fullness: float) -> float:
         """T_rj without the extra-work term: the wait, the first token's step (``own_time``
         with the decode batch, else P_rj) and the footprint term. O(1)."""
-        step = self.own_time(req, s, cached_tokens) if self.decode_batch else prefill_s
-        return wait_s + step + self.footprint_weight * prefill_s * fullness
+        step = self.own_time(req, s, cached_tokens) if self.config.decode_batch else prefill_s
+        return wait_s + step + self.config.footprint_weight * prefill_s * fullness
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         cached = {s.replica: self.cached_tokens(req, s) for s in ss}
         prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
                    for s in ss}
         wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
         least = min(prefill.values())
-        w = self.extra_work_weight
-        if self.footprint == "kv":
+        w = self.config.extra_work_weight
+        if self.config.footprint == "kv":
             kmax = max(s.kv_usage for s in ss) or 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
-        elif self.footprint == "kv-abs":
+        elif self.config.footprint == "kv-abs":
             fullness = {s.replica: s.kv_usage for s in ss}
         else:
             biggest = max(s.index_blocks for s in ss) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
         ttft = {s.replica: self.expected_ttft(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
-                                              fullness[s.replica]) / (s.speed if self.speed_aware else 1.0)
+                                              fullness[s.replica]) / (s.speed if self.config.speed_aware else 1.0)
                 + w * (prefill[s.replica] - least) + (self.reload_s(req, s) if self.host_tier else 0.0)
                 for s in ss}
         load = {s.replica: s.outstanding for s in ss}
@@ -239,21 +244,19 @@ class FairwayRouter(RouterPolicy):
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
         best = max(cached.values())
         pick = order[0]
-        if self.rule == "affinity" and best > 0:
+        if self.config.rule == "affinity" and best > 0:
             j = self._affinity_target(req, ss, cached, wait, order)
-            if wait[j] <= self.theta * max(prefill[j], self.p_floor_s):
+            if wait[j] <= self.config.theta * max(prefill[j], self.config.p_floor_s):
                 pick = j
-        seed = self._seed_target(req, ss, cached, best, ttft, fullness) if self.replicate else None
+        seed = self._seed_target(req, ss, cached, best, ttft, fullness) if self.config.replicate else None
         if seed is not None:
             pick = seed
-            self.last_reason = "replicate"
+            reason = "replicate"
         elif best == 0:
-            self.last_reason = "cold"
+            reason = "cold"
         else:
-            self.last_reason = "affinity" if cached[pick] == best else "fair"
-        self.last_scores = ttft
-        self.last_wait = wait
-        return ranks_of([pick], (r for r in order if r != pick))
+            reason = "affinity" if cached[pick] == best else "fair"
+        return Ranking(ranks_of([pick], (r for r in order if r != pick)), reason, ttft, wait)
 
     def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
         """A decision of another router instance counts in the prefix shares as one of ours, so
@@ -292,12 +295,12 @@ class FairwayRouter(RouterPolicy):
                          wait: dict[int, float], order: list[int]) -> int:
         """j* for rule="affinity": the best-cached replica, ties to the smaller W, then per
         ``affinity_ties`` (``order`` is the ranking by T). O(R)."""
-        if self.affinity_ties == "hash":
+        if self.config.affinity_ties == "hash":
             return self._hash_tie(req, cached, wait)
-        if self.affinity_ties == "id":
+        if self.config.affinity_ties == "id":
             return min(cached, key=lambda r: (-cached[r], wait[r], r))
         pos = {r: i for i, r in enumerate(order)}
-        if self.affinity_ties == "kv":
+        if self.config.affinity_ties == "kv":
             kv = {s.replica: s.kv_usage for s in ss}
             return min(cached, key=lambda r: (-cached[r], wait[r], kv[r], pos[r]))
         return min(cached, key=lambda r: (-cached[r], wait[r], pos[r]))
@@ -347,4 +350,5 @@ def queue_model_options(policy: str, policy_options: dict | None = None) -> dict
     return out
 
 
-__all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "queue_model_options", "router_options_for"]
+__all__ = ["DEFAULT_FAST_SHARE", "DEFAULT_THETA", "FairwayRouter", "FairwayRouterConfig", "queue_model_options",
+           "router_options_for"]

@@ -22,21 +22,23 @@ from dataclasses import dataclass
 
 from fairway.load_view import LoadView
 from fairway.prefix_index import APPROX, PrefixIndex
-from fairway.routing.base import RouteRequest, RouterPolicy, make_states
+from fairway.routing.base import Ranking, RouteRequest, RouterPolicy, make_states
 
 
 @dataclass(slots=True)
 class Decision:
     """A routing decision. ``ranks`` is the policy's answer (first rank preferred); ``pick`` is in
-    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's;
-    ``best_blocks`` is the longest match among the candidates (what a policy's traffic statistics
-    name the request's prefix by, wherever it was sent)."""
+    ``ranks[0]``; ``matched_blocks`` is the index's match on ``pick``; ``reason`` is the policy's
+    ("choice" when it gives none); ``best_blocks`` is the longest match among the candidates (what
+    a policy's traffic statistics name the request's prefix by, wherever it was sent);
+    ``ranking``: the policy's whole ``Ranking`` (its scores and waits), None when built by hand."""
 
     ranks: list[list[int]]
     pick: int
     matched_blocks: int
     reason: str
     best_blocks: int = 0
+    ranking: Ranking | None = None
 
 
 class RoutingHost:
@@ -72,12 +74,12 @@ class RoutingHost:
         new = self.load.new_blocks(hashes) if self.policy.active_blocks else None  # Dynamo's decode term
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
                              new=new)
-        ranks = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
-        first = ranks[0]
+        ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
+        first = ranking.ranks[0]
         live = self.load.live()
         pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
         best = max(s.matched_blocks for s in states)
-        return Decision(ranks, pick, matched[pick], self.policy.last_reason or "choice", best)
+        return Decision(ranking.ranks, pick, matched[pick], ranking.reason or "choice", best, ranking)
 
     def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int,
              hashes: Sequence[int] = ()) -> None:

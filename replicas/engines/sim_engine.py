@@ -52,11 +52,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fairway.clock import Clock, MonotonicClock
-from fairway.cost_model import CostModel
-from fairway.engine.model import EngineConfig, EngineModel, EngineRequest
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
+from fairway.engine.model import EngineConfig, EngineListener, EngineModel, EngineRequest
 from fairway.hashing import HashState, salt_seed
 from fairway.policies import make_policy
 from fairway.protocol import (
+    Engine,
     EngineFailed,
     EngineOutput,
     EngineStats,
@@ -92,12 +93,12 @@ class _Live:
     cached_sent: bool = False
 
 
-class SimEngine:
+class SimEngine(Engine, EngineListener):
     """``Engine`` protocol over ``EngineModel`` in real time (see the module docstring)."""
 
     def __init__(
         self,
-        profile: str = "h200-llama3-8b",
+        profile: str = DEFAULT_PROFILE,
         block_size: int = 16,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
@@ -274,9 +275,9 @@ class SimEngine:
         live.out.put_nowait(EngineOutput(new, finished=done, finish_reason="length" if done else None,
                                          cached_tokens=cached))
 
-    def set_fault(self, stall: bool = False, slowdown: float = 1.0) -> None:
+    def set_fault(self, stall: bool = False, slowdown: float = 1.0) -> bool:
         """Injected faults (``replicas/faults.py``): ``stall`` stops the steps (the actor and
-        its health check stay up); ``slowdown`` >= 1 stretches every step."""
+        its health check stay up); ``slowdown`` >= 1 stretches every step. Applied: True."""
         if slowdown < 1.0:
             raise ValueError("slowdown must be >= 1")
         self.slowdown = slowdown
@@ -285,17 +286,9 @@ class SimEngine:
         else:
             self._running.set()
             self._wake.set()
+        return True
 
-    # -- EngineModel.listener ----------------------------------------------------------------
-
-    def on_admitted(self, replica: int, r: EngineRequest) -> None:
-        pass
-
-    def on_preempted(self, replica: int, r: EngineRequest) -> None:
-        pass
-
-    def on_finished(self, replica: int, r: EngineRequest) -> None:
-        pass
+    # -- EngineModel.listener (the KV events; the other callbacks are the base's no-ops) -------
 
     def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
         stored = [h for s, h in events if s]
@@ -334,13 +327,6 @@ class SimEngine:
     async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
         if self._failed is not None:
             raise EngineFailed(f"sim engine failed: {self._failed!r}")
-        n = len(call.prompt_token_ids)
-        if n < 1:
-            raise RequestTooLarge("empty prompt")
-        if n + call.max_tokens > self.max_model_len:
-            raise RequestTooLarge(
-                f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds the model's context "
-                f"length {self.max_model_len}")
         check_sim_params(call)
         rid = self._next_rid
         self._next_rid += 1

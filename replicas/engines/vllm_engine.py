@@ -11,9 +11,9 @@ What the adapter measures and what it estimates (``fairway.protocol.Engine``):
   call's ``seed``, ``top_p``, penalties and ``logit_bias`` (vLLM honours each natively). Each
   vLLM output becomes an ``EngineOutput`` of the new token ids; ``cached_tokens`` is vLLM's own
   ``num_cached_tokens`` (measured), set from the first output on. Cancelling or closing the
-  generator aborts the request in vLLM. A prompt that cannot fit (``prompt + max_tokens >
-  max_model_len``, or more KV blocks than the engine has) raises ``RequestTooLarge`` before vLLM
-  sees it, as does any request vLLM rejects as invalid; a dead or failing engine raises
+  generator aborts the request in vLLM. A request that needs more KV blocks than the engine has
+  raises ``RequestTooLarge`` before vLLM sees it (the gate has checked its length against
+  ``max_model_len``), as does any request vLLM rejects as invalid; a dead or failing engine raises
   ``EngineFailed``.
 - ``stats()``: ``running`` / ``prefilling`` / ``pending_prefill_tokens`` are counted here from the
   requests this adapter submitted (a request is prefilling until its first output; its pending
@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fairway.protocol import (
+    Engine,
     EngineFailed,
     EngineOutput,
     EngineStats,
@@ -92,7 +93,7 @@ class Feedback:
     ttft_s: float
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """``fairway.protocol.Engine`` on vLLM's ``AsyncLLM``.
 
     ``block_size`` is the hash-space block (16, as the router hashes; ``GenerateCall.block_hashes``
@@ -306,15 +307,8 @@ class VllmEngine:
         return math.ceil(tokens / vbs) * vbs // self.block_size
 
     def _check(self, call: GenerateCall) -> None:
+        """Refuse a request vLLM's KV cache can never hold (its length is the gate's check)."""
         n = len(call.prompt_token_ids)
-        if n == 0:
-            raise RequestTooLarge("empty prompt")
-        if call.max_tokens < 1:
-            raise RequestTooLarge("max_tokens must be >= 1")
-        if n + call.max_tokens > self.max_model_len:
-            raise RequestTooLarge(
-                f"prompt ({n} tokens) + max_tokens ({call.max_tokens}) exceeds max_model_len {self.max_model_len}"
-            )
         if self._kv_total and self._blocks_for(n + call.max_tokens) > self._kv_total:
             raise RequestTooLarge(f"prompt + max_tokens needs more KV blocks than the engine has ({self._kv_total})")
 
@@ -344,7 +338,7 @@ class VllmEngine:
         self._inflight[rid] = st
         t0 = time.perf_counter()
         prompt: dict[str, Any] = {"prompt_token_ids": list(call.prompt_token_ids)}
-        salt = getattr(call, "cache_salt", None)
+        salt = call.cache_salt
         if salt:  # vLLM then isolates the tenant's blocks as our salted hashes do
             prompt["cache_salt"] = salt
         stream = llm.generate(prompt, params, rid)

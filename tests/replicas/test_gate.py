@@ -15,14 +15,14 @@ import pytest
 
 from fairway.clock import ManualClock
 from fairway.policies import make_policy
-from fairway.protocol import EngineOutput, EngineStats, GenerateCall, Overloaded, RequestTooLarge
+from fairway.protocol import Engine, EngineOutput, EngineStats, GenerateCall, Overloaded, RequestTooLarge
 from replicas.gate import AdmissionGate, GateConfig
 from tests.factories import LinearCost, chain
 
 pytestmark = pytest.mark.asyncio
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """An engine whose requests produce their first token only when the test says so."""
 
     block_size = 16
@@ -71,6 +71,9 @@ class ScriptedEngine:
                 break
             n += 1
         return n
+
+    def cached_hashes(self) -> list[int]:
+        return list(self.cached)
 
     def set_cache_listener(self, on_stored, on_removed) -> None:
         self.on_stored = on_stored
@@ -277,7 +280,10 @@ async def test_too_long_and_empty_prompts_are_refused():
     with pytest.raises(RequestTooLarge, match="empty"):
         async for _ in gate.submit(call("b", 0)):
             pass
-    assert gate.rejected == 2
+    with pytest.raises(RequestTooLarge, match="max_tokens must be >= 1"):
+        async for _ in gate.submit(GenerateCall("c", [20] * 16, (), 0, 0.0)):
+            pass
+    assert gate.rejected == 3
 
 
 async def test_routing_stats_carry_waiting_ids_and_cached_feedback():
@@ -360,10 +366,11 @@ async def test_a_flooding_tenant_does_not_starve_a_quiet_one():
 async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and_recovers():
     """Two requests in an engine that stops producing: after the stall timeout both end with
     EngineStalled (504) at once, the gate reports itself stalled and refuses a new request with
-    a retryable 503; the engine's next output clears the state."""
+    a retryable 503; the engine's next output clears the state. The watchdog reads the gate's
+    injected clock: nothing fails until the manual clock passes the timeout."""
     from fairway.protocol import EngineFailed, EngineStalled
 
-    gate, engine, _ = make_gate("fcfs", stall_timeout_s=0.2)
+    gate, engine, clock = make_gate("fcfs", stall_timeout_s=60.0)  # never reached on the wall clock here
     await gate.start()
     try:
         outcomes: list = []
@@ -376,10 +383,17 @@ async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and
             except EngineStalled as e:
                 outcomes.append((rid, e.status))
 
-        t0 = time.monotonic()
         tasks = [asyncio.create_task(one(r)) for r in ("a", "b")]
+        deadline = time.monotonic() + 5
+        while engine.started != ["a", "b"]:
+            assert time.monotonic() < deadline, engine.started
+            await asyncio.sleep(0.005)
+        clock.advance(59.0)
+        gate._watch()  # what the ticker does: not yet at the timeout
+        assert not gate.stalled and not outcomes
+        clock.advance(1.0)
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
-        assert sorted(outcomes) == [("a", 504), ("b", 504)] and 0.2 <= time.monotonic() - t0 < 2
+        assert sorted(outcomes) == [("a", 504), ("b", 504)]
         assert gate.stalled and gate.stalls == 1 and not gate._admitted
         with pytest.raises(EngineFailed) as e:
             async for _ in gate.submit(call("c", 64)):

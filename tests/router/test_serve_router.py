@@ -524,11 +524,17 @@ async def test_fairway_prefers_a_gpu_hit_to_a_host_hit_of_the_same_prefix_and_is
                      arrival_s=T0)
     aware, blind = events_router(hub), events_router(hub, host_tier=False)
     assert await aware.sync_once() and await blind.sync_once()
+    decisions: dict = {}
+    for name, r in (("aware", aware), ("blind", blind)):  # keep each router's decision (its Ranking's scores)
+        def decide(*a, _decide=r.host.decide, _name=name, **k):
+            decisions[_name] = _decide(*a, **k)
+            return decisions[_name]
+        r.host.decide = decide
     # tier-blind: replica-0 caches 63 blocks (the cap) against 62; tier-aware: its 1008 tokens reload
     # (1008 x 128 KiB / 50 GB/s = 2.6 ms) cost more than replica-1's 16-token recompute
     assert (await blind.choose_replicas(reps, pending(c)))[0] == [reps[0]]
     assert (await aware.choose_replicas(reps, pending(c)))[0] == [reps[1]]
-    s0, s1 = aware.policy.last_scores[0], aware.policy.last_scores[1]
-    b0 = blind.policy.last_scores[0]
+    s0, s1 = decisions["aware"].ranking.scores[0], decisions["aware"].ranking.scores[1]
+    b0 = decisions["blind"].ranking.scores[0]
     assert s0 - b0 == pytest.approx(1008 * aware.cost.kv_bytes_per_token() / 50e9)
     assert s1 < s0

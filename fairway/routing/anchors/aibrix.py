@@ -11,7 +11,7 @@ import numpy as np
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import shuffled
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 
 class AIBrix(RouterPolicy):
@@ -70,7 +70,7 @@ class AIBrix(RouterPolicy):
         self.imbalance_abs_count = imbalance_abs_count
         self.std_factor = float(std_factor)
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         load = [s.outstanding for s in ss]
         lo, hi = min(load), max(load)
@@ -92,11 +92,11 @@ class AIBrix(RouterPolicy):
         if pick is None:
             least = [s for s in ss if s.outstanding == lo]
             pick = least[int(self.rng.integers(len(least)))] if len(least) > 1 else least[0]
-            self.last_reason = "imbalanced" if imbalanced else "least-loaded"
+            reason = "imbalanced" if imbalanced else "least-loaded"
         else:
-            self.last_reason = "imbalanced" if imbalanced else "affinity"
+            reason = "imbalanced" if imbalanced else "affinity"
         rest = sorted((s for s in ss if s is not pick), key=lambda s: (s.outstanding, -s.matched_blocks, s.replica))
-        return ranks_of([pick.replica], (s.replica for s in rest))
+        return Ranking(ranks_of([pick.replica], (s.replica for s in rest)), reason)
 
 
 __all__ = ["AIBrix"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 
 class Dynamo(RouterPolicy):
@@ -56,7 +56,7 @@ class Dynamo(RouterPolicy):
     budget) is not modelled; the Ray host learns of first tokens from the replicas' periodic
     stats, so it holds prefill tokens a little longer than Dynamo's stream hook does; a host
     that tracks no active blocks (``active_blocks`` unset) gets the summed ``active_blocks``
-    with every prompt block counted as new. ``last_scores`` holds the costs.
+    with every prompt block counted as new. The ``Ranking``'s scores are the costs.
     """
 
     name = "dynamo"
@@ -100,14 +100,12 @@ class Dynamo(RouterPolicy):
             return prefill + s.active_blocks + len(req.block_hashes)
         return prefill + s.unique_active_blocks + s.new_blocks
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         costs = {s.replica: self.cost_of(req, s) for s in ss}
         pick = self._sample(costs)
         rest = sorted((j for j in costs if j != pick), key=lambda j: (costs[j], j))
-        self.last_scores = costs
-        self.last_reason = "cost"
-        return ranks_of([pick], rest)
+        return Ranking(ranks_of([pick], rest), "cost", costs)
 
     def _sample(self, costs: dict[int, float]) -> int:
         """Temperature 0: the lowest cost, equal minima uniformly at random. Otherwise Dynamo's

@@ -14,7 +14,7 @@ import xxhash
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import RecentRoutes
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 _U64 = (1 << 64) - 1
 _RING_SEED = 0x52494E47  # "RING"
@@ -129,11 +129,10 @@ class ConsistentHash(RouterPolicy):
         n = min(self.k, len(req.block_hashes))
         return blocks_key(req.block_hashes, n) if n else rid_key(req.rid)
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ids = [s.replica for s in by_id(states)]
-        self.last_reason = "hash" if req.block_hashes else "no-blocks"
         order = self._ring.order(self.key(req), ids)
-        return ranks_of(order[:1], order[1:])
+        return Ranking(ranks_of(order[:1], order[1:]), "hash" if req.block_hashes else "no-blocks")
 
 
 class PrefixHash(RouterPolicy):
@@ -198,7 +197,7 @@ class PrefixHash(RouterPolicy):
         """Within the bound: ``load <= load_factor * (total + 1) / n``, or nothing in flight."""
         return total == 0 or load <= self.load_factor * (total + 1) / n
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         load = {s.replica: s.outstanding for s in ss}
         total, n = sum(load.values()), len(ss)
@@ -217,8 +216,7 @@ class PrefixHash(RouterPolicy):
             pick = ok[0]
         else:
             pick = min(ok, key=lambda j: (load[j], j))
-        self.last_reason = reason
-        return ranks_of([pick], (j for j in order if j != pick))
+        return Ranking(ranks_of([pick], (j for j in order if j != pick)), reason)
 
 
 class SessionHash(RouterPolicy):
@@ -274,19 +272,18 @@ class SessionHash(RouterPolicy):
         self._ring = HashRing(vnodes)
         self._recent = RecentRoutes(qps_window_s)
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         ids = [s.replica for s in ss]
         if not req.session:
-            self.last_reason = "no-session"
             if self.fallback == "qps":
                 pick = self._recent.least(self.clock.now(), ids)
             else:
                 pick = ids[int(self.rng.integers(len(ids)))]
             self._note(pick)
-            return ranks_of([pick], (j for j in ids if j != pick))
+            return Ranking(ranks_of([pick], (j for j in ids if j != pick)), "no-session")
         order = self._ring.order(session_key(req.session), ids)
-        pick, self.last_reason = order[0], "session"
+        pick, reason = order[0], "session"
         if not math.isinf(self.max_load_skew):
             load = {s.replica: s.outstanding for s in ss}
             total = sum(load.values())
@@ -294,9 +291,9 @@ class SessionHash(RouterPolicy):
             if total and load[pick] > bound:
                 pick = next((j for j in order if load[j] <= bound), pick)
                 if pick != order[0]:
-                    self.last_reason = "spill"
+                    reason = "spill"
         self._note(pick)
-        return ranks_of([pick], (j for j in order if j != pick))
+        return Ranking(ranks_of([pick], (j for j in order if j != pick)), reason)
 
     def _note(self, pick: int) -> None:
         if self.fallback == "qps":  # only production-stack's keyless rule reads the counts

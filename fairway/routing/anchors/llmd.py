@@ -11,7 +11,7 @@ import numpy as np
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import shuffled
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 #: The chunk llm-d's calibration prefills alone to measure ``peakPrefillThroughput``: one unloaded
 #: chunk of ``max_num_batched_tokens`` = 8192 tokens (the affinity filter's README).
@@ -41,7 +41,7 @@ class LLMDBaseline(RouterPolicy):
             + w_kv * (1 - kv_usage_j)
     where q_j is j's waiting queue (outstanding - running, llm-d's queue scorer reads the
     engine's waiting-queue size). The max-score picker shuffles the endpoints and sorts them
-    stably by score, so ties go at random (from ``self.rng``). ``last_scores`` holds the scores.
+    stably by score, so ties go at random (from ``self.rng``). The ``Ranking`` holds the scores.
 
     What differs from the original: the prefix scorer's index (llm-d hashes 64-token blocks of its
     own decisions, or reads KV events in its precise mode) is the host's; the queue and KV usage
@@ -68,7 +68,7 @@ class LLMDBaseline(RouterPolicy):
         self.w_queue = float(w_queue)
         self.w_kv = float(w_kv)
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         nblocks = req.prompt_tokens // self.block_size
         qs = [max(0, s.outstanding - s.running) for s in ss]
@@ -79,9 +79,7 @@ class LLMDBaseline(RouterPolicy):
             queue = 1.0 if qmax == qmin else (qmax - q) / (qmax - qmin)
             scores[s.replica] = self.w_prefix * prefix + self.w_queue * queue + self.w_kv * (1.0 - s.kv_usage)
         order = _max_score_order(self.rng, ss, scores)
-        self.last_scores = scores
-        self.last_reason = "score"
-        return ranks_of(order[:1], order[1:])
+        return Ranking(ranks_of(order[:1], order[1:]), "score", scores)
 
 
 class LLMD(RouterPolicy):
@@ -163,40 +161,34 @@ class LLMD(RouterPolicy):
         self.queue_threshold_tokens = int(queue_threshold_tokens)
         self.first_tokens = True  # the in-flight tokens are released at the first token
 
-    def _sticky(self, req: RouteRequest, ss: list[ReplicaState]) -> list[ReplicaState]:
-        """The affinity filter's survivors (steps 1 and 2 of the rule); sets ``last_reason``."""
+    def _sticky(self, req: RouteRequest, ss: list[ReplicaState]) -> tuple[list[ReplicaState], str]:
+        """The affinity filter's survivors (steps 1 and 2 of the rule) and the reason."""
         if len(ss) <= 1 or self.affinity_threshold <= 0:
-            self.last_reason = "no-affinity"
-            return ss
+            return ss, "no-affinity"
         if self.exploration > 0 and self.rng.random() < self.exploration:
-            self.last_reason = "explore"
-            return ss
+            return ss, "explore"
         nb = req.prompt_tokens // self.block_size
         sticky = [s for s in ss if nb and s.matched_blocks / nb >= self.affinity_threshold]
         if not sticky:
-            self.last_reason = "no-affinity"
-            return ss
+            return ss, "no-affinity"
         if self.max_ttft_penalty_s > 0 and len(sticky) < len(ss):
             keep = {s.replica for s in sticky}
             best_sticky = min(s.active_prefill_tokens for s in sticky)
             best_other = min(s.active_prefill_tokens for s in ss if s.replica not in keep)
             if (best_sticky - best_other) / self.peak_prefill_tps > self.max_ttft_penalty_s:
-                self.last_reason = "affinity-broken"
-                return ss
-        self.last_reason = "affinity"
-        return sticky
+                return ss, "affinity-broken"
+        return sticky, "affinity"
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
-        cand = self._sticky(req, ss)
+        cand, reason = self._sticky(req, ss)
         cap = self.queue_threshold_tokens
         scores = {s.replica: 1.0 - min(cap, max(0, s.active_prefill_tokens)) / cap for s in ss}
         order = _max_score_order(self.rng, cand, scores)
         if len(cand) < len(ss):
             keep = set(order)
             order += _max_score_order(self.rng, [s for s in ss if s.replica not in keep], scores)
-        self.last_scores = scores
-        return ranks_of(order[:1], order[1:])
+        return Ranking(ranks_of(order[:1], order[1:]), reason, scores)
 
 
 __all__ = ["CALIBRATION_CHUNK", "LLMD", "LLMDBaseline"]

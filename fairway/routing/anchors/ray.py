@@ -11,7 +11,7 @@ import numpy as np
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import by_queue, pow2_ranks
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 
 class RayPrefix(RouterPolicy):
@@ -60,25 +60,24 @@ class RayPrefix(RouterPolicy):
         self.imbalanced_threshold = float(imbalanced_threshold)
         self.match_rate_threshold = float(match_rate_threshold)
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         outs = [s.outstanding for s in ss]
         if max(outs) - min(outs) > self.imbalanced_threshold:
-            self.last_reason = "imbalanced"
-            return pow2_ranks(self.rng, ss)
+            return Ranking(pow2_ranks(self.rng, ss), "imbalanced")
         best = max(s.matched_blocks for s in ss)
         top = next(s for s in ss if s.matched_blocks == best)
         if best > 0 and self.match_rate(req, top) >= self.match_rate_threshold:
-            self.last_reason = "affinity"
+            reason = "affinity"
             cand = [s for s in ss if s.matched_blocks == best]
         else:
-            self.last_reason = "smallest-tree"
+            reason = "smallest-tree"
             small = min(s.index_blocks for s in ss)
             cand = [s for s in ss if s.index_blocks == small]
         chosen = {s.replica for s in cand}
         rest = [s for s in ss if s.replica not in chosen]
-        return ranks_of([s.replica for s in sorted(cand, key=by_queue)],
-                        (s.replica for s in sorted(rest, key=by_queue)))
+        return Ranking(ranks_of([s.replica for s in sorted(cand, key=by_queue)],
+                                (s.replica for s in sorted(rest, key=by_queue))), reason)
 
 
 __all__ = ["RayPrefix"]

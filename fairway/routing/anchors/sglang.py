@@ -13,7 +13,7 @@ import numpy as np
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import by_queue
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 #: Block hashes whose first holder ``sglang`` remembers (about 25 MB of dict at most): enough for
 #: every distinct prompt block of an hour of the shared workloads on 8 replicas; past it the
@@ -125,25 +125,25 @@ class SGLang(_CacheAware):
         while len(owner) > OWNER_CAPACITY:
             owner.popitem(last=False)  # O(1), where deleting a plain dict's first key rescans
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         pick: ReplicaState
         if self.imbalanced(ss):
-            self.last_reason = "imbalanced"
+            reason = "imbalanced"
             pick = min(ss, key=self._key)
         else:
             best = max(s.matched_blocks for s in ss)
             holders = [s for s in ss if s.matched_blocks == best]
             if best > 0 and self.match_rate(req, holders[0]) > self.cache_threshold:
-                self.last_reason = "affinity"
+                reason = "affinity"
                 pick = self._tenant(req, best, holders)
             else:
-                self.last_reason = "least-loaded"
+                reason = "least-loaded"
                 pick = min(ss, key=self._key)
         self._processed[pick.replica] = self._processed.get(pick.replica, 0) + 1
         self._remember(req, pick.replica)
         rest = sorted((s for s in ss if s is not pick), key=self._key)
-        return ranks_of([pick.replica], (s.replica for s in rest))
+        return Ranking(ranks_of([pick.replica], (s.replica for s in rest)), reason)
 
 
 class SGLangClassic(_CacheAware):
@@ -164,24 +164,24 @@ class SGLangClassic(_CacheAware):
 
     name = "sglang-classic"
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         if self.imbalanced(ss):
-            self.last_reason = "imbalanced"
+            reason = "imbalanced"
             cand = ss
         else:
             best = max(s.matched_blocks for s in ss)
             top = next(s for s in ss if s.matched_blocks == best)
             if best > 0 and self.match_rate(req, top) > self.cache_threshold:
-                self.last_reason = "affinity"
+                reason = "affinity"
                 cand = [s for s in ss if s.matched_blocks == best]
             else:
-                self.last_reason = "smallest-tree"
+                reason = "smallest-tree"
                 small = min(s.index_blocks for s in ss)
                 cand = [s for s in ss if s.index_blocks == small]
         pick = min(cand, key=by_queue).replica
         rest = sorted((s for s in ss if s.replica != pick), key=by_queue)
-        return ranks_of([pick], (s.replica for s in rest))
+        return Ranking(ranks_of([pick], (s.replica for s in rest)), reason)
 
 
 __all__ = ["OWNER_CAPACITY", "SGLang", "SGLangClassic"]

@@ -10,7 +10,7 @@ import numpy as np
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import pow2_ranks
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 
 class RoundRobin(RouterPolicy):
@@ -26,13 +26,12 @@ class RoundRobin(RouterPolicy):
         super().__init__(clock, cost, block_size, rng)
         self._i = 0
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ids = [s.replica for s in by_id(states)]
         k = self._i % len(ids)
         self._i += 1
         order = ids[k:] + ids[:k]
-        self.last_reason = "round-robin"
-        return ranks_of(order[:1], order[1:])
+        return Ranking(ranks_of(order[:1], order[1:]), "round-robin")
 
 
 class Pow2(RouterPolicy):
@@ -45,9 +44,8 @@ class Pow2(RouterPolicy):
 
     name = "pow2"
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
-        self.last_reason = "pow2"
-        return pow2_ranks(self.rng, by_id(states))
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
+        return Ranking(pow2_ranks(self.rng, by_id(states)), "pow2")
 
 
 __all__ = ["Pow2", "RoundRobin"]

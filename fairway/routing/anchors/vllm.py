@@ -11,7 +11,7 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.routing.anchors.common import RecentRoutes
 from fairway.routing.anchors.hashing import HashRing, session_key
-from fairway.routing.base import ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
+from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 
 
 class VLLMPrefixAware(RouterPolicy):
@@ -57,25 +57,25 @@ class VLLMPrefixAware(RouterPolicy):
         self.chars_per_token = float(chars_per_token)
         self._recent = RecentRoutes(qps_window_s)
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         best = max(s.matched_blocks for s in ss)
         now = self.clock.now()
         if best * self.block_size * self.chars_per_token < self.min_match:
-            self.last_reason = "qps"
+            reason = "qps"
             pick = self._recent.least(now, [s.replica for s in ss])
         else:
             if best > 0:
-                self.last_reason = "affinity"
+                reason = "affinity"
                 cand = [s for s in ss if s.matched_blocks == best]
             else:
-                self.last_reason = "random"
+                reason = "random"
                 cand = ss
             pick = cand[int(self.rng.integers(len(cand)))].replica
         if self.min_match:
             self._recent.note(now, pick)
         rest = sorted((s for s in ss if s.replica != pick), key=lambda s: (-s.matched_blocks, s.replica))
-        return ranks_of([pick], (s.replica for s in rest))
+        return Ranking(ranks_of([pick], (s.replica for s in rest)), reason)
 
 
 class VLLMLoadAware(RouterPolicy):
@@ -131,25 +131,25 @@ class VLLMLoadAware(RouterPolicy):
         return {s.replica: min(s.matched_blocks * self.block_size, req.prompt_tokens) / prompt
                 - self.beta * (s.outstanding - mean) / max(1.0, mean) for s in ss}
 
-    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> list[list[int]]:
+    def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
         ids = [s.replica for s in ss]
         now = self.clock.now()
-        self.last_scores = {}
+        sc: dict[int, float] = {}
         if all(s.matched_blocks == 0 for s in ss):
             if req.session:
-                self.last_reason = "session"
+                reason = "session"
                 order = self._ring.order(session_key(req.session), ids)
             else:
-                self.last_reason = "qps"
+                reason = "qps"
                 pick = self._recent.least(now, ids)
                 order = [pick] + [j for j in ids if j != pick]
         else:
-            self.last_reason = "score"
-            sc = self.last_scores = self.scores(req, ss)
+            reason = "score"
+            sc = self.scores(req, ss)
             order = sorted(ids, key=lambda j: (-sc[j], j))
         self._recent.note(now, order[0])
-        return ranks_of(order[:1], order[1:])
+        return Ranking(ranks_of(order[:1], order[1:]), reason, sc)
 
 
 __all__ = ["VLLMLoadAware", "VLLMPrefixAware"]

@@ -10,7 +10,7 @@ import pytest
 from fairway.admission import AdmissionConfig, Candidate, HeldQueue, SessionAdmission, WaitingSessions
 from fairway.clock import ManualClock
 from fairway.engine.block_pool import QUEUE, SESSION, BlockPool
-from fairway.engine.model import EngineConfig, EngineModel
+from fairway.engine.model import EngineConfig, EngineListener, EngineModel
 from fairway.policies import make_policy
 from fairway.request import RequestSpec
 from sim.simulator import Simulation
@@ -376,7 +376,7 @@ def test_abort_of_a_held_request():
     assert eng.pool.n_free_wanted == 5
 
 
-class AdmissionLog:
+class AdmissionLog(EngineListener):
     """Engine listener: every admission's (rid, time), re-admissions after a preemption included."""
 
     def __init__(self, clock: ManualClock) -> None:

@@ -3,11 +3,13 @@ the ranks' shape check, and a load view on a manual clock."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from fairway.clock import ManualClock
 from fairway.load_view import LoadView
-from fairway.routing import ReplicaState, RouteRequest, RouterPolicy, choice, make_router
+from fairway.routing import Ranking, ReplicaState, RouteRequest, RouterPolicy, choice, make_router
 from fairway.routing.anchors.hashing import HashRing
 from tests.factories import LinearCost, chain
 
@@ -45,10 +47,24 @@ def check(ranks: list[list[int]], states) -> None:
     assert sorted(flat) == sorted(s.replica for s in states)
 
 
+_RANKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ranking(r: RouterPolicy, rq: RouteRequest, states) -> Ranking:
+    """``r.rank``, its ranks checked; kept as ``r``'s last answer here (``last``)."""
+    out = r.rank(rq, states)
+    check(out.ranks, states)
+    _RANKINGS[r] = out
+    return out
+
+
+def last(r: RouterPolicy) -> Ranking:
+    """The ``Ranking`` ``r`` returned to the last ``ranked`` / ``ranking`` / ``picks`` call here."""
+    return _RANKINGS[r]
+
+
 def ranked(r: RouterPolicy, rq: RouteRequest, states) -> list[list[int]]:
-    ranks = r.rank(rq, states)
-    check(ranks, states)
-    return ranks
+    return ranking(r, rq, states).ranks
 
 
 def picks(r: RouterPolicy, rq: RouteRequest, states, n: int) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 from fairway.prefix_index import PrefixIndex
 from fairway.routing import ROUTERS, ReplicaState, RouteRequest, choice, make_states
 from tests.factories import LinearCost, chain
-from tests.fairway.routing.helpers import ranked, req, router, st, view
+from tests.fairway.routing.helpers import last, ranked, req, router, st, view
 
 
 # LinearCost: P = 0.01 + 0.001 * uncached tokens. A 1000-token prompt:
@@ -23,8 +23,8 @@ def fairway_states(q0: float) -> list[ReplicaState]:
 def test_fairway_affinity_while_the_queue_is_short():
     r = router("fairway", rule="affinity")
     assert ranked(r, req(1000), fairway_states(2.0)) == [[0], [1], [2]]  # rest by Q + P: 1.51, 1.85
-    assert r.last_reason == "affinity"
-    assert r.last_scores == pytest.approx({0: 2.21, 1: 1.51, 2: 1.85})
+    assert last(r).reason == "affinity"
+    assert last(r).scores == pytest.approx({0: 2.21, 1: 1.51, 2: 1.85})
     edge = 12 * LinearCost().prefill_time(200, 800)
     assert choice(ranked(r, req(1000), fairway_states(edge))) == 0  # Q_j* <= theta * P_rj* (inclusive)
 
@@ -32,10 +32,10 @@ def test_fairway_affinity_while_the_queue_is_short():
 def test_fairway_fair_choice_when_the_best_cached_queue_is_long():
     r = router("fairway", rule="affinity")
     assert ranked(r, req(1000), fairway_states(3.0)) == [[1], [2], [0]]  # argmin Q + P: 1.51
-    assert r.last_reason == "fair"
+    assert last(r).reason == "fair"
     r8 = router("fairway", rule="affinity", theta=8)  # 2.0 > 8 * 0.21
     assert choice(ranked(r8, req(1000), fairway_states(2.0))) == 1
-    assert r8.last_reason == "fair"
+    assert last(r8).reason == "fair"
     floor = router("fairway", rule="affinity", p_floor_s=0.25)  # 3.0 <= 12 * max(0.21, 0.25)
     assert choice(ranked(floor, req(1000), fairway_states(3.0))) == 0
 
@@ -46,14 +46,14 @@ def test_fairway_extra_work_weight_prices_the_prefill_a_placement_adds():
     assert ranked(r, req(1000), fairway_states(3.0)) == [[1], [2], [0]]
     r4 = router("fairway", extra_work_weight=4.0)  # + 4 (P - 0.21): 0: 3.21, 1: 4.71, 2: 4.41
     assert ranked(r4, req(1000), fairway_states(3.0)) == [[0], [2], [1]]
-    assert r4.last_scores == pytest.approx({0: 3.21, 1: 4.71, 2: 4.41})
+    assert last(r4).scores == pytest.approx({0: 3.21, 1: 4.71, 2: 4.41})
 
 
 def test_fairway_footprint_term_sends_cold_work_to_the_emptier_cache():
     states = [st(0, q=0.1, tree=100), st(1, q=0.1, tree=10)]
     d = router("fairway", footprint="index")  # cold P = 1.01: 0.1 + 1.01 + 1.01 * 100/100 vs 0.1 + 1.01 + 1.01 * 10/100
-    assert ranked(d, req(1000), states) == [[1], [0]] and d.last_reason == "cold"
-    assert d.last_scores == pytest.approx({0: 2.12, 1: 1.211})
+    assert ranked(d, req(1000), states) == [[1], [0]] and last(d).reason == "cold"
+    assert last(d).scores == pytest.approx({0: 2.12, 1: 1.211})
     off = router("fairway", footprint="index", footprint_weight=0.0)  # equal expected TTFT: the emptier index
     assert ranked(off, req(1000), states) == [[1], [0]]
 
@@ -62,16 +62,16 @@ def test_fairway_ties_cold_and_the_cacheable_cap():
     r = router("fairway", rule="affinity")
     # Equal best match: the smaller queue is j*.
     assert choice(ranked(r, req(1000), [st(0, matched=50, q=1.0), st(1, matched=50, q=0.5), st(2)])) == 1
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     # Nothing cached anywhere: minimum expected TTFT, reason "cold".
     assert ranked(r, req(1000), [st(0, q=0.3), st(1, q=0.1), st(2, q=0.2)]) == [[1], [2], [0]]
-    assert r.last_reason == "cold"
+    assert last(r).reason == "cold"
     # Equal expected TTFT: the id decides.
     assert ranked(r, req(1000), [st(0, q=0.3), st(1, q=0.3)]) == [[0], [1]]
     # A fully matched 160-token prompt still computes its last block: 144 cached, P = 0.026.
-    r.rank(req(160), [st(0, matched=10, q=0.3), st(1)])
-    assert r.last_reason == "affinity"  # 0.3 <= 12 * 0.026
-    assert r.last_scores[0] == pytest.approx(0.3 + 0.026)
+    ranked(r, req(160), [st(0, matched=10, q=0.3), st(1)])
+    assert last(r).reason == "affinity"  # 0.3 <= 12 * 0.026
+    assert last(r).scores[0] == pytest.approx(0.3 + 0.026)
 
 
 def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
@@ -80,17 +80,17 @@ def test_fairway_affinity_ties_ttft_spreads_an_equal_best_match():
     # TTFT including the footprint term (the emptier cache), then the fewer outstanding requests.
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
     d = router("fairway", rule="affinity", affinity_ties="id", footprint="index")
-    assert choice(ranked(d, req(1000), states)) == 0 and d.last_reason == "affinity"
+    assert choice(ranked(d, req(1000), states)) == 0 and last(d).reason == "affinity"
     # ttft ties with the KV-usage footprint: the lowest KV usage wins the tie
     dflt = router("fairway", rule="affinity")
     kv_states = [st(0, matched=50, kv=0.6, tree=10), st(1, matched=50, kv=0.3, tree=100), st(2, matched=50, kv=0.6)]
     # after the pick, 0 and 2 tie on expected TTFT: the emptier index (2 holds none) ranks first
-    assert ranked(dflt, req(1000), kv_states) == [[1], [2], [0]] and dflt.last_reason == "affinity"
+    assert ranked(dflt, req(1000), kv_states) == [[1], [2], [0]] and last(dflt).reason == "affinity"
     r = router("fairway", rule="affinity", affinity_ties="ttft", footprint="index")
     states = [st(0, matched=50, tree=100), st(1, matched=50, tree=10), st(2, matched=50, tree=100)]
-    assert ranked(r, req(1000), states) == [[1], [0], [2]] and r.last_reason == "affinity"
+    assert ranked(r, req(1000), states) == [[1], [0], [2]] and last(r).reason == "affinity"
     states = [st(0, matched=50, tree=10, outstanding=3), st(1, matched=50, tree=10, outstanding=1)]
-    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "affinity"
+    assert ranked(r, req(1000), states) == [[1], [0]] and last(r).reason == "affinity"
     # the smaller queue still comes first among equal matches
     states = [st(0, matched=50, tree=10, q=0.2), st(1, matched=50, tree=100, q=0.1)]
     assert choice(ranked(r, req(1000), states)) == 1
@@ -106,7 +106,7 @@ def test_fairway_affinity_ties_hash_keys_on_the_first_block_after_the_match():
     r = router("fairway", rule="affinity", affinity_ties="hash")
     # exact choices (xxh3_64 of block 50's hash, seeded by the replica id; the highest wins)
     assert [choice(ranked(r, session(k), four)) for k in range(6)] == [1, 0, 1, 2, 2, 0]
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     assert ranked(r, session(0), four) == [[1], [0], [2], [3]]  # the rest by expected TTFT, then id
     # the same block 50 (a deeper shared prefix), different later blocks: the same replica
     assert choice(ranked(r, session(3, tail=9000), four)) == 2
@@ -133,7 +133,7 @@ def test_fairway_affinity_ties_kv_sends_an_equal_best_match_to_the_freest_memory
     # (footprint by index blocks here, as measured), then the id.
     r = router("fairway", rule="affinity", affinity_ties="kv", footprint="index")
     states = [st(0, matched=50, kv=0.5), st(1, matched=50, kv=0.2, tree=100), st(2, matched=50, kv=0.2, tree=10)]
-    assert ranked(r, req(1000), states) == [[2], [0], [1]] and r.last_reason == "affinity"
+    assert ranked(r, req(1000), states) == [[2], [0], [1]] and last(r).reason == "affinity"
     # equal KV usage and equal expected TTFT: the lower id
     assert choice(ranked(r, req(1000), [st(0, matched=50, kv=0.3), st(1, matched=50, kv=0.3)])) == 0
     # a shorter queue still beats freer memory; a deeper match beats both
@@ -149,21 +149,21 @@ def test_fairway_kv_footprint_prices_placement_by_kv_usage():
     # cold P = 1.01; fullness = kv_usage / the highest kv_usage: 0.8/0.8 and 0.2/0.8
     states = [st(0, q=0.1, kv=0.8, tree=10), st(1, q=0.1, kv=0.2, tree=100)]
     r = router("fairway", footprint="kv")
-    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "cold"
-    assert r.last_scores == pytest.approx({0: 0.1 + 2 * 1.01, 1: 0.1 + 1.01 * 1.25})
+    assert ranked(r, req(1000), states) == [[1], [0]] and last(r).reason == "cold"
+    assert last(r).scores == pytest.approx({0: 0.1 + 2 * 1.01, 1: 0.1 + 1.01 * 1.25})
     assert ranked(router("fairway", footprint="index"), req(1000), states) == [[0], [1]]  # 10 < 100 blocks
     assert ranked(router("fairway"), req(1000), states) == [[1], [0]]  # the default is footprint="kv"
     # "kv-abs": the usage itself, so low usages barely count: 0.1 + 1.01 * 1.8 against 0.1 + 1.01 * 1.2
     a = router("fairway", footprint="kv-abs")
     assert ranked(a, req(1000), states) == [[1], [0]]
-    assert a.last_scores == pytest.approx({0: 0.1 + 1.01 * 1.8, 1: 0.1 + 1.01 * 1.2})
+    assert last(a).scores == pytest.approx({0: 0.1 + 1.01 * 1.8, 1: 0.1 + 1.01 * 1.2})
     # Nearly idle memory (2% and 1% in use), replica 0 holding 80 of the 1000 tokens (P 0.93 vs
     # 1.01): the relative fullness (1 against 0.5) moves the request off its cache, 0.93 * 2 >
     # 1.01 * 1.5; the absolute one keeps it, 0.93 * 1.02 < 1.01 * 1.01.
     idle = [st(0, kv=0.02, matched=5), st(1, kv=0.01)]
     assert ranked(router("fairway"), req(1000), idle) == [[1], [0]]
-    assert ranked(a, req(1000), idle) == [[0], [1]] and a.last_reason == "affinity"
-    assert a.last_scores == pytest.approx({0: 0.93 * 1.02, 1: 1.01 * 1.01})
+    assert ranked(a, req(1000), idle) == [[0], [1]] and last(a).reason == "affinity"
+    assert last(a).scores == pytest.approx({0: 0.93 * 1.02, 1: 1.01 * 1.01})
     with pytest.raises(ValueError):
         router("fairway", footprint="nope")
     with pytest.raises(ValueError):
@@ -178,19 +178,19 @@ def test_fairway_queue_wait_model_counts_only_the_work_ahead_in_the_fast_lane():
     r = router("fairway")
     # W_0 = min(3.0, 0.3 / 0.4) = 0.75; replica 1 is cold there: W = Q = 0.5; replica 2: the
     # queued 0.5 + 0.5 are lighter than 0.85: W = min(1.0, 2.5) = 1.0.
-    assert ranked(r, req(1000), states) == [[0], [1], [2]] and r.last_reason == "affinity"
-    assert r.last_wait == pytest.approx({0: 0.75, 1: 0.5, 2: 1.0})
-    assert r.last_scores == pytest.approx({0: 0.96, 1: 1.51, 2: 1.85})
+    assert ranked(r, req(1000), states) == [[0], [1], [2]] and last(r).reason == "affinity"
+    assert last(r).waits == pytest.approx({0: 0.75, 1: 0.5, 2: 1.0})
+    assert last(r).scores == pytest.approx({0: 0.96, 1: 1.51, 2: 1.85})
     # W = Q for FCFS replicas: replica 0 waits 3.0 s, so the minimum T is replica 1's.
     f = router("fairway", wait_model="fcfs")
-    assert ranked(f, req(1000), states) == [[1], [2], [0]] and f.last_reason == "fair"
-    assert f.last_scores == pytest.approx({0: 3.21, 1: 1.51, 2: 1.85})
+    assert ranked(f, req(1000), states) == [[1], [2], [0]] and last(f).reason == "fair"
+    assert last(f).scores == pytest.approx({0: 3.21, 1: 1.51, 2: 1.85})
     # The Fast lane's share: with the whole capacity (fast_share = 1), W_0 = 0.3.
-    assert router("fairway", fast_share=1.0).rank(req(1000), states) == [[0], [1], [2]]
+    assert ranked(router("fairway", fast_share=1.0), req(1000), states) == [[0], [1], [2]]
     # A replica with every sequence slot taken admits on a finish, not by prefill order: W = Q.
     full = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), outstanding=8, running=4, cap=8)] + states[1:]
-    assert ranked(r, req(1000), full) == [[1], [2], [0]] and r.last_reason == "fair"
-    assert r.last_wait[0] == pytest.approx(3.0)
+    assert ranked(r, req(1000), full) == [[1], [2], [0]] and last(r).reason == "fair"
+    assert last(r).waits[0] == pytest.approx(3.0)
     # one free slot: the queue order applies again
     free = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), outstanding=7, running=3, cap=8)] + states[1:]
     assert choice(ranked(r, req(1000), free)) == 0
@@ -214,12 +214,12 @@ def test_fairway_score_rule_has_no_separate_affinity_test():
     states = [st(0, matched=50, kv=0.9, qp=(0.2, 0.2, 0.2)), st(1, matched=50, kv=0.9, qp=(0.1, 0.2, 0.2, 0.2)),
               st(2)]
     aff = router("fairway", rule="affinity")
-    assert choice(ranked(aff, req(1000), states)) == 0 and aff.last_reason == "affinity"
+    assert choice(ranked(aff, req(1000), states)) == 0 and last(aff).reason == "affinity"
     r = router("fairway")
-    assert ranked(r, req(1000), states) == [[2], [0], [1]] and r.last_reason == "fair"
-    assert r.last_scores == pytest.approx({0: 1.02, 1: 1.12, 2: 1.01})
+    assert ranked(r, req(1000), states) == [[2], [0], [1]] and last(r).reason == "fair"
+    assert last(r).scores == pytest.approx({0: 1.02, 1: 1.12, 2: 1.01})
     # nothing cached anywhere: "cold", the minimum T
-    assert ranked(r, req(1000), [st(0, qp=(0.2,)), st(1)]) == [[1], [0]] and r.last_reason == "cold"
+    assert ranked(r, req(1000), [st(0, qp=(0.2,)), st(1)]) == [[1], [0]] and last(r).reason == "cold"
 
 
 def test_fairway_running_prefill_counts_the_started_work_still_to_run():
@@ -230,17 +230,17 @@ def test_fairway_running_prefill_counts_the_started_work_still_to_run():
     r.clock.set(10.0)
     states = [st(0, matched=50, running=3, outstanding=3, ends=(9.0, 10.5, 10.9)), st(1)]
     assert r.running_prefill_s(states[0]) == pytest.approx(1.4)
-    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "fair"
-    assert r.last_wait == pytest.approx({0: 1.4, 1: 0.0})
+    assert ranked(r, req(1000), states) == [[1], [0]] and last(r).reason == "fair"
+    assert last(r).waits == pytest.approx({0: 1.4, 1: 0.0})
     # R adds to the queue-order wait as well: one lighter request queued (0.1 / 0.4 = 0.25)
     queued = [st(0, matched=50, ends=(10.5,), qp=(0.1, 2.0)), st(1, qp=(0.3,))]
     assert ranked(r, req(1000), queued) == [[0], [1]]
-    assert r.last_wait == pytest.approx({0: 0.5 + 0.25, 1: 0.3})
+    assert last(r).waits == pytest.approx({0: 0.5 + 0.25, 1: 0.3})
     # Off (no running-prefill term, first step priced as P): replica 0 looks idle and keeps the request.
     off = router("fairway", running_prefill=False, decode_batch=False)
     off.clock.set(10.0)
-    assert ranked(off, req(1000), states) == [[0], [1]] and off.last_reason == "affinity"
-    assert off.last_wait == pytest.approx({0: 0.0, 1: 0.0})
+    assert ranked(off, req(1000), states) == [[0], [1]] and last(off).reason == "affinity"
+    assert last(off).waits == pytest.approx({0: 0.0, 1: 0.0})
 
 
 def test_fairway_decode_batch_prices_the_first_token_step_with_the_running_decodes():
@@ -250,11 +250,11 @@ def test_fairway_decode_batch_prices_the_first_token_step_with_the_running_decod
     states = [st(0, matched=62, running=2, outstanding=2, active=20), st(1, matched=62, outstanding=5)]
     r = router("fairway")
     assert ranked(r, req(1000), states) == [[1], [0]]
-    assert r.last_scores == pytest.approx({0: 0.023, 1: 0.018})
+    assert last(r).scores == pytest.approx({0: 0.023, 1: 0.018})
     # without it the two tie on T = P, and the tie goes to fewer outstanding requests
     plain = router("fairway", decode_batch=False)
     assert ranked(plain, req(1000), states) == [[0], [1]]
-    assert plain.last_scores == pytest.approx({0: 0.018, 1: 0.018})
+    assert last(plain).scores == pytest.approx({0: 0.018, 1: 0.018})
 
 
 def test_fairway_overtaking_stretches_a_cold_wait_by_the_lighter_work_routed_lately():
@@ -265,14 +265,14 @@ def test_fairway_overtaking_stretches_a_cold_wait_by_the_lighter_work_routed_lat
     r.clock.set(10.0)
     states = [st(0, qp=(0.5,), routed_since=0.0, routed=(0.2, 0.3, 0.5, 2.0)), st(1, qp=(0.54,))]
     assert r.lighter_rate(states[0], 1.01) == pytest.approx(0.1)
-    assert ranked(r, req(1000), states) == [[1], [0]] and r.last_reason == "cold"
-    assert r.last_wait == pytest.approx({0: 0.5 / 0.9, 1: 0.54})
-    assert r.last_scores == pytest.approx({0: 0.5 / 0.9 + 1.01, 1: 1.55})
+    assert ranked(r, req(1000), states) == [[1], [0]] and last(r).reason == "cold"
+    assert last(r).waits == pytest.approx({0: 0.5 / 0.9, 1: 0.54})
+    assert last(r).scores == pytest.approx({0: 0.5 / 0.9 + 1.01, 1: 1.55})
     # off (no overtaking): W = R + Q, and replica 0's shorter queue wins
     off = router("fairway", overtaking=False)
     off.clock.set(10.0)
     assert ranked(off, req(1000), states) == [[0], [1]]
-    assert off.last_wait == pytest.approx({0: 0.5, 1: 0.54})
+    assert last(off).waits == pytest.approx({0: 0.5, 1: 0.54})
     # only lighter work overtakes: a window of heavier requests leaves W = Q
     assert r.expected_wait(st(0, qp=(0.5,), routed_since=0.0, routed=(2.0, 3.0)), 1.01, 0) == pytest.approx(0.5)
     # promotion after theta * P bounds the wait. A 10 s prompt behind rho = 0.99 waits
@@ -322,26 +322,26 @@ def test_states_from_load_view_and_index_feed_a_router():
     # (P = 0.02) but its queue, 0.65 s, is over 12 * 0.02: the fair choice, 0 + P(650) = 0.66
     # against 0.65 + 0.02.
     r = router("fairway", rule="affinity", wait_model="fcfs", footprint_weight=0.0)
-    assert r.rank(rq, states) == [[0], [2]]
-    assert r.last_reason == "fair"
-    assert r.last_scores == pytest.approx({0: 0.66, 2: 0.67})
+    assert ranked(r, rq, states) == [[0], [2]]
+    assert last(r).reason == "fair"
+    assert last(r).scores == pytest.approx({0: 0.66, 2: 0.67})
     # The index footprint term adds P * (index blocks / the fullest's): replica 2 is the fullest,
     # + 0.02 * 40 / 40; replica 0 holds nothing, + 0.
     d = router("fairway", rule="affinity", wait_model="fcfs", footprint="index")
-    assert d.rank(rq, states) == [[0], [2]]
-    assert d.last_scores == pytest.approx({0: 0.66, 2: 0.69})
+    assert ranked(d, rq, states) == [[0], [2]]
+    assert last(d).scores == pytest.approx({0: 0.66, 2: 0.69})
     # The KV footprint adds P * (KV usage / the highest): replica 0 reports 0.25, the highest,
     # + 0.66 * 1; replica 2 reports 0, + 0. Replica 2 wins by expected TTFT.
     k = router("fairway", rule="affinity", wait_model="fcfs")
-    assert k.rank(rq, states) == [[2], [0]] and k.last_reason == "affinity"
-    assert k.last_scores == pytest.approx({0: 1.32, 2: 0.67})
+    assert ranked(k, rq, states) == [[2], [0]] and last(k).reason == "affinity"
+    assert last(k).scores == pytest.approx({0: 1.32, 2: 0.67})
     # The default (queue wait model, minimum T): the one request queued on replica 2 is heavier
     # (0.65 s) than this one there (0.02 s), so the Fast lane puts this one first: W = 0, and
     # replica 2 wins with T = 0.02.
     dflt = router("fairway")
-    assert dflt.rank(rq, states) == [[2], [0]] and dflt.last_reason == "affinity"
-    assert dflt.last_wait == pytest.approx({0: 0.0, 2: 0.0})
-    assert dflt.last_scores == pytest.approx({0: 1.32, 2: 0.02})
+    assert ranked(dflt, rq, states) == [[2], [0]] and last(dflt).reason == "affinity"
+    assert last(dflt).waits == pytest.approx({0: 0.0, 2: 0.0})
+    assert last(dflt).scores == pytest.approx({0: 1.32, 2: 0.02})
 
 
 def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
@@ -358,26 +358,26 @@ def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
     got = []
     for t in (0.0, 1.0, 2.0):
         r.clock.set(t)
-        got.append((choice(ranked(r, req(1000), busy(t))), r.last_reason))
+        got.append((choice(ranked(r, req(1000), busy(t))), last(r).reason))
     assert got == [(0, "affinity"), (0, "affinity"), (2, "replicate")]
     assert ranked(r, req(1000), busy(2.0)) == [[2], [0], [1]]  # ranks: the seed, then by T
     # two holders of three (share 1 > 2/3): replica 2 holds it now and is the best holder
     # (T 0.21), so no non-holder would do better: no seed
     r.clock.set(3.0)
-    assert choice(ranked(r, req(1000), busy(3.0, two_holders=True))) == 2 and r.last_reason == "affinity"
+    assert choice(ranked(r, req(1000), busy(3.0, two_holders=True))) == 2 and last(r).reason == "affinity"
     # an idle cluster: a copy would serve the prefix no sooner (0.21 against 0.21): no seed
     idle = router("fairway")
     for t in (0.0, 1.0, 2.0, 3.0):
         idle.clock.set(t)
         assert choice(ranked(idle, req(1000), [st(0, matched=50), st(1), st(2)])) == 0
-        assert idle.last_reason == "affinity"
+        assert last(idle).reason == "affinity"
     # other traffic dilutes the share: the prefix in 1 of 4 decisions (0.25 < 1/3) stays put
     d = router("fairway")
     for t in range(13):
         d.clock.set(float(t))
         rq = req(1000) if t % 4 == 0 else req(1000, hashes=chain(f"other{t}", 62))
-        d.rank(rq, busy(float(t)))
-        assert d.last_reason != "replicate"
+        ranked(d, rq, busy(float(t)))
+        assert last(d).reason != "replicate"
     # off: the holder keeps it
     off = router("fairway", replicate=False)
     for t in (0.0, 1.0, 2.0):
@@ -410,11 +410,11 @@ def tier_states(host0: int, host1: int, matched1: int = 9) -> list[ReplicaState]
 def test_fairway_prefers_a_gpu_hit_to_an_equal_host_hit():
     r = router("fairway", replicate=False)
     assert ranked(r, req(160), tier_states(host0=9, host1=0)) == [[1], [0]]
-    assert r.last_scores == pytest.approx({0: 0.026 + 144 / 50e9, 1: 0.026})
+    assert last(r).scores == pytest.approx({0: 0.026 + 144 / 50e9, 1: 0.026})
     assert ranked(r, req(160), tier_states(host0=3, host1=2)) == [[1], [0]]  # fewer host blocks
     blind = router("fairway", replicate=False, host_tier=False)  # a host hit counts as a GPU hit
     assert ranked(blind, req(160), tier_states(host0=9, host1=0)) == [[0], [1]]
-    assert blind.last_scores == pytest.approx({0: 0.026, 1: 0.026})
+    assert last(blind).scores == pytest.approx({0: 0.026, 1: 0.026})
 
 
 def test_fairway_prefers_a_host_hit_to_a_miss_unless_the_link_is_slower_than_recompute():
@@ -425,7 +425,7 @@ def test_fairway_prefers_a_host_hit_to_a_miss_unless_the_link_is_slower_than_rec
     assert r.host_tokens(req(160), states[1]) == 144
     slow = router("fairway", replicate=False, host_link_bytes_per_s=500.0)  # 144 tokens reload in 0.288 s
     assert ranked(slow, req(160), states) == [[0], [1]]
-    assert slow.last_scores == pytest.approx({0: 0.17, 1: 0.026 + 0.288})
+    assert last(slow).scores == pytest.approx({0: 0.17, 1: 0.026 + 0.288})
 
 
 def test_fairway_divides_a_replicas_expected_ttft_by_its_measured_speed():
@@ -435,10 +435,10 @@ def test_fairway_divides_a_replicas_expected_ttft_by_its_measured_speed():
     r = router("fairway", replicate=False, speed_aware=True)
     states = [st(0, outstanding=1, qp=(0.2,)), st(1)]
     assert ranked(r, req(160), states) == [[1], [0]]
-    assert r.last_scores == pytest.approx({0: 0.37, 1: 0.17})
+    assert last(r).scores == pytest.approx({0: 0.37, 1: 0.17})
     states[1].speed = 0.2
     assert ranked(r, req(160), states) == [[0], [1]]
-    assert r.last_scores == pytest.approx({0: 0.37, 1: 0.85})
+    assert last(r).scores == pytest.approx({0: 0.37, 1: 0.85})
     blind = router("fairway", replicate=False, speed_aware=False)
     assert ranked(blind, req(160), states) == [[1], [0]]
     with pytest.raises(ValueError):

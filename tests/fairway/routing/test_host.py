@@ -12,7 +12,7 @@ from fairway.prefix_index import PrefixIndex
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
 from tests.factories import LinearCost, chain
-from tests.fairway.routing.helpers import BS, req, router, st
+from tests.fairway.routing.helpers import BS, last, ranked, req, router, st
 
 
 def _tier_host(host_tier: bool) -> tuple[RoutingHost, PrefixIndex]:
@@ -35,7 +35,7 @@ def test_routing_host_reads_the_tier_split_from_an_events_index():
         idx.on_tier_events(1, [(True, h) for h in hs[7:9]])  # replica 1: 7 GPU + 2 host blocks
         d = host.decide(1, 160, hs)
         assert (d.pick, d.matched_blocks) == (expected, 9)
-        assert host.policy.last_scores[0] - host.policy.last_scores[1] == pytest.approx(
+        assert d.ranking.scores[0] - d.ranking.scores[1] == pytest.approx(
             (4 - 2) * BS / 50e9 if host_tier else 0.0, abs=1e-15)
 
 
@@ -48,5 +48,5 @@ def test_no_host_tier_decisions_are_unchanged():
         states = [st(j, outstanding=int(rng.integers(0, 5)), q=float(rng.random()), kv=float(rng.random()),
                      matched=int(rng.integers(0, 12)), tree=int(rng.integers(0, 100))) for j in range(4)]
         rq = req(int(rng.integers(17, 400)), rid=k)
-        assert aware.rank(rq, states) == blind.rank(rq, states)
-        assert aware.last_scores == blind.last_scores
+        assert ranked(aware, rq, states) == ranked(blind, rq, states)
+        assert last(aware).scores == last(blind).scores

@@ -11,7 +11,7 @@ import pytest
 
 from fairway.routing import ROUTERS, RouterError, router_class
 from fairway.routing.anchors import Pow2
-from tests.fairway.routing.helpers import ranked, req, router, st
+from tests.fairway.routing.helpers import last, ranked, req, router, st
 
 EXPECTED = {"round-robin", "pow2", "consistent-hash", "prefix-hash", "session-hash", "ray-prefix", "sglang",
             "sglang-classic", "dynamo", "llmd", "llmd-baseline", "aibrix", "vllm-prefixaware", "vllm-loadaware",
@@ -39,16 +39,16 @@ def test_every_router_ranks_each_replica_once(name):
         prompt = int(rng.integers(1, 400))
         ranks = ranked(r, req(prompt), states)
         assert ranks[0][0] in ids
-        assert isinstance(r.last_reason, str) and r.last_reason
+        assert isinstance(last(r).reason, str) and last(r).reason
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_every_router_rejects_empty_and_duplicate_candidates(name):
     r = router(name)
     with pytest.raises(ValueError, match="no replicas"):
-        r.rank(req(), [])
+        ranked(r, req(), [])
     with pytest.raises(ValueError, match="twice"):
-        r.rank(req(), [st(1), st(1)])
+        ranked(r, req(), [st(1), st(1)])
 
 
 def test_unknown_router_and_bad_options():
@@ -87,7 +87,7 @@ def test_options_match_design_defaults():
         0.8, 0.0, 18.0, 4194304)
     ai = router("aibrix")
     assert (ai.imbalance_abs_count, ai.std_factor) == (8, 1.0)
-    assert router("fairway").theta == 12.0
+    assert router("fairway").config.theta == 12.0
 
 
 def test_defaults_are_the_upstream_defaults():

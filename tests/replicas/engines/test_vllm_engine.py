@@ -21,11 +21,15 @@ from pathlib import Path
 
 import pytest
 
+from fairway.clock import MonotonicClock
+from fairway.cost_model import CostModel
 from fairway.hashing import block_hashes
+from fairway.policies import make_policy
 from fairway.protocol import EngineFailed, GenerateCall, RequestTooLarge, UnsupportedParameter
 from replicas.engines import EngineError, engine_class, make_engine
 from replicas.engines.cache_estimate import CacheEstimate
 from replicas.engines.kv_events import KvEventMirror
+from replicas.gate import AdmissionGate
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY_MODEL = ROOT / "deploy" / "models" / "fairway-tiny-llama"
@@ -360,7 +364,9 @@ def test_engine_args_and_checks_before_start():
     ev = make_engine("vllm", model="m", kv_events=True).build_engine_args(is_cpu=True)["kv_events_config"]
     assert ev["enable_kv_cache_events"] and ev["endpoint"].startswith("ipc://") and ev["replay_endpoint"]
     call = GenerateCall("r", [5] * 995, (), 10, time.time())
-    with pytest.raises(RequestTooLarge):
+    eng._check(call)  # its length is the gate's check; its KV need is the engine's
+    eng._kv_total = 62  # 1005 tokens need 63 blocks of 16
+    with pytest.raises(RequestTooLarge, match="more KV blocks"):
         eng._check(call)
 
     async def gen():
@@ -519,20 +525,26 @@ async def _scenario() -> dict:
         res["aborted"] = eng.aborted
         res["after_cancel_stats"] = eng.stats()
 
-        # Too large: caught before vLLM, and vLLM's own 4xx (a token id out of the vocab) too.
-        for name, call in {
-            "too_long": _call("d", [7] * MAX_MODEL_LEN, 1),
-            "too_long_with_output": _call("e", [7] * (MAX_MODEL_LEN - 10), 20),
-            "bad_token": _call("f", [7, 10**6, 8], 2),
-        }.items():
-            try:
-                await _collect(eng, call)
-                res[name] = None
-            except Exception as e:  # noqa: BLE001 - the test inspects the type
-                res[name] = e
+        # Too large: vLLM's own 4xx (a token id out of the vocab) becomes RequestTooLarge.
+        try:
+            await _collect(eng, _call("f", [7, 10**6, 8], 2))
+            res["bad_token"] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects the type
+            res["bad_token"] = e
         res["ok_after_errors"] = await _collect(eng, _call("g", [9] * 40, 3))
         res["can_fit_small"] = eng.can_fit(100, [])
         res["end_stats"] = eng.stats()
+        # Too long for the context: the gate in front refuses it before vLLM sees it.
+        clock = MonotonicClock()
+        gate = AdmissionGate(eng, make_policy("fcfs", clock=clock, cost=CostModel.from_profile()), clock)
+        for name, call in {"too_long": _call("d", [7] * MAX_MODEL_LEN, 1),
+                           "too_long_with_output": _call("e", [7] * (MAX_MODEL_LEN - 10), 20)}.items():
+            try:
+                async for _ in gate.submit(call):
+                    pass
+                res[name] = None
+            except Exception as e:  # noqa: BLE001 - the test inspects the type
+                res[name] = e
     finally:
         await eng.shutdown()
     return res

@@ -19,6 +19,7 @@ from sim.options import config_from
 from sim.runner import RunConfig
 from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
+from tests.fairway.routing.helpers import last, ranked
 
 BS = 16
 
@@ -40,8 +41,9 @@ def ds(replica: int, *, matched: int = 0, host: int = 0, prefill_tok: int = 0, u
                         active_prefill_tokens=prefill_tok, unique_active_blocks=unique, new_blocks=new)
 
 
-def req(prompt: int = 160, family: str = "p", rid: int = 0) -> RouteRequest:
-    return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=chain(family, prompt // BS))
+def req(prompt: int = 160, hashes=None, rid: int = 0, session: str | None = None) -> RouteRequest:
+    hs = chain("p", prompt // BS) if hashes is None else list(hashes)
+    return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=hs, session=session)
 
 
 # -- the rule on hand-made states -------------------------------------------------------------
@@ -57,14 +59,14 @@ def test_cost_arithmetic_and_defaults():
         ds(1, unique=25, new=10),  # 160/16 + 25 + 10 = 45
         ds(2, matched=4, prefill_tok=64, unique=20, new=6),  # (64 + 160)/16 - 4 + 20 + 6 = 36
     ]
-    assert r.rank(req(), states) == [[0], [2], [1]]
-    assert r.last_scores == {0: 34.0, 1: 45.0, 2: 36.0}
-    assert r.last_reason == "cost"
+    assert ranked(r, req(), states) == [[0], [2], [1]]
+    assert last(r).scores == {0: 34.0, 1: 45.0, 2: 36.0}
+    assert last(r).reason == "cost"
     # the prefill term never goes negative: a full match on an idle replica costs its decode term only
     assert dynamo().cost_of(req(), ds(0, matched=10, new=0)) == 0.0
     # prefill_load_scale 0 (Dynamo's old overlap_score_weight 0): decode load only
-    assert dynamo(prefill_load_scale=0.0).rank(req(), states) == [[0], [2], [1]]
-    assert dynamo(overlap_score_credit=0.0).rank(req(), [ds(0, matched=10, unique=5), ds(1, unique=4)])[0] == [1]
+    assert ranked(dynamo(prefill_load_scale=0.0), req(), states) == [[0], [2], [1]]
+    assert ranked(dynamo(overlap_score_credit=0.0), req(), [ds(0, matched=10, unique=5), ds(1, unique=4)])[0] == [1]
 
 
 def test_deduplicated_active_blocks_change_the_pick():
@@ -72,13 +74,13 @@ def test_deduplicated_active_blocks_change_the_pick():
     # Replica 1 serves one 30-block request. Summed blocks would prefer 1; Dynamo counts 0's
     # shared prefix once and picks 0.
     states = [ds(0, unique=24, summed=60, new=10), ds(1, unique=30, summed=30, new=10)]
-    assert dynamo().rank(req(), states) == [[0], [1]]
+    assert ranked(dynamo(), req(), states) == [[0], [1]]
     untracked = [ds(0, summed=60, new=None), ds(1, summed=30, new=None)]  # a host without tracking
-    assert dynamo().rank(req(), untracked) == [[1], [0]]
+    assert ranked(dynamo(), req(), untracked) == [[1], [0]]
     # The request's own prefix active on a replica is not charged again: 6 of its 10 blocks are
     # active on 1, so only 4 are new there.
     states = [ds(0, unique=20, new=10), ds(1, unique=24, new=4)]  # 10 + 20 + 10 = 40 > 10 + 24 + 4 = 38
-    assert dynamo().rank(req(), states) == [[1], [0]]
+    assert ranked(dynamo(), req(), states) == [[1], [0]]
 
 
 def test_host_tier_hit_earns_three_quarters_of_a_gpu_hit():
@@ -88,43 +90,44 @@ def test_host_tier_hit_earns_three_quarters_of_a_gpu_hit():
         ds(1, matched=16, host=8),  # 20 - (8 + 0.75 * 8) = 6
         ds(2, matched=16),  # 20 - 16 = 4
     ]
-    assert r.rank(req(320), [ds(s.replica, matched=s.matched_blocks, host=s.host_blocks, new=0) for s in states]) \
+    assert ranked(r, req(320), [ds(s.replica, matched=s.matched_blocks, host=s.host_blocks, new=0) for s in states]) \
         == [[2], [1], [0]]
-    assert r.last_scores == {0: 8.0, 1: 6.0, 2: 4.0}
+    assert last(r).scores == {0: 8.0, 1: 6.0, 2: 4.0}
     full = dynamo(host_cache_hit_weight=1.0)  # a host hit worth a GPU hit: 1 and 2 tie
-    full.rank(req(320), [ds(1, matched=16, host=8, new=0), ds(2, matched=16, new=0)])
-    assert full.last_scores == {1: 4.0, 2: 4.0}
+    ranked(full, req(320), [ds(1, matched=16, host=8, new=0), ds(2, matched=16, new=0)])
+    assert last(full).scores == {1: 4.0, 2: 4.0}
 
 
 def test_equal_minima_are_drawn_from_the_rng():
     states = [ds(0, unique=5), ds(1, unique=5), ds(2, unique=9), ds(3, unique=5)]
     r = dynamo(seed=7)
-    picks = [r.rank(req(), states)[0][0] for _ in range(40)]
+    picks = [ranked(r, req(), states)[0][0] for _ in range(40)]
     draws = np.random.default_rng(7)
     assert picks == [(0, 1, 3)[int(draws.integers(3))] for _ in range(40)]  # uniform among the tied
     assert set(picks) == {0, 1, 3}  # never by id alone, and never the costlier replica
-    assert r.rank(req(), states)[1:] != []  # the others keep ranks of their own
+    assert ranked(r, req(), states)[1:] != []  # the others keep ranks of their own
     one = dynamo(seed=7)
-    one.rank(req(), [ds(0, unique=5), ds(1, unique=6)])  # a single minimum draws nothing
+    ranked(one, req(), [ds(0, unique=5), ds(1, unique=6)])  # a single minimum draws nothing
     assert one.rng.integers(3) == np.random.default_rng(7).integers(3)
 
 
 def test_temperature_samples_a_softmax_over_the_costs():
     states = [ds(0, unique=0), ds(1, unique=10), ds(2, unique=20)]
     r = dynamo(seed=3, router_temperature=1.0)
-    picks = [r.rank(req(), states)[0][0] for _ in range(3000)]
+    picks = [ranked(r, req(), states)[0][0] for _ in range(3000)]
     # weights exp(-(c - min) / (range * T)) = 1, e^-0.5, e^-1
     w = np.exp([0.0, -0.5, -1.0])
     share = [picks.count(j) / len(picks) for j in range(3)]
     assert share == pytest.approx(list(w / w.sum()), abs=0.03)
-    assert [r.rank(req(), [ds(0), ds(1)])[0][0] for _ in range(20)].count(0) not in (0, 20)  # all equal: uniform
+    assert [ranked(r, req(), [ds(0), ds(1)])[0][0] for _ in range(20)].count(0) not in (0, 20)  # all equal: uniform
 
 
 # -- the load view's active sequences ---------------------------------------------------------
 
 
-def view(n: int = 2) -> LoadView:
-    return LoadView(n, ManualClock(), LinearCost(), block_size=BS)  # type: ignore[arg-type]
+def view(n: int = 2, stale_s: float = 0.0) -> tuple[LoadView, ManualClock]:
+    clock = ManualClock()
+    return LoadView(n, clock, LinearCost(), block_size=BS, stale_s=stale_s), clock  # type: ignore[arg-type]
 
 
 def test_load_view_counts_distinct_active_blocks_and_new_blocks():
@@ -192,11 +195,11 @@ def test_held_prefill_flips_the_pick_until_the_first_token():
     host.on_first_token(3)
     b = chain("b", 10)
     # 0: (320 + 160)/16 + 20 + 10 = 60; 1: 160/16 + 30 + 10 = 50
-    assert host.decide(5, 160, b).pick == 1
-    assert policy.last_scores == {0: 60.0, 1: 50.0}
+    d = host.decide(5, 160, b)
+    assert d.pick == 1 and d.ranking.scores == {0: 60.0, 1: 50.0}
     host.on_first_token(1)  # 0: 10 + 20 + 10 = 40
-    assert host.decide(6, 160, b).pick == 0
-    assert policy.last_scores == {0: 40.0, 1: 50.0}
+    d = host.decide(6, 160, b)
+    assert d.pick == 0 and d.ranking.scores == {0: 40.0, 1: 50.0}
 
 
 def test_only_policies_that_read_them_track_blocks_and_hear_first_tokens():

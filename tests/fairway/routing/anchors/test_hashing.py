@@ -11,7 +11,7 @@ from fairway.routing import RouterError, choice
 from fairway.routing.anchors.common import RecentRoutes
 from fairway.routing.anchors.hashing import session_key
 from tests.factories import chain
-from tests.fairway.routing.helpers import ranked, req, ring_order, router, st
+from tests.fairway.routing.helpers import last, ranked, req, ring_order, router, st
 
 
 def test_consistent_hash_keys_on_the_first_k_blocks():
@@ -24,10 +24,10 @@ def test_consistent_hash_keys_on_the_first_k_blocks():
     short = req(40, chain("s", 2))  # shorter than k: keyed on the blocks it has
     assert r.key(short) == r.key(req(32, chain("s", 2)))
     assert r.key(short) != r.key(a)
-    assert r.last_reason == "hash"
+    assert last(r).reason == "hash"
     assert r.key(req(10, [], rid=1)) != r.key(req(10, [], rid=2))  # no block: spread by request id
     ranked(r, req(10, [], rid=1), states)
-    assert r.last_reason == "no-blocks"
+    assert last(r).reason == "no-blocks"
     assert router("consistent-hash", k=2).key(a) == r.key(short)
 
 
@@ -80,14 +80,14 @@ def test_prefix_hash_owner_within_the_bound_then_least_loaded_spill():
     owner = order[0]
     idle = [st(j) for j in range(4)]
     assert ranked(r, rq, idle) == [[j] for j in order]  # the owner, then ring order
-    assert r.last_reason == "ring"
+    assert last(r).reason == "ring"
     # owner at 2 of total 5: bound 1.25 * 6 / 4 = 1.875 -> over; the others 1, 1, 1: the
     # least loaded within the bound is a tie at 1, SMG takes the first in worker order (id)
     loads = {j: 1 for j in range(4)} | {owner: 2}
     states = [st(j, outstanding=loads[j]) for j in range(4)]
     want = min(j for j in range(4) if j != owner)
     ranks = ranked(r, rq, states)
-    assert choice(ranks) == want and r.last_reason == "spill"
+    assert choice(ranks) == want and last(r).reason == "spill"
     assert [x[0] for x in ranks[1:]] == [j for j in order if j != want]
     # not a walk: with the next on the ring busier than another, SMG still takes the least loaded
     nxt, far = order[1], order[-1]
@@ -95,7 +95,7 @@ def test_prefix_hash_owner_within_the_bound_then_least_loaded_spill():
     states = [st(j, outstanding=loads[j]) for j in range(4)]  # total 12: bound 4.06
     assert choice(ranked(r, rq, states)) == far
     walk = router("prefix-hash", spill="walk")  # KubeAI CHWBL: the next within the bound clockwise
-    assert choice(ranked(walk, rq, states)) == nxt and walk.last_reason == "spill"
+    assert choice(ranked(walk, rq, states)) == nxt and last(walk).reason == "spill"
 
 
 def test_prefix_hash_keeps_the_owner_at_the_bound():
@@ -104,7 +104,7 @@ def test_prefix_hash_keeps_the_owner_at_the_bound():
     owner = ring_order(r, r.key(rq), [0, 1])[0]
     # owner 2, other 1: bound 1.25 * 4 / 2 = 2.5 -> the owner stays
     assert choice(ranked(r, rq, [st(owner, outstanding=2), st(1 - owner, outstanding=1)])) == owner
-    assert r.last_reason == "ring"
+    assert last(r).reason == "ring"
     # owner 3, other 0: bound 1.25 * 4 / 2 = 2.5 -> spill to the other
     assert choice(ranked(r, rq, [st(owner, outstanding=3), st(1 - owner)])) == 1 - owner
 
@@ -123,7 +123,7 @@ def test_session_hash_same_session_same_replica_and_unbounded_by_default():
         order = ring_order(r, session_key(s), ids)
         busy = [st(j, outstanding=50 if j == order[0] else 0) for j in ids]  # SMG: no load bound
         assert ranked(r, req(session=s), busy) == [[j] for j in order]
-        assert r.last_reason == "session"
+        assert last(r).reason == "session"
     owners = {choice(ranked(r, req(session=f"u{i}"), [st(j) for j in ids])) for i in range(60)}
     assert owners == set(ids)  # sessions spread over the ring
 
@@ -135,7 +135,7 @@ def test_session_hash_bounded_walks_the_ring():
     # total 8, mean 2: bound 1.5 * 2 = 3. Owner 5 > 3; the next on the ring 3 <= 3 -> it.
     loads = {order[0]: 5, order[1]: 3, order[2]: 0, order[3]: 0}
     assert choice(ranked(r, req(session="alice"), [st(j, outstanding=loads[j]) for j in ids])) == order[1]
-    assert r.last_reason == "spill"
+    assert last(r).reason == "spill"
     # low load: the baseline is max(mean, 1) -> owner at 1 of total 1 stays (bound 1.5)
     loads = {j: 0 for j in ids} | {order[0]: 1}
     assert choice(ranked(r, req(session="alice"), [st(j, outstanding=loads[j]) for j in ids])) == order[0]
@@ -145,7 +145,7 @@ def test_session_hash_without_a_session_random_or_lowest_qps():
     states = [st(j) for j in range(3)]
     r = router("session-hash", seed=4)
     got = [choice(ranked(r, req(), states)) for _ in range(60)]
-    assert set(got) == {0, 1, 2} and r.last_reason == "no-session"  # SMG: uniformly random
+    assert set(got) == {0, 1, 2} and last(r).reason == "no-session"  # SMG: uniformly random
     same = router("session-hash", seed=4)
     assert got == [choice(ranked(same, req(), states)) for _ in range(60)]
     clock = ManualClock()

@@ -11,7 +11,7 @@ from fairway.prefix_index import PrefixIndex
 from fairway.routing import choice
 from fairway.routing.host import RoutingHost
 from tests.factories import LinearCost
-from tests.fairway.routing.helpers import BS, picks, ranked, req, router, st, view
+from tests.fairway.routing.helpers import BS, last, picks, ranked, req, router, st, view
 
 
 def test_llmd_baseline_score_arithmetic():
@@ -22,13 +22,13 @@ def test_llmd_baseline_score_arithmetic():
         st(2, matched=5, outstanding=3, running=1, kv=0.9),  # 1.5 + 2*0.5 + 0.2 = 2.7
     ]
     assert ranked(r, req(160), states) == [[0], [1], [2]]
-    assert r.last_scores == pytest.approx({0: 4.0, 1: 3.6, 2: 2.7})
+    assert last(r).scores == pytest.approx({0: 4.0, 1: 3.6, 2: 2.7})
     states[0] = st(0, matched=10, outstanding=6, running=2, kv=1.0)  # 3.0 < 3.6
     assert choice(ranked(r, req(160), states)) == 1
     # All queues equal: the queue term is 1 for everyone.
     same = [st(0, matched=2, kv=0.5), st(1, matched=2, kv=0.5)]
     ranked(r, req(160), same)
-    assert r.last_scores == pytest.approx({0: 0.6 + 2 + 1, 1: 0.6 + 2 + 1})
+    assert last(r).scores == pytest.approx({0: 0.6 + 2 + 1, 1: 0.6 + 2 + 1})
     assert set(picks(r, req(160), same, 30)) == {0, 1}  # the max-score picker's random ties
 
 
@@ -51,8 +51,8 @@ def test_llmd_filters_to_sticky_replicas_then_the_least_token_load():
     # 10-block prompt: 8 and 10 blocks are sticky (>= 0.8), 7 is not, however idle it is
     states = [tok(0, 5000, matched=8), tok(1, 3000, matched=10), tok(2, 0, matched=7)]
     assert ranked(r, req(160), states) == [[1], [0], [2]]
-    assert r.last_reason == "affinity"
-    assert r.last_scores[1] == pytest.approx(1 - 3000 / 4194304)
+    assert last(r).reason == "affinity"
+    assert last(r).scores[1] == pytest.approx(1 - 3000 / 4194304)
 
 
 def test_llmd_ttft_gate_breaks_stickiness_past_18_seconds_of_prefill():
@@ -62,14 +62,14 @@ def test_llmd_ttft_gate_breaks_stickiness_past_18_seconds_of_prefill():
     assert choice(ranked(r, req(160), states)) == 0
     states[0] = tok(0, 18_001, matched=10)
     assert ranked(r, req(160), states) == [[1], [2], [0]]
-    assert r.last_reason == "affinity-broken"
+    assert last(r).reason == "affinity-broken"
 
 
 def test_llmd_without_a_sticky_replica_scores_all_and_ties_are_random():
     r = router("llmd", seed=1)
     states = [tok(0, 100, matched=7), tok(1, 100), tok(2, 200)]
     assert set(picks(r, req(160), states, 30)) == {0, 1}
-    assert r.last_reason == "no-affinity"
+    assert last(r).reason == "no-affinity"
     # past queue_threshold_tokens the score is 0 for every replica: all tie
     full = [tok(0, 5_000_000), tok(1, 4_194_304), tok(2, 9_000_000)]
     assert set(picks(r, req(160), full, 40)) == {0, 1, 2}
@@ -78,7 +78,7 @@ def test_llmd_without_a_sticky_replica_scores_all_and_ties_are_random():
 def test_llmd_exploration_skips_the_filter():
     r = router("llmd", exploration=1.0)
     assert choice(ranked(r, req(160), [tok(0, 900, matched=10), tok(1, 0)])) == 1
-    assert r.last_reason == "explore"
+    assert last(r).reason == "explore"
 
 
 def test_llmd_peak_prefill_throughput_is_calibrated_on_one_8192_token_chunk():

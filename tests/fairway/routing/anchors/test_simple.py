@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.fairway.routing.helpers import picks, ranked, req, router, st
+from tests.fairway.routing.helpers import last, picks, ranked, req, router, st
 
 
 def test_round_robin_cycles_in_id_order():
@@ -12,7 +12,7 @@ def test_round_robin_cycles_in_id_order():
     assert ranked(r, req(), states) == [[1], [2], [0]]
     assert ranked(r, req(), states) == [[2], [0], [1]]
     assert picks(r, req(), states, 3) == [0, 1, 2]
-    assert r.last_reason == "round-robin"
+    assert last(r).reason == "round-robin"
 
 
 def test_pow2_two_replicas_shorter_queue_first():
@@ -21,7 +21,7 @@ def test_pow2_two_replicas_shorter_queue_first():
     assert ranked(r, req(), [st(0, outstanding=3), st(1, outstanding=1)]) == [[1, 0]]
     assert sorted(ranked(r, req(), [st(0, outstanding=2), st(1, outstanding=2)])[0]) == [0, 1]  # tie: the draw's order
     assert ranked(r, req(), [st(4)]) == [[4]]
-    assert r.last_reason == "pow2"
+    assert last(r).reason == "pow2"
 
 
 def test_pow2_never_picks_the_longest_queue_and_is_seeded():

@@ -9,7 +9,7 @@ import pytest
 from fairway.clock import ManualClock
 from fairway.routing import choice, validated_router
 from fairway.routing.anchors.hashing import session_key
-from tests.fairway.routing.helpers import picks, ranked, req, ring_order, router, st
+from tests.fairway.routing.helpers import last, picks, ranked, req, ring_order, router, st
 
 
 def test_vllm_prefixaware_random_among_best_matches_without_load():
@@ -17,7 +17,7 @@ def test_vllm_prefixaware_random_among_best_matches_without_load():
     r = router("vllm-prefixaware", seed=11)
     got = picks(r, req(), states, 40)
     assert set(got) == {0, 1}
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     assert got == picks(router("vllm-prefixaware", seed=11), req(), states, 40)
     ranks = ranked(r, req(), states)
     assert ranks[1:] == [[1 - ranks[0][0]], [2], [3]]
@@ -26,7 +26,7 @@ def test_vllm_prefixaware_random_among_best_matches_without_load():
 def test_vllm_prefixaware_random_overall_without_a_match():
     r = router("vllm-prefixaware", seed=2)
     assert set(picks(r, req(), [st(j) for j in range(3)], 60)) == {0, 1, 2}
-    assert r.last_reason == "random"
+    assert last(r).reason == "random"
 
 
 def test_vllm_prefixaware_min_match_falls_back_to_lowest_qps():
@@ -34,11 +34,11 @@ def test_vllm_prefixaware_min_match_falls_back_to_lowest_qps():
     states = [st(0, matched=10), st(1, matched=10), st(2)]
     r = router("vllm-prefixaware", min_match=640, seed=3)
     assert set(choice(ranked(r, req(320), states)) for _ in range(20)) == {0, 1}
-    assert r.last_reason == "affinity"
+    assert last(r).reason == "affinity"
     clock = ManualClock()
     q = router("vllm-prefixaware", min_match=641, clock=clock, seed=3)
     assert [choice(ranked(q, req(320), states)) for _ in range(4)] == [0, 1, 2, 0]  # unseen, then fewest
-    assert q.last_reason == "qps"
+    assert last(q).reason == "qps"
     assert router("vllm-prefixaware", min_match=4096).min_match == 4096
     assert validated_router("vllm-prefixaware[min_match=4096]") == ("vllm-prefixaware", {"min_match": 4096})
 
@@ -47,7 +47,7 @@ def test_vllm_prefixaware_default_min_match_is_off():
     r = router("vllm-prefixaware")
     assert r.min_match == 0  # upstream --prefix-min-match-length defaults to 0
     ranked(r, req(), [st(0), st(1)])
-    assert r.last_reason == "random"
+    assert last(r).reason == "random"
 
 
 def test_vllm_loadaware_cold_idle_beats_warm_busy_at_beta_1():
@@ -56,8 +56,8 @@ def test_vllm_loadaware_cold_idle_beats_warm_busy_at_beta_1():
     states = [st(0, outstanding=6, matched=10), st(1, outstanding=2), st(2, outstanding=1)]
     r = router("vllm-loadaware")
     assert ranked(r, req(160), states) == [[2], [1], [0]]
-    assert r.last_reason == "score"
-    assert r.last_scores == pytest.approx({0: 0.0, 1: 1 / 3, 2: 2 / 3})
+    assert last(r).reason == "score"
+    assert last(r).scores == pytest.approx({0: 0.0, 1: 1 / 3, 2: 2 / 3})
     # beta 0.2: score0 = 1 - 0.2 = 0.8 beats 0.067 and 0.133
     assert choice(ranked(router("vllm-loadaware", beta=0.2), req(160), states)) == 0
 
@@ -67,7 +67,7 @@ def test_vllm_loadaware_idle_fleet_clamps_the_mean_and_ties_go_to_the_lowest_id(
     states = [st(0), st(1, outstanding=1, matched=5), st(2, matched=5)]
     r = router("vllm-loadaware")
     assert choice(ranked(r, req(160), states)) == 2
-    assert r.last_scores[1] == pytest.approx(0.5 - 2 / 3)
+    assert last(r).scores[1] == pytest.approx(0.5 - 2 / 3)
     tie = [st(3, matched=5), st(1, matched=5), st(2, matched=1)]
     assert ranked(r, req(160), tie) == [[1], [3], [2]]
     over = [st(0, matched=40), st(1, matched=5)]  # matched beyond the prompt counts as a full hit
@@ -80,7 +80,7 @@ def test_vllm_loadaware_no_holder_falls_back_to_session_ring_or_qps():
     states = [st(j, outstanding=10 * j) for j in range(3)]
     order = ring_order(r, session_key("bob"), [0, 1, 2])
     assert ranked(r, req(session="bob"), states) == [[j] for j in order]
-    assert r.last_reason == "session"
+    assert last(r).reason == "session"
     got = [choice(ranked(r, req(), states)) for _ in range(3)]
-    assert r.last_reason == "qps"
+    assert last(r).reason == "qps"
     assert got == [j for j in range(3) if j != order[0]] + [0]  # never routed first, then fewest (id)
