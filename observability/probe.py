@@ -5,7 +5,8 @@ metrics endpoint listed at the ingress's ``/metrics/targets`` and sums, over rep
 that say whether anything is left in a replica: requests in its engine, requests waiting at its
 gate, and KV blocks in use; ``wait_idle`` waits until nothing is. ``router_outstanding(url)``
 sums, over the request routers, the requests each still counts on a replica.
-``histogram(url, level, name)`` sums one histogram's buckets over the processes of a level.
+``histogram(url, level, name)`` sums one histogram's buckets over the processes of a level;
+``total(url, level, name)`` one counter or gauge.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _sum_gauges(url: str, level: str, names: tuple[str, ...]) -> tuple[int, dict
                 if s.name in out:
                     out[s.name] += s.value
     return len(targets), out
+
+
+def total(url: str, level: str, name: str) -> float:
+    """The samples of ``name`` (a counter's ``..._total``, or a gauge) summed over the ``level``
+    processes listed at ``{url}/metrics/targets`` and over their labels."""
+    return _sum_gauges(url, level, (name,))[1][name]
 
 
 def replica_names(url: str) -> list[str]:

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from cluster.launch import post_json, running_cluster
-from observability.probe import replica_gauges, router_outstanding, wait_idle
-from tests.e2e.probes import wait_routers_idle
+from observability.probe import replica_gauges, router_outstanding, total, wait_idle
+from tests.e2e.probes import poll, wait_routers_idle
 from tests.factories import prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -112,6 +112,20 @@ def test_prefix_affinity_and_cached_tokens(url):
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4000  # 250 full blocks
             replicas.add(body["fairway"]["replica"])
         assert len(replicas) == 1, f"family {family} spread over {replicas}"
+
+
+def test_cache_counters_are_current_without_another_request(url):
+    """The request router's prompt and cached-token counters take in a finished request within a
+    stats period or two (1 s), with nothing sent after it: they used to wait for the next routing."""
+    wait_routers_idle(url)
+    name = "fairway_prompt_tokens_total"
+    before = total(url, "router", name)
+    status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt_ids(4242, 700),
+                                                           "max_tokens": 2})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == 700
+    poll(lambda: total(url, "router", name) >= before + 700, 10.0, "the router's prompt tokens to count the request",
+         describe=lambda: total(url, "router", name) - before)
 
 
 @pytest.mark.parametrize(
