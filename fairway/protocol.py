@@ -40,6 +40,7 @@ class GenerateCall:
     tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
     session: str = ""  # the client's session key ("" for none): session-affinity routers key on it
     received_s: float = 0.0  # wall time the ingress had the headers (0: unknown, take arrival_s)
+    avoid: tuple[str, ...] = ()  # replicas (Serve ids) that refused it: routed elsewhere while one has room
     # Sampling beyond temperature (OpenAI's names); an engine honours each or raises
     # ``UnsupportedParameter`` naming it. Defaults are the no-op values.
     seed: int | None = None  # same seed + prompt + parameters -> same output
@@ -114,9 +115,18 @@ class ReplicaError(Exception):
 
 
 class Overloaded(ReplicaError):
-    """The replica's waiting queue is full: HTTP 429 with Retry-After, at once."""
+    """The replica's waiting queue is full: HTTP 429 with Retry-After, at once. ``replica``: the
+    refusing replica's Serve id, so the ingress can try the request once on another one (it never
+    reached the engine)."""
 
     status = 429
+
+    def __init__(self, message: str, retry_after_s: float | None = None, replica: str = "") -> None:
+        super().__init__(message, retry_after_s)
+        self.replica = replica
+
+    def __reduce__(self):  # keep the refusing replica across pickling (Ray)
+        return (type(self), (self.message, self.retry_after_s, self.replica))
 
 
 class RequestTooLarge(ReplicaError):

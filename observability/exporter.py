@@ -115,6 +115,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "routing_decisions", "counter", "fairway_routing_decisions_total", "Routing decisions by reason and replica."
     ),
     MetricSpec("rejects", "counter", "fairway_rejects_total", "Rejected requests by reason."),
+    MetricSpec("retries", "counter", "fairway_retries_total",
+               "Requests the ingress sent once more, to another replica, after one refused them (by reason)."),
     MetricSpec("router_outstanding", "gauge", "fairway_router_outstanding_requests",
                "Requests a request router counts on each replica: booked or sent, not yet completed."),
     MetricSpec("view_syncs", "counter", "fairway_router_view_syncs_total",

@@ -101,6 +101,7 @@ _COUNTERS = (
     "rejects",  # (reason, replica)
     "engine_preemptions",  # (replica,), set from the engine's own running total
     "view_syncs",  # (status,): the request router's exchanges with the shared view
+    "retries",  # (reason,): level router, requests the ingress sent again after a replica refused them
 )
 _GAUGES = (
     "queue_depth",  # (lane, replica)
@@ -140,6 +141,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_waiting": ("replica",),
     "engine_kv_usage": ("replica",),
     "view_syncs": ("status",),
+    "retries": ("reason",),
     "view_degraded": (),
     "prefix_view_exact": (),
     "ttft": ("lane", "replica"),
@@ -277,6 +279,11 @@ class FairwayStats:
     def inc_routing_decision(self, reason: str, replica: str = "") -> None:
         """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""
         self._inc("routing_decisions", (reason, self._replica(replica)), 1)
+
+    def inc_retry(self, reason: str) -> None:
+        """The ingress sent a request again, once, after a replica refused it for ``reason``
+        (``queue_full``: its gate was full, its engine never saw the request)."""
+        self._inc("retries", (reason,), 1)
 
     def inc_view_sync(self, status: str) -> None:
         """One exchange of the request router with the shared view: "ok" | "failed"."""

@@ -292,7 +292,8 @@ class AdmissionGate:
         full, wait = self._full(call.tenant)
         if full:
             self._reject("queue_full")
-            raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=max(1.0, round(wait, 1)))
+            raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=max(1.0, round(wait, 1)),
+                             replica=self.replica)
         if self.stats is not None:
             self.stats.observe_dispatch(time.time() - call.arrival_s, replica=self.replica)
         rid = self._seq

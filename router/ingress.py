@@ -24,6 +24,7 @@ reason. docs/observability.md says where each of the replicas' timings starts an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.hashing import block_hashes
-from fairway.protocol import GenerateCall, ReplicaError, TokenChunk, UnsupportedParameter
+from fairway.protocol import GenerateCall, Overloaded, ReplicaError, TokenChunk, UnsupportedParameter
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.detokenize import IncrementalDetokenizer, StopFilter
 from router.limits import RequestGuard, RequestLimits
@@ -112,14 +113,18 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 class HTTPError(Exception):
+    """An answer other than 200. ``refused_by``: the replica whose gate refused the request before
+    its engine saw it (429, queue full), so it may be tried once on another replica."""
+
     def __init__(self, status: int, message: str, retry_after_s: float | None = None, reason: str = "",
-                 param: str | None = None) -> None:
+                 param: str | None = None, refused_by: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s
         self.reason = reason
         self.param = param
+        self.refused_by = refused_by
 
     def response(self) -> JSONResponse:
         headers = {}
@@ -137,7 +142,8 @@ def map_error(e: BaseException) -> HTTPError:
             return HTTPError(400, x.message, None, "unsupported_parameter", x.param)
         if isinstance(x, ReplicaError):
             reason = {429: "queue_full", 400: "too_long", 504: "stalled"}.get(x.status, "engine_failed")
-            return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason)
+            return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason,
+                             refused_by=x.replica if isinstance(x, Overloaded) else "")
     name = type(e).__name__
     if name == "BackPressureError":
         return HTTPError(503, "the cluster is overloaded: too many requests queued; retry later", 1.0, "overloaded")
@@ -357,7 +363,18 @@ class FairwayIngress:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
             # at once when the client goes away; a stream's own disconnects are seen by the
             # streaming response
-            first = await unless_gone(request, stream.first(sent=not body.stream))
+            try:
+                first = await unless_gone(request, stream.first(sent=not body.stream))
+            except HTTPError as e:
+                if not e.refused_by or call.avoid:
+                    raise
+                # a replica's gate refused it (queue full) before its engine saw it: once more, on
+                # another replica if one is a candidate (the router leaves the refusing one out)
+                call = dataclasses.replace(call, avoid=(e.refused_by,))
+                if self.stats is not None:
+                    self.stats.inc_retry(e.reason)
+                stream = _Stream(self, call, self.handle.generate.remote(call))
+                first = await unless_gone(request, stream.first(sent=not body.stream))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True

@@ -221,6 +221,10 @@ class FairwayRequestRouter(RequestRouter):
         call = find_call(pending_request)
         if call is None:  # not a generation call (health, models): any replica
             return [candidate_replicas]
+        if call.avoid:  # a retry of a request these replicas refused: elsewhere, while one is left
+            kept = {j: rep for j, rep in by_idx.items() if rep.replica_id.unique_id not in call.avoid}
+            if kept:
+                by_idx = kept
         if self.shared_view:
             await self._ensure_synced()
         n_hash = len(call.prompt_token_ids) // self.block_size

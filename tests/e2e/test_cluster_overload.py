@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from cluster.launch import running_cluster
+from observability.probe import total
 from tests.e2e.test_cluster_http import MODEL, prompt_ids
 
 pytestmark = pytest.mark.e2e
@@ -38,10 +39,13 @@ def test_overflow_gets_429_at_once_and_accepted_requests_complete(slow):
                     return r.status, loop.time() - t0, r.headers.get("Retry-After")
             return await asyncio.gather(*(one(i) for i in range(24)))
 
+    retried = total(slow, "router", "fairway_retries_total")
     results = asyncio.run(run())
     codes = [c for c, _, _ in results]
     assert set(codes) <= {200, 429}
     assert codes.count(429) >= 1, codes
+    # a 429 reaches the client only after both replicas refused: each was sent once more
+    assert total(slow, "router", "fairway_retries_total") - retried >= codes.count(429)
     # 2 replicas x (3 waiting + what the engine holds) are accepted; the rest are refused
     assert codes.count(200) >= 6
     for code, took, retry in results:

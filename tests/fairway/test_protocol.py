@@ -72,3 +72,16 @@ def test_the_registry_builds_only_engine_subclasses():
     assert engine_class(f"{__name__}:MinimalEngine") is MinimalEngine
     with pytest.raises(EngineError, match="not a Engine subclass"):
         engine_class(f"{__name__}:NotAnEngine")
+
+
+def test_replica_errors_keep_their_fields_across_pickling():
+    """Ray pickles a replica's exception to the ingress: the retry hint and the refusing replica
+    (the ingress tries an Overloaded request once more elsewhere) must survive it."""
+    import pickle
+
+    from fairway.protocol import EngineFailed, Overloaded
+
+    e = pickle.loads(pickle.dumps(Overloaded("replica r0 queue is full", retry_after_s=2.0, replica="r0")))
+    assert (type(e), e.message, e.retry_after_s, e.replica) == (Overloaded, "replica r0 queue is full", 2.0, "r0")
+    f = pickle.loads(pickle.dumps(EngineFailed("down", retry_after_s=1.0)))
+    assert (type(f), f.message, f.retry_after_s) == (EngineFailed, "down", 1.0)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 import router.ingress as ingress_mod
-from fairway.protocol import TokenChunk
+from fairway.protocol import Overloaded, TokenChunk
 from router.auth import AuthArgs
 from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
 from router.limits import RequestLimits
@@ -41,6 +41,7 @@ class ScriptedReplicas:
         self.cancelled = 0
         self.open: set[int] = set()  # calls neither finished nor cancelled
         self.script: list[int] = []  # the token ids to stream, cycled (100 + i without one)
+        self.refuse = 0  # this many calls (the first ones) are refused by "r0"'s full gate
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -51,14 +52,16 @@ class ScriptedReplicas:
 
     def remote(self, call: Any) -> _Gen:
         self.calls.append(call)
-        gen = _Gen(self, call)
+        gen = _Gen(self, call, refused=self.refuse > 0)
+        self.refuse -= 1
         self.open.add(id(gen))
         return gen
 
 
 class _Gen:
-    def __init__(self, owner: ScriptedReplicas, call: Any) -> None:
+    def __init__(self, owner: ScriptedReplicas, call: Any, refused: bool = False) -> None:
         self.owner = owner
+        self.refused = refused
         self.n = call.max_tokens
         self.i = 0
         self.prompt = len(call.prompt_token_ids)
@@ -67,6 +70,9 @@ class _Gen:
         return self
 
     async def __anext__(self) -> TokenChunk:
+        if self.refused:
+            self.owner.open.discard(id(self))
+            raise Overloaded("replica r0 queue is full (max_queue)", retry_after_s=2.0, replica="r0")
         if self.i >= self.n:
             raise StopAsyncIteration
         self.i += 1
@@ -841,3 +847,29 @@ def test_the_exported_ttft_starts_when_the_headers_arrive_not_after_tokenization
     assert ingress["count"] == 1 and ingress["sum"] >= span
     (e2e,) = snap["histograms"]["e2e"]
     assert e2e["count"] == 1 and e2e["sum"] >= ttft
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_a_full_gate_refused_is_tried_once_more_elsewhere(server, monkeypatch, stream):
+    """A replica's gate refuses the request (429, queue full) before its engine sees it: the
+    ingress sends it once more with that replica to avoid, and the client gets the answer. Refused
+    again, the client gets the 429 with Retry-After; never a third send."""
+    from observability.stats import FairwayStats
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+    monkeypatch.setattr(server.ingress, "stats", stats)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": stream}
+    before = len(server.replicas.calls)
+    server.replicas.refuse = 1
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    first, retry = server.replicas.calls[before:]
+    assert first.avoid == () and retry.avoid == ("r0",) and retry.request_id == first.request_id
+    assert stats.counter("retries", reason="queue_full") == 1
+    server.replicas.refuse = 2
+    r = post(server, "/v1/completions", body)
+    assert_clear_error(r, 429, "queue is full")
+    assert r.headers["Retry-After"] == "2"
+    assert len(server.replicas.calls) == before + 4  # two sends each, never a third
+    assert stats.counter("retries", reason="queue_full") == 2
+    assert not server.replicas.open

@@ -538,3 +538,22 @@ async def test_fairway_prefers_a_gpu_hit_to_a_host_hit_of_the_same_prefix_and_is
     b0 = decisions["blind"].ranking.scores[0]
     assert s0 - b0 == pytest.approx(1008 * aware.cost.kv_bytes_per_token() / 50e9)
     assert s1 < s0
+
+
+@pytest.mark.asyncio
+async def test_a_retried_request_avoids_the_replica_that_refused_it():
+    """``GenerateCall.avoid`` (the replicas whose gates refused it) leaves them out while another
+    replica is a candidate; with none left, every candidate stays."""
+    import dataclasses
+
+    r, _ = router("ray-prefix")
+    reps = [replica("replica-0"), replica("replica-1")]
+    first = call("a", 4096, family="doc")
+    pick = (await r.choose_replicas(reps, pending(first)))[0][0]
+    retry = dataclasses.replace(first, avoid=(pick.replica_id.unique_id,))
+    ranks = await r.choose_replicas(reps, pending(retry))
+    assert [rep.replica_id.unique_id for rank in ranks for rep in rank] == [
+        u for u in ("replica-0", "replica-1") if u != pick.replica_id.unique_id]
+    everywhere = dataclasses.replace(first, avoid=("replica-0", "replica-1"))
+    ranks = await r.choose_replicas(reps, pending(everywhere))
+    assert sorted(rep.replica_id.unique_id for rank in ranks for rep in rank) == ["replica-0", "replica-1"]
