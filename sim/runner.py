@@ -11,7 +11,7 @@ from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.engine.model import EngineConfig, EngineModel
-from fairway.policies import make_policy
+from fairway.policies import make_policy, policy_class
 from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
@@ -117,7 +117,7 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
     policy_options = cfg.policy_options
     if classes.classes:
         flow = FlowControl(classes, cfg.class_bounds, cfg.gate_wait_s, cfg.flow_retry)
-        if cfg.policy in ("classes", "priority-fcfs", "llmd-flow") and "classes" not in policy_options:
+        if policy_class(cfg.policy).takes_classes and "classes" not in policy_options:
             policy_options = {**policy_options, "classes": classes}
     cost = CostModel.from_profile(cfg.profile)
     engine_cfg = EngineConfig(

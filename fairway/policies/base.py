@@ -82,6 +82,7 @@ class QueuePolicy(ABC):
     has_lanes: ClassVar[bool] = False
     is_bound: ClassVar[bool] = False  # an oracle reference, not a product policy
     retention: ClassVar[str] = "lru"  # the engine model's eviction strategy this policy comes with
+    takes_classes: ClassVar[bool] = False  # orders by request class: takes a ``classes`` option
 
     def __init__(self, clock: Clock, cost: CostModel, block_size: int = 16) -> None:
         self.clock = clock

@@ -152,6 +152,7 @@ class ClassQueues(QueuePolicy):
     policy."""
 
     name = "classes"
+    takes_classes = True
 
     def __init__(self, clock: Clock, cost: CostModel, block_size: int = 16,
                  classes: ClassesConfig | str | Sequence[ClassSpec] | None = None, inner: str = "fairway",

@@ -39,6 +39,8 @@ from fairway.policies.classes import ClassesConfig, ClassSpec, as_classes
 class _Tiered(QueuePolicy):
     """Shared: the class -> tier map and a tier column."""
 
+    takes_classes = True
+
     def __init__(self, clock: Clock, cost: CostModel, block_size: int = 16,
                  classes: ClassesConfig | str | Sequence[ClassSpec] | None = None) -> None:
         super().__init__(clock, cost, block_size)
