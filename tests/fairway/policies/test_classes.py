@@ -147,3 +147,12 @@ def test_parse_and_defaults():
     with pytest.raises(ValueError, match="nest"):
         make_policy("classes", clock=None, cost=EXACT, inner="classes")  # type: ignore[arg-type]
     assert isinstance(make_policy("classes", clock=None, cost=EXACT), ClassQueues)  # type: ignore[arg-type]
+
+
+def test_a_config_spec_builds_the_class_policy_with_its_classes():
+    from fairway.policies import validated_policy
+
+    name, opts = validated_policy("classes[classes=hi:tier=0,lo:tier=1:weight=2;inner=fcfs]")
+    assert name == "classes" and opts == {"classes": "hi:tier=0,lo:tier=1:weight=2", "inner": "fcfs"}
+    with pytest.raises(ValueError, match="weight"):
+        validated_policy("classes[classes=hi:weight=0]")
