@@ -38,6 +38,7 @@ class GenerateCall:
     ignore_eos: bool = True
     cache_salt: str | None = None  # tenant salt folded into the first block's hash
     tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
+    priority_class: str = ""  # flow-control class (fairway/policies/classes.py); "" = the default class
     session: str = ""  # the client's session key ("" for none): session-affinity routers key on it
     received_s: float = 0.0  # wall time the ingress had the headers (0: unknown, take arrival_s)
     avoid: tuple[str, ...] = ()  # replicas (Serve ids) that refused it: routed elsewhere while one has room

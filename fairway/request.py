@@ -32,6 +32,7 @@ class RequestSpec:
     turn: int = 0
     tenant: str | None = None
     kind: str = ""  # workload-specific label, e.g. "cheap" / "cold" / "agent"
+    priority_class: str = ""  # flow-control class (fairway/policies/classes.py); "" = the default class
     tokens: np.ndarray | None = field(default=None, repr=False)  # prompt token ids, if kept
 
 

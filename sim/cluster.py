@@ -37,6 +37,7 @@ from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
+from sim.flow import FlowControl
 from sim.hit_bounds import References
 
 OWN = "own"  # each router instance learns only from its own decisions (Ray Serve today)
@@ -67,6 +68,7 @@ class ClusterRouter(EngineListener):
         options: dict[str, Any] | None = None,
         view: str = OWN,
         sync_delay_s: float = 0.0,
+        flow: FlowControl | None = None,
     ) -> None:
         if routers < 1:
             raise ValueError("routers must be >= 1")
@@ -77,6 +79,7 @@ class ClusterRouter(EngineListener):
         if sync_delay_s < 0:
             raise ValueError("sync_delay_s must be >= 0")
         self.name = name
+        self.flow = flow  # request classes: the wait-bound check (sim/flow.py), None without classes
         self.block_size = block_size
         self.index_mode = index_mode
         feedback = index_mode != DECISIONS
@@ -159,17 +162,26 @@ class ClusterRouter(EngineListener):
         hashes = self._prompt_hashes(spec)
         d = inst.decide(spec.rid, spec.prompt_tokens, hashes,
                        session=str(spec.session) if spec.session >= 0 else None)
-        inst.record_routed(d.pick, hashes, d.reason)
-        inst.book(spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, hashes)
-        self._estimated[spec.rid] = d.matched_blocks
+        pick, matched = d.pick, d.matched_blocks
+        if self.flow is not None:
+            ranked = [j for tier in d.ranks for j in tier if j != d.pick]
+            order = [d.pick, *ranked, *(j for j in range(len(replicas)) if j != d.pick and j not in ranked)]
+            pick = self.flow.place(spec, replicas, order)
+            if pick < 0:
+                return -1  # refused: never booked
+            if pick != d.pick:
+                matched = 0  # the index's match was for the pick
+        inst.record_routed(pick, hashes, d.reason)
+        inst.book(spec.rid, pick, spec.prompt_tokens, matched, hashes)
+        self._estimated[spec.rid] = matched
         if self.sync_delay_s > 0.0:
-            rid, pick, n, est, best = spec.rid, d.pick, spec.prompt_tokens, d.matched_blocks, d.best_blocks
+            rid, n, est, best = spec.rid, spec.prompt_tokens, matched, d.best_blocks
             self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est, best))
         elif self.view == SHARED:  # one index and load view: only the policies' own statistics
             for other in self.instances:
                 if other is not inst:
                     other.policy.on_adopted(hashes, d.best_blocks, spec.prompt_tokens)
-        return d.pick
+        return pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 

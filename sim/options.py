@@ -47,6 +47,18 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention", default=None, choices=list(RETENTIONS),
                    help="KV eviction strategy (default: the queue policy's)")
     p.add_argument("--host-kv-blocks", type=int, default=0, help="host (CPU) KV tier per replica, blocks; 0 = off")
+    p.add_argument("--classes", default="",
+                   help="request classes: name:tier=N:objective=S[:weight=W][:max_wait=S],... (tier: lower first; "
+                        "objective: TTFT seconds; max_wait: the wait bound, default the objective); the policies "
+                        "classes, priority-fcfs and llmd-flow order by them (sim/flow.py)")
+    p.add_argument("--class-mix", default="", help="name=share,...: each request's class, drawn by the seeded RNG")
+    p.add_argument("--class-bounds", default="class", choices=["class", "gate"],
+                   help="with --classes: refuse on each class's wait bound over the work ahead of it, or on "
+                        "today's gate bound (--gate-wait) over all the queued work")
+    p.add_argument("--gate-wait", type=float, default=5.0, help="--class-bounds gate: the wait bound (s)")
+    p.add_argument("--no-flow-retry", action="store_true",
+                   help="with --classes: a request over the bound on the router's pick is refused, not tried "
+                        "on another replica (today's cluster)")
 
 
 def sync_delay(args: argparse.Namespace) -> float:
@@ -88,6 +100,11 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         admission_options=admission_options,
         retention=args.retention,
         host_kv_blocks=args.host_kv_blocks,
+        classes=args.classes,
+        class_mix=args.class_mix,
+        class_bounds=args.class_bounds,
+        gate_wait_s=args.gate_wait,
+        flow_retry=not args.no_flow_retry,
     )
 
 

@@ -11,10 +11,12 @@ from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.engine.model import EngineConfig, EngineModel
-from fairway.policies import make_policy
+from fairway.policies import make_policy, policy_class
+from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
+from sim.flow import ClassMix, FlowControl, flow_summary, parse_mix
 from sim.hit_bounds import References, hit_ratio_bounds
 from sim.metrics import summarize
 from sim.simulator import Simulation
@@ -57,6 +59,16 @@ class RunConfig(BaseModel):
     retention: Literal["lru", "peek", "prism", "session"] | None = Field(
         None, description="KV eviction strategy; None = the queue policy's")
     host_kv_blocks: int = Field(0, ge=0, description="host (CPU) KV tier per replica, in blocks; 0 = off")
+    classes: str = Field("", description="request classes, name:tier=..:objective=..:weight=..:max_wait=.., "
+                                         "comma-separated (fairway.policies.classes); empty: none")
+    class_mix: str = Field("", description="name=share,...: each request's class, drawn by a seeded RNG; "
+                                           "empty with classes: every request in the default class")
+    class_bounds: Literal["class", "gate"] = Field(
+        "class", description="with classes: refuse on each class's wait bound over the work ahead of it (class), "
+                             "or on today's gate bound over all the queued work (gate)")
+    gate_wait_s: float = Field(5.0, gt=0, description="class_bounds=gate: the gate's wait bound (seconds)")
+    flow_retry: bool = Field(True, description="with classes: a request over the bound on the router's pick "
+                                               "goes to the next replica with room")
 
     @model_validator(mode="after")
     def _resolve_index_mode(self) -> RunConfig:
@@ -89,8 +101,24 @@ def admission_config(cfg: RunConfig) -> AdmissionConfig | None:
         raise ValueError(f"bad admission option: {e}") from None
 
 
+def classes_of(cfg: RunConfig) -> ClassesConfig:
+    """The run's classes (empty: none); ``ValueError`` on a bad spec or a class option given
+    without classes."""
+    classes = ClassesConfig.parse(cfg.classes)
+    if not classes.classes and cfg.class_mix:
+        raise ValueError("--class-mix needs --classes")
+    return classes
+
+
 def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
     clock = ManualClock()
+    classes = classes_of(cfg)
+    flow = None
+    policy_options = cfg.policy_options
+    if classes.classes:
+        flow = FlowControl(classes, cfg.class_bounds, cfg.gate_wait_s, cfg.flow_retry)
+        if policy_class(cfg.policy).takes_classes and "classes" not in policy_options:
+            policy_options = {**policy_options, "classes": classes}
     cost = CostModel.from_profile(cfg.profile)
     engine_cfg = EngineConfig(
         block_size=cfg.block_size,
@@ -104,11 +132,16 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
     replicas = []
     for j in range(cfg.replicas):
         policy = make_policy(
-            cfg.policy, clock=clock, cost=cost, block_size=cfg.block_size, **cfg.policy_options
+            cfg.policy, clock=clock, cost=cost, block_size=cfg.block_size, **policy_options
         )
         replicas.append(EngineModel(engine_cfg, cost, policy, clock, replica=j))
     workload = make_workload_from(cfg)
+    if cfg.class_mix:
+        workload = ClassMix(workload, parse_mix(cfg.class_mix, classes), cfg.seed)
     router = None
+    if flow is not None and cfg.replicas == 1:
+        def router(spec, engines):  # type: ignore[no-untyped-def]  # one replica: the bound only
+            return flow.place(spec, engines, [0])
     if cfg.replicas > 1:
         router = ClusterRouter(
             cfg.router,
@@ -124,8 +157,11 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
             capacity_blocks=replicas[0].pool.num_blocks,
             stale_s=cfg.stale_s,
             options=router_options(cfg),
+            flow=flow,
         )
-    return Simulation(workload, replicas, clock, router=router), clock
+    sim = Simulation(workload, replicas, clock, router=router)
+    sim.flow = flow
+    return sim, clock
 
 
 def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
@@ -202,6 +238,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         out["hit_bound_capacity"], out["hit_bound_infinite"] = hit_ratio_bounds(specs, capacity, cfg.block_size,
                                                                                 refs)
         out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
+    if cfg.classes:  # only with classes, so the default schema stays the one loadgen shares
+        out["flow"] = flow_summary(res.finished, res.rejected, classes_of(cfg), sim.flow)
     if keep_samples:
         out["ttft_samples_s"] = [r.ttft_s for r in res.finished]
     return out

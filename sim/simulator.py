@@ -26,7 +26,8 @@ ARRIVAL = 1
 INITIAL_ARRIVAL = 2  # an arrival from the workload's initial stream (pulls the next one lazily)
 _RANK = {STEP_END: 0, ARRIVAL: 1, INITIAL_ARRIVAL: 1}
 
-Router = Callable[[RequestSpec, list[EngineModel]], int]
+Router = Callable[[RequestSpec, list[EngineModel]], int]  # -1: refused (flow control's wait bound)
+REFUSED = "refused: predicted wait beyond the wait bound"
 
 
 def round_robin() -> Router:
@@ -83,6 +84,7 @@ class Simulation:
         self._busy = [False] * len(replicas)
         self._initial: Iterator[RequestSpec] = iter(())
         self.result = SimResult()
+        self.flow: object | None = None  # request classes: the router's wait-bound check (sim/flow.py)
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, _RANK[kind], self._seq, kind, payload))
@@ -97,7 +99,10 @@ class Simulation:
         """Route and enqueue; return the replica index touched."""
         self.result.n_arrived += 1
         j = self.router(spec, self.replicas)
-        r = self.replicas[j].add(spec)
+        if j < 0:  # refused by the router's wait bound (sim/flow.py): answered at once
+            r = EngineRequest(spec=spec, seq=-1, replica=-1, rejected=REFUSED)
+        else:
+            r = self.replicas[j].add(spec)
         if r.rejected:
             self.result.rejected.append(r)
             for follow in self.workload.on_complete(spec, self.clock.now()):

@@ -259,6 +259,8 @@ class EngineModel:
             block_hashes=r.spec.block_hashes[: n_known // bs],
             seq=r.seq,
             output_tokens=r.spec.output_tokens,
+            priority_class=r.spec.priority_class,
+            tenant=r.spec.tenant or "",
         )
         self.policy.add(r.queued)
 

@@ -21,7 +21,9 @@ from fairway.policies.baselines import (
     LPMAging,
     SRPTOracle,
 )
+from fairway.policies.classes import ClassesConfig, ClassQueues, ClassSpec
 from fairway.policies.fairway import Fairway, FairwayConfig
+from fairway.policies.flow_anchors import LLMDFlow, PriorityFCFS
 from fairway.policies.peek import PEEK
 from fairway.policies.prism import PRISM
 from fairway.policies.svf import SVF, SVF1Bit
@@ -38,6 +40,10 @@ def register_policy(cls: type[QueuePolicy]) -> type[QueuePolicy]:
 
 #: The product: Fairway's own queue policy (docs/design.md, Fairway queue policy).
 PRODUCT_POLICIES: tuple[type[QueuePolicy], ...] = (Fairway,)
+#: Flow control between request classes (docs/design.md, Flow control): the class policy wraps a
+#: product policy per class; the anchors are baselines it is compared with.
+FLOW_POLICIES: tuple[type[QueuePolicy], ...] = (ClassQueues,)
+FLOW_ANCHORS: tuple[type[QueuePolicy], ...] = (PriorityFCFS, LLMDFlow)
 #: Baselines, for comparison only: the engines' and papers' orders as keys (``baselines.py``;
 #: docs/design.md, Queue baselines), ``srpt-oracle`` being a reference bound.
 BASELINE_POLICIES: tuple[type[QueuePolicy], ...] = (FCFS, LPM, DFSWeight, HRRN, KLPM, LPMAging, VLLMSJF,
@@ -46,7 +52,8 @@ BASELINE_POLICIES: tuple[type[QueuePolicy], ...] = (FCFS, LPM, DFSWeight, HRRN, 
 #: Sorted-F; PEEK and PRISM).
 PUBLISHED_BASELINES: tuple[type[QueuePolicy], ...] = (PEEK, PRISM, SVF, SVF1Bit)
 
-for _cls in (*BASELINE_POLICIES, *PRODUCT_POLICIES, *PUBLISHED_BASELINES):  # the registry's listing order
+# the registry's listing order
+for _cls in (*BASELINE_POLICIES, *PRODUCT_POLICIES, *PUBLISHED_BASELINES, *FLOW_POLICIES, *FLOW_ANCHORS):
     register_policy(_cls)
 
 
@@ -83,6 +90,9 @@ __all__ = [
     "FAIR",
     "FAST",
     "Admission",
+    "ClassQueues",
+    "ClassSpec",
+    "ClassesConfig",
     "Fairway",
     "FairwayConfig",
     "POLICIES",

@@ -53,6 +53,8 @@ class QueuedRequest:
     block_hashes: Sequence[int]
     seq: int = 0  # host-owned tie-break counter; equal keys go to the smaller seq
     output_tokens: int = 0  # the host's output-length hint (the spec's length, or max_tokens); 0 = unknown
+    priority_class: str = ""  # the request's class (fairway/policies/classes.py); "" = the default class
+    tenant: str = ""  # who sent it ("" = no key): the flow a per-tenant fairness policy keys on
 
 
 @dataclass(slots=True)
@@ -80,6 +82,7 @@ class QueuePolicy(ABC):
     has_lanes: ClassVar[bool] = False
     is_bound: ClassVar[bool] = False  # an oracle reference, not a product policy
     retention: ClassVar[str] = "lru"  # the engine model's eviction strategy this policy comes with
+    takes_classes: ClassVar[bool] = False  # orders by request class: takes a ``classes`` option
 
     def __init__(self, clock: Clock, cost: CostModel, block_size: int = 16) -> None:
         self.clock = clock
@@ -213,6 +216,12 @@ class QueuePolicy(ABC):
         """Estimated prefill seconds of every waiting request at its current hit. O(n)."""
         hi = self._hi
         return float(self.prefill_s[:hi][self.active[:hi]].sum())
+
+    def work_ahead_s(self, priority_class: str = "") -> float:
+        """Estimated prefill seconds a new request of ``priority_class`` waits for before it
+        starts: all the queued work for a policy that ignores classes; class-aware policies
+        count only the work their order puts ahead of it. O(n)."""
+        return self.queued_prefill_s()
 
     def preempt_victim(self, running: Sequence[int]) -> int:
         """Index into ``running`` (admission order) of the request to preempt: the newest, as

@@ -1,0 +1,312 @@
+"""Request classes and the flow-control queue policy: strict tiers, then weighted fair sharing of
+prefill work between the classes of a tier, then the inner queue policy (Fairway's lanes) within
+a class (docs/design.md, Flow control).
+
+Why: an interactive request and a bulk-evaluation request are the same to a queue that orders by
+cached work and waiting time, so a batch flood takes an interactive tenant's TTFT. Classes decide
+whose work comes first; Fairway's lanes keep deciding, within a class, which of its requests
+goes next.
+
+- **Tiers** are strict: a class of tier 0 is admitted before any class of tier 1 that is waiting.
+- **Within a tier**, start-time fair queueing over estimated prefill seconds (the cost model's,
+  at the request's current cache hit), not request counts: each class has a virtual time that an
+  admission advances by ``est_prefill_s / weight``; the backlogged class with the least virtual
+  time goes next (ties: the order the classes are configured in). A class that becomes
+  backlogged starts at its tier's virtual time (that of the last admission), so idling banks no
+  credit.
+- **Within a class**, the inner policy (``inner``, default ``fairway``) unchanged: one instance
+  per class, each with its own lanes and cache view.
+- **The default class**: a request whose class is ``""`` belongs to ``ClassesConfig.default``
+  (the last class configured, unless named). With no classes configured there is one inner
+  policy and every call passes straight through: the same order, the same admissions.
+
+Complexity: ``add``/``remove``/``admit`` O(1) plus the inner policy's; ``select`` O(C) over the
+C classes plus the chosen inner policy's ``select`` (one per class that offers nothing, at
+worst); cache events fan out to every class's policy (O(C) each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
+from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSpec:
+    """One request class.
+
+    name: what requests carry (``QueuedRequest.priority_class``); non-empty, no ``:,=`` in it.
+    tier: strict priority, lower first (>= 0).
+    weight: share of its tier's prefill work when every class of the tier is backlogged (> 0).
+    objective_s: the TTFT objective (seconds, > 0): a request meets it when its TTFT <= this.
+    max_wait_s: the wait bound (seconds, > 0): a request whose predicted wait exceeds it is
+        answered at once (refused) rather than queued; None = ``objective_s``.
+    """
+
+    name: str
+    tier: int = 0
+    weight: float = 1.0
+    objective_s: float = 1.0
+    max_wait_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in ":,=[];"):
+            raise ValueError(f"bad class name {self.name!r}: non-empty, without ':,=[];'")
+        if self.tier < 0:
+            raise ValueError(f"class {self.name}: tier must be >= 0")
+        if not self.weight > 0:
+            raise ValueError(f"class {self.name}: weight must be > 0")
+        if not self.objective_s > 0:
+            raise ValueError(f"class {self.name}: objective must be > 0 seconds")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(f"class {self.name}: max_wait must be > 0 seconds")
+
+    @property
+    def wait_bound_s(self) -> float:
+        return self.objective_s if self.max_wait_s is None else self.max_wait_s
+
+
+_KEYS = {"tier": ("tier", int), "weight": ("weight", float), "objective": ("objective_s", float),
+         "max_wait": ("max_wait_s", float)}
+
+
+@dataclass(frozen=True, slots=True)
+class ClassesConfig:
+    """The configured classes, in order (the order breaks ties between classes of one tier).
+    ``default``: the class of requests that name none (``""``: the last class). Empty: no
+    classes (every request in one default class, the policy a pass-through)."""
+
+    classes: tuple[ClassSpec, ...] = ()
+    default: str = ""
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate class names in {names}")
+        if self.default and self.default not in names:
+            raise ValueError(f"default class {self.default!r} is not one of {names}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.classes)
+
+    @property
+    def default_name(self) -> str:
+        """The class a request without one belongs to ("" with no classes)."""
+        return self.default or (self.classes[-1].name if self.classes else "")
+
+    def resolve(self, name: str) -> str:
+        """The configured class ``name`` stands for ("" = the default); ``ValueError`` naming the
+        valid classes for an unknown one. O(C)."""
+        if not name:
+            return self.default_name
+        if name not in self.names:
+            raise ValueError(f"unknown class {name!r}; valid: {', '.join(self.names) or '(none configured)'}")
+        return name
+
+    def spec(self, name: str) -> ClassSpec:
+        name = self.resolve(name)
+        return next(c for c in self.classes if c.name == name)
+
+    @classmethod
+    def parse(cls, text: str, default: str = "") -> ClassesConfig:
+        """``interactive:tier=0:objective=1,batch:tier=1:objective=30:weight=1:max_wait=60`` ->
+        config (keys: tier, weight, objective, max_wait); "" -> no classes."""
+        out = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, *kvs = part.split(":")
+            kw: dict[str, Any] = {}
+            for kv in kvs:
+                k, eq, v = kv.partition("=")
+                if not eq or k.strip() not in _KEYS:
+                    raise ValueError(f"bad class option {kv!r} in {part!r}; keys: {', '.join(_KEYS)}")
+                field, typ = _KEYS[k.strip()]
+                try:
+                    kw[field] = typ(v)
+                except ValueError:
+                    raise ValueError(f"bad value {v!r} for {k} in {part!r}") from None
+            out.append(ClassSpec(name.strip(), **kw))
+        return cls(tuple(out), default)
+
+
+def as_classes(classes: ClassesConfig | str | Sequence[ClassSpec] | None) -> ClassesConfig:
+    """A policy option as a config: a config, its text form (``ClassesConfig.parse``), specs, or
+    None (no classes)."""
+    if classes is None:
+        return ClassesConfig()
+    if isinstance(classes, ClassesConfig):
+        return classes
+    if isinstance(classes, str):
+        return ClassesConfig.parse(classes)
+    return ClassesConfig(tuple(classes))
+
+
+class ClassQueues(QueuePolicy):
+    """The flow-control queue policy (module docstring): a drop-in ``QueuePolicy`` over one inner
+    policy per class. The base class's columns stay empty; every call goes to the class's inner
+    policy."""
+
+    name = "classes"
+    takes_classes = True
+
+    def __init__(self, clock: Clock, cost: CostModel, block_size: int = 16,
+                 classes: ClassesConfig | str | Sequence[ClassSpec] | None = None, inner: str = "fairway",
+                 inner_options: dict[str, Any] | None = None) -> None:
+        super().__init__(clock, cost, block_size)
+        from fairway.policies import make_policy  # the registry imports this module
+
+        self.config = as_classes(classes)
+        if inner == self.name:
+            raise ValueError("classes cannot nest")
+        specs = self.config.classes or (ClassSpec("default"),)
+        self.specs = {c.name: c for c in specs}
+        self.queues: dict[str, QueuePolicy] = {
+            c.name: make_policy(inner, clock=clock, cost=cost, block_size=block_size, **(inner_options or {}))
+            for c in specs}
+        first = next(iter(self.queues.values()))
+        self.has_lanes = first.has_lanes  # type: ignore[misc]
+        self.retention = first.retention  # type: ignore[misc]
+        # tiers in order, each with its classes in configured order
+        self._tiers: list[list[str]] = [
+            [c.name for c in specs if c.tier == t] for t in sorted({c.tier for c in specs})]
+        self._default = self.config.default_name or specs[0].name
+        self.vtime = dict.fromkeys(self.queues, 0.0)
+        self.vnow = {c.tier: 0.0 for c in specs}  # per tier: the virtual time of its last admission
+        self._class_of: dict[int, str] = {}  # rid -> class, while waiting
+        self._chosen = ""  # the class of the last select()
+
+    def _class(self, req: QueuedRequest) -> str:
+        name = req.priority_class
+        if not name or len(self.queues) == 1 and not self.config.classes:
+            return self._default
+        if name not in self.queues:
+            raise ValueError(f"unknown class {name!r}; valid: {', '.join(self.queues)}")
+        return name
+
+    # -- the host protocol, per class ------------------------------------------------------------
+
+    def add(self, req: QueuedRequest) -> None:
+        if req.rid in self._class_of:
+            raise KeyError(f"request {req.rid} is already queued")
+        c = self._class(req)
+        q = self.queues[c]
+        if not len(q):  # backlogged from now: start at the tier's virtual time
+            self.vtime[c] = max(self.vtime[c], self.vnow[self.specs[c].tier])
+        q.add(req)
+        self._class_of[req.rid] = c
+
+    def remove(self, rid: int) -> QueuedRequest:
+        return self.queues[self._class_of.pop(rid)].remove(rid)
+
+    def select(self) -> QueuedRequest | None:
+        """The first tier with a class that offers a request; in it, the backlogged class with
+        the least virtual time (ties: configured order). O(C) plus the inner ``select``s."""
+        for tier in self._tiers:
+            ready = [c for c in tier if len(self.queues[c])]
+            if len(ready) > 1:
+                ready.sort(key=lambda c: self.vtime[c])  # stable: configured order breaks ties
+            for c in ready:
+                req = self.queues[c].select()
+                if req is not None:
+                    self._chosen = c
+                    return req
+        return None
+
+    def admit(self, rid: int) -> Admission:
+        c = self._class_of.pop(rid)
+        adm = self.queues[c].admit(rid)
+        tier = self.specs[c].tier
+        self.vnow[tier] = max(self.vnow[tier], self.vtime[c])
+        self.vtime[c] += adm.est_prefill_s / self.specs[c].weight
+        return adm
+
+    def get(self, rid: int) -> QueuedRequest:
+        return self.queues[self._class_of[rid]].get(rid)
+
+    def class_of(self, rid: int) -> str:
+        """The class of a waiting request."""
+        return self._class_of[rid]
+
+    def cached_tokens(self, rid: int) -> int:
+        return self.queues[self._class_of[rid]].cached_tokens(rid)
+
+    def __len__(self) -> int:
+        return len(self._class_of)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._class_of
+
+    def _choose(self, now: float) -> int:  # pragma: no cover - select() is overridden
+        raise NotImplementedError
+
+    # -- fan-out -------------------------------------------------------------------------------
+
+    def attach_cache(self, contains: Callable[[int], bool]) -> None:
+        if self._class_of:
+            raise RuntimeError("attach_cache must be called on an empty queue")
+        for q in self.queues.values():
+            q.attach_cache(contains)
+
+    def wants_memory_view(self) -> bool:
+        return any(q.wants_memory_view() for q in self.queues.values())
+
+    def attach_memory(self, spare_blocks: Callable[[], int], free_cached: Callable[[Sequence[int]], int]) -> None:
+        for q in self.queues.values():
+            q.attach_memory(spare_blocks, free_cached)
+
+    def on_blocks_stored(self, hashes: Iterable[int]) -> None:
+        hs = hashes if len(self.queues) == 1 else list(hashes)  # iterated once per class
+        for q in self.queues.values():
+            q.on_blocks_stored(hs)
+
+    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        hs = hashes if len(self.queues) == 1 else list(hashes)
+        for q in self.queues.values():
+            q.on_blocks_removed(hs)
+
+    def on_step(self, prefill_tokens: int) -> None:
+        super().on_step(prefill_tokens)
+        for q in self.queues.values():
+            q.on_step(prefill_tokens)
+
+    def lane_sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for q in self.queues.values():
+            for lane, n in q.lane_sizes().items():
+                out[lane] = out.get(lane, 0) + n
+        return out
+
+    def class_sizes(self) -> dict[str, int]:
+        """Waiting requests per class (classes with none left out)."""
+        return {c: len(q) for c, q in self.queues.items() if len(q)}
+
+    @property
+    def promotions(self) -> int:
+        return sum(getattr(q, "promotions", 0) for q in self.queues.values())
+
+    def queued_prefill_s(self) -> float:
+        return sum(q.queued_prefill_s() for q in self.queues.values())
+
+    def work_ahead_s(self, priority_class: str = "") -> float:
+        """The queued prefill seconds a new request of ``priority_class`` waits for: every class
+        of a stricter tier, its own class's queue Q_c, and from each other class u of its tier
+        the share fair queueing serves meanwhile, min(Q_u, Q_c * w_u / w_c). O(C) inner sums."""
+        c = self._default if not priority_class or priority_class not in self.queues else priority_class
+        me = self.specs[c]
+        own = self.queues[c].queued_prefill_s()
+        ahead = own
+        for u, q in self.queues.items():
+            s = self.specs[u]
+            if u == c or s.tier > me.tier or not len(q):
+                continue
+            w = q.queued_prefill_s()
+            ahead += w if s.tier < me.tier else min(w, own * s.weight / me.weight)
+        return ahead
+
+
+__all__ = ["ClassQueues", "ClassSpec", "ClassesConfig", "as_classes"]

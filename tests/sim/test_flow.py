@@ -1,0 +1,92 @@
+"""Flow control in the simulator: the class mix, the per-class summary (attainment, goodput), and
+the router's wait-bound check with its refusals-with-room count."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from fairway.engine.model import EngineRequest
+from fairway.policies.classes import ClassesConfig
+from sim.flow import FlowControl, flow_summary, parse_mix
+from sim.runner import RunConfig, build, run
+from tests.factories import spec
+
+CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
+
+
+def small(**kw) -> RunConfig:
+    base = dict(workload="rag", policy="classes", rate=12.0, duration_s=15.0, replicas=2, router="fairway",
+                classes=CLASSES, class_mix="interactive=0.2,batch=0.8")
+    return RunConfig(**{**base, **kw})
+
+
+def test_class_mix_labels_requests_without_changing_them():
+    plain, _ = build(small(classes="", class_mix=""))
+    mixed, _ = build(small())
+    a, b = list(plain.workload.initial()), list(mixed.workload.initial())
+    assert [(s.rid, s.arrival_s, s.prompt_tokens, s.block_hashes) for s in a] == \
+        [(s.rid, s.arrival_s, s.prompt_tokens, s.block_hashes) for s in b]
+    assert {s.priority_class for s in a} == {""}
+    share = sum(s.priority_class == "interactive" for s in b) / len(b)
+    assert len(b) > 150 and 0.14 < share < 0.26
+    again, _ = build(small())
+    assert [s.priority_class for s in again.workload.initial()] == [s.priority_class for s in b]
+
+
+def test_run_reports_per_class_ttft_attainment_and_goodput():
+    res = run(small())
+    flow = res["flow"]
+    per = flow["classes"]
+    assert set(per) == {"interactive", "batch"}
+    assert sum(c["arrived"] for c in per.values()) == res["n_requests"]
+    assert sum(c["finished"] for c in per.values()) == res["n_finished"]
+    assert per["interactive"]["ttft_s"]["n"] == per["interactive"]["finished"] > 0
+    assert 0.0 <= per["interactive"]["attainment"] <= 1.0
+    assert flow["refused_with_room"] == 0 and flow["retry"] is True
+    assert "flow" not in run(small(classes="", class_mix=""))
+
+
+def rec(rid: int, arrival: float, ttft: float, klass: str, rejected: str = "") -> EngineRequest:
+    r = EngineRequest(spec=spec(rid, arrival, 32, 4, []), seq=rid, rejected=rejected)
+    r.spec.priority_class = klass
+    r.first_token_s = arrival + ttft
+    return r
+
+
+def test_attainment_counts_refusals_as_misses_and_goodput_is_met_per_second():
+    classes = ClassesConfig.parse("i:objective=1,b:tier=1:objective=30:max_wait=20")
+    finished = [rec(0, 0.0, 0.5, "i"), rec(1, 2.0, 1.5, "i"), rec(2, 4.0, 25.0, ""), rec(3, 10.0, 0.2, "b")]
+    rejected = [rec(4, 6.0, 0.0, "i", "refused")]
+    out = flow_summary(finished, rejected, classes, None)["classes"]
+    assert out["i"] == {**out["i"], "arrived": 3, "finished": 2, "refused": 1, "attainment": 1 / 3,
+                        "goodput_rps": 1 / 10, "over_bound": 1}
+    assert out["b"]["attainment"] == 1.0 and out["b"]["goodput_rps"] == 2 / 10 and out["b"]["over_bound"] == 1
+
+
+def engines(*waits: float):
+    return [SimpleNamespace(policy=SimpleNamespace(work_ahead_s=lambda c, w=w: w, queued_prefill_s=lambda w=w: w * 2))
+            for w in waits]
+
+
+def test_place_retries_on_the_next_replica_with_room_and_counts_refusals_with_room():
+    classes = ClassesConfig.parse(CLASSES)
+    s = spec(0, 0.0, 32, 4, [])
+    s.priority_class = "interactive"
+    flow = FlowControl(classes)
+    assert flow.place(s, engines(3.0, 0.5, 0.2), [0, 2, 1]) == 2 and flow.retried == 1
+    assert flow.place(s, engines(3.0, 2.0), [0, 1]) == -1 and flow.refused_with_room == 0
+    today = FlowControl(classes, bounds="gate", gate_wait_s=5.0, retry=False)
+    assert today.place(s, engines(3.0, 1.0), [0, 1]) == -1  # 6 s of queued work on the pick
+    assert today.refused_with_room == 1 and today.refused == {"interactive": 1}
+
+
+def test_mix_is_validated():
+    classes = ClassesConfig.parse(CLASSES)
+    assert parse_mix("interactive=1,batch=3", classes) == (("interactive", 0.25), ("batch", 0.75))
+    for bad in ("gold=1", "interactive", "interactive=0", ""):
+        with pytest.raises(ValueError):
+            parse_mix(bad, classes)
+    with pytest.raises(ValueError, match="needs --classes"):
+        build(small(classes=""))
