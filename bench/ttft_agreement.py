@@ -36,7 +36,7 @@ METRIC = "fairway_ttft_seconds"
 #: the stages of the router's TTFT (docs/observability.md, "Where the time goes")
 STAGES = (("router", "fairway_ingress_seconds"), ("replica", "fairway_dispatch_seconds"),
           ("replica", "fairway_queue_wait_seconds"), ("replica", "fairway_prefill_seconds"),
-          ("router", "fairway_e2e_seconds"))
+          ("router", "fairway_e2e_seconds"), ("router", "fairway_ingress_loop_lag_seconds"))
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float:

@@ -66,6 +66,7 @@ class SyntheticCluster:
             self.router.inc_routing_decision(reason, name)
             self.router.observe_ttft(lane, ttft + 0.002, name)
             self.router.observe_ingress(0.001 * rng.random())
+            self.router.observe_loop_lag(0.002 * rng.random())
             self.router.observe_e2e(lane, ttft + 0.002 + 0.5 * rng.random(), name)
             self.router.inc_requests(lane, "ok", name)
             self.router.observe_cached_tokens(est, actual, prompt, name)

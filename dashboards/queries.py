@@ -122,7 +122,8 @@ PANELS: tuple[Panel, ...] = (
         "Latency",
         description="p90 of each stage: ingress (headers -> sent to the replicas: body, tokenization), routing "
                     "hop (sent -> at the replica's gate), gate wait, prefill (admission -> first token), beside "
-                    "the client's TTFT and end-to-end time as the ingress measures them.",
+                    "the client's TTFT and end-to-end time as the ingress measures them, and how late the ingress's "
+                    "event loop runs (a wait before any of these stamps).",
     ),
     Panel(
         "overview",
@@ -210,6 +211,8 @@ QUERIES: tuple[Query, ...] = (
     Query("ttft_parts", "D", _q(0.9, "fairway_prefill_seconds", "level", 'level="replica"'), "prefill"),
     Query("ttft_parts", "E", _q(0.9, "fairway_ttft_seconds", "level", 'level="router"'), "TTFT (client)"),
     Query("ttft_parts", "F", _q(0.9, "fairway_e2e_seconds", "level", 'level="router"'), "end to end"),
+    Query("ttft_parts", "G", _q(0.9, "fairway_ingress_loop_lag_seconds", "level", 'level="router"'),
+          "ingress loop lag"),
     # -- traffic and lanes ------------------------------------------------------------------
     Query(
         "lane_split",

@@ -75,6 +75,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "(body, validation, tokenization, hashing)."),
     MetricSpec("dispatch", "histogram", "fairway_dispatch_seconds",
                "Level replica: the ingress sent the request -> the replica's gate has it (routing and transfer)."),
+    MetricSpec("loop_lag", "histogram", "fairway_ingress_loop_lag_seconds",
+               "Level router: how late the ingress's event loop ran a 100 ms timer (the wait before any request's "
+               "handler starts, which no TTFT stamp sees)."),
     MetricSpec("queue_wait", "histogram", "fairway_queue_wait_seconds", "Replica gate arrival to engine admission."),
     MetricSpec("prefill", "histogram", "fairway_prefill_seconds",
                "Level replica: engine admission -> first token (the prefill and any wait inside the engine)."),

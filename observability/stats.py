@@ -121,6 +121,7 @@ _HISTOGRAMS = {
     "ingress": QUEUE_WAIT_BUCKETS_S,  # (): level router, headers -> sent to the replicas
     "dispatch": QUEUE_WAIT_BUCKETS_S,  # (replica,): level replica, sent by the ingress -> at the gate
     "prefill": QUEUE_WAIT_BUCKETS_S,  # (lane, replica): level replica, engine admission -> first token
+    "loop_lag": QUEUE_WAIT_BUCKETS_S,  # (): level router, how late the ingress's event loop runs a timer
     "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
 }
 # The label names of each series key, in key order.
@@ -150,6 +151,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "ingress": (),
     "dispatch": ("replica",),
     "prefill": ("lane", "replica"),
+    "loop_lag": (),
     "cache_estimate_error": ("replica",),
 }
 COUNTERS = _COUNTERS
@@ -226,6 +228,11 @@ class FairwayStats:
         """The ingress sending a request -> the replica's gate having it: Ray's routing (the
         request router's decision, its wait for a replica slot) and the transfer."""
         self._observe("dispatch", (self._replica(replica),), _clamp0(seconds))
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        """How late the ingress's event loop ran a periodic timer: the wait every request's
+        handler had before it even started (requests wait there before ``ReceivedAt`` stamps them)."""
+        self._observe("loop_lag", (), _clamp0(seconds))
 
     def observe_prefill(self, lane: str, seconds: float, replica: str = "") -> None:
         """Admission into the engine -> the first token: the prefill, and any wait inside the engine."""

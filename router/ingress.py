@@ -187,6 +187,21 @@ class IngressArgs(ServedModel):
                                                         "the event loop (0: one per CPU this process may use)")
 
 
+#: the period of ``watch_loop``'s timer, seconds
+LOOP_WATCH_PERIOD_S = 0.1
+
+
+async def watch_loop(stats: Any, period_s: float = LOOP_WATCH_PERIOD_S) -> None:
+    """Observe, every ``period_s``, how late the event loop ran the timer (``observe_loop_lag``).
+    Why: a request waits for a busy loop before its handler starts, and so before any timestamp
+    of ours; this shows that wait (an overloaded ingress replica). O(1) per period."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(period_s)
+        stats.observe_loop_lag(loop.time() - t0 - period_s)
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity where the OS tells it)."""
     try:
@@ -211,6 +226,7 @@ class FairwayIngress:
         self.name = ingress_name()
         self.stats = None
         self.exporter = None
+        self._loop_watch: asyncio.Task | None = None
         if a.metrics:
             self._start_metrics()
 
@@ -288,7 +304,13 @@ class FairwayIngress:
             logit_bias=body.logit_bias,
         )
 
+    def _watch_loop(self) -> None:
+        """Start ``watch_loop`` on this replica's event loop, once (the constructor has no loop)."""
+        if self._loop_watch is None and self.stats is not None:
+            self._loop_watch = asyncio.get_running_loop().create_task(watch_loop(self.stats))
+
     async def completions(self, body: CompletionRequest, request: Request | None = None) -> Any:
+        self._watch_loop()
         try:
             self._check_model(body.model)
             if isinstance(body.prompt, list):
@@ -303,6 +325,7 @@ class FairwayIngress:
         return await self._respond(call, body, chat=False, request=request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request | None = None) -> Any:
+        self._watch_loop()
         try:
             self._check_model(body.model)
             cap = self.args.limits.max_messages

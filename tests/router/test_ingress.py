@@ -873,3 +873,25 @@ def test_a_request_a_full_gate_refused_is_tried_once_more_elsewhere(server, monk
     assert len(server.replicas.calls) == before + 4  # two sends each, never a third
     assert stats.counter("retries", reason="queue_full") == 2
     assert not server.replicas.open
+
+
+def test_the_loop_watch_sees_a_blocked_event_loop():
+    """``watch_loop`` records how late the loop runs its timer: a handler that blocks the loop for
+    0.3 s shows as a lag of at least 0.2 s (every request waited that long before its stamp)."""
+    from observability.stats import FairwayStats
+    from router.ingress import watch_loop
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+
+    async def run() -> None:
+        watch = asyncio.get_running_loop().create_task(watch_loop(stats, period_s=0.05))
+        await asyncio.sleep(0.12)  # two quiet periods
+        time.sleep(0.3)  # a handler holding the loop
+        await asyncio.sleep(0.12)
+        watch.cancel()
+
+    asyncio.run(run())
+    (lag,) = stats.snapshot()["histograms"]["loop_lag"]
+    assert lag["count"] >= 3
+    worst = next(b for b, c in zip(lag["bounds"], lag["buckets"], strict=True) if c == lag["count"])
+    assert worst >= 0.2 and lag["sum"] >= 0.2
