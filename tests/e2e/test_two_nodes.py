@@ -35,8 +35,10 @@ def two_nodes():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        # replicate=false: as in test_cluster_http.py, an idle cluster's only family must stay on its holder
         serve.run(build_app({"num_replicas": 2, "max_replicas_per_node": 1,
-                             "engine_args": {"kv_blocks": 4000}}),
+                             "engine_args": {"kv_blocks": 4000},
+                             "router": {"policy": "fairway", "policy_options": {"replicate": False}}}),
                   name="fairway", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
