@@ -111,8 +111,10 @@ class ReplicaError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
 
-    def __reduce__(self):  # keep the fields across pickling (Ray)
-        return (type(self), (self.message, self.retry_after_s))
+    def __reduce__(self):
+        """Keep every field across pickling (Ray sends it to the ingress), a subclass's own too:
+        the message rebuilds the exception, the instance's fields are restored as its state."""
+        return (type(self), (self.message,), dict(self.__dict__))
 
 
 class Overloaded(ReplicaError):
@@ -125,9 +127,6 @@ class Overloaded(ReplicaError):
     def __init__(self, message: str, retry_after_s: float | None = None, replica: str = "") -> None:
         super().__init__(message, retry_after_s)
         self.replica = replica
-
-    def __reduce__(self):  # keep the refusing replica across pickling (Ray)
-        return (type(self), (self.message, self.retry_after_s, self.replica))
 
 
 class RequestTooLarge(ReplicaError):
@@ -145,9 +144,6 @@ class UnsupportedParameter(ReplicaError):
     def __init__(self, message: str, retry_after_s: float | None = None, param: str | None = None) -> None:
         super().__init__(message, retry_after_s)
         self.param = param
-
-    def __reduce__(self):  # keep the fields across pickling (Ray)
-        return (type(self), (self.message, self.retry_after_s, self.param))
 
 
 class EngineFailed(ReplicaError):

@@ -79,9 +79,11 @@ def test_replica_errors_keep_their_fields_across_pickling():
     (the ingress tries an Overloaded request once more elsewhere) must survive it."""
     import pickle
 
-    from fairway.protocol import EngineFailed, Overloaded
+    from fairway.protocol import EngineFailed, Overloaded, UnsupportedParameter
 
     e = pickle.loads(pickle.dumps(Overloaded("replica r0 queue is full", retry_after_s=2.0, replica="r0")))
     assert (type(e), e.message, e.retry_after_s, e.replica) == (Overloaded, "replica r0 queue is full", 2.0, "r0")
     f = pickle.loads(pickle.dumps(EngineFailed("down", retry_after_s=1.0)))
     assert (type(f), f.message, f.retry_after_s) == (EngineFailed, "down", 1.0)
+    u = pickle.loads(pickle.dumps(UnsupportedParameter("no logprobs", param="logprobs")))
+    assert (type(u), u.message, u.retry_after_s, u.param) == (UnsupportedParameter, "no logprobs", None, "logprobs")
