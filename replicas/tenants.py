@@ -33,12 +33,13 @@ Complexity: ``select`` is O(T) over the T backlogged tenants plus the chosen pol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
+from fairway.policies.groups import QueueGroup
 
 
-class TenantQueues:
+class TenantQueues(QueueGroup):
     """The queue-policy calls the gate makes, over one policy per tenant (module docstring).
     ``first`` serves the tenant ``""`` (requests without API keys); ``factory`` builds the
     policy of each other tenant on its first request (None: every tenant shares ``first``, no
@@ -143,12 +144,9 @@ class TenantQueues:
 
     def tenant_sizes(self) -> dict[str, int]:
         """Waiting requests per tenant ("" for requests without a key)."""
-        return {t: len(q) for t, q in self.queues.items() if len(q)}
+        return self.group_sizes()
 
     # -- aggregates the gate reports -----------------------------------------------------------
-
-    def queued_prefill_s(self) -> float:
-        return sum(q.queued_prefill_s() for q in self.queues.values())
 
     def work_ahead_s(self, tenant: str = "") -> float:
         """The queued prefill work (cost-model seconds) a new request of ``tenant`` waits for
@@ -161,33 +159,12 @@ class TenantQueues:
         own = work.pop(tenant, 0.0)
         return own + sum(min(w, own) for w in work.values())
 
-    def lane_sizes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for q in self.queues.values():
-            for lane, n in q.lane_sizes().items():
-                out[lane] = out.get(lane, 0) + n
-        return out
-
-    @property
-    def promotions(self) -> int:
-        return sum(getattr(q, "promotions", 0) for q in self.queues.values())
-
     # -- the engine's cache --------------------------------------------------------------------
 
     def attach_cache(self, contains: Callable[[int], bool]) -> None:
         self._contains = contains
         for q in self.queues.values():
             q.attach_cache(contains)
-
-    def on_blocks_stored(self, hashes: Iterable[int]) -> None:
-        hs = hashes if len(self.queues) == 1 else list(hashes)  # iterated once per queue
-        for q in self.queues.values():
-            q.on_blocks_stored(hs)
-
-    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
-        hs = hashes if len(self.queues) == 1 else list(hashes)
-        for q in self.queues.values():
-            q.on_blocks_removed(hs)
 
 
 __all__ = ["TenantQueues"]

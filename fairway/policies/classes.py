@@ -27,13 +27,14 @@ worst); cache events fan out to every class's policy (O(C) each).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
+from fairway.policies.groups import QueueGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ def as_classes(classes: ClassesConfig | str | Sequence[ClassSpec] | None) -> Cla
     return ClassesConfig(tuple(classes))
 
 
-class ClassQueues(QueuePolicy):
+class ClassQueues(QueueGroup, QueuePolicy):
     """The flow-control queue policy (module docstring): a drop-in ``QueuePolicy`` over one inner
     policy per class. The base class's columns stay empty; every call goes to the class's inner
     policy."""
@@ -259,38 +260,14 @@ class ClassQueues(QueuePolicy):
         for q in self.queues.values():
             q.attach_memory(spare_blocks, free_cached)
 
-    def on_blocks_stored(self, hashes: Iterable[int]) -> None:
-        hs = hashes if len(self.queues) == 1 else list(hashes)  # iterated once per class
-        for q in self.queues.values():
-            q.on_blocks_stored(hs)
-
-    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
-        hs = hashes if len(self.queues) == 1 else list(hashes)
-        for q in self.queues.values():
-            q.on_blocks_removed(hs)
-
     def on_step(self, prefill_tokens: int) -> None:
         super().on_step(prefill_tokens)
         for q in self.queues.values():
             q.on_step(prefill_tokens)
 
-    def lane_sizes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for q in self.queues.values():
-            for lane, n in q.lane_sizes().items():
-                out[lane] = out.get(lane, 0) + n
-        return out
-
     def class_sizes(self) -> dict[str, int]:
         """Waiting requests per class (classes with none left out)."""
-        return {c: len(q) for c, q in self.queues.items() if len(q)}
-
-    @property
-    def promotions(self) -> int:
-        return sum(getattr(q, "promotions", 0) for q in self.queues.values())
-
-    def queued_prefill_s(self) -> float:
-        return sum(q.queued_prefill_s() for q in self.queues.values())
+        return self.group_sizes()
 
     def work_ahead_s(self, priority_class: str = "") -> float:
         """The queued prefill seconds a new request of ``priority_class`` waits for: every class

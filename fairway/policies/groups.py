@@ -1,0 +1,50 @@
+"""``QueueGroup``: what a queue policy made of one inner queue policy per group (per tenant at a
+replica's gate, ``replicas/tenants.py``; per request class, ``classes.py``) passes to every inner
+queue or sums over them: the engine's cache events, the lanes, the promotions and the queued work.
+
+Why one piece: the groupings differ in how they pick the next group, not in this fan-out.
+Complexity: O(G) per call for G groups (cache events: O(G * hashes)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fairway.policies.base import QueuePolicy
+
+
+class QueueGroup:
+    """Mixin over ``self.queues`` (group -> inner ``QueuePolicy``)."""
+
+    queues: dict[str, QueuePolicy]
+
+    def on_blocks_stored(self, hashes: Iterable[int]) -> None:
+        hs = hashes if len(self.queues) == 1 else list(hashes)  # iterated once per group
+        for q in self.queues.values():
+            q.on_blocks_stored(hs)
+
+    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        hs = hashes if len(self.queues) == 1 else list(hashes)
+        for q in self.queues.values():
+            q.on_blocks_removed(hs)
+
+    def lane_sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for q in self.queues.values():
+            for lane, n in q.lane_sizes().items():
+                out[lane] = out.get(lane, 0) + n
+        return out
+
+    @property
+    def promotions(self) -> int:
+        return sum(getattr(q, "promotions", 0) for q in self.queues.values())
+
+    def queued_prefill_s(self) -> float:
+        return sum(q.queued_prefill_s() for q in self.queues.values())
+
+    def group_sizes(self) -> dict[str, int]:
+        """Waiting requests per group (groups with none left out)."""
+        return {g: len(q) for g, q in self.queues.items() if len(q)}
+
+
+__all__ = ["QueueGroup"]
