@@ -51,6 +51,12 @@ class GenerateCall:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
 
+    @property
+    def waited_from(self) -> float:
+        """Where the client's wait starts, as well as the ingress knows it: ``received_s``, else
+        ``arrival_s``."""
+        return self.received_s or self.arrival_s
+
 
 @dataclass(slots=True)
 class TokenChunk:

@@ -643,7 +643,7 @@ class _Stream:
 
     def sent_first(self) -> None:
         """Record the TTFT: from the headers (``ReceivedAt``) to now. O(1)."""
-        self.ttft_s = max(0.0, time.time() - (self.call.received_s or self.call.arrival_s))
+        self.ttft_s = max(0.0, time.time() - self.call.waited_from)
         st = self.ingress.stats
         if st is not None:
             st.observe_ttft(self.lane, self.ttft_s, replica=self.replica)
@@ -691,7 +691,7 @@ class _Stream:
         if st is not None:
             st.inc_requests(self.lane, status)
             if status == "ok":
-                st.observe_e2e(self.lane, time.time() - (self.call.received_s or self.call.arrival_s),
+                st.observe_e2e(self.lane, time.time() - self.call.waited_from,
                                replica=self.replica)
 
 

@@ -139,7 +139,8 @@ class Tokenizer:
     def encode_chat_within(self, messages: list[dict[str, Any]], limit: int) -> list[int]:
         """``encode_chat`` after ``check_within`` on the messages' text (their tokens are no more
         than the templated prompt's)."""
-        self.check_within("\n".join(m["content"] for m in messages), limit)
+        if sum(len(m["content"]) for m in messages) > PREFIX_CHARS_PER_TOKEN * limit:  # else no prefix to check
+            self.check_within("\n".join(m["content"] for m in messages), limit)
         return self.encode_chat(messages)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
