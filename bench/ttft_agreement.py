@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.launch import running_cluster
-from observability.probe import histogram
+from observability.probe import histogram, histograms
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC = "fairway_ttft_seconds"
@@ -37,6 +37,16 @@ METRIC = "fairway_ttft_seconds"
 STAGES = (("router", "fairway_ingress_seconds"), ("replica", "fairway_dispatch_seconds"),
           ("replica", "fairway_queue_wait_seconds"), ("replica", "fairway_prefill_seconds"),
           ("router", "fairway_e2e_seconds"), ("router", "fairway_ingress_loop_lag_seconds"))
+
+
+def scrape_stages(url: str) -> dict[str, tuple[float, float]]:
+    """Each stage's (sum, count), one scrape per process of each level."""
+    out: dict[str, tuple[float, float]] = {}
+    for level in dict.fromkeys(lvl for lvl, _ in STAGES):
+        names = tuple(n for lvl, n in STAGES if lvl == level)
+        for name, (_, total, count) in histograms(url, level, names).items():
+            out[name] = (total, count)
+    return out
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float:
@@ -89,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{vllm} not found: run scripts/vllm_cpu_setup.sh first")
     with cluster(args.url, args.port) as url, tempfile.TemporaryDirectory() as tmp:
         before, s0, n0 = histogram(url, "router", METRIC)
-        stages0 = {name: histogram(url, level, name)[1:] for level, name in STAGES}
+        stages0 = scrape_stages(url)
         cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
                "--model", "fairway-tiny", "--tokenizer", str(ROOT / "deploy/models/fairway-tiny"),
                "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -102,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"{done.stderr[-3000:]}")
         result = json.loads((Path(tmp) / "run.json").read_text())
         after, s1, n1 = histogram(url, "router", METRIC)
-        stages1 = {name: histogram(url, level, name)[1:] for level, name in STAGES}
+        stages1 = scrape_stages(url)
     client = [t for t in result["ttfts"] if t and t > 0]
     bounds = sorted(after)
     router = {b: after[b] - before.get(b, 0.0) for b in bounds}

@@ -5,7 +5,7 @@ metrics endpoint listed at the ingress's ``/metrics/targets`` and sums, over rep
 that say whether anything is left in a replica: requests in its engine, requests waiting at its
 gate, and KV blocks in use; ``wait_idle`` waits until nothing is. ``router_outstanding(url)``
 sums, over the request routers, the requests each still counts on a replica.
-``histogram(url, level, name)`` sums one histogram's buckets over the processes of a level;
+``histograms(url, level, names)`` sums histograms' buckets over the processes of a level, one scrape each;
 ``total(url, level, name)`` one counter or gauge.
 """
 
@@ -95,22 +95,28 @@ def wait_idle(url: str, replicas: int, timeout_s: float) -> float | None:
 __all__ = ["GAUGES", "idle", "replica_gauges", "replica_names", "router_outstanding", "wait_idle"]
 
 
-def histogram(url: str, level: str, name: str) -> tuple[dict[float, float], float, float]:
-    """Histogram ``name`` (e.g. ``fairway_ttft_seconds``) summed over the ``level`` processes
-    listed at ``{url}/metrics/targets`` and over its labels: (cumulative count per upper bound,
-    sum, count). One scrape of each process."""
-    buckets: dict[float, float] = {}
-    total = count = 0.0
+def histograms(url: str, level: str, names: tuple[str, ...]) -> dict[str, tuple[dict[float, float], float, float]]:
+    """Histograms ``names`` (e.g. ``fairway_ttft_seconds``), each summed over the ``level``
+    processes listed at ``{url}/metrics/targets`` and over its labels: (cumulative count per upper
+    bound, sum, count). One scrape of each process for all of them."""
+    out: dict[str, tuple[dict[float, float], float, float]] = {n: ({}, 0.0, 0.0) for n in names}
     for t in [t for e in _targets(url, level) for t in e["targets"]]:
         for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
-            if fam.name != name:
+            if fam.name not in out:
                 continue
+            buckets, total, count = out[fam.name]
             for s in fam.samples:
-                if s.name == name + "_bucket":
+                if s.name == fam.name + "_bucket":
                     le = float(s.labels["le"])
                     buckets[le] = buckets.get(le, 0.0) + s.value
-                elif s.name == name + "_sum":
+                elif s.name == fam.name + "_sum":
                     total += s.value
-                elif s.name == name + "_count":
+                elif s.name == fam.name + "_count":
                     count += s.value
-    return buckets, total, count
+            out[fam.name] = (buckets, total, count)
+    return out
+
+
+def histogram(url: str, level: str, name: str) -> tuple[dict[float, float], float, float]:
+    """``histograms`` for one name."""
+    return histograms(url, level, (name,))[name]
