@@ -126,6 +126,10 @@ def stop_stray_haproxy(port: int) -> list[int]:
     return pids
 
 
+_SIGINT_DEFAULT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 @contextlib.contextmanager
 def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
                     api_key: str | None = None, env: dict[str, str] | None = None,
@@ -146,8 +150,11 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
     log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
     serve = Path(sys.executable).with_name("serve")
     env = serve_env({**os.environ, **(env or {})})
-    proc = subprocess.Popen([str(serve), "run", path], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    # SIGINT is how ``serve run`` is stopped (it shuts Serve and Ray down on KeyboardInterrupt), but
+    # a shell starting this process in the background without job control has it ignored, and
+    # exec keeps it ignored: reset it to the default first, or each stop waits for the SIGKILL.
+    proc = subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT_EXEC, str(serve), "run", path], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while not _ready(url, model, api_key):
