@@ -1,12 +1,16 @@
 """Cluster routing in the simulator: router instances that pick a replica for each arrival.
 
-``ClusterRouter`` drives ``RoutingHost`` instances (``fairway/routing/host.py``: a router policy,
-a prefix index and a load view), the same class the Ray Serve request router calls. With
-``routers=K`` it runs K independent instances, each seeing the requests with ``rid % K == k`` (Ray
-Serve runs one router per ingress replica, and its proxies spread requests over them), each with
-its own index and load view built from its own decisions.
+``ClusterRouter`` drives router instances as the Ray Serve request router does: each a
+``RoutingHost`` (``fairway/routing/host.py``: a router policy, a prefix index and a load view)
+under the core's ledger (``fairway/routing/bookings.py`` ``Bookings``), which books each decision,
+moves it where it was sent, and adopts the other routers' events of a shared view. With
+``routers=K`` it runs K instances, each seeing the requests with ``rid % K == k`` (Ray Serve runs
+one router per ingress replica, and its proxies spread requests over them); with the ``own`` view
+each builds its index and load view from its own decisions only.
 
-Lifecycle, as the engines report it (``EngineModel.listener``):
+Lifecycle, as the engines report it (``EngineModel.listener``), to the ledger of the instance
+that routed the request (a shared view with a delay: to the others' ledgers ``sync_delay_s``
+later, the routing and the end as the live view's events):
 - routed: the index records the prompt's blocks on the chosen replica (approximate mode), the
   load view adds the request's estimated prefill time to that replica's queued work;
 - admitted: the work leaves the queue; preempted: it is queued again;
@@ -23,6 +27,7 @@ Lifecycle, as the engines report it (``EngineModel.listener``):
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +41,7 @@ from fairway.load_view import LoadView
 from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
+from fairway.routing.bookings import REMOTE, Bookings
 from fairway.routing.host import RoutingHost
 from sim.flow import FlowControl
 from sim.hit_bounds import References
@@ -110,10 +116,13 @@ class ClusterRouter(EngineListener):
         ]
         self._indexes = [shared_index] if one else [i.index for i in self.instances]
         self._loads = [shared_load] if one else [i.load for i in self.instances]
+        names = [str(j) for j in range(n_replicas)]
+        rids = itertools.count() if one else None  # one load view: one set of request ids
+        self.ledgers = [Bookings(host, clock, clock.now, source=f"router{k}", known=names, rids=rids)
+                        for k, host in enumerate(self.instances)]
         # shared view with a delay: what one instance learns reaches the others sync_delay_s later
-        self._inbox: list[deque[tuple[float, Callable[[RoutingHost], None]]]] = [deque() for _ in self.instances]
+        self._inbox: list[deque[tuple[float, Callable[[Bookings], None]]]] = [deque() for _ in self.instances]
         self.engines: list[EngineModel] = []
-        self._estimated: dict[int, int] = {}  # rid -> blocks the index matched when routed
 
     def bind(self, engines: Sequence[EngineModel]) -> None:
         """Attach to the engines so their lifecycle reports reach the instances."""
@@ -123,10 +132,10 @@ class ClusterRouter(EngineListener):
             for load in self._loads:
                 load.report_max_running(j, e.config.max_num_seqs)
 
-    def _inst(self, rid: int) -> RoutingHost:
-        return self.instances[rid % len(self.instances)]
+    def _ledger(self, rid: int) -> Bookings:
+        return self.ledgers[rid % len(self.ledgers)]
 
-    def _post(self, rid: int, update: Callable[[RoutingHost], None]) -> None:
+    def _post(self, rid: int, update: Callable[[Bookings], None]) -> None:
         """Shared view with a delay: apply ``update`` to every instance but ``rid``'s own, once
         ``sync_delay_s`` has passed. O(K)."""
         if self.sync_delay_s <= 0.0:
@@ -139,16 +148,16 @@ class ClusterRouter(EngineListener):
 
     def deliver_all(self) -> None:
         """Apply every update still on its way (the end of a run: the views settle)."""
-        for box, host in zip(self._inbox, self.instances, strict=True):
+        for box, ledger in zip(self._inbox, self.ledgers, strict=True):
             while box:
-                box.popleft()[1](host)
+                box.popleft()[1](ledger)
 
     def _deliver(self, k: int) -> None:
         """Apply the updates that have reached instance ``k`` by now, in the order sent."""
         box, now = self._inbox[k], self.clock.now()
-        host = self.instances[k]
+        ledger = self.ledgers[k]
         while box and box[0][0] <= now:
-            box.popleft()[1](host)
+            box.popleft()[1](ledger)
 
     def _prompt_hashes(self, spec: RequestSpec) -> Sequence[int]:
         return spec.block_hashes[: spec.prompt_tokens // self.block_size]
@@ -156,59 +165,70 @@ class ClusterRouter(EngineListener):
     # -- routing -----------------------------------------------------------------------------
 
     def __call__(self, spec: RequestSpec, replicas: list[EngineModel]) -> int:
-        inst = self._inst(spec.rid)
+        ledger = self._ledger(spec.rid)
         if self.sync_delay_s > 0.0:
             self._deliver(spec.rid % len(self.instances))
         hashes = self._prompt_hashes(spec)
-        d = inst.decide(spec.rid, spec.prompt_tokens, hashes,
-                       session=str(spec.session) if spec.session >= 0 else None)
-        pick, matched = d.pick, d.matched_blocks
+        key = str(spec.rid)
+        d, _ = ledger.choose(key, key, spec.prompt_tokens, hashes,
+                             session=str(spec.session) if spec.session >= 0 else None)
+        pick = d.pick
         if self.flow is not None:
             ranked = [j for tier in d.ranks for j in tier if j != d.pick]
             order = [d.pick, *ranked, *(j for j in range(len(replicas)) if j != d.pick and j not in ranked)]
             pick = self.flow.place(spec, replicas, order)
             if pick < 0:
-                return -1  # refused: never booked
-            if pick != d.pick:
-                matched = 0  # the index's match was for the pick
-        inst.record_routed(pick, hashes, d.reason)
-        inst.book(spec.rid, pick, spec.prompt_tokens, matched, hashes)
-        self._estimated[spec.rid] = matched
+                ledger.unbook(key)  # refused: never sent
+                return -1
+        b = ledger.sent(key, pick, key, spec.prompt_tokens, hashes).booking
+        assert b is not None
         if self.sync_delay_s > 0.0:
-            rid, n, est, best = spec.rid, spec.prompt_tokens, matched, d.best_blocks
-            self._post(rid, lambda h: h.adopt(rid, pick, hashes, n, est, best))
+            event = ledger.routed_event(b)
+            self._post(spec.rid, lambda lg: lg.apply_remote(event))
         elif self.view == SHARED:  # one index and load view: only the policies' own statistics
             for other in self.instances:
-                if other is not inst:
-                    other.policy.on_adopted(hashes, d.best_blocks, spec.prompt_tokens)
+                if other is not ledger.host:
+                    other.policy.on_adopted(hashes, b.best_blocks, spec.prompt_tokens)
         return pick
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 
+    def _remote_key(self, rid: int) -> str | None:
+        """The key other instances booked request ``rid`` under (a shared view with a delay),
+        None if its instance has no booking for it."""
+        ledger = self._ledger(rid)
+        b = ledger.get(str(rid))
+        return None if b is None else REMOTE + ledger.shared_key(b)
+
     def on_admitted(self, replica: int, r: EngineRequest) -> None:
-        self._inst(r.rid).on_started(r.rid)
-        if self.sync_delay_s > 0.0:
-            rid, at = r.rid, self.clock.now()
-            self._post(rid, lambda h: h.on_started(rid, started_at=at))
+        if self.sync_delay_s > 0.0 and (remote := self._remote_key(r.rid)) is not None:
+            at = self.clock.now()
+            self._post(r.rid, lambda lg: lg.started(remote, started_at=at))
+        self._ledger(r.rid).started(str(r.rid))
 
     def on_first_token(self, replica: int, r: EngineRequest) -> None:
-        self._inst(r.rid).on_first_token(r.rid)
-        if self.sync_delay_s > 0.0:
-            rid = r.rid
-            self._post(rid, lambda h: h.on_first_token(rid))
+        if self.sync_delay_s > 0.0 and (remote := self._remote_key(r.rid)) is not None:
+            self._post(r.rid, lambda lg: lg.first_token(remote))
+        self._ledger(r.rid).first_token(str(r.rid))
 
     def on_preempted(self, replica: int, r: EngineRequest) -> None:
-        self._inst(r.rid).on_preempted(r.rid, r.target)
-        if self.sync_delay_s > 0.0:
-            rid, target = r.rid, r.target
-            self._post(rid, lambda h: h.on_preempted(rid, target))
+        if self.sync_delay_s > 0.0 and (remote := self._remote_key(r.rid)) is not None:
+            target = r.target
+            self._post(r.rid, lambda lg: lg.preempted(remote, target))
+        self._ledger(r.rid).preempted(str(r.rid), r.target)
 
     def on_finished(self, replica: int, r: EngineRequest) -> None:
-        rid, hashes, cached = r.rid, self._prompt_hashes(r.spec), r.cached_tokens
-        est = self._estimated.pop(rid, None)
-        self._inst(rid).finished(rid, replica, hashes, cached, est)
-        if self.sync_delay_s > 0.0:
-            self._post(rid, lambda h: h.finished(rid, replica, hashes, cached, est))
+        ledger, key, cached = self._ledger(r.rid), str(r.rid), r.cached_tokens
+        b = ledger.complete(key, replica).booking
+        ledger.report_cached(key, replica, cached)
+        if self.sync_delay_s > 0.0 and b is not None:
+            event = ledger.finished_event(b)
+
+            def finished(lg: Bookings) -> None:
+                lg.apply_remote(event)
+                lg.report_cached(key, replica, cached)
+
+            self._post(r.rid, finished)
         if self.engines:
             usage = self.engines[replica].pool.usage()
             for load in self._loads:
@@ -233,7 +253,7 @@ class ClusterRouter(EngineListener):
             return
         if self.sync_delay_s > 0.0:
             batch = tuple(events)
-            item = (self.clock.now() + self.sync_delay_s, lambda h: apply(h.index, replica, batch))
+            item = (self.clock.now() + self.sync_delay_s, lambda lg: apply(lg.host.index, replica, batch))
             for box in self._inbox:
                 box.append(item)
             return

@@ -9,6 +9,9 @@ rank, or never: its caller left), the completion, the replicas' periodic
 tokens the finished ones got) and the other routers' ``fairway/routing/view_log.py`` events. This
 class keeps the bookings and applies all of them to one ``RoutingHost`` (the policy, its prefix
 index and load view), so the logic is pure, runs on an injected clock, and is tested without Ray.
+The simulator's router instances (``sim/cluster.py``) run on it too: they hear each request's life
+from the engine models directly (``started``, ``first_token``, ``preempted``, ``complete``,
+``report_cached``) instead of through stats reports, and exchange the shared view's events.
 
 Each mutating method returns a ``Changes``: the replicas whose load (outstanding, queued prefill)
 changed, which the host publishes (gauges), and the cached-token reports of this router's own
@@ -25,6 +28,7 @@ O(tracked requests + its lists); a dead router O(tracked requests). Memory: at m
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -100,11 +104,15 @@ class Bookings:
     """The ledger of one live router over ``host`` (see the module docstring).
 
     ``source``: this router's name in the shared view (its events' keys start with it);
-    ``exact``: the host's index is a ``FallbackIndex`` that takes the replicas' KV events."""
+    ``exact``: the host's index is a ``FallbackIndex`` that takes the replicas' KV events;
+    ``known``: the unique ids of replicas the host already has, in its order (others are added on
+    first sight); ``rids``: the host's request ids, when several ledgers share one load view
+    (default: this ledger's own count)."""
 
     def __init__(self, host: RoutingHost, clock: Clock, wall: Callable[[], float], source: str = "",
                  exact: bool = False, max_tracked: int = MAX_TRACKED,
-                 max_awaiting_feedback: int = MAX_AWAITING_FEEDBACK) -> None:
+                 max_awaiting_feedback: int = MAX_AWAITING_FEEDBACK, known: Sequence[str] = (),
+                 rids: Iterator[int] | None = None) -> None:
         if max_tracked < 1 or max_awaiting_feedback < 1:
             raise ValueError("max_tracked and max_awaiting_feedback must be >= 1")
         self.host = host
@@ -114,13 +122,13 @@ class Bookings:
         self.exact = exact
         self.max_tracked = max_tracked
         self.max_awaiting_feedback = max_awaiting_feedback
-        self.names: list[str] = []  # replica index -> unique id
+        self.names: list[str] = list(known)  # replica index -> unique id
         self.kv_hashes_applied = 0  # hashes of the replicas' KV events applied (exact view)
-        self._ids: dict[str, int] = {}
+        self._ids: dict[str, int] = {uid: j for j, uid in enumerate(self.names)}
         self._routed: OrderedDict[str, Booking] = OrderedDict()  # key -> booking, oldest first
         self._done: OrderedDict[str, Booking] = OrderedDict()  # request id -> finished, awaiting feedback
         self._seen_stats: dict[int, float] = {}  # replica -> the last report's taken_at
-        self._next_rid = 0
+        self._rids = itertools.count() if rids is None else rids  # the host's request ids
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -157,14 +165,15 @@ class Bookings:
     # -- this router's requests ----------------------------------------------------------------
 
     def choose(self, key: str, request_id: str, prompt_tokens: int, hashes: Sequence[int],
-               replicas: Sequence[int], session: str | None = None) -> tuple[Decision, Changes]:
-        """Decide for a request among ``replicas`` and book the pick at once (a burst routed
+               replicas: Sequence[int] | None = None, session: str | None = None) -> tuple[Decision, Changes]:
+        """Decide for a request among ``replicas`` (default all) and book the pick at once (a burst routed
         concurrently must see each other's bookings). A booking already under ``key`` (a retry
         of the same request) is forgotten first. ``Changes.booking`` is the new booking."""
         changes = self.unbook(key)
         hashes = tuple(hashes)
-        d = self.host.decide(self._next_rid, prompt_tokens, hashes, replicas=replicas, session=session)
-        self._book(key, request_id, d.pick, prompt_tokens, hashes, d.matched_blocks, d.reason,
+        rid = next(self._rids)
+        d = self.host.decide(rid, prompt_tokens, hashes, replicas=replicas, session=session)
+        self._book(rid, key, request_id, d.pick, prompt_tokens, hashes, d.matched_blocks, d.reason,
                    d.best_blocks, self.wall(), changes)
         return d, changes
 
@@ -174,7 +183,8 @@ class Bookings:
         """Book a request on ``replica`` without a decision (``routed_at``: default now). Beyond
         ``max_tracked`` bookings the oldest is forgotten."""
         changes = Changes()
-        self._book(key, request_id, replica, prompt_tokens, tuple(hashes), estimated_blocks, reason, best_blocks,
+        self._book(next(self._rids), key, request_id, replica, prompt_tokens, tuple(hashes), estimated_blocks, reason,
+                   best_blocks,
                    self.wall() if routed_at is None else routed_at, changes)
         return changes
 
@@ -189,7 +199,7 @@ class Bookings:
             best = b.best_blocks if b is not None else 0
             changes.replicas += self.unbook(key).replicas
             hashes = tuple(hashes)
-            self._book(key, request_id, replica, prompt_tokens, hashes,
+            self._book(next(self._rids), key, request_id, replica, prompt_tokens, hashes,
                        self.host.index.match_one(replica, hashes), reason, best, self.wall(), changes)
             b = changes.booking
             assert b is not None
@@ -270,25 +280,66 @@ class Bookings:
                 load.on_prefill_done(b.rid)
         changes = Changes()
         for request_id, got in stats.recent_cached.items():
-            b = self._done.pop(request_id, None)
-            if b is not None and b.replica == replica:
-                host.feedback(replica, b.hashes, int(got), b.estimated_blocks)
-                if not b.remote:
-                    changes.cached.append(CachedTokens(replica, b.estimated_blocks * host.block_size, int(got),
-                                                       b.prompt_tokens))
+            changes.cached += self.report_cached(request_id, replica, int(got)).cached
         changes.replicas.append(replica)
         return changes
 
+    def report_cached(self, request_id: str, replica: int, cached_tokens: int) -> Changes:
+        """The cached tokens a finished request got on ``replica`` (< 0: none, it failed): the
+        index is corrected (or, without a report, stops counting the prompt as in flight), and a
+        report on this router's own request is counted. A request not awaiting its report, or
+        finished on another replica, changes nothing (the latter is forgotten). O(prompt blocks)."""
+        b = self._done.pop(request_id, None)
+        if b is None or b.replica != replica:
+            return Changes()
+        if cached_tokens < 0:
+            self.host.release(replica, b.hashes)
+            return Changes()
+        self.host.feedback(replica, b.hashes, cached_tokens, b.estimated_blocks)
+        if b.remote:
+            return Changes()
+        return Changes(cached=[CachedTokens(replica, b.estimated_blocks * self.host.block_size, cached_tokens,
+                                            b.prompt_tokens)])
+
+    # -- a host that hears each request's life (the simulator's engines) -----------------------
+
+    def started(self, key: str, started_at: float | None = None) -> None:
+        """The booked request under ``key`` left its replica's queue (at ``started_at`` on the
+        clock, default now). O(log queued)."""
+        b = self._routed.get(key)
+        if b is not None:
+            b.started = True
+            self.host.on_started(b.rid, started_at=started_at)
+
+    def first_token(self, key: str) -> None:
+        """The booked request under ``key`` has its first token. O(log queued)."""
+        b = self._routed.get(key)
+        if b is not None:
+            self.host.on_first_token(b.rid)
+
+    def preempted(self, key: str, prompt_tokens: int) -> None:
+        """The engine preempted the request under ``key``: its ``prompt_tokens`` of prefill are
+        queued again. O(log queued)."""
+        b = self._routed.get(key)
+        if b is not None:
+            b.started = False
+            self.host.on_preempted(b.rid, prompt_tokens)
+
     # -- the shared view -----------------------------------------------------------------------
+
+    def shared_key(self, b: Booking) -> str:
+        """The key of this router's booking ``b`` in the shared view (another router books it
+        under ``REMOTE`` + this key)."""
+        return f"{self.source}:{b.rid}"
 
     def routed_event(self, b: Booking) -> RequestRouted:
         """The shared view's event for this router's sent booking ``b``."""
-        return RequestRouted(self.names[b.replica], f"{self.source}:{b.rid}", b.hashes, b.prompt_tokens,
+        return RequestRouted(self.names[b.replica], self.shared_key(b), b.hashes, b.prompt_tokens,
                              b.estimated_blocks, b.request_id, b.routed_at, b.best_blocks)
 
     def finished_event(self, b: Booking) -> RequestFinished:
         """The shared view's event for this router's completed booking ``b``."""
-        return RequestFinished(f"{self.source}:{b.rid}")
+        return RequestFinished(self.shared_key(b))
 
     def apply_snapshot(self, kv: dict[str, list[int]], host_only: dict[str, list[int]] | None = None) -> None:
         """The hub's snapshot of every replica's blocks (and host-only blocks, for replicas
@@ -309,8 +360,7 @@ class Bookings:
             if key in self._routed:  # a batch sent twice (its first exchange timed out)
                 return Changes()
             j = self.replica(event.replica)
-            rid = self._next_rid
-            self._next_rid += 1
+            rid = next(self._rids)
             self.host.adopt(rid, j, event.hashes, event.prompt_tokens, event.estimated_blocks, event.best_blocks)
             changes = Changes()
             self._track(key, Booking(rid, event.request_id, j, tuple(event.hashes), event.estimated_blocks,
@@ -348,10 +398,8 @@ class Bookings:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _book(self, key: str, request_id: str, replica: int, prompt_tokens: int, hashes: tuple[int, ...],
+    def _book(self, rid: int, key: str, request_id: str, replica: int, prompt_tokens: int, hashes: tuple[int, ...],
               estimated_blocks: int, reason: str, best_blocks: int, routed_at: float, changes: Changes) -> None:
-        rid = self._next_rid
-        self._next_rid += 1
         self.host.book(rid, replica, prompt_tokens, estimated_blocks, hashes)
         b = Booking(rid, request_id, replica, hashes, estimated_blocks, prompt_tokens, routed_at, reason=reason,
                     best_blocks=max(best_blocks, estimated_blocks))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fairway.clock import ManualClock
-from fairway.engine.model import EngineConfig, EngineModel
+from fairway.engine.model import EngineConfig, EngineModel, EngineRequest
 from fairway.policies import make_policy
 from fairway.routing import ROUTERS
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
@@ -145,13 +145,34 @@ def test_shared_view_with_a_delay_learns_after_the_delay_in_order():
     a = route(host, 0, 0.0, clock)  # instance 0
     clock.set(0.4)
     host._deliver(1)  # not yet due: instance 1 knows nothing of rid 0
-    assert host.instances[1].index.match(chain("doc", 10)) == [0, 0, 0, 0] and 0 not in host.instances[1].load
+    assert host.instances[1].index.match(chain("doc", 10)) == [0, 0, 0, 0]
+    assert list(host.ledgers[1]) == [] and host.instances[1].load.live().outstanding[a] == 0
     assert route(host, 3, 0.6, clock) == a  # due now: delivered before instance 1 decides
-    assert host.instances[1].index.match(chain("doc", 10))[a] == 10 and 0 in host.instances[1].load
-    assert 3 not in host.instances[0].load  # and rid 3 reaches instance 0 only after the delay
+    assert host.instances[1].index.match(chain("doc", 10))[a] == 10
+    assert list(host.ledgers[1]) == ["remote:router0:0", "3"]  # adopted through the ledger, then its own
+    assert list(host.ledgers[0]) == ["0"]  # and rid 3 reaches instance 0 only after the delay
     clock.set(1.1)
     host._deliver(0)
-    assert 3 in host.instances[0].load
+    assert list(host.ledgers[0]) == ["0", "remote:router1:1"]
+    assert host.instances[0].load.live().outstanding[a] == 2
+
+
+def test_shared_view_with_a_delay_ends_a_request_everywhere_with_its_feedback():
+    host, clock = two_routers(view="shared", sync_delay_s=0.5)
+    a = route(host, 0, 0.0, clock)
+    clock.set(0.6)
+    host._deliver(1)
+    request = EngineRequest(spec(0, 0.0, 160, 4, chain("doc", 10)), 0)
+    request.cached_tokens = 0
+    host.on_admitted(a, request)
+    host.on_finished(a, request)  # nothing was cached: both indexes learn it, instance 1 after the delay
+    assert list(host.ledgers[0]) == [] and host.instances[0].load.live().outstanding[a] == 0
+    assert not host.ledgers[0].awaiting_feedback("0")
+    assert list(host.ledgers[1]) == ["remote:router0:0"]
+    clock.set(1.2)
+    host._deliver(1)
+    assert list(host.ledgers[1]) == [] and host.instances[1].load.live().outstanding[a] == 0
+    assert not host.ledgers[1].awaiting_feedback("0")
 
 
 def test_a_shared_view_with_a_delay_delivers_kv_events_after_the_delay():

@@ -4,6 +4,8 @@ exact expectations (which replicas changed, what the load view and the index hol
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -194,6 +196,56 @@ def test_cached_token_reports_correct_the_index_and_count_only_this_routers_requ
     b.book("k2", "b", 0, 64, chain("b", 4), 0)
     b.complete("k2", 0)
     assert b.apply_stats(1, stats(T0 + 1, recent_cached={"b": 64})).cached == [] and not b.awaiting_feedback("b")
+
+
+def test_a_direct_cached_report_is_taken_once_and_a_failed_request_releases_its_blocks():
+    clock = ManualClock(T0)
+    cost = CostModel.from_profile("h200-llama3-8b")
+    host = RoutingHost(make_router("ray-prefix", clock=clock, cost=cost, block_size=BS),
+                       PrefixIndex(2, mode="events"), LoadView(2, clock, cost, block_size=BS), block_size=BS)
+    b = Bookings(host, clock, clock.now, source="me", known=["r0", "r1"])
+    for key in ("k1", "k2"):
+        b.sent(key, 1, key, 4 * BS, chain(key, 4))
+        b.complete(key, 1)
+        assert host.index.match(chain(key, 4)) == [0, 4]  # in flight until its report
+    assert b.report_cached("k1", 0, 2 * BS) == Changes() and not b.awaiting_feedback("k1")  # other replica
+    assert host.index.match(chain("k1", 4)) == [0, 4]  # ... is not its report (and is consumed)
+    assert b.report_cached("k2", 1, -1) == Changes() and not b.awaiting_feedback("k2")
+    assert host.index.match(chain("k2", 4)) == [0, 0]  # failed: its blocks no longer count in flight
+    assert b.report_cached("k2", 1, 0) == Changes()  # a report is taken once
+
+
+def test_a_host_that_hears_each_event_starts_preempts_and_releases_a_prefill():
+    b, clock = ledger(policy="llmd")
+    b.sent("k", 0, "a", 8 * BS, chain("a", 8))
+    queued = b.host.load.live().queued_prefill_tokens
+    assert queued == (8 * BS, 0)
+    clock.advance(1.0)
+    b.started("k")
+    assert b.get("k").started and b.host.load.live().queued_prefill_tokens == (0, 0)
+    assert b.host.load.live().active_prefill_tokens == (8 * BS, 0)  # held until the first token (llmd)
+    b.first_token("k")
+    assert b.host.load.live().active_prefill_tokens == (0, 0)
+    b.preempted("k", 8 * BS)
+    assert not b.get("k").started and b.host.load.live().queued_prefill_tokens == (8 * BS, 0)
+    b.started("missing")  # an unknown key changes nothing
+    assert outstanding(b) == (1, 0)
+
+
+def test_ledgers_over_one_load_view_share_one_set_of_request_ids():
+    clock = ManualClock(T0)
+    cost = CostModel.from_profile("h200-llama3-8b")
+    index, load = PrefixIndex(2), LoadView(2, clock, cost, block_size=BS)
+    rids = itertools.count()
+    ledgers = [Bookings(RoutingHost(make_router("ray-prefix", clock=clock, cost=cost, block_size=BS),
+                                    index, load, block_size=BS), clock, clock.now, source=f"s{k}",
+                        known=["r0", "r1"], rids=rids) for k in range(2)]
+    assert ledgers[0].index_of("r1") == 1 and ledgers[0].names == ["r0", "r1"]
+    one = ledgers[0].sent("a", 0, "a", 64, chain("a", 4)).booking
+    two = ledgers[1].sent("b", 0, "b", 64, chain("b", 4)).booking
+    assert (one.rid, two.rid) == (0, 1) and load.live().outstanding == (2, 0)
+    ledgers[0].complete("a", 0)
+    assert load.live().outstanding == (1, 0)  # the other ledger's request is still there
 
 
 # -- the shared view ---------------------------------------------------------------------------
