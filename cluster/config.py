@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.policies import validated_policy
+from fairway.policies.classes import ClassesConfig, ClassSpec
 from fairway.routing import validated_router
 from fairway.routing.fairway import router_options_for
 from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
@@ -68,6 +69,9 @@ class ClusterArgs(ServedModel, ServedEngine):
     max_queued_requests: int = Field(-1, description="Ray-level queue at each handle (-1 unbounded) -> 503")
     limits: RequestLimits = Field(default_factory=RequestLimits)
     auth: AuthArgs = Field(default_factory=AuthArgs)
+    classes: list[ClassSpec] = Field(default_factory=list, description="request classes (docs/design.md, Flow "
+                                     "control): name, tier (strict, lower first), weight, objective_s, max_wait_s")
+    default_class: str = Field("", description="the class of a request that names none (default: the last)")
 
     @model_validator(mode="after")
     def _resolve_policies(self) -> ClusterArgs:
@@ -76,6 +80,16 @@ class ClusterArgs(ServedModel, ServedEngine):
         if self.auth.keys_file:
             self.auth.keys_file = resolve_path(self.auth.keys_file)
         KeyTable(self.auth)
+        classes = self.request_classes()
+        for name, tenant in self.auth.tenants.items():
+            if tenant.default_class:
+                try:
+                    classes.resolve(tenant.default_class)
+                except ValueError as e:
+                    raise ValueError(f"auth.tenants.{name}.default_class: {e}") from None
+        if classes.classes and self.replica.policy == "classes":
+            raise ValueError("the request classes are configured once, at the top level (classes:); "
+                             "replica.policy names the order within a class")
         if self.router.prefix_view == "events" and (self.router.shared_view is False
                                                     or self.router.policy == RAY_DEFAULT_ROUTER):
             raise ValueError("router.prefix_view: events needs Fairway's request router with its shared view "
@@ -91,6 +105,10 @@ class ClusterArgs(ServedModel, ServedEngine):
                              profile=self.profile)
         return self
 
+    def request_classes(self) -> ClassesConfig:
+        """The configured request classes (``ValueError`` for duplicates or an unknown default)."""
+        return ClassesConfig(tuple(self.classes), self.default_class)
+
     def router_policy_options(self) -> dict[str, Any]:
         """The router policy's options: the YAML's, plus (for ``fairway``, where the YAML leaves
         them out) the wait model that matches the replicas' queue policy."""
@@ -100,7 +118,7 @@ class ClusterArgs(ServedModel, ServedEngine):
     def ingress_args(self) -> IngressArgs:
         served = self.model_dump(include=set(ServedModel.model_fields))
         return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
-                           auth=self.auth)
+                           auth=self.auth, classes=self.request_classes())
 
     def replica_engine_args(self) -> dict[str, Any]:
         """The engine options every replica builds its engine with: the YAML's ``engine_args``,
@@ -124,6 +142,7 @@ class ClusterArgs(ServedModel, ServedEngine):
             engine_args=self.replica_engine_args(),
             publish_kv_events=self.router.prefix_view == "events",
             kv_publish_period_s=self.router.sync_period_s,
+            classes=self.request_classes(),
         )
 
     def router_kwargs(self) -> dict[str, Any]:

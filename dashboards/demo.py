@@ -68,6 +68,10 @@ class SyntheticCluster:
             self.router.observe_ingress(0.001 * rng.random())
             self.router.observe_loop_lag(0.002 * rng.random())
             self.router.observe_e2e(lane, ttft + 0.002 + 0.5 * rng.random(), name)
+            if rng.random() < 0.2:  # a fifth interactive (1 s objective), the rest batch (30 s)
+                self.router.observe_class_ttft("interactive", ttft + 0.002, 1.0)
+            else:
+                self.router.observe_class_ttft("batch", ttft + 0.002, 30.0)
             self.router.inc_requests(lane, "ok", name)
             self.router.observe_cached_tokens(est, actual, prompt, name)
             rep.observe_queue_wait(lane, wait)

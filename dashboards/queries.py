@@ -165,6 +165,11 @@ PANELS: tuple[Panel, ...] = (
         stack="normal",
     ),
     Panel("overview", "rejects", "Rejects/s by reason", "timeseries", "reqps", "Routing and rejects", stack="normal"),
+    Panel("overview", "class_ttft", "TTFT p50 / p99 per request class (router)", "timeseries", "s",
+          "Request classes", description="With classes configured (docs/design.md, Flow control)."),
+    Panel("overview", "class_attainment", "TTFT objective attainment per request class", "timeseries",
+          "percentunit", "Request classes",
+          description="The share of first tokens within the class's objective_s (goodput)."),
     # -- replicas ---------------------------------------------------------------------------
     Panel(
         "replicas",
@@ -213,6 +218,16 @@ QUERIES: tuple[Query, ...] = (
     Query("ttft_parts", "F", _q(0.9, "fairway_e2e_seconds", "level", 'level="router"'), "end to end"),
     Query("ttft_parts", "G", _q(0.9, "fairway_ingress_loop_lag_seconds", "level", 'level="router"'),
           "ingress loop lag"),
+    # -- request classes --------------------------------------------------------------------
+    # (data only with classes configured, which deploy/cluster.yaml does not: the demo pipeline has them)
+    Query("class_ttft", "A", _q(0.5, "fairway_class_ttft_seconds", "class", 'level="router"'), "{{class}} p50",
+          expect_data=False),
+    Query("class_ttft", "B", _q(0.99, "fairway_class_ttft_seconds", "class", 'level="router"'), "{{class}} p99",
+          expect_data=False),
+    Query("class_attainment", "A",
+          f'sum by (class) (rate(fairway_class_objective_total{{level="router",objective="met"}}[{RATE}])) / '
+          f'sum by (class) (rate(fairway_class_objective_total{{level="router"}}[{RATE}]))', "{{class}}",
+          expect_data=False),
     # -- traffic and lanes ------------------------------------------------------------------
     Query(
         "lane_split",

@@ -118,6 +118,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "routing_decisions", "counter", "fairway_routing_decisions_total", "Routing decisions by reason and replica."
     ),
     MetricSpec("rejects", "counter", "fairway_rejects_total", "Rejected requests by reason."),
+    MetricSpec("class_ttft", "histogram", "fairway_class_ttft_seconds",
+               "Level router: time to first token by request class (as fairway_ttft_seconds)."),
+    MetricSpec("class_objective", "counter", "fairway_class_objective_total",
+               "Level router: first tokens by request class within (objective=met) or past (missed) the class's "
+               "TTFT objective."),
     MetricSpec("retries", "counter", "fairway_retries_total",
                "Requests the ingress sent once more, to another replica, after one refused them (by reason)."),
     MetricSpec("router_outstanding", "gauge", "fairway_router_outstanding_requests",

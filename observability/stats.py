@@ -102,6 +102,7 @@ _COUNTERS = (
     "engine_preemptions",  # (replica,), set from the engine's own running total
     "view_syncs",  # (status,): the request router's exchanges with the shared view
     "retries",  # (reason,): level router, requests the ingress sent again after a replica refused them
+    "class_objective",  # (class, objective): level router, first tokens within ("met") or past ("missed") it
 )
 _GAUGES = (
     "queue_depth",  # (lane, replica)
@@ -123,6 +124,7 @@ _HISTOGRAMS = {
     "prefill": QUEUE_WAIT_BUCKETS_S,  # (lane, replica): level replica, engine admission -> first token
     "loop_lag": QUEUE_WAIT_BUCKETS_S,  # (): level router, how late the ingress's event loop runs a timer
     "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
+    "class_ttft": TTFT_BUCKETS_S,  # (class,): level router, TTFT by request class
 }
 # The label names of each series key, in key order.
 LABELS: dict[str, tuple[str, ...]] = {
@@ -143,6 +145,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_kv_usage": ("replica",),
     "view_syncs": ("status",),
     "retries": ("reason",),
+    "class_objective": ("class", "objective"),
     "view_degraded": (),
     "prefix_view_exact": (),
     "ttft": ("lane", "replica"),
@@ -153,6 +156,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "prefill": ("lane", "replica"),
     "loop_lag": (),
     "cache_estimate_error": ("replica",),
+    "class_ttft": ("class",),
 }
 COUNTERS = _COUNTERS
 GAUGES = _GAUGES
@@ -286,6 +290,13 @@ class FairwayStats:
     def inc_routing_decision(self, reason: str, replica: str = "") -> None:
         """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""
         self._inc("routing_decisions", (reason, self._replica(replica)), 1)
+
+    def observe_class_ttft(self, priority_class: str, seconds: float, objective_s: float) -> None:
+        """The router-level TTFT of one request of ``priority_class``, and whether it met the
+        class's TTFT objective (``objective_s``): goodput is the share that did."""
+        seconds = _clamp0(seconds)
+        self._observe("class_ttft", (priority_class,), seconds)
+        self._inc("class_objective", (priority_class, "met" if seconds <= objective_s else "missed"), 1)
 
     def inc_retry(self, reason: str) -> None:
         """The ingress sent a request again, once, after a replica refused it for ``reason``

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fairway.clock import MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.policies import make_policy
+from fairway.policies.classes import ClassesConfig
 from fairway.protocol import GenerateCall, ReplicaRoutingStats, TokenChunk
 from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import resolve_spec
@@ -76,6 +77,8 @@ class ReplicaArgs(ReplicaOptions, ServedEngine):
                                                        "view (router.prefix_view: events)")
     kv_publish_period_s: float = Field(DEFAULT_SYNC_PERIOD_S, gt=0, le=1.0, description="how often KV events "
                                                                                           "are sent")
+    classes: ClassesConfig = Field(default_factory=ClassesConfig, description="request classes: the gate orders "
+                                   "its queue by them (strict tiers, fair shares of prefill work)")
 
 
 def replica_name() -> str:
@@ -109,7 +112,10 @@ class FairwayReplica:
         block_size = self.engine.block_size
         cost = CostModel.from_profile(a.profile)
 
-        def new_policy() -> Any:  # one per tenant (replicas/tenants.py)
+        def new_policy() -> Any:  # one per tenant (replicas/tenants.py); by class within it, with classes
+            if a.classes.classes:
+                return make_policy("classes", clock=clock, cost=cost, block_size=block_size, classes=a.classes,
+                                   inner=a.policy, inner_options=a.policy_options)
             return make_policy(a.policy, clock=clock, cost=cost, block_size=block_size, **a.policy_options)
 
         policy = new_policy()

@@ -249,12 +249,12 @@ class AdmissionGate:
         q = self.policy.get(next(iter(self._waiting)))
         return q if self.clock.now() - q.arrival_s >= bound else None
 
-    def _full(self, tenant: str = "") -> tuple[str, float]:
-        """Why the queue takes no more requests of ``tenant`` (``max_queue`` waiting, or an
-        estimated wait of ``max_queue_wait_s``) and the estimated wait; ("", wait) if it takes it.
-        O(waiting) for the work's sums."""
+    def _full(self, tenant: str = "", priority_class: str = "") -> tuple[str, float]:
+        """Why the queue takes no more requests of ``tenant`` and ``priority_class``
+        (``max_queue`` waiting, or an estimated wait of ``max_queue_wait_s``) and the estimated
+        wait; ("", wait) if it takes it. O(waiting) for the work's sums."""
         cfg = self.config
-        wait = self.queue_wait_s(tenant)
+        wait = self.queue_wait_s(tenant, priority_class)
         if len(self._waiting) >= cfg.max_queue:
             return f"{cfg.max_queue} waiting", wait
         if self._at_wait_bound(wait):
@@ -266,11 +266,13 @@ class AdmissionGate:
         bound = self.config.max_queue_wait_s
         return bound is not None and bool(self._waiting) and wait >= bound
 
-    def queue_wait_s(self, tenant: str | None = None) -> float:
+    def queue_wait_s(self, tenant: str | None = None, priority_class: str = "") -> float:
         """Estimated wall seconds until the engine has started everything waiting here (None), or
-        everything a new request of ``tenant`` waits for (its own tenant's queue and the others'
-        equal share: ``TenantQueues.work_ahead_s``). O(waiting)."""
-        work = self.policy.queued_prefill_s() if tenant is None else self.policy.work_ahead_s(tenant)
+        everything a new request of ``tenant`` and ``priority_class`` waits for (its own tenant's
+        queue and the others' equal share, the work ordered ahead of its class:
+        ``TenantQueues.work_ahead_s``). O(waiting)."""
+        work = (self.policy.queued_prefill_s() if tenant is None
+                else self.policy.work_ahead_s(tenant, priority_class))
         return self.drain.wait_s(work)
 
     async def submit(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
@@ -289,7 +291,7 @@ class AdmissionGate:
             self._reject("stalled")
             raise EngineFailed(f"replica {self.replica}: engine stalled; retry", retry_after_s=1.0)
         self.drain.observe(self.clock.now(), bool(self._waiting))
-        full, wait = self._full(call.tenant)
+        full, wait = self._full(call.tenant, call.priority_class)
         if full:
             self._reject("queue_full")
             raise Overloaded(f"replica {self.replica} queue is full ({full})", retry_after_s=max(1.0, round(wait, 1)),
@@ -303,7 +305,8 @@ class AdmissionGate:
         self._request_ids[rid] = call.request_id
         self.policy.add(QueuedRequest(rid=rid, arrival_s=self.clock.now(), prompt_tokens=n,
                                       block_hashes=call.block_hashes, seq=rid,
-                                      output_tokens=call.max_tokens), call.tenant)
+                                      output_tokens=call.max_tokens, priority_class=call.priority_class),
+                        call.tenant)
         self.pump()
         try:
             adm: Admission = await fut

@@ -94,7 +94,8 @@ class TenantQueues(QueueGroup):
         if len(self.queues) == 1:
             return None if "" in skip else self.queues[""].select()
         ready = (t for t, q in self.queues.items() if len(q) and t not in skip)
-        for t in sorted(ready, key=lambda t: (self.vtime[t], t)):
+        # request classes' strict tiers hold across tenants: the strictest tier waiting goes first
+        for t in sorted(ready, key=lambda t: (self.queues[t].best_tier(), self.vtime[t], t)):
             req = self.queues[t].select()
             if req is not None:
                 return req
@@ -148,14 +149,17 @@ class TenantQueues(QueueGroup):
 
     # -- aggregates the gate reports -----------------------------------------------------------
 
-    def work_ahead_s(self, tenant: str = "") -> float:
-        """The queued prefill work (cost-model seconds) a new request of ``tenant`` waits for
-        before it can start: with fair queueing, its own tenant's queue Q_t and, from every other
-        tenant u, the share served meanwhile, min(Q_u, Q_t) (equal service); with one queue, all
-        of it. So a quiet tenant is not refused for a flood's backlog. O(T)."""
+    def work_ahead_s(self, tenant: str = "", priority_class: str = "") -> float:
+        """The queued prefill work (cost-model seconds) a new request of ``tenant`` and
+        ``priority_class`` waits for before it can start: with fair queueing, the work its own
+        tenant's queue puts ahead of it, Q_t, and, from every other tenant u, the share served
+        meanwhile, min(Q_u, Q_t) (equal service); with one queue, all of it. Each Q counts only
+        the work its policy orders ahead of the class (all of it without classes). So a quiet
+        tenant is not refused for a flood's backlog, nor an interactive request for a batch
+        backlog. O(T)."""
         if self.factory is None or len(self.queues) == 1:
-            return self.queued_prefill_s()
-        work = {t: q.queued_prefill_s() for t, q in self.queues.items() if len(q)}
+            return sum(q.work_ahead_s(priority_class) for q in self.queues.values())
+        work = {t: q.work_ahead_s(priority_class) for t, q in self.queues.items() if len(q)}
         own = work.pop(tenant, 0.0)
         return own + sum(min(w, own) for w in work.values())
 

@@ -46,6 +46,8 @@ class TenantArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefix_groups: list[str] = Field(default_factory=list, description="named prefix groups this tenant may use")
+    default_class: str = Field("", description="the request class of this tenant's requests that name none "
+                                               "(default: the cluster's default class)")
 
 
 class AuthArgs(BaseModel):

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.hashing import block_hashes
+from fairway.policies.classes import ClassesConfig
 from fairway.protocol import GenerateCall, Overloaded, ReplicaError, TokenChunk, UnsupportedParameter
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.detokenize import IncrementalDetokenizer, StopFilter
@@ -59,6 +60,8 @@ logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
 #: the client's session key, for session-affinity routers (``session_of``)
 SESSION_HEADER = "X-Session-Id"
+#: a request's class by name when its body has no ``priority`` (docs/design.md, Flow control)
+CLASS_HEADER = "X-Fairway-Class"
 #: where ``ReceivedAt`` puts the time the ingress had a request's headers, in its ASGI scope state
 RECEIVED_KEY = "fairway_received_s"
 
@@ -185,6 +188,8 @@ class IngressArgs(ServedModel):
     auth: AuthArgs = Field(default_factory=AuthArgs)
     tokenizer_threads: int = Field(0, ge=0, description="threads that tokenize and render chat templates off "
                                                         "the event loop (0: one per CPU this process may use)")
+    classes: ClassesConfig = Field(default_factory=ClassesConfig, description="request classes: each request's "
+                                   "from its body's priority, the X-Fairway-Class header or its tenant")
 
 
 #: the period of ``watch_loop``'s timer, seconds
@@ -264,8 +269,23 @@ class FairwayIngress:
             raise HTTPError(404, f"the model `{model}` does not exist; this server serves `{self.args.model}`",
                             reason="unknown_model")
 
+    def _class_of(self, body: CompletionRequest | ChatCompletionRequest, request: Request | None) -> str:
+        """The request's class (``ClassesConfig.for_request``): its body's ``priority``, else the
+        ``X-Fairway-Class`` header, else its tenant's default, else the cluster's; a 400 naming
+        the valid ones for an unknown one. O(classes)."""
+        header = request.headers.get(CLASS_HEADER, "") if request is not None else ""
+        tenant = principal_of(request).tenant
+        spec = self.args.auth.tenants.get(tenant) if tenant else None
+        try:
+            return self.args.classes.for_request(body.priority, header, spec.default_class if spec else "")
+        except ValueError as e:
+            where = "priority" if body.priority is not None else CLASS_HEADER
+            raise HTTPError(400, f"{where}: {e}", reason="bad_request",
+                            param="priority" if body.priority is not None else None) from None
+
     def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int,
-              who: Principal = NO_AUTH, session: str = "", received_s: float = 0.0) -> GenerateCall:
+              who: Principal = NO_AUTH, session: str = "", received_s: float = 0.0,
+              priority_class: str = "") -> GenerateCall:
         n = len(ids)
         if n == 0:
             raise HTTPError(400, "prompt must not be empty", reason="bad_request")
@@ -296,6 +316,7 @@ class FairwayIngress:
             tenant=who.tenant,
             session=session,
             received_s=received_s,
+            priority_class=priority_class,
             seed=body.seed,
             top_p=body.top_p,
             frequency_penalty=body.frequency_penalty,
@@ -313,13 +334,14 @@ class FairwayIngress:
         self._watch_loop()
         try:
             self._check_model(body.model)
+            priority_class = self._class_of(body, request)
             if isinstance(body.prompt, list):
                 ids = body.prompt
             else:
                 self._check_text_bytes(body.prompt)
                 ids = await self._tokenized(self.tokenizer.encode_within, body.prompt)
             call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
-                              session_of(body, request), received_at(request))
+                              session_of(body, request), received_at(request), priority_class)
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=False, request=request)
@@ -328,6 +350,7 @@ class FairwayIngress:
         self._watch_loop()
         try:
             self._check_model(body.model)
+            priority_class = self._class_of(body, request)
             cap = self.args.limits.max_messages
             if len(body.messages) > cap:
                 raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}",
@@ -339,7 +362,7 @@ class FairwayIngress:
             if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
                 max_tokens = max(1, self.args.max_model_len - len(ids))
             call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
-                              received_at(request))
+                              received_at(request), priority_class)
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(call, body, chat=True, request=request)
@@ -449,9 +472,12 @@ class FairwayIngress:
 
     def _fairway(self, first: TokenChunk, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
         src = self._filled(first, last)
-        return {"lane": src.lane, "promoted": src.promoted, "replica": src.replica,
-                "queue_wait_s": src.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": src.ttft_s,
-                "ingress": self.name}
+        out = {"lane": src.lane, "promoted": src.promoted, "replica": src.replica,
+               "queue_wait_s": src.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": src.ttft_s,
+               "ingress": self.name}
+        if stream.call.priority_class:
+            out["class"] = stream.call.priority_class
+        return out
 
     def _echo(self, call: GenerateCall, body: Any, chat: bool) -> str:
         """The prompt's text, for a completion with ``echo`` ("" otherwise)."""
@@ -647,6 +673,9 @@ class _Stream:
         st = self.ingress.stats
         if st is not None:
             st.observe_ttft(self.lane, self.ttft_s, replica=self.replica)
+            name = self.call.priority_class
+            if name:
+                st.observe_class_ttft(name, self.ttft_s, self.ingress.args.classes.spec(name).objective_s)
 
     async def rest(self) -> AsyncIterator[TokenChunk]:
         if self.done:

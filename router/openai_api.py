@@ -13,7 +13,8 @@ No parameter is silently ignored: a field the models do not name is a 400 naming
 ``echo`` by the ingress on the detokenized output (so on every engine); ``seed``, ``top_p`` and the
 penalties and ``logit_bias`` by the engine (vLLM natively; the text-less sim engine makes ``seed``
 deterministic and refuses the others unless they are their no-op values); ``user`` and
-``prompt_cache_key`` are the session key; ``safety_identifier`` and ``parallel_tool_calls``
+``prompt_cache_key`` are the session key; ``priority`` is the request class (a class name or an
+integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` and ``parallel_tool_calls``
 change no output and are accepted. Refused: log probabilities, structured output, tools, audio,
 stored completions, ``suffix``, ``n`` / ``best_of`` above 1 (``REFUSED`` has each reason).
 """
@@ -26,7 +27,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
 
@@ -107,6 +117,8 @@ class _Common(BaseModel):
     user: str | None = None
     safety_identifier: str | None = Field(None, description="identifies the end user; changes no output")
     prompt_cache_key: str | None = Field(None, description="the session key when no X-Session-Id header is sent")
+    priority: StrictInt | StrictStr | None = Field(None, description="the request class: a class name, or an "
+                                                   "integer tier as vLLM's priority (lower first); 0 without classes")
     best_of: int | None = None
     logprobs: Any = None
 

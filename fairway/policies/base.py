@@ -223,6 +223,12 @@ class QueuePolicy(ABC):
         count only the work their order puts ahead of it. O(n)."""
         return self.queued_prefill_s()
 
+    def best_tier(self) -> int:
+        """The strictest request-class tier among the waiting requests (lower first): 0 for a
+        policy that ignores classes. A host that orders several queues (a gate's tenants) serves
+        the strictest tier first. O(1) here."""
+        return 0
+
     def preempt_victim(self, running: Sequence[int]) -> int:
         """Index into ``running`` (admission order) of the request to preempt: the newest, as
         vLLM does for FCFS."""

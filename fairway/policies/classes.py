@@ -110,6 +110,31 @@ class ClassesConfig:
             raise ValueError(f"unknown class {name!r}; valid: {', '.join(self.names) or '(none configured)'}")
         return name
 
+    def for_request(self, priority: int | str | None = None, header: str = "", tenant_default: str = "") -> str:
+        """The class of a request: the body's ``priority`` (a class name, or an integer tier as
+        vLLM's ``priority``: lower first, the first class configured with that tier), else the
+        ``header``'s class name, else its tenant's default, else the cluster's default. Without
+        classes, only ``priority`` 0 (vLLM's default) is accepted and the class is "".
+        ``ValueError`` that names the valid values otherwise. O(C)."""
+        if isinstance(priority, bool):
+            raise ValueError("priority must be a class name or an integer tier, not a boolean")
+        if isinstance(priority, int):
+            if not self.classes:
+                if priority == 0:
+                    return ""
+                raise ValueError(f"priority {priority}: this server has no request classes configured, so only "
+                                 "priority 0 is accepted")
+            for c in self.classes:
+                if c.tier == priority:
+                    return c.name
+            tiers = sorted({c.tier for c in self.classes})
+            raise ValueError(f"no request class has priority (tier) {priority}; valid: "
+                             f"{', '.join(map(str, tiers))}, or a class name: {', '.join(self.names)}")
+        for name in (priority, header, tenant_default):
+            if name:
+                return self.resolve(name)
+        return self.default_name
+
     def spec(self, name: str) -> ClassSpec:
         name = self.resolve(name)
         return next(c for c in self.classes if c.name == name)
@@ -264,6 +289,13 @@ class ClassQueues(QueueGroup, QueuePolicy):
         super().on_step(prefill_tokens)
         for q in self.queues.values():
             q.on_step(prefill_tokens)
+
+    def best_tier(self) -> int:
+        """The strictest tier with a waiting request (0 when none waits). O(C)."""
+        for tier in self._tiers:
+            if any(len(self.queues[c]) for c in tier):
+                return self.specs[tier[0]].tier
+        return 0
 
     def class_sizes(self) -> dict[str, int]:
         """Waiting requests per class (classes with none left out)."""

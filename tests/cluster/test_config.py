@@ -96,3 +96,31 @@ def test_the_replicas_age_bound_reaches_the_gate_config():
     assert ClusterArgs(replica={"oldest_first_after_s": 10}).replica_args().oldest_first_after_s == 10
     with pytest.raises(ValueError, match="oldest_first_after_s"):
         ClusterArgs(replica={"oldest_first_after_s": 0})
+
+
+CLASSES = [{"name": "interactive", "tier": 0, "objective_s": 1.0}, {"name": "batch", "tier": 1, "objective_s": 30.0}]
+
+
+def test_request_classes_reach_the_ingress_and_every_replica():
+    args = ClusterArgs(classes=CLASSES, default_class="interactive",
+                       auth={"tenants": {"evals": {"default_class": "batch"}}})
+    cfg = args.request_classes()
+    assert cfg.names == ("interactive", "batch") and cfg.default_name == "interactive"
+    assert args.ingress_args().classes == cfg and args.replica_args().classes == cfg
+    # the replica's arguments travel to Ray as a dict and come back whole
+    assert type(args.replica_args())(**args.replica_args().model_dump()).classes == cfg
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"classes": CLASSES + [{"name": "batch", "tier": 2}]}, "duplicate class names"),
+    ({"classes": CLASSES, "default_class": "gold"}, "default class 'gold' is not one of"),
+    ({"classes": [{"name": "x", "tier": -1}]}, "tier must be >= 0"),
+    ({"classes": [{"name": "x", "objective_s": 0}]}, "objective must be > 0"),
+    ({"classes": [{"name": "x", "prio": 1}]}, "prio"),
+    ({"classes": CLASSES, "auth": {"tenants": {"evals": {"default_class": "gold"}}}},
+     "auth.tenants.evals.default_class: unknown class 'gold'; valid: interactive, batch"),
+    ({"classes": CLASSES, "replica": {"policy": "classes"}}, "configured once, at the top level"),
+])
+def test_bad_request_classes_fail_when_the_config_is_parsed(extra, needle):
+    with pytest.raises(ValidationError, match=needle):
+        ClusterArgs(**extra)

@@ -1,5 +1,6 @@
 """End-to-end overload behaviour on the real cluster: a slowed-down engine (speed 0.1), a tiny
-gate queue and a small prefill budget, so bursts queue at the gate and overflow it."""
+gate queue and a small prefill budget, so bursts queue at the gate and overflow it; two request
+classes (a request without one is ``batch``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def slow():
     with running_cluster(num_replicas=2, engine_args={"speed": 0.1},
-                         replica={"max_queue": 3, "prefill_budget_tokens": 512}) as u:
+                         replica={"max_queue": 3, "prefill_budget_tokens": 512},
+                         classes=[{"name": "interactive", "tier": 0, "objective_s": 5.0},
+                                  {"name": "batch", "tier": 1, "objective_s": 60.0}]) as u:
         yield u
 
 
@@ -73,3 +76,31 @@ def test_burst_promotes_to_fair_lane(slow):
     assert any(p for _, p, _ in seen), seen
     assert {lane for lane, _, _ in seen} <= {"fast", "fair"}
     assert all(b["usage"]["completion_tokens"] == 2 for b in ok)
+
+
+def test_an_interactive_request_goes_before_a_waiting_batch_backlog(slow):
+    """Four cold batch requests (4,000 tokens) queue on the two slowed replicas; 0.3 s later
+    two interactive ones arrive, half as long again. Fairway's lanes alone would serve them last (least
+    work first); their class puts them first: each finishes before the last batch request on its
+    replica, and the classes are counted against their objectives."""
+    met = total(slow, "router", "fairway_class_objective_total")
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int, klass: str, n: int, after: float):
+                await asyncio.sleep(after)
+                payload = {"model": MODEL, "prompt": prompt_ids(900 + i, n), "max_tokens": 2, "priority": klass}
+                async with s.post(f"{slow}/v1/completions", json=payload,
+                                  timeout=aiohttp.ClientTimeout(total=300)) as r:
+                    return r.status, await r.json(), asyncio.get_running_loop().time()
+            batch = [one(i, "batch", 4000, 0.0) for i in range(4)]
+            interactive = [one(10 + i, "interactive", 6000, 0.3) for i in range(2)]
+            return await asyncio.gather(*batch, *interactive)
+
+    results = asyncio.run(run())
+    assert [c for c, _, _ in results] == [200] * 6, [b for _, b, _ in results]
+    assert [b["fairway"]["class"] for _, b, _ in results] == ["batch"] * 4 + ["interactive"] * 2
+    for _, b, done in results[4:]:
+        on_it = [d for _, x, d in results[:4] if x["fairway"]["replica"] == b["fairway"]["replica"]]
+        assert on_it and done < max(on_it), (b["fairway"], [x["fairway"] for _, x, _ in results])
+    assert total(slow, "router", "fairway_class_objective_total") - met == 6

@@ -21,7 +21,8 @@ from observability.exporter import (
 )
 from observability.stats import TTFT_BUCKETS_S, FairwayStats
 
-ALLOWED_LABELS = {"level", "lane", "replica", "policy", "status", "reason"}
+# "class": the configured request classes only (an unknown one is refused before any metric); "objective": met | missed
+ALLOWED_LABELS = {"level", "lane", "replica", "policy", "status", "reason", "class", "objective"}
 
 
 def _filled() -> list[FairwayStats]:

@@ -554,3 +554,66 @@ async def test_oldest_first_after_its_bound(bound, order, waits):
     await asyncio.gather(*tasks)
     assert engine.started == order
     assert {rid: ch.queue_wait_s for rid, ch in out if ch.token_ids == [7]} == pytest.approx(waits)
+
+
+# -- request classes ---------------------------------------------------------------------------
+
+CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
+
+
+async def test_strict_tiers_hold_across_tenants_and_fair_queueing_within_a_tier():
+    """Tenant a floods with batch requests, then tenant b sends two batch and tenant c one
+    interactive request. The interactive one goes first whatever its tenant; then the tenants'
+    fair queueing alternates a and b within the batch tier."""
+    clock = ManualClock()
+
+    def pol():
+        return make_policy("classes", clock=clock, cost=LinearCost(), block_size=16, classes=CLASSES, inner="fcfs")
+
+    engine = ScriptedEngine()
+    gate = AdmissionGate(engine, pol(), clock, GateConfig(prefill_budget_tokens=1), replica="r0", policy_factory=pol)
+    out: list = []
+    tasks = []
+    for rid in ("a0", "a1", "a2", "a3", "b0", "b1", "c0"):
+        c = call(rid, 64)
+        c.tenant = rid[0]
+        c.priority_class = "interactive" if rid[0] == "c" else "batch"
+        tasks.append(asyncio.create_task(consume(gate, c, out)))
+        await settle()
+    for _ in range(7):
+        engine.release(engine.started[-1])
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["a0", "c0", "b0", "a1", "b1", "a2", "a3"]
+
+
+async def test_an_interactive_request_is_not_refused_for_a_batch_backlog():
+    """Batch requests fill the queue to its wait bound (3 x 0.51 s waiting, the bound 1.5 s): a
+    fourth batch request is refused, an interactive one waits for none of that work and is taken,
+    and admitted next."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    gate = AdmissionGate(engine, make_policy("classes", clock=clock, cost=LinearCost(), block_size=16,
+                                             classes=CLASSES, inner="fcfs"),
+                         clock, GateConfig(prefill_budget_tokens=1, max_queue_wait_s=1.5), replica="r0")
+    out: list = []
+
+    def c(rid: str, klass: str) -> GenerateCall:
+        x = call(rid, 500)
+        x.priority_class = klass
+        return x
+
+    tasks = [asyncio.create_task(consume(gate, c(r, "batch"), out)) for r in ("b0", "b1", "b2", "b3")]
+    await settle()
+    assert engine.started == ["b0"] and gate.queue_wait_s("", "batch") == pytest.approx(1.53)
+    with pytest.raises(Overloaded):
+        async for _ in gate.submit(c("b4", "batch")):
+            pass
+    assert gate.queue_wait_s("", "interactive") == 0.0
+    tasks.append(asyncio.create_task(consume(gate, c("i0", "interactive"), out)))
+    await settle()
+    for r in ("b0", "i0", "b1", "b2", "b3"):
+        engine.release(r)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["b0", "i0", "b1", "b2", "b3"] and gate.rejected == 1

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 import router.ingress as ingress_mod
+from fairway.policies.classes import ClassesConfig
 from fairway.protocol import Overloaded, TokenChunk
 from router.auth import AuthArgs
 from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
@@ -93,10 +94,11 @@ class _Gen:
 class Server:
     """uvicorn serving ``app`` in a thread, on an ephemeral port."""
 
-    def __init__(self, limits: RequestLimits, auth: AuthArgs | None = None) -> None:
+    def __init__(self, limits: RequestLimits, auth: AuthArgs | None = None, classes: str = "") -> None:
         self.replicas = ScriptedReplicas()
         self.ingress = FairwayIngress(self.replicas, IngressArgs(model=MODEL, max_model_len=4096, metrics=False,
-                                                                 limits=limits, auth=auth or AuthArgs()))
+                                                                 limits=limits, auth=auth or AuthArgs(),
+                                                                 classes=ClassesConfig.parse(classes)))
         cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -438,6 +440,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "user": ("u9", _session("u9")),
     "safety_identifier": ("sid", _no_effect),
     "prompt_cache_key": ("pk", _session("pk")),
+    "priority": (1, REFUSE),  # no classes configured on this server: only 0; the classes test below honours it
     "best_of": (2, REFUSE),
     "logprobs": (1, REFUSE),
 }
@@ -673,6 +676,54 @@ def test_auth_refusals_are_counted(monkeypatch):
         assert post(srv, "/v1/completions", body, headers={**ok, "X-Fairway-Prefix-Group": "g"}).status_code == 403
         assert post(srv, "/v1/completions", body, headers=ok).status_code == 200
     assert stats.counter("rejects", reason="unauthorized") == 2 and stats.counter("rejects", reason="forbidden") == 1
+
+
+def test_a_requests_class_comes_from_its_body_header_or_tenant_and_is_measured(monkeypatch):
+    """With classes configured, each request carries its class to the replicas and gets it back in
+    the ``fairway`` object; its TTFT is counted by class against the class's objective."""
+    from observability.stats import FairwayStats
+
+    monkeypatch.setenv("FAIRWAY_TEST_KEYS", "k1=alice,k2=evals")
+    auth = AuthArgs(keys_env="FAIRWAY_TEST_KEYS", tenants={"evals": {"default_class": "batch"}})
+    with Server(RequestLimits(), auth=auth, classes="interactive:tier=0:objective=60,batch:tier=1:objective=30,"
+                                                   "bulk:tier=1:objective=1e-9") as srv:
+        stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+        srv.ingress.stats = stats
+        alice, evals = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2}
+        cases = [({}, alice, "bulk"),  # the cluster's default: the last class
+                 ({"priority": "interactive"}, evals, "interactive"),  # the body, over the tenant's default
+                 ({"priority": 0}, alice, "interactive"),  # an integer tier, as vLLM's priority
+                 ({"priority": 1}, alice, "batch"),  # the first class of tier 1
+                 ({}, {**alice, "X-Fairway-Class": "batch"}, "batch"),  # the header
+                 ({}, evals, "batch")]  # the tenant's default
+        for extra, headers, want in cases:
+            r = post(srv, "/v1/completions", {**body, **extra}, headers=headers)
+            assert r.status_code == 200, r.text
+            assert r.json()["fairway"]["class"] == want and srv.replicas.calls[-1].priority_class == want, extra
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "priority": 0}
+        r = post(srv, "/v1/chat/completions", chat, headers=alice)
+        assert r.status_code == 200 and r.json()["fairway"]["class"] == "interactive"
+        n = len(srv.replicas.calls)
+        for extra, headers, needle in [
+            ({"priority": 7}, alice, "priority: no request class has priority (tier) 7; valid: 0, 1, or a class name"),
+            ({"priority": "gold"}, alice, "priority: unknown class 'gold'; valid: interactive, batch, bulk"),
+            ({"priority": True}, alice, "priority"),
+            ({}, {**alice, "X-Fairway-Class": "gold"}, "X-Fairway-Class: unknown class 'gold'")]:
+            r = post(srv, "/v1/completions", {**body, **extra}, headers=headers)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert len(srv.replicas.calls) == n  # nothing refused reached a replica
+    assert stats.counter("class_objective", **{"class": "interactive", "objective": "met"}) == 3
+    assert stats.counter("class_objective", **{"class": "bulk", "objective": "missed"}) == 1
+    assert stats.counter("class_objective", **{"class": "batch", "objective": "met"}) == 3
+
+
+def test_without_classes_only_priority_zero_is_accepted(server):
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 1}
+    r = post(server, "/v1/completions", {**body, "priority": 0})
+    assert r.status_code == 200 and "class" not in r.json()["fairway"]
+    r = post(server, "/v1/completions", {**body, "priority": 1})
+    assert r.status_code == 400 and "no request classes configured" in r.json()["error"]["message"]
 
 
 # -- hostile input -----------------------------------------------------------------------------

@@ -156,3 +156,44 @@ def test_a_config_spec_builds_the_class_policy_with_its_classes():
     assert name == "classes" and opts == {"classes": "hi:tier=0,lo:tier=1:weight=2", "inner": "fcfs"}
     with pytest.raises(ValueError, match="weight"):
         validated_policy("classes[classes=hi:weight=0]")
+
+
+@pytest.mark.parametrize("priority, header, tenant, want", [
+    (None, "", "", "batch"),  # the default: the last class
+    ("interactive", "batch", "batch", "interactive"),  # the body first
+    (0, "batch", "", "interactive"),  # an integer tier, as vLLM's priority: the first class of that tier
+    (1, "", "", "bulk"),  # the first class configured with tier 1
+    (None, "batch", "interactive", "batch"),  # then the header
+    (None, "", "interactive", "interactive"),  # then the tenant's default
+])
+def test_a_requests_class_comes_from_its_body_then_header_then_tenant(priority, header, tenant, want):
+    cfg = ClassesConfig.parse("interactive:tier=0,bulk:tier=1,batch:tier=1")
+    assert cfg.for_request(priority, header, tenant) == want
+
+
+@pytest.mark.parametrize("cfg, priority, header, match", [
+    ("interactive:tier=0", 2, "", "no request class has priority \\(tier\\) 2; valid: 0, or a class name: interactive"),
+    ("interactive:tier=0", "gold", "", "unknown class 'gold'; valid: interactive"),
+    ("interactive:tier=0", None, "gold", "unknown class 'gold'"),
+    ("", 1, "", "no request classes configured, so only priority 0"),
+    ("", "gold", "", "unknown class 'gold'; valid: \\(none configured\\)"),
+    ("", True, "", "not a boolean"),
+])
+def test_an_unknown_class_or_tier_names_the_valid_ones(cfg, priority, header, match):
+    with pytest.raises(ValueError, match=match):
+        ClassesConfig.parse(cfg).for_request(priority, header)
+
+
+def test_without_classes_priority_zero_and_nothing_are_the_default():
+    assert ClassesConfig().for_request(0) == "" and ClassesConfig().for_request(None) == ""
+
+
+def test_best_tier_is_the_strictest_tier_waiting():
+    pol, _ = classes("interactive:tier=0,batch:tier=2")
+    assert pol.best_tier() == 0  # nothing waits
+    pol.add(req(0, 0.0, 64, "batch"))
+    assert pol.best_tier() == 2
+    pol.add(req(1, 0.0, 64, "interactive"))
+    assert pol.best_tier() == 0
+    pol.remove(1)
+    assert pol.best_tier() == 2
