@@ -30,12 +30,13 @@ if [ "$vllm_part" -eq 0 ]; then
   set -e
   exit "$rc"
 fi
-# The full suite: the cluster tests (e2e) first, while the vLLM setup runs; then the others
-# alongside the real-vLLM part. Both of those mostly wait (on vLLM's start-up, on a replica's
-# replacement), so together they take about as long as the vLLM part alone.
+# The full suite: the modules under tests/e2e (each starts a Ray cluster) first, while the vLLM
+# setup runs; then every other test alongside the real-vLLM part (no Ray there; the dashboards
+# pipeline's Prometheus takes a free port). The vLLM part mostly waits (on vLLM's start-up, on a
+# replica's replacement), so together they take about as long as it does alone.
 set +e
-python -m pytest -m e2e
-rc=$(no_tests $? "-m e2e")
+python -m pytest tests/e2e
+rc=$(no_tests $? "tests/e2e")
 set -e
 if ! wait "$vllm_setup_pid"; then
   echo "the vLLM setup failed (out/vllm_setup.log):" >&2
@@ -44,15 +45,15 @@ if ! wait "$vllm_setup_pid"; then
 fi
 grep -v "^WARNING: Location" out/vllm_setup.log | tail -5
 set +e
-python -m pytest -m "not e2e" > out/test_not_e2e.log 2>&1 &
+python -m pytest --ignore=tests/e2e > out/test_rest.log 2>&1 &
 unit_pid=$!
 bash scripts/test_vllm.sh
 rc_vllm=$?
 wait "$unit_pid"
-rc_unit=$(no_tests $? "-m 'not e2e'")
+rc_unit=$(no_tests $? "--ignore=tests/e2e")
 set -e
-echo "-- the tests that start no cluster (python -m pytest -m 'not e2e', run alongside the vLLM part):"
-cat out/test_not_e2e.log
+echo "-- the tests outside tests/e2e (python -m pytest --ignore=tests/e2e, run alongside the vLLM part):"
+cat out/test_rest.log
 for r in "$rc" "$rc_unit" "$rc_vllm"; do
   [ "$r" -eq 0 ] || exit "$r"
 done
