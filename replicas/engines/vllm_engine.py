@@ -44,6 +44,8 @@ the CPU copies and reports which hashes are host-only (``set_tier_listener``,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import difflib
 import itertools
 import logging
 import math
@@ -141,6 +143,7 @@ class VllmEngine(Engine):
         self.dtype = dtype
         self.seed = seed
         self.engine_args = dict(engine_args or {})
+        _check_vllm_engine_args(self.engine_args)
         self.kv_events = kv_events
         self.kv_events_endpoint = f"ipc://{tempfile.gettempdir()}/fairway-kv-{os.getpid()}-{id(self):x}"
         self.kv_events_subscriber: Any = None
@@ -491,5 +494,24 @@ def make_vllm_engine(**kwargs: Any) -> VllmEngine:
     """Factory for the engine registry and deployment configs."""
     return VllmEngine(**kwargs)
 
+
+def _check_vllm_engine_args(args: dict[str, Any]) -> None:
+    """``engine_args`` are ``AsyncEngineArgs`` fields passed through to vLLM: an unknown one is a
+    ``ValueError`` naming it (and the closest field), where the engine is built unstarted
+    (``serve run``'s config check), not when the replica starts vLLM. Where vLLM does not import
+    (a config checked outside the vLLM environment) nothing is checked here; the replica, which
+    runs where vLLM does, checks them when it builds its engine. Imports vLLM's argument module
+    only when there are such arguments."""
+    if not args:
+        return
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except ImportError:
+        return
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    for name in sorted(set(args) - known):
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"engine_args: {name!r} is not a vLLM engine argument (AsyncEngineArgs){hint}")
 
 __all__ = ["Feedback", "VllmEngine", "make_vllm_engine"]

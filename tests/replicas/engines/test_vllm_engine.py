@@ -450,6 +450,16 @@ def _vllm_skip_reason() -> str | None:
 
 needs_vllm = pytest.mark.skipif(_vllm_skip_reason() is not None, reason=str(_vllm_skip_reason()))
 
+
+@needs_vllm
+def test_an_unknown_vllm_engine_argument_fails_where_the_config_is_checked():
+    from replicas.engines import EngineError, validated_engine
+
+    with pytest.raises(EngineError, match="'kv_offloading_sise' is not a vLLM engine argument .*'kv_offloading_size'"):
+        validated_engine("vllm", {"model": "m", "engine_args": {"kv_offloading_sise": 4}})
+    validated_engine("vllm", {"model": "m", "engine_args": {"kv_offloading_size": 4}})  # a real one passes
+
+
 MAX_MODEL_LEN = 4096
 PREFIX = 2100  # shared tokens: 16 whole CPU blocks (2,048 tokens) can hit
 
