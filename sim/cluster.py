@@ -193,29 +193,27 @@ class ClusterRouter(EngineListener):
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 
-    def _remote_key(self, rid: int) -> str | None:
-        """The key other instances booked request ``rid`` under (a shared view with a delay),
-        None if its instance has no booking for it."""
-        ledger = self._ledger(rid)
-        b = ledger.get(str(rid))
-        return None if b is None else REMOTE + ledger.shared_key(b)
+    def _report(self, rid: int, apply: Callable[[Bookings, str], None]) -> None:
+        """``apply(ledger, key)`` to request ``rid``'s booking: now in its own instance's ledger,
+        and, in a shared view with a delay, ``sync_delay_s`` later in the others' under the key
+        they adopted it by. O(1) plus ``apply``."""
+        ledger, key = self._ledger(rid), str(rid)
+        b = ledger.get(key)
+        if self.sync_delay_s > 0.0 and b is not None:
+            remote = REMOTE + ledger.shared_key(b)
+            self._post(rid, lambda lg: apply(lg, remote))
+        apply(ledger, key)
 
     def on_admitted(self, replica: int, r: EngineRequest) -> None:
-        if self.sync_delay_s > 0.0 and (remote := self._remote_key(r.rid)) is not None:
-            at = self.clock.now()
-            self._post(r.rid, lambda lg: lg.started(remote, started_at=at))
-        self._ledger(r.rid).started(str(r.rid))
+        at = self.clock.now()
+        self._report(r.rid, lambda lg, key: lg.started(key, started_at=at))
 
     def on_first_token(self, replica: int, r: EngineRequest) -> None:
-        if self.sync_delay_s > 0.0 and (remote := self._remote_key(r.rid)) is not None:
-            self._post(r.rid, lambda lg: lg.first_token(remote))
-        self._ledger(r.rid).first_token(str(r.rid))
+        self._report(r.rid, Bookings.first_token)
 
     def on_preempted(self, replica: int, r: EngineRequest) -> None:
-        if self.sync_delay_s > 0.0 and (remote := self._remote_key(r.rid)) is not None:
-            target = r.target
-            self._post(r.rid, lambda lg: lg.preempted(remote, target))
-        self._ledger(r.rid).preempted(str(r.rid), r.target)
+        target = r.target
+        self._report(r.rid, lambda lg, key: lg.preempted(key, target))
 
     def on_finished(self, replica: int, r: EngineRequest) -> None:
         ledger, key, cached = self._ledger(r.rid), str(r.rid), r.cached_tokens
