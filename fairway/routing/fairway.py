@@ -4,7 +4,8 @@ stated once, in docs/design.md, Fairway router.
 Rule: rank replica j for request r by T_rj = (W_rj + S_rj + footprint_weight * P_rj * fullness_j)
 / s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) and pick the minimum, unless
 hot-prefix replication seeds a non-holder (``replicate``); ``rule="affinity"`` keeps the
-reference design's test instead.
+reference design's test instead; ``sticky_match`` (off by default) keeps a request on a replica
+that holds most of its prompt while that costs at most ``sticky_slack`` cold prefills of T.
 
 Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix);
 P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj); Q_j the prefill seconds routed to j and not yet
@@ -64,6 +65,10 @@ class FairwayRouterConfig:
       adds beyond the cheapest one).
     - running_prefill, decode_batch, replicate, overtaking = True: the R_j term, the first-token
       step priced with j's running decodes, hot-prefix replication, the overtaken cold wait.
+    - sticky_match = 0 (off), sticky_slack = 3: with m > 0, a request that some replica caches at
+      least m of (a continuation) stays on the best-T such replica unless its T is more than
+      sticky_slack times the request's cold prefill above the minimum T, so a conversation's
+      context is not copied to a replica whose queue is only a little shorter.
     - speed_aware = False: True divides T_rj by the replica's measured speed (module docstring).
       Off by default: a replica's rate is learned only while requests wait there and kept while
       it is idle, so a rate learned under a heavy mix goes stale and skews a later cold burst.
@@ -90,6 +95,8 @@ class FairwayRouterConfig:
     host_tier: bool = True
     speed_aware: bool = False
     host_link_bytes_per_s: float = 50e9
+    sticky_match: float = 0.0
+    sticky_slack: float = 3.0
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -98,6 +105,10 @@ class FairwayRouterConfig:
             raise ValueError("p_floor_s must be >= 0")
         if not self.extra_work_weight >= 0:
             raise ValueError("extra_work_weight must be >= 0")
+        if not 0.0 <= self.sticky_match <= 1.0:
+            raise ValueError("sticky_match must be in [0, 1]")
+        if not self.sticky_slack >= 0:
+            raise ValueError("sticky_slack must be >= 0")
         if not self.footprint_weight >= 0:
             raise ValueError("footprint_weight must be >= 0")
         if self.footprint not in ("index", "kv", "kv-abs"):
@@ -113,7 +124,8 @@ class FairwayRouterConfig:
         for name in ("host_tier", "speed_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
-        for name in ("theta", "p_floor_s", "extra_work_weight", "footprint_weight", "fast_share"):
+        for name in ("theta", "p_floor_s", "extra_work_weight", "footprint_weight", "fast_share", "sticky_match",
+                     "sticky_slack"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("running_prefill", "decode_batch", "replicate", "overtaking"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -244,6 +256,8 @@ class FairwayRouter(RouterPolicy):
         order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
         best = max(cached.values())
         pick = order[0]
+        if self.config.sticky_match > 0:
+            pick = self._sticky_target(req, order, cached, ttft, pick)
         if self.config.rule == "affinity" and best > 0:
             j = self._affinity_target(req, ss, cached, wait, order)
             if wait[j] <= self.config.theta * max(prefill[j], self.config.p_floor_s):
@@ -290,6 +304,22 @@ class FairwayRouter(RouterPolicy):
         j = min(warm, key=lambda r: (warm[r], r))
         held = min(t for r, t in ttft.items() if cached[r] == best)
         return j if warm[j] < held else None
+
+    def _sticky_target(self, req: RouteRequest, order: list[int], cached: dict[int, int], ttft: dict[int, float],
+                       pick: int) -> int:
+        """The pick under ``sticky_match`` = m > 0: when some replica caches at least m of the
+        prompt and the minimum-T pick does not, the best T among those replicas, unless its T
+        exceeds the pick's by more than ``sticky_slack`` times the request's prefill with nothing
+        cached (then ``pick``). O(R)."""
+        need = self.config.sticky_match * req.prompt_tokens
+        if cached[pick] >= need:
+            return pick
+        held = [j for j in order if cached[j] >= need]
+        if not held:
+            return pick
+        j = held[0]  # ``order`` is by T, so the first holder has the best T among them
+        slack = self.config.sticky_slack * self.cost.prefill_time(req.prompt_tokens, 0)
+        return j if ttft[j] - ttft[pick] <= slack else pick
 
     def _affinity_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int],
                          wait: dict[int, float], order: list[int]) -> int:

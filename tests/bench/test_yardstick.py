@@ -83,3 +83,24 @@ def test_a_point_missing_an_anchor_is_shown_incomplete_and_left_out_of_the_verdi
     assert "incomplete: 1 anchor(s) not run (b)" in text
     assert "over the 1 complete points: p50 median 0.50" in text and "p99 median 0.50" in text
     assert "Points not run yet: p3." in text
+
+
+def test_admissible_p50_leaves_out_anchors_that_buy_the_median_with_the_tail():
+    rs = [result(FAIRWAY, 1.0, 10, 0.3),
+          result("starver", 0.5, 500, 0.3),  # best p50, p99 50x the best: not admissible
+          result("tail", 1.2, 10, 0.3),  # best p99
+          result("mid", 0.8, 20, 0.3)]  # p99 exactly 2x the best: admissible
+    (row,) = summarise(rs, anchors=["starver", "tail", "mid"])
+    assert row.best["p50"] == ("starver", 0.5)
+    assert row.admissible == ("mid", 0.8)
+    assert row.ratio["p50_admissible"] == pytest.approx(1.25)
+    v = verdict([row])
+    assert (v.median_p50_admissible, v.max_p50_admissible) == (pytest.approx(1.25), pytest.approx(1.25))
+    assert "**1.25** (mid)" in render([row])
+
+
+def test_a_candidate_is_judged_in_fairways_place():
+    rs = [result(FAIRWAY, 1.0, 10, 0.3), result("fairway[x=1]", 0.5, 5, 0.3), result("a", 1.0, 10, 0.3)]
+    (row,) = summarise(rs, anchors=["a"], fairway="fairway[x=1]")
+    assert row.ratio["p50"] == pytest.approx(0.5) and row.ratio["p99"] == pytest.approx(0.5)
+    assert "Judged as Fairway: `fairway[x=1]`" in render([row], fairway="fairway[x=1]")

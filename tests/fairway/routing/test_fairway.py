@@ -464,3 +464,20 @@ def test_fairway_host_tier_options_are_checked():
     assert router("fairway").host_tier and not router("fairway", host_tier=False).host_tier
     # anchors count both tiers as hits, but Dynamo, which credits a host hit 0.75 of a GPU hit
     assert not any(router(n).host_tier for n in ROUTERS if n not in ("fairway", "dynamo"))
+
+
+def test_fairway_sticky_match_keeps_a_continuation_within_the_slack():
+    # fairway_states(3.0) by T: 1: 1.51, 2: 1.85, 0: 3.21; replica 0 caches 800 of 1000 tokens (0.8);
+    # the request's cold prefill is 1.01 s, so T_0 - T_1 = 1.70 is 1.68 cold prefills.
+    assert choice(ranked(router("fairway"), req(1000), fairway_states(3.0))) == 1  # off by default
+    sticky = router("fairway", sticky_match=0.8, sticky_slack=2)
+    assert ranked(sticky, req(1000), fairway_states(3.0)) == [[0], [1], [2]]
+    assert choice(ranked(router("fairway", sticky_match=0.8, sticky_slack=1.5), req(1000), fairway_states(3.0))) == 1
+    # no replica holds 0.9 of the prompt: the minimum T
+    assert choice(ranked(router("fairway", sticky_match=0.9, sticky_slack=100), req(1000), fairway_states(3.0))) == 1
+    # the minimum-T pick holds enough already: unchanged
+    assert choice(ranked(router("fairway", sticky_match=0.8), req(1000), fairway_states(0.5))) == 0
+    with pytest.raises(ValueError, match="sticky_match"):
+        router("fairway", sticky_match=1.5)
+    with pytest.raises(ValueError, match="sticky_slack"):
+        router("fairway", sticky_slack=-1)
