@@ -112,7 +112,7 @@ class QueuePolicy(ABC):
         """Give the policy a read-only view of the prefix cache. Call before ``add``."""
         if self._items:
             raise RuntimeError("attach_cache must be called on an empty queue")
-        self._tracker = HitTracker(contains, self._on_hit_change)
+        self._tracker = HitTracker(contains, self._on_hit_change, self._on_hit_cut)
 
     def wants_memory_view(self) -> bool:
         """Whether this policy reads ``attach_memory``'s view (the host then tracks which free
@@ -277,6 +277,14 @@ class QueuePolicy(ABC):
 
     def _on_hit_change(self, rid: int, old: int, new: int) -> None:
         self._set_cached(self._slot_of[rid], new)
+
+    def _on_hit_cut(self, rid: int, old: int, path: list[int]) -> None:
+        """A batch of evictions cut ``rid``'s hit from ``old`` through ``path`` (decreasing,
+        ending at the new hit; ``HitTracker``): each step is an ``_on_hit_change``, in order.
+        Subclasses may fold the path in one update with the same result. O(len(path))."""
+        for new in path:
+            self._on_hit_change(rid, old, new)
+            old = new
 
     def _grow(self) -> int:
         if self._hi == len(self.active):
