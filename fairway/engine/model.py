@@ -496,6 +496,13 @@ class EngineModel:
             if q is None:
                 break
             r = self.reqs[q.rid]
+            if gate is None and not pool.host_capacity:
+                # head-of-line under memory pressure, the usual case of a memory-bound run: the
+                # policy's hit (its tracker follows this pool's events) says the new blocks alone
+                # exceed the free ones, so no walk of the prompt can make it fit
+                h = self.policy.hit_blocks(q.rid)
+                if h is not None and pool.num_free < -(-r.target // cfg.block_size) - h:
+                    break
             hit, host_n, new_blocks = self._plan(r)
             if gate is not None and not r.exempt:
                 cand = self._candidate(r, hit, host_n, new_blocks)

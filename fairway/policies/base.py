@@ -195,6 +195,12 @@ class QueuePolicy(ABC):
     def cached_tokens(self, rid: int) -> int:
         return int(self.cached[self._slot_of[rid]])
 
+    def hit_blocks(self, rid: int) -> int | None:
+        """The cached prefix of waiting ``rid`` in blocks, as the hit tracker keeps it (equal to
+        a fresh walk of the attached cache view), or None where this policy keeps no tracker of
+        its own (a group of inner policies). O(1): a host reads it instead of walking the prompt."""
+        return self._tracker.hit(rid) if self._tracker is not None else None
+
     def on_blocks_stored(self, hashes: Iterable[int]) -> None:
         if self._tracker is not None:
             self._tracker.on_stored(hashes)
