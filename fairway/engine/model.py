@@ -225,16 +225,19 @@ class EngineModel:
             if self.listener is not None:
                 self.listener.on_finished(self.replica, r)
             return r
-        hit, host_n, _ = self._plan(r)
-        c = (len(hit) + host_n) * bs
-        r.uncached_at_arrival = spec.prompt_tokens - c
-        r.est_prefill_at_arrival_s = self.cost.prefill_time(spec.prompt_tokens - c, c)
         self.reqs[spec.rid] = r
         if self._track and spec.session >= 0:
             ctx = self.sessions.arrive(spec.session)
             if ctx is not None:
                 self.pool.add_demand(ctx, SESSION, -1)
-        self._enqueue(r)
+        self._enqueue(r)  # (neither the above nor the queueing changes the cache)
+        c = self._tracked_hit(r)
+        if c is None:
+            hit, host_n, _ = self._plan(r)
+            c = len(hit) + host_n
+        c *= bs
+        r.uncached_at_arrival = spec.prompt_tokens - c
+        r.est_prefill_at_arrival_s = self.cost.prefill_time(spec.prompt_tokens - c, c)
         return r
 
     def _enqueue(self, r: EngineRequest) -> None:
@@ -421,11 +424,21 @@ class EngineModel:
 
     # -- admission ---------------------------------------------------------------------------
 
+    def _tracked_hit(self, r: EngineRequest) -> int | None:
+        """Waiting ``r``'s GPU hit in blocks as the policy's hit tracker keeps it, or None where
+        it does not say (a host tier: the tracker's view covers both tiers; a policy without a
+        tracker of its own). Why: the tracker follows this pool's events (tests/fairway/engine/
+        test_model.py checks it against a fresh walk at every step), so a prompt of thousands
+        of blocks need not be walked again at arrival and at each admission attempt. O(1)."""
+        return None if self.pool.host_capacity else self.policy.hit_blocks(r.rid)
+
     def _plan(self, r: EngineRequest) -> tuple[list[int], int, int]:
-        """(GPU hit blocks, host-tier blocks continuing the hit, new blocks to allocate)."""
+        """(GPU hit blocks, host-tier blocks continuing the hit, new blocks to allocate).
+        O(hit blocks): the blocks of the tracked hit, else a walk of the prompt."""
         pool = self.pool
         cacheable = self._cacheable(r)
-        hit = pool.longest_hit(cacheable)
+        n = self._tracked_hit(r) if r.queued is not None and r.rid in self.policy else None
+        hit = pool.longest_hit(cacheable) if n is None else pool.blocks_of(cacheable[:n])
         host_n = pool.host_hit(cacheable, len(hit)) if pool.host_capacity else 0
         return hit, host_n, -(-r.target // self.config.block_size) - len(hit)
 
@@ -496,11 +509,10 @@ class EngineModel:
             if q is None:
                 break
             r = self.reqs[q.rid]
-            if gate is None and not pool.host_capacity:
+            if gate is None:
                 # head-of-line under memory pressure, the usual case of a memory-bound run: the
-                # policy's hit (its tracker follows this pool's events) says the new blocks alone
-                # exceed the free ones, so no walk of the prompt can make it fit
-                h = self.policy.hit_blocks(q.rid)
+                # tracked hit says the new blocks alone exceed the free ones, so nothing can fit
+                h = self._tracked_hit(r)
                 if h is not None and pool.num_free < -(-r.target // cfg.block_size) - h:
                     break
             hit, host_n, new_blocks = self._plan(r)
