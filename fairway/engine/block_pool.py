@@ -340,10 +340,22 @@ class BlockPool:
             events.append((True, h))
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop a request's references, tail block first, so its tail is evicted first."""
+        """Drop a request's references, tail block first, so its tail is evicted first.
+        O(len(blocks)); the default pool's usual case (no block shared with another request)
+        appends them to the free queue in one ``update``."""
         track = self.tracking
         heap_mode = self.retention != "lru"
         ref, free = self.ref, self.free
+        if not track and not heap_mode:
+            rev = blocks[::-1]
+            if list(map(ref.__getitem__, rev)).count(1) == len(rev):
+                n_free = len(free)
+                free.update(zip(rev, repeat(None)))
+                for b in rev:
+                    ref[b] = 0
+                if len(free) - n_free != len(rev):
+                    raise RuntimeError("a block released twice")
+                return
         for b in reversed(blocks):
             r = ref[b] - 1
             ref[b] = r

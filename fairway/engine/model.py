@@ -302,15 +302,25 @@ class EngineModel:
             self._make_room_for_due(now)
         preempted = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
+        running = self.running  # (a preemption rebinds self.running: reread below)
+        free = pool.free  # len(free) is pool.num_free, without a property call per request
+        while i < len(running) and budget > 0:
+            r = running[i]
             if r.ready_s > now:  # its KV is still loading from the host tier
                 i += 1
                 continue
-            n = min(r.target - r.num_computed, budget)
-            need = -(-(r.num_computed + n) // bs) - len(r.blocks)
+            done = r.num_computed
+            n = r.spec.prompt_tokens + r.generated - done  # r.target - num_computed, inlined
+            if n > budget:
+                n = budget
+            need = -(-(done + n) // bs) - len(r.blocks)
+            if need <= 0:  # the usual decode step: no new block
+                batch.append((r, n))
+                budget -= n
+                i += 1
+                continue
             victim_is_r = False
-            while need > pool.num_free:
+            while need > len(free):
                 v = self.policy.preempt_victim([x.rid for x in self.running])
                 victim = self.running[v]
                 self._preempt(victim)
@@ -320,11 +330,11 @@ class EngineModel:
                     break
                 if v < i:
                     i -= 1
+            running = self.running
             if victim_is_r:
                 continue
-            if need > 0:
-                r.blocks.extend(pool.allocate(need))
-                self._flush_events()
+            r.blocks.extend(pool.allocate(need))
+            self._flush_events()
             batch.append((r, n))
             budget -= n
             i += 1
@@ -336,7 +346,7 @@ class EngineModel:
             return min(loading) - now if loading else None  # idle until a reload lands
         p_tok = p_ctx = p_sq = d_seqs = d_ctx = 0
         for r, n in batch:
-            if r.num_computed + n == r.target and n == 1 and r.generated > 0:
+            if n == 1 and r.generated > 0 and r.num_computed + 1 == r.spec.prompt_tokens + r.generated:
                 d_seqs += 1
                 d_ctx += r.num_computed
             else:
@@ -360,13 +370,17 @@ class EngineModel:
         pool = self.pool
         done: list[EngineRequest] = []
         for r, n in self._batch:
-            r.num_computed += n
-            hashes = r.spec.block_hashes
-            full = min(r.num_computed // bs, len(hashes))
+            r.num_computed = computed = r.num_computed + n
+            spec = r.spec
+            full = computed // bs
             if full > r.n_hashed:
-                pool.cache_blocks(r.blocks[r.n_hashed : full], hashes[r.n_hashed : full])
-                r.n_hashed = full
-            if r.num_computed == r.target:
+                hashes = spec.block_hashes
+                if full > len(hashes):
+                    full = len(hashes)
+                if full > r.n_hashed:
+                    pool.cache_blocks(r.blocks[r.n_hashed : full], hashes[r.n_hashed : full])
+                    r.n_hashed = full
+            if computed == spec.prompt_tokens + r.generated:  # r.target, inlined
                 r.generated += 1
                 if r.first_token_s < 0:
                     r.first_token_s = now
