@@ -86,7 +86,7 @@ class PrefixIndex:
 
     Invariants (checked in tests): a hash is a key of ``_where`` iff at least one replica holds
     it; bit j of ``_where[h]`` is set iff ``h`` is in ``_lru[j]`` or (events mode) in flight to j
-    (``_fly[(j, h)] > 0``); in approx mode, ``len(_lru[j]) <= capacity[j]`` after every call
+    (``_fly[j][h] > 0``); in approx mode, ``len(_lru[j]) <= capacity[j]`` after every call
     (when a capacity is set).
 
     Replica ids are 0..num_replicas-1 and stable; ``add_replica`` appends one and
@@ -114,7 +114,9 @@ class PrefixIndex:
         self._cap: list[int | None] = []
         self._max_cap: list[int | None] = []
         self._all = 0
-        self._fly: dict[tuple[int, int], int] = {}  # events mode: (replica, hash) -> routed, unfinished
+        # events mode, per replica: hash -> prompts routed there with it, unfinished (one dict per
+        # replica: no (replica, hash) tuple to build and hash per block of every routed prompt)
+        self._fly: list[dict[int, int]] = []
         # events mode, host tiers: hash -> bitmask of the replicas where it is host-only, and
         # per replica its host-only hashes (for clear_replica and tests)
         self._hwhere: dict[int, int] = {}
@@ -145,6 +147,7 @@ class PrefixIndex:
             raise ValueError("capacity_blocks must be >= 1 or None")
         j = len(self._lru)
         self._lru.append(OrderedDict())
+        self._fly.append({})
         self._host.append(set())
         self._cap.append(capacity_blocks)
         self._max_cap.append(capacity_blocks)
@@ -159,9 +162,10 @@ class PrefixIndex:
         for h in lru:
             self._unset(replica, h)
         lru.clear()
-        for key in [k for k in self._fly if k[0] == replica]:
-            del self._fly[key]
-            self._unset(replica, key[1])
+        fly = self._fly[replica]
+        for h in fly:
+            self._unset(replica, h)
+        fly.clear()
         self._clear_host(replica)
 
     # -- reads -------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ class PrefixIndex:
 
     def match_one(self, replica: int, hashes: Sequence[int]) -> int:
         """Longest cached prefix of ``hashes`` on one replica, in blocks. O(matched + 1)."""
-        if not self._fly:
+        if not self._fly[replica]:
             return longest_cached_prefix(hashes, self._lru[replica])
         bit, where, n = 1 << replica, self._where, 0
         for h in hashes:
@@ -272,13 +276,12 @@ class PrefixIndex:
         Complexity: O(len(hashes) + blocks aged out), amortised O(len(hashes)).
         """
         if self._mode != APPROX:
-            fly, where, bit = self._fly, self._where, 1 << replica
-            keys = list(zip(repeat(replica), hashes))
-            if len(set(hashes)) < len(keys):  # a hash twice: count each routing of it
-                for key in keys:
-                    fly[key] = fly.get(key, 0) + 1
+            fly, where, bit = self._fly[replica], self._where, 1 << replica
+            if len(set(hashes)) < len(hashes):  # a hash twice: count each routing of it
+                for h in hashes:
+                    fly[h] = fly.get(h, 0) + 1
             else:  # the same updates, in bulk (a prompt is hundreds of blocks)
-                fly.update(zip(keys, map((1).__add__, map(fly.get, keys, repeat(0))), strict=True))
+                fly.update(zip(hashes, map((1).__add__, map(fly.get, hashes, repeat(0))), strict=True))
             where.update(zip(hashes, map(bit.__or__, map(where.get, hashes, repeat(0))), strict=True))
             return 0
         return self._touch(replica, hashes)
@@ -289,21 +292,19 @@ class PrefixIndex:
         keeps). No-op in approx mode. O(len(hashes))."""
         if self._mode == APPROX:
             return
-        fly, lru = self._fly, self._lru[replica]
-        keys = list(zip(repeat(replica), hashes))
-        if all(map((1).__eq__, map(fly.get, keys, repeat(0)))) and len(set(hashes)) == len(keys):
+        fly, lru = self._fly[replica], self._lru[replica]
+        if all(map((1).__eq__, map(fly.get, hashes, repeat(0)))) and len(set(hashes)) == len(hashes):
             # the usual case, in bulk: each block in flight once, for this request only
-            deque(map(fly.__delitem__, keys), maxlen=0)
+            deque(map(fly.__delitem__, hashes), maxlen=0)
             for h in filterfalse(lru.__contains__, hashes):
                 self._unset(replica, h)
             return
         for h in hashes:
-            key = (replica, h)
-            left = fly.get(key, 0) - 1
+            left = fly.get(h, 0) - 1
             if left > 0:
-                fly[key] = left
+                fly[h] = left
             elif left == 0:
-                del fly[key]
+                del fly[h]
                 if h not in lru:
                     self._unset(replica, h)
 
@@ -374,7 +375,7 @@ class PrefixIndex:
             return
         lru = self._lru[replica]
         bit = 1 << replica
-        where, fly = self._where, self._fly
+        where, fly = self._where, self._fly[replica]
         for stored, run in groupby(events, key=itemgetter(0)):
             hashes = list(map(itemgetter(1), run))
             if stored:  # a run of stores: new hashes in, then every one to the end in order (_touch)
@@ -388,7 +389,7 @@ class PrefixIndex:
             for h in hashes:
                 if h in lru:
                     del lru[h]
-                    if (replica, h) not in fly:
+                    if h not in fly:
                         self._unset(replica, h)
 
     def on_tier_events(self, replica: int, events: Iterable[tuple[bool, int]]) -> None:
@@ -433,7 +434,7 @@ class PrefixIndex:
         lru = self._lru[replica]
         for h in [h for h in lru if h not in keep]:
             del lru[h]
-            if (replica, h) not in self._fly:
+            if h not in self._fly[replica]:
                 self._unset(replica, h)
         self._clear_host(replica)
         self.on_kv_events(replica, ((True, h) for h in keep))

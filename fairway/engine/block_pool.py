@@ -240,6 +240,10 @@ class BlockPool:
         by ``map``/``takewhile`` (no interpreted loop: this is on every arrival and admission)."""
         return list(takewhile(_FOUND, map(self.cached.get, hashes)))
 
+    def blocks_of(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of ``hashes``, all cached (a hit whose length is known). O(len), one ``map``."""
+        return list(map(self.cached.__getitem__, hashes))
+
     def free_cached(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` are cached in free blocks (held by no running request, so the
         next allocations may evict them). O(len(hashes))."""
@@ -336,10 +340,22 @@ class BlockPool:
             events.append((True, h))
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop a request's references, tail block first, so its tail is evicted first."""
+        """Drop a request's references, tail block first, so its tail is evicted first.
+        O(len(blocks)); the default pool's usual case (no block shared with another request)
+        appends them to the free queue in one ``update``."""
         track = self.tracking
         heap_mode = self.retention != "lru"
         ref, free = self.ref, self.free
+        if not track and not heap_mode:
+            rev = blocks[::-1]
+            if list(map(ref.__getitem__, rev)).count(1) == len(rev):
+                n_free = len(free)
+                free.update(zip(rev, repeat(None)))
+                for b in rev:
+                    ref[b] = 0
+                if len(free) - n_free != len(rev):
+                    raise RuntimeError("a block released twice")
+                return
         for b in reversed(blocks):
             r = ref[b] - 1
             ref[b] = r

@@ -225,16 +225,19 @@ class EngineModel:
             if self.listener is not None:
                 self.listener.on_finished(self.replica, r)
             return r
-        hit, host_n, _ = self._plan(r)
-        c = (len(hit) + host_n) * bs
-        r.uncached_at_arrival = spec.prompt_tokens - c
-        r.est_prefill_at_arrival_s = self.cost.prefill_time(spec.prompt_tokens - c, c)
         self.reqs[spec.rid] = r
         if self._track and spec.session >= 0:
             ctx = self.sessions.arrive(spec.session)
             if ctx is not None:
                 self.pool.add_demand(ctx, SESSION, -1)
-        self._enqueue(r)
+        self._enqueue(r)  # (neither the above nor the queueing changes the cache)
+        c = self._tracked_hit(r)
+        if c is None:
+            hit, host_n, _ = self._plan(r)
+            c = len(hit) + host_n
+        c *= bs
+        r.uncached_at_arrival = spec.prompt_tokens - c
+        r.est_prefill_at_arrival_s = self.cost.prefill_time(spec.prompt_tokens - c, c)
         return r
 
     def _enqueue(self, r: EngineRequest) -> None:
@@ -299,15 +302,25 @@ class EngineModel:
             self._make_room_for_due(now)
         preempted = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
+        running = self.running  # (a preemption rebinds self.running: reread below)
+        free = pool.free  # len(free) is pool.num_free, without a property call per request
+        while i < len(running) and budget > 0:
+            r = running[i]
             if r.ready_s > now:  # its KV is still loading from the host tier
                 i += 1
                 continue
-            n = min(r.target - r.num_computed, budget)
-            need = -(-(r.num_computed + n) // bs) - len(r.blocks)
+            done = r.num_computed
+            n = r.spec.prompt_tokens + r.generated - done  # r.target - num_computed, inlined
+            if n > budget:
+                n = budget
+            need = -(-(done + n) // bs) - len(r.blocks)
+            if need <= 0:  # the usual decode step: no new block
+                batch.append((r, n))
+                budget -= n
+                i += 1
+                continue
             victim_is_r = False
-            while need > pool.num_free:
+            while need > len(free):
                 v = self.policy.preempt_victim([x.rid for x in self.running])
                 victim = self.running[v]
                 self._preempt(victim)
@@ -317,11 +330,11 @@ class EngineModel:
                     break
                 if v < i:
                     i -= 1
+            running = self.running
             if victim_is_r:
                 continue
-            if need > 0:
-                r.blocks.extend(pool.allocate(need))
-                self._flush_events()
+            r.blocks.extend(pool.allocate(need))
+            self._flush_events()
             batch.append((r, n))
             budget -= n
             i += 1
@@ -333,7 +346,7 @@ class EngineModel:
             return min(loading) - now if loading else None  # idle until a reload lands
         p_tok = p_ctx = p_sq = d_seqs = d_ctx = 0
         for r, n in batch:
-            if r.num_computed + n == r.target and n == 1 and r.generated > 0:
+            if n == 1 and r.generated > 0 and r.num_computed + 1 == r.spec.prompt_tokens + r.generated:
                 d_seqs += 1
                 d_ctx += r.num_computed
             else:
@@ -357,13 +370,17 @@ class EngineModel:
         pool = self.pool
         done: list[EngineRequest] = []
         for r, n in self._batch:
-            r.num_computed += n
-            hashes = r.spec.block_hashes
-            full = min(r.num_computed // bs, len(hashes))
+            r.num_computed = computed = r.num_computed + n
+            spec = r.spec
+            full = computed // bs
             if full > r.n_hashed:
-                pool.cache_blocks(r.blocks[r.n_hashed : full], hashes[r.n_hashed : full])
-                r.n_hashed = full
-            if r.num_computed == r.target:
+                hashes = spec.block_hashes
+                if full > len(hashes):
+                    full = len(hashes)
+                if full > r.n_hashed:
+                    pool.cache_blocks(r.blocks[r.n_hashed : full], hashes[r.n_hashed : full])
+                    r.n_hashed = full
+            if computed == spec.prompt_tokens + r.generated:  # r.target, inlined
                 r.generated += 1
                 if r.first_token_s < 0:
                     r.first_token_s = now
@@ -421,11 +438,21 @@ class EngineModel:
 
     # -- admission ---------------------------------------------------------------------------
 
+    def _tracked_hit(self, r: EngineRequest) -> int | None:
+        """Waiting ``r``'s GPU hit in blocks as the policy's hit tracker keeps it, or None where
+        it does not say (a host tier: the tracker's view covers both tiers; a policy without a
+        tracker of its own). Why: the tracker follows this pool's events (tests/fairway/engine/
+        test_model.py checks it against a fresh walk at every step), so a prompt of thousands
+        of blocks need not be walked again at arrival and at each admission attempt. O(1)."""
+        return None if self.pool.host_capacity else self.policy.hit_blocks(r.rid)
+
     def _plan(self, r: EngineRequest) -> tuple[list[int], int, int]:
-        """(GPU hit blocks, host-tier blocks continuing the hit, new blocks to allocate)."""
+        """(GPU hit blocks, host-tier blocks continuing the hit, new blocks to allocate).
+        O(hit blocks): the blocks of the tracked hit, else a walk of the prompt."""
         pool = self.pool
         cacheable = self._cacheable(r)
-        hit = pool.longest_hit(cacheable)
+        n = self._tracked_hit(r) if r.queued is not None and r.rid in self.policy else None
+        hit = pool.longest_hit(cacheable) if n is None else pool.blocks_of(cacheable[:n])
         host_n = pool.host_hit(cacheable, len(hit)) if pool.host_capacity else 0
         return hit, host_n, -(-r.target // self.config.block_size) - len(hit)
 
@@ -496,6 +523,12 @@ class EngineModel:
             if q is None:
                 break
             r = self.reqs[q.rid]
+            if gate is None:
+                # head-of-line under memory pressure, the usual case of a memory-bound run: the
+                # tracked hit says the new blocks alone exceed the free ones, so nothing can fit
+                h = self._tracked_hit(r)
+                if h is not None and pool.num_free < -(-r.target // cfg.block_size) - h:
+                    break
             hit, host_n, new_blocks = self._plan(r)
             if gate is not None and not r.exempt:
                 cand = self._candidate(r, hit, host_n, new_blocks)

@@ -112,7 +112,7 @@ class QueuePolicy(ABC):
         """Give the policy a read-only view of the prefix cache. Call before ``add``."""
         if self._items:
             raise RuntimeError("attach_cache must be called on an empty queue")
-        self._tracker = HitTracker(contains, self._on_hit_change)
+        self._tracker = HitTracker(contains, self._on_hit_change, self._on_hit_cut)
 
     def wants_memory_view(self) -> bool:
         """Whether this policy reads ``attach_memory``'s view (the host then tracks which free
@@ -194,6 +194,12 @@ class QueuePolicy(ABC):
 
     def cached_tokens(self, rid: int) -> int:
         return int(self.cached[self._slot_of[rid]])
+
+    def hit_blocks(self, rid: int) -> int | None:
+        """The cached prefix of waiting ``rid`` in blocks, as the hit tracker keeps it (equal to
+        a fresh walk of the attached cache view), or None where this policy keeps no tracker of
+        its own (a group of inner policies). O(1): a host reads it instead of walking the prompt."""
+        return self._tracker.hit(rid) if self._tracker is not None else None
 
     def on_blocks_stored(self, hashes: Iterable[int]) -> None:
         if self._tracker is not None:
@@ -277,6 +283,14 @@ class QueuePolicy(ABC):
 
     def _on_hit_change(self, rid: int, old: int, new: int) -> None:
         self._set_cached(self._slot_of[rid], new)
+
+    def _on_hit_cut(self, rid: int, old: int, path: list[int]) -> None:
+        """A batch of evictions cut ``rid``'s hit from ``old`` through ``path`` (decreasing,
+        ending at the new hit; ``HitTracker``): each step is an ``_on_hit_change``, in order.
+        Subclasses may fold the path in one update with the same result. O(len(path))."""
+        for new in path:
+            self._on_hit_change(rid, old, new)
+            old = new
 
     def _grow(self) -> int:
         if self._hi == len(self.active):

@@ -148,6 +148,24 @@ class Fairway(QueuePolicy):
         else:
             self.due[slot] = self._due_now(slot)
 
+    def _on_hit_cut(self, rid: int, old: int, path: list[int]) -> None:
+        """``_on_hit_change`` for each step of ``path``, folded: the columns take the last
+        step's values, and a sticky deadline the earliest of the steps'. Since the deadline is
+        non-decreasing in P (so is its float rounding), the earliest is the one at the smallest
+        P along the path. O(len(path)) scalar prefill estimates, no numpy access per step."""
+        slot = self._slot_of[rid]
+        self._set_cached(slot, path[-1])
+        cfg = self.config
+        if not cfg.sticky_due:
+            self.due[slot] = self._due_now(slot)
+            return
+        p = float(self.prefill_s[slot])
+        if len(path) > 1:
+            prompt, bs, prefill_time = int(self.prompt[slot]), self.block_size, self.cost.prefill_time
+            p = min(p, min(prefill_time(prompt - c, c) for c in map(bs.__mul__, path[:-1])))
+        due = float(self.arrival[slot]) + cfg.theta * max(p, cfg.p_floor_s)
+        self.due[slot] = min(float(self.due[slot]), due)
+
     def _on_remove(self, slot: int) -> None:
         if self.promoted[slot]:
             self._n_fair -= 1

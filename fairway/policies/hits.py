@@ -3,36 +3,54 @@
 Why: a waiting request's cached prefix c_r grows when a sibling's prefill stores the blocks it
 needs and shrinks when eviction drops one. Rescanning every queued prompt at each decision is
 O(queue x prompt blocks). Instead the tracker indexes, per block hash, the waiting requests whose
-cached prefix contains it (``_members``) or whose next uncached block it is (``_frontier``), and
-updates only the requests an event touches.
+cached prefix contains it (``_members``: the key, or a set when several share the block) or whose
+next uncached block it is (``_frontier``), and updates only the requests an event touches.
 
 Complexity: ``add`` is O(hit blocks); a stored event costs O(requests waiting on that hash +
-blocks newly matched); a removed event costs O(requests holding it + blocks they lose). Chained
-hashes name their position, so a hash sits at the same index in every prompt that has it.
+blocks newly matched); a batch of removed events costs O(requests holding one of them x
+removed hashes they hold + blocks they lose), with one truncation per request per batch (an
+eviction frees a request's blocks tail first, so a batch cuts a waiting request one block at a
+time: truncating once at the lowest cut does the same in one pass). Chained hashes name their
+position, so a hash sits at the same index in every prompt that has it. The per-block index
+updates run as ``map``/``filterfalse`` sweeps (a prompt is hundreds of blocks), not as an
+interpreted loop.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import islice, takewhile
+from itertools import compress, filterfalse, islice, repeat, takewhile
+from operator import eq
 
 
 class HitTracker:
-    """Longest cached prefix (in blocks) of each tracked request, kept equal to a fresh walk."""
+    """Longest cached prefix (in blocks) of each tracked request, kept equal to a fresh walk.
 
-    __slots__ = ("_contains", "_hashes", "_hit", "_members", "_frontier", "_on_change")
+    ``on_change(key, old, new)`` is called when a stored event grows a request's hit;
+    ``on_cut(key, old, path)`` when a batch of removed events shrinks it, ``path`` being the hits
+    it went through, event by event, ending at the new one (a decreasing list): what a caller
+    that folds the intermediate values (a deadline that only moves earlier) needs. Without
+    ``on_cut`` each step of the path is reported to ``on_change``.
+    """
+
+    __slots__ = ("_contains", "_hashes", "_hit", "_members", "_frontier", "_on_change", "_on_cut")
 
     def __init__(
         self,
         contains: Callable[[int], bool],
         on_change: Callable[[int, int, int], None] | None = None,
+        on_cut: Callable[[int, int, list[int]], None] | None = None,
     ) -> None:
         self._contains = contains
         self._hashes: dict[int, Sequence[int]] = {}
         self._hit: dict[int, int] = {}
-        self._members: dict[int, set[int]] = {}
+        # hash -> the key whose hit holds it, or the set of them when several do (rare: one
+        # int per block instead of one set per block keeps a long prompt's index cheap)
+        self._members: dict[int, int | set[int]] = {}
         self._frontier: dict[int, set[int]] = {}
         self._on_change = on_change
+        self._on_cut = on_cut
 
     def __len__(self) -> int:
         return len(self._hit)
@@ -70,12 +88,33 @@ class HitTracker:
                     self._advance(key, notify=True, frontier_dropped=True)
 
     def on_removed(self, hashes: Iterable[int]) -> None:
+        """A batch of evictions, in order. Each request is cut once, at the lowest position of a
+        removed hash still in its hit when that hash's event comes (the same end state as
+        cutting event by event); ``path`` records the hit after each cut."""
+        get = self._members.get
+        paths: dict[int, list[int]] = {}
+        hit_of, hashes_of = self._hit, self._hashes
         for h in hashes:
-            keys = self._members.get(h)
-            if not keys:
+            v = get(h)
+            if v is None:
                 continue
-            for key in list(keys):
-                self._truncate(key, h)
+            for key in v if type(v) is set else (v,):
+                path = paths.get(key)
+                cur = path[-1] if path is not None else hit_of[key]
+                hs = hashes_of[key]
+                # position of h: chained hashes are unique per position, search backwards from
+                # the hit (the tail block, when the eviction runs tail first)
+                pos = cur - 1
+                while pos >= 0 and hs[pos] != h:
+                    pos -= 1
+                if pos < 0:
+                    continue  # already cut below h by this batch
+                if path is None:
+                    paths[key] = [pos]
+                else:
+                    path.append(pos)
+        for key, path in paths.items():
+            self._cut(key, path)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -87,17 +126,46 @@ class HitTracker:
             if not s:
                 del index[h]
 
-    def _leave(self, hashes: Sequence[int], start: int, stop: int, key: int) -> None:
-        """``_discard(_members, h, key)`` for every h in ``hashes[start:stop]``, inlined (a
-        request leaves the member sets of its whole hit when admitted). O(stop - start)."""
+    def _join(self, hashes: Sequence[int], start: int, stop: int, key: int) -> None:
+        """Make ``key`` a member of every h in ``hashes[start:stop]``. O(stop - start): the new
+        hashes in one ``update``, the shared ones (a few: prompts rarely wait on the same block)
+        one by one."""
         members = self._members
-        get = members.get
-        for h in islice(hashes, start, stop):
-            s = get(h)
-            if s is not None:
-                s.discard(key)
-                if not s:
-                    del members[h]
+        seg = hashes[start:stop]
+        new = list(filterfalse(members.__contains__, seg))
+        if len(new) < len(seg):
+            for h in filter(members.__contains__, seg):
+                v = members[h]
+                if type(v) is set:
+                    v.add(key)
+                elif v != key:
+                    members[h] = {v, key}
+        if new:
+            members.update(zip(new, repeat(key)))
+
+    def _leave(self, hashes: Sequence[int], start: int, stop: int, key: int) -> None:
+        """``key`` leaves the member sets of every h in ``hashes[start:stop]`` (a request leaves
+        those of its whole hit when admitted). O(stop - start): the hashes ``key`` holds alone
+        are popped in one sweep, the shared ones one by one."""
+        if stop <= start:
+            return
+        members = self._members
+        seg = hashes[start:stop]
+        try:
+            vals = list(map(members.__getitem__, seg))
+        except KeyError:  # a hash without members (not a chained prompt): one by one
+            vals = list(map(members.get, seg))
+        alone = list(compress(seg, map(eq, vals, repeat(key))))
+        deque(map(members.pop, alone, repeat(None)), maxlen=0)
+        if len(alone) < len(seg):
+            for h, v in compress(zip(seg, vals, strict=True), map(isinstance, vals, repeat(set))):
+                v.discard(key)
+                if len(v) > 1:
+                    continue
+                if v:
+                    members[h] = next(iter(v))
+                else:
+                    members.pop(h, None)
 
     def _advance(self, key: int, notify: bool, frontier_dropped: bool = False) -> None:
         hashes = self._hashes[key]
@@ -107,33 +175,27 @@ class HitTracker:
             self._discard(self._frontier, hashes[hit], key)
         # the walk runs in takewhile (no interpreted loop per probe), then indexes what it found
         hit += len(list(takewhile(self._contains, islice(hashes, hit, None))))
-        members = self._members
-        get = members.get
-        for h in islice(hashes, old, hit):
-            keys = get(h)
-            if keys is None:
-                members[h] = {key}
-            else:
-                keys.add(key)
+        if hit > old:
+            self._join(hashes, old, hit, key)
         self._hit[key] = hit
         if hit < n:
             self._frontier.setdefault(hashes[hit], set()).add(key)
         if notify and hit != old and self._on_change is not None:
             self._on_change(key, old, hit)
 
-    def _truncate(self, key: int, h: int) -> None:
+    def _cut(self, key: int, path: list[int]) -> None:
+        """Truncate ``key``'s hit to ``path[-1]`` (the lowest cut of a batch). O(blocks lost)."""
         hashes = self._hashes[key]
         old = self._hit[key]
-        # position of h: chained hashes are unique per position, search backwards from the hit
-        pos = old - 1
-        while pos >= 0 and hashes[pos] != h:
-            pos -= 1
-        if pos < 0:
-            return
+        pos = path[-1]
         self._leave(hashes, pos, old, key)
         if old < len(hashes):
             self._discard(self._frontier, hashes[old], key)
         self._hit[key] = pos
         self._frontier.setdefault(hashes[pos], set()).add(key)
-        if self._on_change is not None:
-            self._on_change(key, old, pos)
+        if self._on_cut is not None:
+            self._on_cut(key, old, path)
+        elif self._on_change is not None:
+            for new in path:
+                self._on_change(key, old, new)
+                old = new

@@ -22,9 +22,10 @@ def check_invariants(idx: PrefixIndex) -> None:
     for j in range(idx.num_replicas):
         for h in idx.blocks(j):
             seen[h] = seen.get(h, 0) | (1 << j)
-    for (j, h), n in idx._fly.items():
-        assert n > 0
-        seen[h] = seen.get(h, 0) | (1 << j)
+    for j, fly in enumerate(idx._fly):
+        for h, n in fly.items():
+            assert n > 0
+            seen[h] = seen.get(h, 0) | (1 << j)
     assert seen == idx._where
     assert len(idx) == len(seen)
 
@@ -264,7 +265,7 @@ def test_events_mode_counts_routed_prompts_until_released():
     idx.on_feedback(1, A[:4], 32, 16)  # the sibling finished (feedback releases in events mode)
     assert idx.match(A[:4]) == [0, 2]  # what remains is what the engine reported stored
     idx.on_kv_events(1, [(False, A[0])])
-    assert idx.match(A[:4]) == [0, 0] and idx._fly == {}
+    assert idx.match(A[:4]) == [0, 0] and idx._fly == [{}, {}]
     check_invariants(idx)
 
 

@@ -215,3 +215,29 @@ def test_memory_guard_orders_the_fast_lane_by_cache_kept_when_memory_binds():
         order[spare] = [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(2))]
     assert order[0] == [(1, FAST), (0, FAST)]
     assert order[10] == [(0, FAST), (1, FAST)]  # r0 fits in the spare blocks: least work first
+
+
+@pytest.mark.parametrize("sticky", [True, False])
+def test_a_folded_eviction_cut_leaves_the_columns_of_one_change_per_step(sticky):
+    """Fairway folds an eviction batch's cut (HitTracker's path) into one update: cached tokens,
+    P and the deadline end as the base class's one _on_hit_change per step leaves them."""
+    import random
+
+    from fairway.cost_model import CostModel
+    from fairway.policies.base import QueuePolicy
+
+    rng = random.Random(7)
+    cost = CostModel.from_profile()  # P is not monotone in the hit everywhere: the fold takes the min
+    folded, _ = policy_with_cache("fairway", set(), cost=cost, **{**CLASSIC, "sticky_due": sticky})
+    stepped, _ = policy_with_cache("fairway", set(), cost=cost, **{**CLASSIC, "sticky_due": sticky})
+    for rid in range(40):
+        n = rng.randrange(2, 400)
+        prompt, arrival = n * 16 + rng.randrange(1, 16), rng.random()
+        for p in (folded, stepped):
+            p.add(queued(rid, arrival, prompt, chain(f"r{rid}", n)))
+        old = n
+        path = sorted(rng.sample(range(old), min(old, rng.randrange(1, 6))), reverse=True)
+        folded._on_hit_cut(rid, old, path)
+        QueuePolicy._on_hit_cut(stepped, rid, old, path)
+    for col in ("cached", "prefill_s", "due"):
+        assert getattr(folded, col).tolist() == getattr(stepped, col).tolist()

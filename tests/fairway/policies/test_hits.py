@@ -53,3 +53,36 @@ def test_batched_events_against_final_state():
     t.on_stored([11, 12])
     t.on_removed([11, 2])
     assert t.hit(0) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(UNIVERSE), max_size=8), max_size=12),
+       st.lists(st.sampled_from(sorted(PROMPTS)), unique=True, min_size=1))
+def test_a_batch_of_removals_reports_the_steps_of_one_by_one(batches, keys):
+    """on_removed folds a batch into one cut per request; its path is the hits that removing
+    the batch's hashes one event at a time goes through."""
+    full = set(UNIVERSE)
+    one: list[tuple[int, int, int]] = []
+    folded: list[tuple[int, int, int]] = []
+    cache_a, cache_b = set(full), set(full)
+    a = HitTracker(cache_a.__contains__, lambda k, o, n: one.append((k, o, n)))
+
+    def on_cut(k, o, path):
+        for n in path:
+            folded.append((k, o, n))
+            o = n
+
+    b = HitTracker(cache_b.__contains__, None, on_cut)
+    for k in keys:
+        a.add(k, PROMPTS[k])
+        b.add(k, PROMPTS[k])
+    for batch in batches:
+        gone = [h for h in dict.fromkeys(batch) if h in cache_a]
+        for h in gone:
+            cache_a.discard(h)
+            a.on_removed([h])
+        cache_b.difference_update(gone)
+        b.on_removed(gone)
+        assert sorted(one) == sorted(folded)
+        for k in keys:
+            assert a.hit(k) == b.hit(k) == longest_cached_prefix(PROMPTS[k], cache_b)
