@@ -454,7 +454,11 @@ class EngineModel:
         n = self._tracked_hit(r) if r.queued is not None and r.rid in self.policy else None
         hit = pool.longest_hit(cacheable) if n is None else pool.blocks_of(cacheable[:n])
         host_n = pool.host_hit(cacheable, len(hit)) if pool.host_capacity else 0
-        return hit, host_n, -(-r.target // self.config.block_size) - len(hit)
+        return hit, host_n, self._new_blocks(r, len(hit))
+
+    def _new_blocks(self, r: EngineRequest, hit_blocks: int) -> int:
+        """Blocks ``r`` must allocate to hold its known tokens beyond a hit of ``hit_blocks``. O(1)."""
+        return -(-r.target // self.config.block_size) - hit_blocks
 
     def _candidate(self, r: EngineRequest, hit: list[int], host_n: int, new_blocks: int) -> Candidate:
         c = (len(hit) + host_n) * self.config.block_size
@@ -527,7 +531,7 @@ class EngineModel:
                 # head-of-line under memory pressure, the usual case of a memory-bound run: the
                 # tracked hit says the new blocks alone exceed the free ones, so nothing can fit
                 h = self._tracked_hit(r)
-                if h is not None and pool.num_free < -(-r.target // cfg.block_size) - h:
+                if h is not None and pool.num_free < self._new_blocks(r, h):
                     break
             hit, host_n, new_blocks = self._plan(r)
             if gate is not None and not r.exempt:

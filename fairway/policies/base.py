@@ -32,7 +32,7 @@ import numpy as np
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
-from fairway.policies.hits import HitTracker
+from fairway.policies.hits import HitTracker, each_step
 
 FAST = "fast"
 FAIR = "fair"
@@ -288,9 +288,7 @@ class QueuePolicy(ABC):
         """A batch of evictions cut ``rid``'s hit from ``old`` through ``path`` (decreasing,
         ending at the new hit; ``HitTracker``): each step is an ``_on_hit_change``, in order.
         Subclasses may fold the path in one update with the same result. O(len(path))."""
-        for new in path:
-            self._on_hit_change(rid, old, new)
-            old = new
+        each_step(self._on_hit_change, rid, old, path)
 
     def _grow(self) -> int:
         if self._hi == len(self.active):

@@ -131,9 +131,11 @@ class Fairway(QueuePolicy):
         self.due = grow_column(self.due, n)
 
     def _due_now(self, slot: int) -> float:
-        return float(self.arrival[slot]) + self.config.theta * max(
-            float(self.prefill_s[slot]), self.config.p_floor_s
-        )
+        return self._due_for(slot, float(self.prefill_s[slot]))
+
+    def _due_for(self, slot: int, p: float) -> float:
+        """The deadline of ``slot`` with prefill estimate ``p``: arrival + theta * max(P, floor)."""
+        return float(self.arrival[slot]) + self.config.theta * max(p, self.config.p_floor_s)
 
     def _on_add(self, slot: int, req: QueuedRequest) -> None:
         self.promoted[slot] = False
@@ -163,8 +165,7 @@ class Fairway(QueuePolicy):
         if len(path) > 1:
             prompt, bs, prefill_time = int(self.prompt[slot]), self.block_size, self.cost.prefill_time
             p = min(p, min(prefill_time(prompt - c, c) for c in map(bs.__mul__, path[:-1])))
-        due = float(self.arrival[slot]) + cfg.theta * max(p, cfg.p_floor_s)
-        self.due[slot] = min(float(self.due[slot]), due)
+        self.due[slot] = min(float(self.due[slot]), self._due_for(slot, p))
 
     def _on_remove(self, slot: int) -> None:
         if self.promoted[slot]:

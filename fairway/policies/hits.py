@@ -20,8 +20,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from itertools import compress, filterfalse, islice, repeat, takewhile
 from operator import eq
+
+
+def each_step(on_change: Callable[[int, int, int], None], key: int, old: int, path: list[int]) -> None:
+    """A cut reported step by step: ``on_change(key, old, new)`` for each hit of ``path`` in
+    order, each step's new hit the next one's old. What a caller that does not fold a path
+    receives. O(len(path))."""
+    for new in path:
+        on_change(key, old, new)
+        old = new
 
 
 class HitTracker:
@@ -50,6 +60,8 @@ class HitTracker:
         self._members: dict[int, int | set[int]] = {}
         self._frontier: dict[int, set[int]] = {}
         self._on_change = on_change
+        if on_cut is None and on_change is not None:
+            on_cut = partial(each_step, on_change)
         self._on_cut = on_cut
 
     def __len__(self) -> int:
@@ -195,7 +207,3 @@ class HitTracker:
         self._frontier.setdefault(hashes[pos], set()).add(key)
         if self._on_cut is not None:
             self._on_cut(key, old, path)
-        elif self._on_change is not None:
-            for new in path:
-                self._on_change(key, old, new)
-                old = new

@@ -314,10 +314,10 @@ class FairwayRouter(RouterPolicy):
         need = self.config.sticky_match * req.prompt_tokens
         if cached[pick] >= need:
             return pick
-        held = [j for j in order if cached[j] >= need]
-        if not held:
+        # ``order`` is by T, so the first holder has the best T among them
+        j = next((j for j in order if cached[j] >= need), None)
+        if j is None:
             return pick
-        j = held[0]  # ``order`` is by T, so the first holder has the best T among them
         slack = self.config.sticky_slack * self.cost.prefill_time(req.prompt_tokens, 0)
         return j if ttft[j] - ttft[pick] <= slack else pick
 
