@@ -27,6 +27,7 @@ from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs, ReplicaOptions, ServedEngine
 from replicas.engines import validated_engine
 from router.auth import AuthArgs, KeyTable
+from router.hold import HoldArgs
 from router.ingress import IngressArgs, ServedModel
 from router.limits import RequestLimits
 from router.tokenizer import resolve_path
@@ -52,6 +53,8 @@ class RouterArgs(BaseModel):
         "approx", description="approx: the index learns from routings and cached-token reports; events: the "
                               "replicas' exact KV events through the shared view (which it turns on), the "
                               "approximate index as the fallback while they are not current")
+    hold: HoldArgs = Field(default_factory=HoldArgs, description="the held queue: a request every replica's queue "
+                           "refused waits at the router for room within its wait bound (router/hold.py)")
 
 
 class ClusterArgs(ServedModel, ServedEngine):
@@ -118,7 +121,9 @@ class ClusterArgs(ServedModel, ServedEngine):
     def ingress_args(self) -> IngressArgs:
         served = self.model_dump(include=set(ServedModel.model_fields))
         return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
-                           auth=self.auth, classes=self.request_classes())
+                           auth=self.auth, classes=self.request_classes(), hold=self.router.hold,
+                           hold_policy=self.replica.policy, hold_policy_options=self.replica.policy_options,
+                           profile=self.profile)
 
     def replica_engine_args(self) -> dict[str, Any]:
         """The engine options every replica builds its engine with: the YAML's ``engine_args``,

@@ -72,6 +72,8 @@ class SyntheticCluster:
                 self.router.observe_class_ttft("interactive", ttft + 0.002, 1.0)
             else:
                 self.router.observe_class_ttft("batch", ttft + 0.002, 30.0)
+                if load > 1.0:  # past capacity some batch requests wait at the router for room
+                    self.router.observe_hold("batch", 0.5 * load * rng.random(), "sent")
             self.router.inc_requests(lane, "ok", name)
             self.router.observe_cached_tokens(est, actual, prompt, name)
             rep.observe_queue_wait(lane, wait)
@@ -86,6 +88,7 @@ class SyntheticCluster:
         if rng.random() < 0.1:
             j = rng.randrange(self.n_replicas)
             self.router.inc_reject("overloaded", self.replicas[j].component)
+            self.router.inc_class_reject("batch", "hold_timeout")
             self.replicas[j].inc_reject("queue_full")
         for j, rep in enumerate(self.replicas):
             self.queued[j] = max(0, self.queued[j] + rng.randint(-3, 3))
@@ -96,6 +99,7 @@ class SyntheticCluster:
             rep.set_queue_wait_estimate(3 * q_s)
             self.router.set_queued_prefill(q_s * 1.1, rep.component)
             rep.set_engine("", running=rng.randint(4, 32), waiting=rng.randint(0, 4), kv_usage=0.3 + 0.5 * rng.random())
+        self.router.set_held("batch", max(0, round(20 * (load - 1.4))))
 
     @property
     def all_stats(self) -> list[FairwayStats]:

@@ -170,6 +170,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("overview", "class_attainment", "TTFT objective attainment per request class", "timeseries",
           "percentunit", "Request classes",
           description="The share of first tokens within the class's objective_s (goodput)."),
+    Panel("overview", "held", "Requests held at the router per class, and their hold p90", "timeseries", "short",
+          "Request classes", description="Requests every replica's queue refused for now, waiting at the ingress "
+          "for room (router/hold.py); the hold time of those sent."),
+    Panel("overview", "class_rejects", "Refusals/s per request class and reason", "timeseries", "reqps",
+          "Request classes", stack="normal"),
     # -- replicas ---------------------------------------------------------------------------
     Panel(
         "replicas",
@@ -228,6 +233,12 @@ QUERIES: tuple[Query, ...] = (
           f'sum by (class) (rate(fairway_class_objective_total{{level="router",objective="met"}}[{RATE}])) / '
           f'sum by (class) (rate(fairway_class_objective_total{{level="router"}}[{RATE}]))', "{{class}}",
           expect_data=False),
+    Query("held", "A", 'sum by (class) (fairway_router_held_requests{level="router"})', "{{class}} held",
+          expect_data=False),
+    Query("held", "B", _q(0.9, "fairway_router_hold_seconds", "class", 'level="router",status="sent"'),
+          "{{class}} hold p90 (s)", expect_data=False),
+    Query("class_rejects", "A", f'sum by (class, reason) (rate(fairway_class_rejects_total{{level="router"}}[{RATE}]))',
+          "{{class}} {{reason}}", expect_data=False),
     # -- traffic and lanes ------------------------------------------------------------------
     Query(
         "lane_split",

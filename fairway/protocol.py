@@ -42,6 +42,7 @@ class GenerateCall:
     session: str = ""  # the client's session key ("" for none): session-affinity routers key on it
     received_s: float = 0.0  # wall time the ingress had the headers (0: unknown, take arrival_s)
     avoid: tuple[str, ...] = ()  # replicas (Serve ids) that refused it: routed elsewhere while one has room
+    ack: bool = False  # the gate yields an ``accepted`` chunk once it has queued it (the router's held queue)
     # Sampling beyond temperature (OpenAI's names); an engine honours each or raises
     # ``UnsupportedParameter`` naming it. Defaults are the no-op values.
     seed: int | None = None  # same seed + prompt + parameters -> same output
@@ -78,6 +79,7 @@ class TokenChunk:
     queue_wait_s: float = 0.0  # gate arrival -> admission into the engine
     ttft_s: float = 0.0  # ingress arrival -> first token, measured at the replica
     replica: str = ""
+    accepted: bool = False  # no tokens: the gate has queued the request (asked for by ``GenerateCall.ack``)
 
 
 @dataclass(slots=True)

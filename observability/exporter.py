@@ -123,6 +123,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("class_objective", "counter", "fairway_class_objective_total",
                "Level router: first tokens by request class within (objective=met) or past (missed) the class's "
                "TTFT objective."),
+    MetricSpec("class_rejects", "counter", "fairway_class_rejects_total",
+               "Level router: requests answered with an error, by request class and reason."),
+    MetricSpec("held", "gauge", "fairway_router_held_requests",
+               "Level router: requests this ingress holds until a replica's queue has room, by class."),
+    MetricSpec("hold", "histogram", "fairway_router_hold_seconds",
+               "Level router: time a request was held at the router, by class and how it left (status: sent, timeout, "
+               "gone, failed)."),
     MetricSpec("retries", "counter", "fairway_retries_total",
                "Requests the ingress sent once more, to another replica, after one refused them (by reason)."),
     MetricSpec("router_outstanding", "gauge", "fairway_router_outstanding_requests",

@@ -103,6 +103,7 @@ _COUNTERS = (
     "view_syncs",  # (status,): the request router's exchanges with the shared view
     "retries",  # (reason,): level router, requests the ingress sent again after a replica refused them
     "class_objective",  # (class, objective): level router, first tokens within ("met") or past ("missed") it
+    "class_rejects",  # (class, reason): level router, requests of a class answered with an error, and why
 )
 _GAUGES = (
     "queue_depth",  # (lane, replica)
@@ -114,6 +115,7 @@ _GAUGES = (
     "engine_kv_usage",  # (replica,)
     "view_degraded",  # (): 1 while the shared view is unreachable
     "prefix_view_exact",  # (): 1 while routing on the replicas' KV events (prefix_view: events)
+    "held",  # (class,): level router, requests this ingress holds for room (router/hold.py)
 )
 _HISTOGRAMS = {
     "ttft": TTFT_BUCKETS_S,  # (lane, replica)
@@ -125,6 +127,7 @@ _HISTOGRAMS = {
     "loop_lag": QUEUE_WAIT_BUCKETS_S,  # (): level router, how late the ingress's event loop runs a timer
     "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
     "class_ttft": TTFT_BUCKETS_S,  # (class,): level router, TTFT by request class
+    "hold": QUEUE_WAIT_BUCKETS_S,  # (class, status): level router, time held at the router, by how it left
 }
 # The label names of each series key, in key order.
 LABELS: dict[str, tuple[str, ...]] = {
@@ -146,6 +149,9 @@ LABELS: dict[str, tuple[str, ...]] = {
     "view_syncs": ("status",),
     "retries": ("reason",),
     "class_objective": ("class", "objective"),
+    "class_rejects": ("class", "reason"),
+    "held": ("class",),
+    "hold": ("class", "status"),
     "view_degraded": (),
     "prefix_view_exact": (),
     "ttft": ("lane", "replica"),
@@ -298,6 +304,20 @@ class FairwayStats:
         self._observe("class_ttft", (priority_class,), seconds)
         self._inc("class_objective", (priority_class, "met" if seconds <= objective_s else "missed"), 1)
 
+    def inc_class_reject(self, priority_class: str, reason: str) -> None:
+        """A request of ``priority_class`` answered with an error for ``reason`` (``inc_reject``'s
+        reasons, and the held queue's "hold_bound" | "hold_timeout" | "held_full")."""
+        self._inc("class_rejects", (priority_class, reason), 1)
+
+    def set_held(self, priority_class: str, n: int) -> None:
+        """Requests of ``priority_class`` this ingress holds until a replica has room."""
+        self._set("held", (priority_class,), n)
+
+    def observe_hold(self, priority_class: str, seconds: float, outcome: str) -> None:
+        """How long a request of ``priority_class`` was held at the router, by how it left:
+        "sent" (a gate took it) | "timeout" | "gone" (its client left) | "failed"."""
+        self._observe("hold", (priority_class, outcome), _clamp0(seconds))
+
     def inc_retry(self, reason: str) -> None:
         """The ingress sent a request again, once, after a replica refused it for ``reason``
         (``queue_full``: its gate was full, its engine never saw the request)."""
@@ -320,7 +340,8 @@ class FairwayStats:
         """One rejected request: "queue_full" | "too_long" | "bad_request" | "invalid_json" |
         "unknown_field" | "unsupported_parameter" | "unknown_model" | "body_too_large" |
         "body_timeout" | "headers_too_large" | "unauthorized" | "forbidden" | "replica_dead" |
-        "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal"."""
+        "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal" | "hold_bound" |
+        "hold_timeout" | "held_full"."""
         self._inc("rejects", (reason, self._replica(replica)), 1)
 
     def set_engine(self, replica: str, running: int, waiting: int, kv_usage: float, preemptions_total: int = 0) -> None:

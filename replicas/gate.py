@@ -309,6 +309,8 @@ class AdmissionGate:
                         call.tenant)
         self.pump()
         try:
+            if call.ack:  # the router holds it until a gate takes it: say so now, not at its first token
+                yield TokenChunk(token_ids=[], accepted=True, replica=self.replica)
             adm: Admission = await fut
         except BaseException:
             self.cancelled += 1

@@ -8,7 +8,8 @@ interval's tokens, and with them the router's CPU per streamed token.
 
 Rules: the first chunk leaves at once (TTFT pays nothing); later chunks are held until
 ``interval_s`` has passed since the last one sent and leave merged with the next chunk that
-arrives; the finishing chunk leaves at once with whatever is held. While the engine keeps making
+arrives; the finishing chunk leaves at once with whatever is held; the gate's ``accepted``
+chunk (no tokens) passes at once and counts as no send. While the engine keeps making
 steps, a held token waits at most ``interval_s`` plus one step. ``interval_s = 0`` passes every
 chunk through. Closing the coalesced stream closes the source (the gate releases the request).
 Cost: O(1) per chunk, one list extend per token.
@@ -42,6 +43,9 @@ async def coalesce(chunks: AsyncIterator[TokenChunk], interval_s: float, clock: 
     sent_at: float | None = None
     try:
         async for c in chunks:
+            if c.accepted:  # the gate's acknowledgement: at once, and not a send that delays the first token
+                yield c
+                continue
             held.append(c)
             now = clock.now()
             if sent_at is None or c.finished or now - sent_at >= interval_s:

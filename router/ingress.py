@@ -39,11 +39,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fairway.clock import MonotonicClock
+from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.hashing import block_hashes
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import GenerateCall, Overloaded, ReplicaError, TokenChunk, UnsupportedParameter
+from fairway.routing.held import HeldQueue
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.detokenize import IncrementalDetokenizer, StopFilter
+from router.hold import HoldArgs, Holder, HoldRefused
 from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -190,6 +194,11 @@ class IngressArgs(ServedModel):
                                                         "the event loop (0: one per CPU this process may use)")
     classes: ClassesConfig = Field(default_factory=ClassesConfig, description="request classes: each request's "
                                    "from its body's priority, the X-Fairway-Class header or its tenant")
+    hold: HoldArgs = Field(default_factory=HoldArgs, description="the router's held queue (router/hold.py)")
+    hold_policy: str = Field("fairway", description="the queue policy that orders held requests within a class "
+                                                    "(the replicas' gate policy)")
+    hold_policy_options: dict[str, Any] = Field(default_factory=dict)
+    profile: str = Field(DEFAULT_PROFILE, description="the cost profile of the held queue's prefill estimates")
 
 
 #: the period of ``watch_loop``'s timer, seconds
@@ -234,6 +243,10 @@ class FairwayIngress:
         self._loop_watch: asyncio.Task | None = None
         if a.metrics:
             self._start_metrics()
+        held = HeldQueue(MonotonicClock(), CostModel.from_profile(a.profile), a.classes, inner=a.hold_policy,
+                         inner_options=a.hold_policy_options, max_held=a.hold.max_held, block_size=a.block_size)
+        self.holder: Holder[_Stream] = Holder(held, self._probe, _Stream.close, self._hold_bound, a.hold.poll_s,
+                                              stats=self.stats)
 
     def _start_metrics(self) -> None:
         from observability.exporter import MetricsExporter
@@ -392,35 +405,85 @@ class FairwayIngress:
                                  f"at least {e.at_least} tokens. Please reduce the length of the prompt.",
                             reason="too_long") from None
 
-    def _rejected(self, e: HTTPError) -> JSONResponse:
+    def _rejected(self, e: HTTPError, priority_class: str | None = None) -> JSONResponse:
         if self.stats is not None:
             self.stats.inc_reject(e.reason or str(e.status))
             self.stats.inc_requests("", "rejected")
+            if priority_class is not None:
+                self.stats.inc_class_reject(priority_class, e.reason or str(e.status))
         return e.response()
+
+    # -- the held queue (router/hold.py) -------------------------------------------------------
+
+    async def _probe(self, call: GenerateCall) -> _Stream:
+        """Send a held ``call`` (``ack`` set); its stream once a gate has queued it."""
+        stream = _Stream(self, call, self.handle.generate.remote(call))
+        await stream.accepted()
+        return stream
+
+    def _hold_bound(self, call: GenerateCall) -> float:
+        """How long after its headers ``call`` may wait for a replica's queue: its class's wait
+        bound, else ``hold.max_wait_s``."""
+        classes = self.args.classes
+        return classes.spec(call.priority_class).wait_bound_s if classes.classes else self.args.hold.max_wait_s
+
+    async def _held(self, call: GenerateCall, refused: HTTPError | None) -> _Stream:
+        """``call`` held until a gate takes it (``Holder.wait``); its refusal as an HTTPError."""
+        try:
+            return await self.holder.wait(call, None if refused is None else (refused.retry_after_s or 1.0))
+        except HoldRefused as e:
+            raise HTTPError(429, e.message, max(1.0, e.retry_after_s), e.reason) from None
+
+    async def _sent(self, call: GenerateCall, request: Request | None, sent: bool) -> tuple[_Stream, TokenChunk]:
+        """``call`` sent to a replica, and its stream with the first chunk. A gate's refusal (its
+        queue full, the engine never saw it) sends it once more, to another replica when one is a
+        candidate; refused again, or while others are held, it is held until a gate takes it."""
+        if len(self.holder):
+            stream = await unless_gone(request, self._held(call, None))
+            return stream, await self._first(stream, request, sent)
+        refusal: HTTPError | None = None
+        for _ in range(2):  # its pick, then once more with the refusing replica left out
+            attempt = call
+            if refusal is not None:
+                attempt = dataclasses.replace(call, avoid=(refusal.refused_by,))
+                if self.stats is not None:
+                    self.stats.inc_retry(refusal.reason)
+            stream = _Stream(self, attempt, self.handle.generate.remote(attempt))
+            try:
+                return stream, await self._first(stream, request, sent)
+            except HTTPError as e:
+                if not e.refused_by:
+                    raise
+                if refusal is None or (e.retry_after_s or 0) < (refusal.retry_after_s or 0):
+                    refusal = e  # the shorter of the queues that refused it predicts its wait
+        stream = await unless_gone(request, self._held(call, refusal))
+        return stream, await self._first(stream, request, sent)
+
+    @staticmethod
+    async def _first(stream: _Stream, request: Request | None, sent: bool) -> TokenChunk:
+        """The stream's first chunk; on any failure but a gate's refusal (nothing runs then) the
+        stream is closed, which stops the replica's work (its client left, or it failed)."""
+        try:
+            return await unless_gone(request, stream.first(sent=sent))
+        except HTTPError as e:
+            if not e.refused_by:
+                stream.close()
+            raise
+        except BaseException:
+            stream.close()
+            raise
 
     async def _respond(self, call: GenerateCall, body: Any, chat: bool, request: Request | None = None) -> Any:
         if self.stats is not None and call.received_s:
             self.stats.observe_ingress(call.arrival_s - call.received_s)
-        gen = self.handle.generate.remote(call)
-        stream = _Stream(self, call, gen)
+        stream: _Stream | None = None
         out = _Output(self.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
         streaming = False  # the streaming response owns the call from its first frame on
         try:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
             # at once when the client goes away; a stream's own disconnects are seen by the
             # streaming response
-            try:
-                first = await unless_gone(request, stream.first(sent=not body.stream))
-            except HTTPError as e:
-                if not e.refused_by or call.avoid:
-                    raise
-                # a replica's gate refused it (queue full) before its engine saw it: once more, on
-                # another replica if one is a candidate (the router leaves the refusing one out)
-                call = dataclasses.replace(call, avoid=(e.refused_by,))
-                if self.stats is not None:
-                    self.stats.inc_retry(e.reason)
-                stream = _Stream(self, call, self.handle.generate.remote(call))
-                first = await unless_gone(request, stream.first(sent=not body.stream))
+            stream, first = await self._sent(call, request, sent=not body.stream)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
@@ -428,11 +491,11 @@ class FairwayIngress:
                                          media_type="text/event-stream")
             text, last = await unless_gone(request, self._collect(stream, first, out))
         except HTTPError as e:
-            return self._rejected(e)
+            return self._rejected(e, call.priority_class)
         except ClientGone:
             return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it; the call was cancelled
         finally:
-            if not streaming:
+            if not streaming and stream is not None:
                 stream.close()  # unfinished (its client left, or it failed): stop the replica's work
         return JSONResponse(self._full(call, body, chat, text, first, last, out, stream))
 
@@ -640,6 +703,7 @@ class _Stream:
         self.lane = ""
         self.replica = ""
         self.done = False
+        self._early: TokenChunk | None = None  # a first chunk read by ``accepted``
 
     async def _next(self) -> TokenChunk:
         try:
@@ -656,7 +720,8 @@ class _Stream:
         """The first chunk. Its TTFT is taken now when the answer is a whole one (``sent``), else
         by ``sent_first`` once the first event has been written (what a streaming client waits
         for)."""
-        c = await self._next()
+        c, self._early = self._early or await self._next(), None
+        self.ingress.holder.room()  # a prefill ended at its replica: that queue moved
         self.lane = c.lane
         self.replica = c.replica
         if self.ingress.stats is not None:
@@ -666,6 +731,13 @@ class _Stream:
         if c.finished:
             self._finish("ok")
         return c
+
+    async def accepted(self) -> None:
+        """Return once the gate has queued the call (its ``accepted`` chunk; the call was sent
+        with ``ack``); raises as ``first`` does, e.g. the gate's refusal."""
+        c = await self._next()
+        if not c.accepted:  # a replica that does not acknowledge: this is its first chunk
+            self._early = c
 
     def sent_first(self) -> None:
         """Record the TTFT: from the headers (``ReceivedAt``) to now. O(1)."""
@@ -716,6 +788,7 @@ class _Stream:
         if self.done:
             return
         self.done = True
+        self.ingress.holder.room()
         st = self.ingress.stats
         if st is not None:
             st.inc_requests(self.lane, status)

@@ -617,3 +617,35 @@ async def test_an_interactive_request_is_not_refused_for_a_batch_backlog():
         await settle()
     await asyncio.gather(*tasks)
     assert engine.started == ["b0", "i0", "b1", "b2", "b3"] and gate.rejected == 1
+
+
+async def test_a_call_with_ack_is_acknowledged_when_queued_and_refusals_stay_refusals():
+    """``GenerateCall.ack`` (a request the router held): the gate yields an ``accepted`` chunk as
+    soon as it queues the call, before its admission; a full gate still refuses it at once."""
+    gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1)
+    out: list = []
+    a = asyncio.create_task(consume(gate, call("a", 64), out))
+    await settle()
+    held = call("h", 64)
+    held.ack = True
+    b = asyncio.create_task(consume(gate, held, out))
+    await settle()
+    assert [(rid, c.accepted, c.token_ids) for rid, c in out] == [("h", True, [])]  # queued, not admitted
+    assert engine.started == ["a"] and len(gate.policy) == 1
+    engine.release("a")
+    await settle()
+    engine.release("h")
+    await asyncio.gather(a, b)
+    assert [(rid, c.accepted, c.token_ids) for rid, c in out if rid == "h"] == [
+        ("h", True, []), ("h", False, [7]), ("h", False, [8])]
+    full, engine, _ = make_gate("fcfs", prefill_budget_tokens=1, max_queue=1)
+    busy = [asyncio.create_task(consume(full, call(x, 64), [])) for x in ("a", "b")]  # one running, one waiting
+    await settle()
+    seen: list = []
+    with pytest.raises(Overloaded):
+        await consume(full, held, seen)
+    assert seen == []  # refused before any acknowledgement
+    for x in ("a", "b"):
+        engine.release(x)
+        await settle()
+    await asyncio.gather(*busy)

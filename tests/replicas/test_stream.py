@@ -57,3 +57,17 @@ async def test_closing_the_coalesced_stream_closes_the_source():
     assert (await gen.__anext__()).token_ids == [1]
     await gen.aclose()  # a client that went away
     assert log == ["closed"]
+
+
+async def test_the_gates_acknowledgement_passes_at_once_and_does_not_delay_the_first_token():
+    clock = ManualClock()
+
+    async def acked():
+        yield TokenChunk(token_ids=[], accepted=True)
+        clock.set(0.010)
+        yield TokenChunk(token_ids=[1])
+        clock.set(0.020)
+        yield TokenChunk(token_ids=[2], finished=True)
+
+    out = await collect(coalesce(acked(), 0.05, clock))
+    assert [(c.accepted, c.token_ids) for c in out] == [(True, []), (False, [1]), (False, [2])]

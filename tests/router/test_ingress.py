@@ -27,6 +27,7 @@ import router.ingress as ingress_mod
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import Overloaded, TokenChunk
 from router.auth import AuthArgs
+from router.hold import HoldArgs
 from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
 from router.limits import RequestLimits
 
@@ -65,6 +66,7 @@ class _Gen:
         self.refused = refused
         self.n = call.max_tokens
         self.i = 0
+        self.ack = call.ack  # a held request's send: the gate says "queued" first
         self.prompt = len(call.prompt_token_ids)
 
     def __aiter__(self) -> _Gen:
@@ -74,6 +76,9 @@ class _Gen:
         if self.refused:
             self.owner.open.discard(id(self))
             raise Overloaded("replica r0 queue is full (max_queue)", retry_after_s=2.0, replica="r0")
+        if self.ack:
+            self.ack = False
+            return TokenChunk(token_ids=[], accepted=True, replica="r0")
         if self.i >= self.n:
             raise StopAsyncIteration
         self.i += 1
@@ -94,11 +99,13 @@ class _Gen:
 class Server:
     """uvicorn serving ``app`` in a thread, on an ephemeral port."""
 
-    def __init__(self, limits: RequestLimits, auth: AuthArgs | None = None, classes: str = "") -> None:
+    def __init__(self, limits: RequestLimits, auth: AuthArgs | None = None, classes: str = "",
+                 hold: HoldArgs | None = None) -> None:
         self.replicas = ScriptedReplicas()
         self.ingress = FairwayIngress(self.replicas, IngressArgs(model=MODEL, max_model_len=4096, metrics=False,
                                                                  limits=limits, auth=auth or AuthArgs(),
-                                                                 classes=ClassesConfig.parse(classes)))
+                                                                 classes=ClassesConfig.parse(classes),
+                                                                 hold=hold or HoldArgs()))
         cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -901,14 +908,16 @@ def test_the_exported_ttft_starts_when_the_headers_arrive_not_after_tokenization
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_request_a_full_gate_refused_is_tried_once_more_elsewhere(server, monkeypatch, stream):
+def test_a_request_a_full_gate_refused_is_tried_once_more_elsewhere_then_held(server, monkeypatch, stream):
     """A replica's gate refuses the request (429, queue full) before its engine sees it: the
     ingress sends it once more with that replica to avoid, and the client gets the answer. Refused
-    again, the client gets the 429 with Retry-After; never a third send."""
+    again, it is held at the router and sent (with ``ack``) once a gate takes it; no engine ever
+    gets it twice (each refusal was before an engine)."""
     from observability.stats import FairwayStats
 
     stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
     monkeypatch.setattr(server.ingress, "stats", stats)
+    monkeypatch.setattr(server.ingress.holder, "stats", stats)
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": stream}
     before = len(server.replicas.calls)
     server.replicas.refuse = 1
@@ -917,13 +926,53 @@ def test_a_request_a_full_gate_refused_is_tried_once_more_elsewhere(server, monk
     first, retry = server.replicas.calls[before:]
     assert first.avoid == () and retry.avoid == ("r0",) and retry.request_id == first.request_id
     assert stats.counter("retries", reason="queue_full") == 1
-    server.replicas.refuse = 2
+    server.replicas.refuse = 4  # the pick, the retry, and the first two held sends
     r = post(server, "/v1/completions", body)
-    assert_clear_error(r, 429, "queue is full")
-    assert r.headers["Retry-After"] == "2"
-    assert len(server.replicas.calls) == before + 4  # two sends each, never a third
+    assert r.status_code == 200, r.text
+    sends = server.replicas.calls[before + 2:]
+    assert [c.ack for c in sends] == [False, False, True, True, True]
+    assert len({c.request_id for c in sends}) == 1
     assert stats.counter("retries", reason="queue_full") == 2
-    assert not server.replicas.open
+    (held,) = stats.snapshot()["histograms"]["hold"]
+    assert held["labels"]["status"] == "sent" and held["count"] == 1 and held["sum"] > 0
+    assert not server.replicas.open and len(server.ingress.holder) == 0
+
+
+def test_without_holding_a_request_refused_twice_gets_429_with_retry_after():
+    """``hold.max_wait_s: 0`` (no class): refused by its pick and by the retry, the client gets
+    the gates' 429 with Retry-After at once; never a third send."""
+    with Server(RequestLimits(), hold=HoldArgs(max_wait_s=0)) as srv:
+        srv.replicas.refuse = 2
+        r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
+        assert_clear_error(r, 429, "wait bound of 0 s")
+        assert r.headers["Retry-After"] == "2"
+        assert len(srv.replicas.calls) == 2
+        assert not srv.replicas.open
+
+
+def test_a_held_request_past_its_class_bound_gets_429_and_is_counted_by_class(monkeypatch):
+    """A class's ``max_wait_s`` is its bound at the router: held until it passes, then 429 with
+    Retry-After, in the rejects by class; a class whose bound is under the gates' estimate is
+    refused at once."""
+    from observability.stats import FairwayStats
+
+    with Server(RequestLimits(), classes="int:tier=0:objective=1,batch:tier=1:objective=30:max_wait=2.5",
+                hold=HoldArgs(poll_s=0.1)) as srv:
+        stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+        monkeypatch.setattr(srv.ingress, "stats", stats)
+        monkeypatch.setattr(srv.ingress.holder, "stats", stats)
+        srv.replicas.refuse = 10**6
+        t0 = time.monotonic()
+        r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "priority": "batch"})
+        assert_clear_error(r, 429, "stayed full for this request's wait bound of 2.5 s")
+        assert 2.0 <= time.monotonic() - t0 < 8 and r.headers["Retry-After"] == "2"
+        assert len(srv.replicas.calls) >= 3 and all(c.ack for c in srv.replicas.calls[2:])
+        r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "priority": "int"})
+        assert_clear_error(r, 429, "past this request's wait bound of 1 s")
+        assert stats.counter("class_rejects", **{"class": "batch", "reason": "hold_timeout"}) == 1
+        assert stats.counter("class_rejects", **{"class": "int", "reason": "hold_bound"}) == 1
+        assert stats.counter("rejects", reason="hold_timeout") == 1
+        assert len(srv.ingress.holder) == 0
 
 
 def test_the_loop_watch_sees_a_blocked_event_loop():
