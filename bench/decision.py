@@ -4,6 +4,11 @@
 and p99 of ``select()`` and of a full decision cycle (``select`` + ``admit`` + one ``add`` to keep
 the queue at N), over requests with random prompt lengths and cached prefixes, cache events
 included (each cycle stores 4 blocks, which moves some waiting requests' hits).
+
+``python -m bench.decision --held 10000`` times the router's held queue
+(``fairway/routing/held.py``) instead: N requests held in two classes (20% ``interactive``, tier
+0; 80% ``batch``, tier 1; Fairway within each), and per cycle the decision which one goes next
+(``head``), its send (``take``) and one new request held (``hold``), so the queue stays at N.
 """
 
 from __future__ import annotations
@@ -65,12 +70,58 @@ def measure(policy: str, waiting: int, cycles: int, seed: int = 0) -> dict[str, 
     }
 
 
+CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
+
+
+def measure_held(held: int, cycles: int, seed: int = 0, inner: str = "fairway") -> dict[str, float]:
+    """The held queue's decision at ``held`` requests (module docstring)."""
+    from fairway.policies.classes import ClassesConfig
+    from fairway.routing.held import HeldQueue
+
+    rng = np.random.default_rng(seed)
+    clock = ManualClock()
+    q = HeldQueue(clock, CostModel.from_profile(DEFAULT_PROFILE), ClassesConfig.parse(CLASSES), inner=inner,
+                  max_held=held + 1)
+
+    def hold(rid: int) -> None:
+        q.hold(rid, int(rng.integers(128, 8192)), "interactive" if rng.random() < 0.2 else "batch")
+
+    for rid in range(held):
+        clock.advance(0.001)
+        hold(rid)
+    sel, full = [], []
+    for k in range(cycles):
+        clock.advance(0.002)
+        t0 = time.perf_counter_ns()
+        rid = q.head()
+        t1 = time.perf_counter_ns()
+        assert rid is not None
+        q.take(rid)
+        hold(held + k)
+        t2 = time.perf_counter_ns()
+        sel.append(t1 - t0)
+        full.append(t2 - t0)
+    s, f = np.array(sel) / 1e3, np.array(full) / 1e3
+    return {"select_p50_us": float(np.median(s)), "select_p99_us": float(np.percentile(s, 99)),
+            "cycle_p50_us": float(np.median(f)), "cycle_p99_us": float(np.percentile(f, 99))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--waiting", type=int, default=1000)
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--policies", default="fairway,fcfs,lpm,hrrn,k-lpm,lpm-aging,vllm-sjf,srpt-oracle,dfs-weight")
+    ap.add_argument("--held", type=int, default=0, help="time the router's held queue at this many held requests "
+                                                         "(two classes), with --policies as the order within a class")
     args = ap.parse_args()
+    if args.held:
+        print(f"{'within a class':<14} {'head p50':>11} {'head p99':>11} {'cycle p50':>10} {'cycle p99':>10}"
+              f"  (us, {args.held} held, classes {CLASSES})")
+        for name in args.policies.split(","):
+            m = measure_held(args.held, args.cycles, inner=name)
+            print(f"{name:<14} {m['select_p50_us']:>11.1f} {m['select_p99_us']:>11.1f} "
+                  f"{m['cycle_p50_us']:>10.1f} {m['cycle_p99_us']:>10.1f}")
+        return
     head = f"{'policy':<14} {'select p50':>11} {'select p99':>11} {'cycle p50':>10} {'cycle p99':>10}"
     print(f"{head}  (us, {args.waiting} waiting)")
     for name in args.policies.split(","):

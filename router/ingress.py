@@ -429,10 +429,13 @@ class FairwayIngress:
 
     async def _held(self, call: GenerateCall, refused: HTTPError | None) -> _Stream:
         """``call`` held until a gate takes it (``Holder.wait``); its refusal as an HTTPError."""
+        t0 = time.monotonic()
         try:
-            return await self.holder.wait(call, None if refused is None else (refused.retry_after_s or 1.0))
+            stream = await self.holder.wait(call, None if refused is None else (refused.retry_after_s or 1.0))
         except HoldRefused as e:
             raise HTTPError(429, e.message, max(1.0, e.retry_after_s), e.reason) from None
+        stream.held_s = time.monotonic() - t0
+        return stream
 
     async def _sent(self, call: GenerateCall, request: Request | None, sent: bool) -> tuple[_Stream, TokenChunk]:
         """``call`` sent to a replica, and its stream with the first chunk. A gate's refusal (its
@@ -540,6 +543,8 @@ class FairwayIngress:
                "ingress": self.name}
         if stream.call.priority_class:
             out["class"] = stream.call.priority_class
+        if stream.held_s:
+            out["held_s"] = stream.held_s
         return out
 
     def _echo(self, call: GenerateCall, body: Any, chat: bool) -> str:
@@ -704,6 +709,7 @@ class _Stream:
         self.replica = ""
         self.done = False
         self._early: TokenChunk | None = None  # a first chunk read by ``accepted``
+        self.held_s = 0.0  # how long the router held it before a gate took it
 
     async def _next(self) -> TokenChunk:
         try:

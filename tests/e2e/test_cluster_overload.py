@@ -1,6 +1,8 @@
 """End-to-end overload behaviour on the real cluster: a slowed-down engine (speed 0.1), a tiny
-gate queue and a small prefill budget, so bursts queue at the gate and overflow it; two request
-classes (a request without one is ``batch``)."""
+gate queue and a small prefill budget, so bursts queue at the gate and overflow it; API keys for
+two tenants; three request classes: ``interactive`` (tier 0), ``bulk`` (tier 1, held at the router
+for up to 120 s: the default tenant class of ``bulkco``) and ``batch`` (tier 1, a 1 s wait bound,
+so a request every gate refuses is answered 429 at once; the class of a request without one)."""
 
 from __future__ import annotations
 
@@ -16,12 +18,19 @@ from tests.e2e.test_cluster_http import MODEL, prompt_ids
 pytestmark = pytest.mark.e2e
 
 
+KEYS_ENV = {"FAIRWAY_TEST_KEYS": "k-alice=alice,k-bulk=bulkco"}
+ALICE = {"authorization": "Bearer k-alice"}
+BULKCO = {"authorization": "Bearer k-bulk"}
+
+
 @pytest.fixture(scope="module")
 def slow():
-    with running_cluster(num_replicas=2, engine_args={"speed": 0.1},
+    with running_cluster(num_replicas=2, engine_args={"speed": 0.1}, api_key="k-alice", env=KEYS_ENV,
+                         auth={"keys_env": "FAIRWAY_TEST_KEYS", "tenants": {"bulkco": {"default_class": "bulk"}}},
                          replica={"max_queue": 3, "prefill_budget_tokens": 512},
                          classes=[{"name": "interactive", "tier": 0, "objective_s": 5.0},
-                                  {"name": "batch", "tier": 1, "objective_s": 60.0}]) as u:
+                                  {"name": "bulk", "tier": 1, "objective_s": 60.0, "max_wait_s": 120.0},
+                                  {"name": "batch", "tier": 1, "objective_s": 60.0, "max_wait_s": 1.0}]) as u:
         yield u
 
 
@@ -32,7 +41,7 @@ def test_overflow_gets_429_at_once_and_accepted_requests_complete(slow):
                 payload = {"model": MODEL, "prompt": prompt_ids(300 + i, 4000), "max_tokens": 2}
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
-                async with s.post(f"{slow}/v1/completions", json=payload,
+                async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     body = await r.json()
                     if r.status == 200:
@@ -64,7 +73,7 @@ def test_burst_promotes_to_fair_lane(slow):
             async def one(i: int):
                 payload = {"model": MODEL, "prompt": prompt_ids(500 + i, 300 if i % 4 == 0 else 2000),
                            "max_tokens": 2}
-                async with s.post(f"{slow}/v1/completions", json=payload,
+                async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     return r.status, await r.json()
             return await asyncio.gather(*(one(i) for i in range(8)))
@@ -90,7 +99,7 @@ def test_an_interactive_request_goes_before_a_waiting_batch_backlog(slow):
             async def one(i: int, klass: str, n: int, after: float):
                 await asyncio.sleep(after)
                 payload = {"model": MODEL, "prompt": prompt_ids(900 + i, n), "max_tokens": 2, "priority": klass}
-                async with s.post(f"{slow}/v1/completions", json=payload,
+                async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     return r.status, await r.json(), asyncio.get_running_loop().time()
             batch = [one(i, "batch", 4000, 0.0) for i in range(4)]
@@ -104,3 +113,39 @@ def test_an_interactive_request_goes_before_a_waiting_batch_backlog(slow):
         on_it = [d for _, x, d in results[:4] if x["fairway"]["replica"] == b["fairway"]["replica"]]
         assert on_it and done < max(on_it), (b["fairway"], [x["fairway"] for _, x, _ in results])
     assert total(slow, "router", "fairway_class_objective_total") - met == 6
+
+
+def test_requests_every_gate_refused_are_held_and_served_once(slow):
+    """Twelve cold requests of class ``bulk`` at once, by its three paths (the body's
+    ``priority``, the ``X-Fairway-Class`` header, the tenant's default): more than the two
+    slowed replicas' queues take, so some are refused by both gates; those wait at the router and
+    are sent when a gate has room. Every one is answered 200, the held ones say so, and each
+    reached an engine exactly once (the replicas finished twelve requests)."""
+    held_before = total(slow, "router", "fairway_router_hold_seconds_count")
+    ok_before = total(slow, "replica", "fairway_requests_total")
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int):
+                payload = {"model": MODEL, "prompt": prompt_ids(1300 + i, 2000), "max_tokens": 2}
+                headers = dict(ALICE)
+                if i % 3 == 0:
+                    payload["priority"] = "bulk"
+                elif i % 3 == 1:
+                    headers["X-Fairway-Class"] = "bulk"
+                else:
+                    headers = BULKCO
+                async with s.post(f"{slow}/v1/completions", json=payload, headers=headers,
+                                  timeout=aiohttp.ClientTimeout(total=300)) as r:
+                    return r.status, await r.json()
+            return await asyncio.gather(*(one(i) for i in range(12)))
+
+    results = asyncio.run(run())
+    assert [c for c, _ in results] == [200] * 12, [b for c, b in results if c != 200]
+    assert {b["fairway"]["class"] for _, b in results} == {"bulk"}
+    assert all(b["usage"]["completion_tokens"] == 2 for _, b in results)
+    held = [b["fairway"]["held_s"] for _, b in results if "held_s" in b["fairway"]]
+    assert held, "no request was held: the burst did not fill both gates"
+    print(f"held at the router: {len(held)} of 12, for {min(held):.2f}-{max(held):.2f} s")
+    assert total(slow, "router", "fairway_router_hold_seconds_count") - held_before == len(held)
+    assert total(slow, "replica", "fairway_requests_total") - ok_before == 12  # none ran twice

@@ -929,6 +929,8 @@ def test_a_request_a_full_gate_refused_is_tried_once_more_elsewhere_then_held(se
     server.replicas.refuse = 4  # the pick, the retry, and the first two held sends
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
+    if not stream:
+        assert r.json()["fairway"]["held_s"] > 0
     sends = server.replicas.calls[before + 2:]
     assert [c.ack for c in sends] == [False, False, True, True, True]
     assert len({c.request_id for c in sends}) == 1
