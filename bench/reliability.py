@@ -14,7 +14,9 @@ H200 (default 0.25, so the 2-core machine can offer three times its capacity), t
 from the simulator (the highest rate of a doubling sweep whose simulated p99 TTFT stays under
 2 s, times the speed: the same engine model), and offers half the capacity for 20 s, three times
 it for 60 s, half again for 30 s; the gates' wait bound is ``--max-wait`` (default 5 s, the
-shipped ``replica.max_queue_wait_s``; a comma list runs one cluster per value). It reports, per
+shipped ``replica.max_queue_wait_s``) and the router's hold bound ``--hold`` (default 10 s, the
+shipped ``router.hold.max_wait_s``; 0: a request both tried gates refuse gets 429 at once); comma
+lists run one cluster per combination, one after the other. It reports, per
 phase, accepted TTFT p50/p99, the refusals (429 and 503) with the time they took, the peak memory,
 and the time after the drop until TTFT is back within twice its first-phase median.
 
@@ -362,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "overload":
             p.add_argument("--max-wait", default="5", help="the gates' max_queue_wait_s; a comma list runs "
                                                            "one cluster per value, one after the other")
+            p.add_argument("--hold", default="10", help="the router's router.hold.max_wait_s; a comma list as "
+                                                        "--max-wait's")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -391,11 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     cap = sim_capacity("mixed", 2, kv, a.seed) * a.speed
     reps = []
     for wait in [float(w) for w in str(a.max_wait).split(",")]:
-        with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": a.speed},
-                             replica={"max_queue_wait_s": wait}) as url:
-            rep = overload(url, cap, a.seed, over_s=a.over_s, factor=a.factor)
-        rep["max_queue_wait_s"] = wait
-        reps.append(rep)
+        for hold in [float(h) for h in str(a.hold).split(",")]:
+            with running_cluster(num_replicas=2, engine_args={"kv_blocks": kv, "speed": a.speed},
+                                 replica={"max_queue_wait_s": wait}, router={"hold": {"max_wait_s": hold}}) as url:
+                rep = overload(url, cap, a.seed, over_s=a.over_s, factor=a.factor)
+            rep["max_queue_wait_s"] = wait
+            rep["hold_s"] = hold
+            reps.append(rep)
         print(json.dumps({k: v for k, v in rep.items() if k != "accounting"}, indent=1, default=str))
     (out / "overload.json").write_text(json.dumps(reps, indent=1, default=str))
     print(overload_table(reps))
@@ -408,14 +414,15 @@ def overload_table(reps: list[dict[str, Any]]) -> str:
     for r in reps:
         over = next(v for k, v in r["phases"].items() if k.endswith("x"))
         after = r["phases"]["normal after"]
-        rows.append([f"{r['max_queue_wait_s']:g} s", f"{over['accepted']} / {over['refused']}",
+        rows.append([f"{r['max_queue_wait_s']:g} s", f"{r.get('hold_s', 0):g} s",
+                     f"{over['accepted']} / {over['refused']}",
                      f"{over['refusal_time_s']['max'] * 1000:.0f} ms", f"{over['ttft_s']['p50']:.2f} s",
                      f"{over['ttft_s']['p99']:.1f} s", f"{over['ttft_s']['max']:.1f} s",
                      f"{after['ttft_s']['p50']:.2f} s / {after['ttft_s']['p99']:.1f} s",
                      "-" if r["recovery_s"] is None else f"{r['recovery_s']:g} s",
                      f"+{r['peak_rss_mb'] - r['rss_mb_first']:.0f} MB", str(r["lost"])])
-    return md_table(["max_queue_wait_s", "overload accepted / refused", "refusal max", "TTFT p50", "p99", "max",
-                     "after: p50 / p99", "recovery", "peak memory", "lost"], rows)
+    return md_table(["max_queue_wait_s", "router.hold.max_wait_s", "overload accepted / refused", "refusal max",
+                     "TTFT p50", "p99", "max", "after: p50 / p99", "recovery", "peak memory", "lost"], rows)
 
 
 if __name__ == "__main__":

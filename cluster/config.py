@@ -123,7 +123,7 @@ class ClusterArgs(ServedModel, ServedEngine):
         return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
                            auth=self.auth, classes=self.request_classes(), hold=self.router.hold,
                            hold_policy=self.replica.policy, hold_policy_options=self.replica.policy_options,
-                           profile=self.profile)
+                           profile=self.profile, gate_wait_s=self.replica.max_queue_wait_s)
 
     def replica_engine_args(self) -> dict[str, Any]:
         """The engine options every replica builds its engine with: the YAML's ``engine_args``,

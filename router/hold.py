@@ -3,17 +3,20 @@ that every replica's gate refused waits here for room, and is sent when a gate t
 
 - **Entering.** A request the replicas refused (its pick and the one retry elsewhere) is held
   unless the least wait a refusing gate estimated already reaches past its wait bound (its
-  class's ``max_wait_s``, else the cluster's ``max_hold_s``, counted from the request's headers):
-  then it is refused at once, 429 with that estimate as Retry-After. While any request is held, a
-  new request joins the held queue too, so it cannot overtake the ones held before it except by
-  the flow-control order (a stricter tier, a fairer share, Fairway's lanes).
+  class's ``max_wait_s``, else ``router.hold.max_wait_s``, counted from the request's headers):
+  then it is refused at once, 429 with that estimate as Retry-After. The bound covers the wait at
+  the router and at the gate: a request is held until its bound less the gates' own wait bound
+  (``margin_s``, ``replica.max_queue_wait_s``), the most it can wait in a gate's queue once sent.
+  While any request is held, a new request joins the held queue too, so it cannot overtake the
+  ones held before it except by the flow-control order (a stricter tier, a fairer share, Fairway's
+  lanes).
 - **Rounds.** A round starts when this ingress sees a sign of room (one of its requests had its
   first token or ended: that replica's queue moved) or every ``poll_s`` (room made by the other
   ingress replicas' requests). In a round the head of the held queue is sent with
   ``GenerateCall.ack``: a gate that queues it says so at once (an ``accepted`` chunk), and the
   next head goes; a refusal ends the round, the request staying held in its place. A refused
   probe never reached an engine, so no request runs twice.
-- **Leaving.** Sent (the caller gets the accepted stream), or its bound passed (429 with
+- **Leaving.** Sent (the caller gets the accepted stream), or its hold ended unsent (429 with
   Retry-After: the last estimate a gate gave), or its client left (dropped, or its stream closed
   if a gate took it meanwhile), or held ``max_held`` already (429 at once).
 
@@ -88,12 +91,13 @@ class Holder(Generic[S]):
     refused it (still no room), any other is the request's own failure, passed to its caller.
     ``close(stream)`` ends a stream nobody reads. ``bound_s(call)`` is the call's wait bound.
     ``stats`` (optional) gets ``set_held``, ``observe_hold``. ``wall`` is the clock of
-    ``GenerateCall.waited_from`` (``time.time``).
+    ``GenerateCall.waited_from`` (``time.time``). ``margin_s``: the gates' wait bound, taken
+    off every request's bound for the time it may wait at a gate once sent.
     """
 
     def __init__(self, queue: HeldQueue, probe: Callable[[GenerateCall], Awaitable[S]], close: Callable[[S], None],
                  bound_s: Callable[[GenerateCall], float], poll_s: float = DEFAULT_POLL_S, stats: Any = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, margin_s: float = 0.0) -> None:
         self.queue = queue
         self.probe = probe
         self.close = close
@@ -101,6 +105,7 @@ class Holder(Generic[S]):
         self.poll_s = poll_s
         self.stats = stats
         self.wall = wall
+        self.margin_s = margin_s
         self._waiters: dict[int, _Waiter[S]] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap; entries of requests gone are skipped
         self._ids = itertools.count()
@@ -123,10 +128,10 @@ class Holder(Generic[S]):
         Raises ``HoldRefused``. Cancelling the wait (its client left) drops it."""
         now = self.wall()
         bound = self.bound_s(call)
-        deadline = call.waited_from + bound
+        deadline = call.waited_from + bound - self.margin_s  # then at most margin_s at a gate
         if refused_wait_s is not None:
             self.last_wait_s = refused_wait_s
-            if now + refused_wait_s > deadline:
+            if now + max(refused_wait_s - self.margin_s, 0.0) > deadline:
                 raise self._refused(call, "hold_bound", refused_wait_s,
                                     f"every replica's queue is full: the shortest is an estimated "
                                     f"{refused_wait_s:.1f} s of work, past this request's wait bound of {bound:g} s")
@@ -210,7 +215,7 @@ class Holder(Generic[S]):
                 bound = self.bound_s(w.call)
                 w.fut.set_exception(self._refused(
                     w.call, "hold_timeout", self.last_wait_s,
-                    f"every replica's queue stayed full for this request's wait bound of {bound:g} s"))
+                    f"every replica's queue stayed full within this request's wait bound of {bound:g} s"))
 
     def _leave(self, rid: int, outcome: str, drop: bool) -> None:
         w = self._waiters.pop(rid)

@@ -199,6 +199,8 @@ class IngressArgs(ServedModel):
                                                     "(the replicas' gate policy)")
     hold_policy_options: dict[str, Any] = Field(default_factory=dict)
     profile: str = Field(DEFAULT_PROFILE, description="the cost profile of the held queue's prefill estimates")
+    gate_wait_s: float | None = Field(None, description="the replicas' max_queue_wait_s: the held queue leaves it "
+                                                        "of each request's wait bound for the gate")
 
 
 #: the period of ``watch_loop``'s timer, seconds
@@ -246,7 +248,7 @@ class FairwayIngress:
         held = HeldQueue(MonotonicClock(), CostModel.from_profile(a.profile), a.classes, inner=a.hold_policy,
                          inner_options=a.hold_policy_options, max_held=a.hold.max_held, block_size=a.block_size)
         self.holder: Holder[_Stream] = Holder(held, self._probe, _Stream.close, self._hold_bound, a.hold.poll_s,
-                                              stats=self.stats)
+                                              stats=self.stats, margin_s=a.gate_wait_s or 0.0)
 
     def _start_metrics(self) -> None:
         from observability.exporter import MetricsExporter

@@ -181,3 +181,19 @@ async def test_the_held_queue_has_a_size_bound_and_a_probe_failure_is_the_reques
     with pytest.raises(RuntimeError, match="replica died"):
         await asyncio.wait_for(first, 5)
     assert len(h) == 0
+
+
+async def test_the_gates_bound_is_left_of_every_requests_bound():
+    """With the gates' wait bound as ``margin_s`` a request is held only until its bound less that
+    margin (it may wait that long in a gate's queue once sent), and one whose bound leaves no
+    time after the margin is refused at once."""
+    gates = Gates()
+    h = holder(gates, bound_s=1.5)
+    h.margin_s = 1.2
+    t0 = time.monotonic()
+    with pytest.raises(HoldRefused) as e:
+        await asyncio.wait_for(h.wait(call("x"), refused_wait_s=1.3), 5)
+    assert e.value.reason == "hold_timeout" and time.monotonic() - t0 < 1.2  # held 0.3 s, not 1.5
+    with pytest.raises(HoldRefused) as e:
+        await h.wait(call("y"), refused_wait_s=2.8)  # 1.6 s more than the margin: past 1.5
+    assert e.value.reason == "hold_bound"

@@ -966,7 +966,7 @@ def test_a_held_request_past_its_class_bound_gets_429_and_is_counted_by_class(mo
         srv.replicas.refuse = 10**6
         t0 = time.monotonic()
         r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "priority": "batch"})
-        assert_clear_error(r, 429, "stayed full for this request's wait bound of 2.5 s")
+        assert_clear_error(r, 429, "stayed full within this request's wait bound of 2.5 s")
         assert 2.0 <= time.monotonic() - t0 < 8 and r.headers["Retry-After"] == "2"
         assert len(srv.replicas.calls) >= 3 and all(c.ack for c in srv.replicas.calls[2:])
         r = post(srv, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "priority": "int"})
