@@ -7,27 +7,33 @@ Each workload's requests are labelled 20% ``interactive`` (tier 0, TTFT objectiv
 1 s) and 80% ``batch`` (tier 1, objective 30 s, wait bound 30 s) by the simulator's seeded class
 mix, and every arm routes with the Fairway router over 8 replicas:
 
-- ``default``: today: Fairway's queue policy, classes ignored; each replica refuses a request
-  when its queued prefill work is past the gate's wait bound (5 s), and the cluster does not try
-  another replica.
+- ``default``: the product without classes: Fairway's queue policy, classes ignored; a replica
+  has room while its queued prefill work is within the gates' wait bound (5 s); a request its
+  pick has no room for goes to the next replica with room, else waits in the router's held queue
+  for its pick to have room, within a wait bound of 10 s (``router.hold.max_wait_s``) of which
+  the gate's 5 s are the last (``sim/flow.py``).
+- ``refuse``: the cluster before the held queue: as ``default``, but a request its pick refuses
+  is refused (429), not tried elsewhere nor held.
 - ``priority-fcfs``: strict priority, then arrival order (``fairway/policies/flow_anchors.py``).
 - ``llmd-flow``: llm-d's flow control: priority band, then round-robin between the band's flows
   (tenants; the shared workloads have one per class), then FCFS within a flow.
-- ``classes``: the class policy (``fairway/policies/classes.py``): strict tiers, weighted fair
-  sharing of prefill work, Fairway's lanes within a class.
+- ``classes``: the product with classes: the class policy (``fairway/policies/classes.py``:
+  strict tiers, weighted fair sharing of prefill work, Fairway's lanes within a class).
+- ``classes-nohold``: the class policy with the router's class check alone: a request goes to the
+  first replica of the router's ranking where the work its queue order puts ahead of it is within
+  its class's wait bound, else it is refused at once (the simulator before the held queue).
 
-The three class-aware arms share the router's class check (``sim/flow.py``): a request goes to the
-router's pick when the work its queue order puts ahead of it there is within its class's wait
-bound, else to the next replica with room, else it is refused at once. So they differ only in the
-queue order. Capacity is the highest rate at which ``default`` keeps p99 TTFT under 2 s with no
-classes (a doubling search, then bisection); loads are multiples of it. The interactive TTFT of
-an idle cluster is the class arm's at 0.1x.
+``priority-fcfs``, ``llmd-flow`` and ``classes`` share the product's admission (each gate's room
+counted on the work ahead of the request's class, the retry, the held queue ordered as their own
+queues with each class's wait bound), so they differ only in the order. Capacity is the highest
+rate at which ``default`` keeps p99 TTFT under 2 s with no classes (a doubling search, then
+bisection); loads are multiples of it. The interactive TTFT of an idle cluster is the class arm's
+at 0.1x.
 
 Targets (the issue's): at 2x, the class arm's interactive p99 within 1.5x of idle and attainment
 >= 99%, its batch goodput at least the best anchor's, no batch request past its wait bound
 unanswered; below capacity, its p50 and p99 within 1.02x of ``default``'s; no refusal while any
-replica had room. The router's decision time with a held queue is not measured here (the simulator
-holds no requests at the router).
+replica had room. The held queue's decision time is ``python -m bench.decision --held 10000``.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ from sim.runner import RunConfig, run
 CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
 MIX = "interactive=0.2,batch=0.8"
 ARMS: dict[str, dict[str, Any]] = {
-    "default": {"policy": "fairway", "class_bounds": "gate", "flow_retry": False},
-    "priority-fcfs": {"policy": "priority-fcfs"},
-    "llmd-flow": {"policy": "llmd-flow"},
-    "classes": {"policy": "classes"},
+    "default": {"policy": "fairway", "class_bounds": "gate", "hold": True},
+    "refuse": {"policy": "fairway", "class_bounds": "gate", "flow_retry": False},
+    "priority-fcfs": {"policy": "priority-fcfs", "hold": True},
+    "llmd-flow": {"policy": "llmd-flow", "hold": True},
+    "classes": {"policy": "classes", "hold": True},
+    "classes-nohold": {"policy": "classes"},
 }
 ANCHORS = ("priority-fcfs", "llmd-flow")
 IDLE_LOAD = 0.1
@@ -95,6 +103,7 @@ def row_of(res: dict[str, Any]) -> dict[str, Any]:
         "batch_p50": b["ttft_s"]["p50"], "batch_p99": b["ttft_s"]["p99"], "batch_goodput": b["goodput_rps"],
         "batch_att": b["attainment"], "batch_over": b["over_bound"],
         "refused": i["refused"] + b["refused"], "refused_room": res["flow"]["refused_with_room"],
+        "held": res["flow"].get("held", 0), "hold_p99": res["flow"].get("hold_s", {}).get("p99", 0.0),
         "p50": res["ttft_s"]["p50"], "p99": res["ttft_s"]["p99"],
     }
 
@@ -126,12 +135,12 @@ def verdicts(rows: dict[tuple[str, float, str], dict[str, Any]], idle: dict[str,
 
 def render(rows: dict[tuple[str, float, str], dict[str, Any]], caps: dict[str, float]) -> str:
     header = ["workload", "load", "arm", "int p50", "int p99", "int att", "batch p50", "batch p99",
-              "batch goodput", "batch att", "refused", "refused w/ room", "p50", "p99"]
+              "batch goodput", "batch att", "refused", "refused w/ room", "held", "hold p99", "p50", "p99"]
     body = []
     for (w, load, arm), r in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], list(ARMS).index(kv[0][2]))):
         body.append([w, f"{load:g}x ({load * caps[w]:.0f}/s)", arm, r["int_p50"], r["int_p99"], r["int_att"],
                      r["batch_p50"], r["batch_p99"], f"{r['batch_goodput']:.2f}", r["batch_att"], r["refused"],
-                     r["refused_room"], r["p50"], r["p99"]])
+                     r["refused_room"], r["held"], r["hold_p99"], r["p50"], r["p99"]])
     return md_table(header, body, "lll" + "r" * (len(header) - 3))
 
 
@@ -144,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity", default=None, help="workload=req/s,... instead of measuring it")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--arms", default=",".join(ARMS), help="a subset of the arms (the verdicts need default, "
+                                                           "classes and the anchors)")
     ap.add_argument("--out", default=None, help="write every run's summary here (JSON)")
     a = ap.parse_args(argv)
     workloads = [w for w in a.workloads.split(",") if w]
@@ -152,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = dict((k, float(v)) for k, v in (p.split("=") for p in a.capacity.split(","))) if a.capacity else {}
     caps = {w: given.get(w) or capacity(w, **kw) for w in workloads}
     print("capacity: " + ", ".join(f"{w} {c:g} req/s" for w, c in caps.items()), file=sys.stderr)
-    jobs = {(w, load, arm): config(w, load * caps[w], arm, **kw) for w in workloads for load in loads for arm in ARMS}
+    arms = [x for x in a.arms.split(",") if x]
+    jobs = {(w, load, arm): config(w, load * caps[w], arm, **kw) for w in workloads for load in loads for arm in arms}
     jobs.update({(w, IDLE_LOAD, "idle"): config(w, IDLE_LOAD * caps[w], "classes", **kw) for w in workloads})
     with ProcessPoolExecutor(max_workers=a.jobs) as ex:
         results = dict(zip(jobs, ex.map(_run, jobs.values()), strict=True))

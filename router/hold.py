@@ -9,7 +9,8 @@ that every replica's gate refused waits here for room, and is sent when a gate t
   (``margin_s``, ``replica.max_queue_wait_s``), the most it can wait in a gate's queue once sent.
   While any request is held, a new request joins the held queue too, so it cannot overtake the
   ones held before it except by the flow-control order (a stricter tier, a fairer share, Fairway's
-  lanes).
+  lanes); but not one whose bound leaves no time to hold it (a bound at or under the gates'),
+  which is sent, and refused at once if the gates refuse it.
 - **Rounds.** A round starts when this ingress sees a sign of room (one of its requests had its
   first token or ended: that replica's queue moved) or every ``poll_s`` (room made by the other
   ingress replicas' requests). In a round the head of the held queue is sent with
@@ -116,6 +117,12 @@ class Holder(Generic[S]):
 
     def __len__(self) -> int:
         return len(self._waiters)
+
+    def can_hold(self, call: GenerateCall) -> bool:
+        """Whether ``call``'s wait bound leaves time to hold it (it ends after the gates' bound).
+        One that does not is never held, so it does not queue behind the held requests: it is
+        sent, and refused if the gates refuse it. O(1)."""
+        return call.waited_from + self.bound_s(call) - self.margin_s > self.wall()
 
     def room(self) -> None:
         """A sign that a replica may have room: start a round (when requests are held). O(1)."""

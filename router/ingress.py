@@ -443,7 +443,7 @@ class FairwayIngress:
         """``call`` sent to a replica, and its stream with the first chunk. A gate's refusal (its
         queue full, the engine never saw it) sends it once more, to another replica when one is a
         candidate; refused again, or while others are held, it is held until a gate takes it."""
-        if len(self.holder):
+        if len(self.holder) and self.holder.can_hold(call):  # others are held: it queues with them
             stream = await unless_gone(request, self._held(call, None))
             return stream, await self._first(stream, request, sent)
         refusal: HTTPError | None = None

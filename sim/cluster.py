@@ -164,7 +164,9 @@ class ClusterRouter(EngineListener):
 
     # -- routing -----------------------------------------------------------------------------
 
-    def __call__(self, spec: RequestSpec, replicas: list[EngineModel]) -> int:
+    def __call__(self, spec: RequestSpec, replicas: list[EngineModel], held: bool = False) -> int:
+        """The replica for ``spec``; with flow control -1 (refused) or ``HELD``. ``held``: a held
+        request the held queue offers now: a replica with room, or -1 (none has room)."""
         ledger = self._ledger(spec.rid)
         if self.sync_delay_s > 0.0:
             self._deliver(spec.rid % len(self.instances))
@@ -176,10 +178,12 @@ class ClusterRouter(EngineListener):
         if self.flow is not None:
             ranked = [j for tier in d.ranks for j in tier if j != d.pick]
             order = [d.pick, *ranked, *(j for j in range(len(replicas)) if j != d.pick and j not in ranked)]
-            pick = self.flow.place(spec, replicas, order)
+            # a held request goes to the router's pick or waits (as the live ingress's probe)
+            pick = (self.flow.first_with_room(spec, replicas, order[:1]) if held
+                    else self.flow.place(spec, replicas, order))
             if pick < 0:
-                ledger.unbook(key)  # refused: never sent
-                return -1
+                ledger.unbook(key)  # refused or held: not sent
+                return pick
         b = ledger.sent(key, pick, key, spec.prompt_tokens, hashes).booking
         assert b is not None
         if self.sync_delay_s > 0.0:
@@ -190,6 +194,22 @@ class ClusterRouter(EngineListener):
                 if other is not ledger.host:
                     other.policy.on_adopted(hashes, b.best_blocks, spec.prompt_tokens)
         return pick
+
+    @property
+    def holds(self) -> bool:
+        """Whether this router may hold requests (flow control with a held queue)."""
+        return self.flow is not None and self.flow.held is not None
+
+    @property
+    def n_held(self) -> int:
+        """Requests the router holds (flow control's held queue)."""
+        return 0 if self.flow is None else self.flow.n_held
+
+    def release(self, replicas: list[EngineModel]) -> tuple[list[tuple[RequestSpec, int]], list[RequestSpec]]:
+        """The held requests placed now (each routed anew, booked) and those whose hold ended
+        (``FlowControl.release``)."""
+        assert self.flow is not None
+        return self.flow.release(lambda spec: self(spec, replicas, held=True))
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 

@@ -10,26 +10,39 @@ the per-class summary (docs/design.md, Flow control).
   within the class's wait bound; otherwise, with ``retry``, to the next replica in the router's
   ranking that has room; otherwise it is refused at once (answered, as a 429 would be). Every
   refusal made while some replica had room is counted (``refused_with_room``; target 0). With
-  ``bounds="gate"`` every request has today's gate bound instead of its class's, on all the
-  replica's queued work, and ``retry=False`` is today's cluster (a refused request is not tried
-  elsewhere). The router holds nothing: a request is placed or refused on arrival (the held
-  queue at the router is not modelled).
+  ``bounds="gate"`` every request has the gate's bound instead of its class's, on all the
+  replica's queued work, and ``retry=False`` refuses a request its pick refuses.
+- With ``hold`` (the product's router, ``router/hold.py``), a replica has room when the work ahead
+  of the request there is within the gates' bound (``gate_wait_s``, as each live gate checks
+  it); a request no replica has room for is held in the core's ``HeldQueue`` (the class policy's
+  order) unless the shortest predicted wait already passes its wait bound (its class's, or
+  ``hold_s`` with ``bounds="gate"``) less ``gate_wait_s``, and is placed by ``release``, which the
+  simulation calls after every instant's events (where the live ingress probes at first tokens,
+  finishes and every ``poll_s``); a held request whose bound less ``gate_wait_s`` passes is
+  refused then. While any request is held, new ones join the held queue, but for those whose
+  bound leaves no time to hold them (a bound at or under the gates'): they are placed where a
+  replica has room, or refused.
 
 Complexity: ``place`` O(N) ``work_ahead_s`` calls at worst (each O(n) in the replica's queue),
-one on the common path.
+one on the common path; ``release`` one ``HeldQueue.head`` and one routing decision per request
+placed, plus one for the head that finds no room.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from fairway.clock import Clock
+from fairway.cost_model import CostModel
 from fairway.engine.model import EngineModel, EngineRequest
 from fairway.policies.classes import ClassesConfig
 from fairway.request import RequestSpec, Workload
+from fairway.routing.held import HeldQueue
 from fairway.summary import pct, short_pct
 
 
@@ -88,23 +101,47 @@ class ClassMix(Workload):
         return [self._label(s) for s in self.inner.on_complete(spec, finish_s)]
 
 
+#: ``FlowControl.place``'s answer for a request it holds
+HELD = -2
+
+
 class FlowControl:
-    """The router's wait-bound check and its counters (module docstring)."""
+    """The router's wait-bound check, its held queue, and their counters (module docstring)."""
 
     def __init__(self, classes: ClassesConfig, bounds: Literal["class", "gate"] = "class",
-                 gate_wait_s: float = 5.0, retry: bool = True) -> None:
+                 gate_wait_s: float = 5.0, retry: bool = True, hold: bool = False, hold_s: float = 10.0,
+                 clock: Clock | None = None, cost: CostModel | None = None, inner: str = "fairway") -> None:
         self.classes = classes
         self.bounds = bounds
         self.gate_wait_s = gate_wait_s
         self.retry = retry
+        self.hold = hold
+        self.hold_s = hold_s
         self.refused: Counter[str] = Counter()
         self.refused_with_room = 0
         self.retried = 0
+        self.held: HeldQueue | None = None
+        if hold:
+            if clock is None or cost is None:
+                raise ValueError("a held queue needs the simulation's clock and cost model")
+            self.clock = clock
+            self.held = HeldQueue(clock, cost, classes if bounds == "class" else ClassesConfig(), inner=inner)
+        self._specs: dict[int, RequestSpec] = {}  # held rid -> its request
+        self._deadlines: list[tuple[float, int]] = []  # (hold end, rid), lazily cleaned
+        self.hold_times: list[float] = []  # seconds each placed held request was held
+        self.hold_timeouts = 0
 
     def bound_s(self, spec: RequestSpec) -> float:
+        """The request's wait bound: the gate's (``bounds="gate"``: with a held queue, ``hold_s``)
+        or its class's."""
         if self.bounds == "gate":
-            return self.gate_wait_s
+            return self.hold_s if self.hold else self.gate_wait_s
         return self.classes.spec(spec.priority_class).wait_bound_s
+
+    def room_s(self, spec: RequestSpec) -> float:
+        """The predicted wait under which a replica takes ``spec``: the gates' bound with a held
+        queue, else the request's own bound."""
+        return self.gate_wait_s if self.hold else self.bound_s(spec)
 
     def wait_s(self, engine: EngineModel, spec: RequestSpec) -> float:
         """The predicted wait of ``spec`` on ``engine``: its queue's work ahead of the request's
@@ -113,18 +150,87 @@ class FlowControl:
             return engine.policy.queued_prefill_s()
         return engine.policy.work_ahead_s(spec.priority_class)
 
-    def place(self, spec: RequestSpec, engines: Sequence[EngineModel], order: Sequence[int]) -> int:
-        """The replica for ``spec``: the first of ``order`` (the router's preference, its pick
-        first) within the bound, only the pick without ``retry``; -1: refused."""
-        bound = self.bound_s(spec)
+    def first_with_room(self, spec: RequestSpec, engines: Sequence[EngineModel], order: Sequence[int]) -> int:
+        """The first replica of ``order`` with room for ``spec`` (only the pick without
+        ``retry``), or -1."""
+        room = self.room_s(spec)
         for k, j in enumerate(order if self.retry else order[:1]):
-            if self.wait_s(engines[j], spec) <= bound:
+            if self.wait_s(engines[j], spec) <= room:
                 self.retried += k > 0
                 return j
+        return -1
+
+    def place(self, spec: RequestSpec, engines: Sequence[EngineModel], order: Sequence[int]) -> int:
+        """The replica for ``spec``: the first of ``order`` (the router's preference, its pick
+        first) with room, only the pick without ``retry``; ``HELD``: held; -1: refused."""
+        if self.held is not None and len(self.held) and self.can_hold(spec):  # others are held: it queues
+            return self._hold(spec, None)
+        j = self.first_with_room(spec, engines, order)
+        if j >= 0:
+            return j
+        if self.held is not None:
+            return self._hold(spec, min(self.wait_s(e, spec) for e in engines))
+        return self._refuse(spec, engines)
+
+    def _refuse(self, spec: RequestSpec, engines: Sequence[EngineModel]) -> int:
         self.refused[self.classes.resolve(spec.priority_class)] += 1
-        if any(self.wait_s(e, spec) <= bound for e in engines):
+        room = self.room_s(spec)
+        if any(self.wait_s(e, spec) <= room for e in engines):
             self.refused_with_room += 1
         return -1
+
+    def hold_end_s(self, spec: RequestSpec) -> float:
+        """When ``spec``'s hold would end: its bound less the gates' (then at most that at a gate)."""
+        return spec.arrival_s + self.bound_s(spec) - self.gate_wait_s
+
+    def can_hold(self, spec: RequestSpec) -> bool:
+        """Whether ``spec``'s bound leaves time to hold it; one that does not is never held (it goes
+        where a replica has room, else it is refused), so it does not queue behind held ones."""
+        return self.clock.now() < self.hold_end_s(spec)
+
+    def _hold(self, spec: RequestSpec, predicted_s: float | None) -> int:
+        """Hold ``spec`` (module docstring), or refuse it. O(1) plus the held queue's add."""
+        assert self.held is not None
+        now = self.clock.now()
+        end = self.hold_end_s(spec)
+        late = predicted_s is not None and now + max(predicted_s - self.gate_wait_s, 0.0) > end
+        if late or now >= end or not self.held.hold(spec.rid, spec.prompt_tokens, spec.priority_class):
+            self.refused[self.classes.resolve(spec.priority_class)] += 1
+            return -1
+        self._specs[spec.rid] = spec
+        heapq.heappush(self._deadlines, (end, spec.rid))
+        return HELD
+
+    @property
+    def n_held(self) -> int:
+        return 0 if self.held is None else len(self.held)
+
+    def release(self, route: Callable[[RequestSpec], int]) -> tuple[list[tuple[RequestSpec, int]],
+                                                                     list[RequestSpec]]:
+        """The held requests to place now, in the held queue's order, with their replicas
+        (``route(spec)``: the router's pick with room, booked, or -1 when none has room, which
+        ends the round), and those refused because their hold ended."""
+        assert self.held is not None
+        now = self.clock.now()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self.held:
+                self.held.drop(rid)
+                spec = self._specs.pop(rid)
+                self.refused[self.classes.resolve(spec.priority_class)] += 1
+                self.hold_timeouts += 1
+                expired.append(spec)
+        placed = []
+        while (rid := self.held.head()) is not None:
+            spec = self._specs[rid]
+            j = route(spec)
+            if j < 0:
+                break
+            self.hold_times.append(self.held.take(rid).held_s)
+            del self._specs[rid]
+            placed.append((spec, j))
+        return placed, expired
 
 
 def flow_summary(finished: Sequence[EngineRequest], rejected: Sequence[EngineRequest],
@@ -155,7 +261,10 @@ def flow_summary(finished: Sequence[EngineRequest], rejected: Sequence[EngineReq
     if flow is not None:
         out.update(bounds=flow.bounds, retry=flow.retry, refused_with_room=flow.refused_with_room,
                    retried=flow.retried)
+        if flow.held is not None:
+            out.update(held=len(flow.hold_times), hold_s=short_pct(pct(np.asarray(flow.hold_times, dtype=float))),
+                       hold_timeouts=flow.hold_timeouts)
     return out
 
 
-__all__ = ["ClassMix", "FlowControl", "flow_summary", "parse_mix"]
+__all__ = ["HELD", "ClassMix", "FlowControl", "flow_summary", "parse_mix"]

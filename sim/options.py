@@ -56,6 +56,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="with --classes: refuse on each class's wait bound over the work ahead of it, or on "
                         "today's gate bound (--gate-wait) over all the queued work")
     p.add_argument("--gate-wait", type=float, default=5.0, help="--class-bounds gate: the wait bound (s)")
+    p.add_argument("--hold", action="store_true",
+                   help="with --classes: the router's held queue, as the product's: a replica has room within "
+                        "--gate-wait, a request none has room for waits at the router within its wait bound")
+    p.add_argument("--hold-s", type=float, default=10.0,
+                   help="--hold with --class-bounds gate: every request's wait bound (router.hold.max_wait_s)")
     p.add_argument("--no-flow-retry", action="store_true",
                    help="with --classes: a request over the bound on the router's pick is refused, not tried "
                         "on another replica (today's cluster)")
@@ -105,6 +110,8 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         class_bounds=args.class_bounds,
         gate_wait_s=args.gate_wait,
         flow_retry=not args.no_flow_retry,
+        hold=args.hold,
+        hold_s=args.hold_s,
     )
 
 

@@ -69,6 +69,11 @@ class RunConfig(BaseModel):
     gate_wait_s: float = Field(5.0, gt=0, description="class_bounds=gate: the gate's wait bound (seconds)")
     flow_retry: bool = Field(True, description="with classes: a request over the bound on the router's pick "
                                                "goes to the next replica with room")
+    hold: bool = Field(False, description="with classes: the router's held queue (the product's): a replica has "
+                                          "room within the gates' bound (gate_wait_s), a request none has room "
+                                          "for waits at the router within its wait bound (sim/flow.py)")
+    hold_s: float = Field(10.0, gt=0, description="hold with class_bounds=gate: every request's wait bound "
+                                                  "(router.hold.max_wait_s)")
 
     @model_validator(mode="after")
     def _resolve_index_mode(self) -> RunConfig:
@@ -110,16 +115,29 @@ def classes_of(cfg: RunConfig) -> ClassesConfig:
     return classes
 
 
+def held_order(cfg: RunConfig) -> str:
+    """The queue policy that orders held requests within a class: the replicas' (its inner one
+    for ``classes``; FCFS for the flow-control anchors, whose order within a flow is FCFS)."""
+    if cfg.policy == "classes":
+        return str(cfg.policy_options.get("inner", "fairway"))
+    if cfg.policy in ("priority-fcfs", "llmd-flow"):
+        return "fcfs"
+    return cfg.policy
+
+
 def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
     clock = ManualClock()
     classes = classes_of(cfg)
     flow = None
     policy_options = cfg.policy_options
+    cost = CostModel.from_profile(cfg.profile)
     if classes.classes:
-        flow = FlowControl(classes, cfg.class_bounds, cfg.gate_wait_s, cfg.flow_retry)
+        flow = FlowControl(classes, cfg.class_bounds, cfg.gate_wait_s, cfg.flow_retry, hold=cfg.hold,
+                           hold_s=cfg.hold_s, clock=clock, cost=cost, inner=held_order(cfg))
         if policy_class(cfg.policy).takes_classes and "classes" not in policy_options:
             policy_options = {**policy_options, "classes": classes}
-    cost = CostModel.from_profile(cfg.profile)
+    elif cfg.hold:
+        raise ValueError("--hold needs --classes (use --class-bounds gate to ignore them)")
     engine_cfg = EngineConfig(
         block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -26,8 +26,10 @@ ARRIVAL = 1
 INITIAL_ARRIVAL = 2  # an arrival from the workload's initial stream (pulls the next one lazily)
 _RANK = {STEP_END: 0, ARRIVAL: 1, INITIAL_ARRIVAL: 1}
 
-Router = Callable[[RequestSpec, list[EngineModel]], int]  # -1: refused (flow control's wait bound)
+Router = Callable[[RequestSpec, list[EngineModel]], int]  # -1: refused (flow control's wait bound), -2: held
 REFUSED = "refused: predicted wait beyond the wait bound"
+HELD_OUT = "refused: held at the router until its wait bound"
+HELD = -2  # sim.flow.HELD: the router holds the request (released by ``router.release``)
 
 
 def round_robin() -> Router:
@@ -85,6 +87,8 @@ class Simulation:
         self._initial: Iterator[RequestSpec] = iter(())
         self.result = SimResult()
         self.flow: object | None = None  # request classes: the router's wait-bound check (sim/flow.py)
+        # a router that holds requests (sim/flow.py): its held ones are released after each instant
+        self._release = getattr(self.router, "release", None) if getattr(self.router, "holds", False) else None
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, _RANK[kind], self._seq, kind, payload))
@@ -99,15 +103,32 @@ class Simulation:
         """Route and enqueue; return the replica index touched."""
         self.result.n_arrived += 1
         j = self.router(spec, self.replicas)
+        if j == HELD:  # the router holds it until a replica has room (``_released``)
+            return j
         if j < 0:  # refused by the router's wait bound (sim/flow.py): answered at once
             r = EngineRequest(spec=spec, seq=-1, replica=-1, rejected=REFUSED)
         else:
             r = self.replicas[j].add(spec)
         if r.rejected:
-            self.result.rejected.append(r)
-            for follow in self.workload.on_complete(spec, self.clock.now()):
-                self._push(follow.arrival_s, ARRIVAL, follow)
+            self._rejected(r)
         return j
+
+    def _rejected(self, r: EngineRequest) -> None:
+        self.result.rejected.append(r)
+        for follow in self.workload.on_complete(r.spec, self.clock.now()):
+            self._push(follow.arrival_s, ARRIVAL, follow)
+
+    def _released(self, touched: set[int]) -> None:
+        """The router's held requests placed now (their replicas join ``touched``) or refused
+        (their hold ended). After every instant's events, before idle replicas start a step."""
+        placed, expired = self._release(self.replicas)  # type: ignore[misc]
+        for spec, j in placed:
+            r = self.replicas[j].add(spec)
+            if r.rejected:
+                self._rejected(r)
+            touched.add(j)
+        for spec in expired:
+            self._rejected(EngineRequest(spec=spec, seq=-1, replica=-1, rejected=HELD_OUT))
 
     def on_step_end(self, j: int) -> list[RequestSpec]:
         self._busy[j] = False
@@ -153,11 +174,14 @@ class Simulation:
                     for f in self.on_step_end(j):
                         self._push(max(f.arrival_s, t), ARRIVAL, f)
                     touched.add(j)
+            if self._release is not None and self.router.n_held:  # type: ignore[attr-defined]
+                self._released(touched)
+            touched.discard(HELD)
             for j in sorted(touched):
                 self._kick(j)
         res = self.result
         res.end_s = self.clock.now()
-        res.n_unfinished = sum(len(e.reqs) for e in self.replicas)
+        res.n_unfinished = sum(len(e.reqs) for e in self.replicas) + getattr(self.router, "n_held", 0)
         res.wall_s = time.perf_counter() - t0
         res.busy_s = [e.busy_s for e in self.replicas]
         res.preemptions = sum(e.preemptions for e in self.replicas)

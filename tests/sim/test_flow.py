@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from fairway.clock import ManualClock
+from fairway.cost_model import CostModel
 from fairway.engine.model import EngineRequest
 from fairway.policies.classes import ClassesConfig
-from sim.flow import FlowControl, flow_summary, parse_mix
+from sim.flow import HELD, FlowControl, flow_summary, parse_mix
 from sim.runner import RunConfig, build, run
 from tests.factories import spec
 
@@ -90,3 +92,51 @@ def test_mix_is_validated():
             parse_mix(bad, classes)
     with pytest.raises(ValueError, match="needs --classes"):
         build(small(classes=""))
+
+
+def held_flow(**kw) -> tuple[FlowControl, ManualClock]:
+    clock = ManualClock()
+    flow = FlowControl(ClassesConfig.parse("interactive:tier=0:objective=1,batch:tier=1:objective=30"),
+                       gate_wait_s=5.0, hold=True, clock=clock, cost=CostModel.from_profile("h200-llama3-8b"), **kw)
+    return flow, clock
+
+
+def req(rid: int, klass: str, prompt: int = 64, arrival: float = 0.0):
+    s = spec(rid, arrival, prompt, 4, [])
+    s.priority_class = klass
+    return s
+
+
+def test_a_request_no_replica_has_room_for_is_held_and_released_in_class_order():
+    """With a held queue a replica has room within the gates' 5 s; a batch request no replica has
+    room for is held (its 30 s bound leaves 25 s of hold), an interactive one (1 s bound: no time
+    to hold) is refused at once; once held, new batch requests queue behind; ``release`` places
+    them in the class policy's order while the router finds room, and stops at the first that
+    finds none."""
+    flow, clock = held_flow()
+    full = engines(6.0, 7.0)
+    assert flow.place(req(0, "batch", 4000), full, [0, 1]) == HELD
+    assert flow.place(req(1, "interactive"), full, [0, 1]) == -1 and flow.refused == {"interactive": 1}
+    assert flow.place(req(2, "batch", 100), engines(1.0, 1.0), [0, 1]) == HELD  # others are held: it queues
+    assert flow.place(req(3, "interactive"), engines(1.0, 1.0), [1, 0]) == 1  # no time to hold: placed at once
+    assert flow.n_held == 2
+    room = {2: 0}  # rid -> replica the router would place it on; others find none
+    placed, expired = flow.release(lambda s: room.get(s.rid, -1))
+    assert [(s.rid, j) for s, j in placed] == [(2, 0)] and expired == []  # the short one first (Fast lane)
+    assert flow.n_held == 1
+    clock.set(25.0)  # arrival + 30 s bound - 5 s for the gate
+    placed, expired = flow.release(lambda s: 1)
+    assert placed == [] and [s.rid for s in expired] == [0] and flow.hold_timeouts == 1
+    assert flow.refused == {"interactive": 1, "batch": 1} and flow.n_held == 0
+
+
+def test_a_held_run_conserves_every_request_and_reports_its_holds():
+    """The product's admission in the simulator (``--hold``) at three times the load a small
+    cluster takes: requests are held and placed; arrived = finished + refused + unfinished."""
+    res = run(small(rate=60.0, duration_s=10.0, hold=True))
+    flow = res["flow"]
+    per = flow["classes"]
+    assert flow["held"] > 0 and flow["hold_s"]["n"] == flow["held"]
+    assert flow["refused_with_room"] == 0
+    assert sum(c["arrived"] for c in per.values()) == res["n_requests"]
+    assert res["n_finished"] + res["n_rejected"] + res["n_unfinished"] == res["n_requests"]
