@@ -197,3 +197,13 @@ async def test_the_gates_bound_is_left_of_every_requests_bound():
     with pytest.raises(HoldRefused) as e:
         await h.wait(call("y"), refused_wait_s=2.8)  # 1.6 s more than the margin: past 1.5
     assert e.value.reason == "hold_bound"
+
+
+async def test_only_a_request_whose_bound_outlasts_the_gates_can_be_held():
+    """A bound at or under the gates' leaves no time to hold: such a request is sent at once even
+    while others are held (the ingress checks ``can_hold``), not queued behind them."""
+    h = holder(Gates(), "int:tier=0:objective=1,batch:tier=1:objective=30")
+    h.margin_s = 5.0
+    assert not h.can_hold(call("i", klass="int"))
+    assert h.can_hold(call("b", klass="batch"))
+    assert not h.can_hold(call("late", klass="batch", received=time.time() - 26.0))  # 30 - 5 s passed
