@@ -212,6 +212,12 @@ class AdmissionGate:
             q = overdue or self.policy.select(skip=owing)
             if q is None:
                 break
+            if self._waiting[q.rid].done():
+                # its task was cancelled (the client left): ``Task.cancel`` cancelled the future at
+                # once, the task has not run yet. Admitting it would leave it counted in the engine
+                # for good (the task, finding its future cancelled, releases nothing): drop it
+                self._drop(q.rid)
+                continue
             tokens = 0
             if overdue is None:
                 # room kept for quieter tenants (replicas/tenants.py): a slot each, their next
@@ -239,6 +245,13 @@ class AdmissionGate:
             n += 1
         self.drain.observe(self.clock.now(), bool(self._waiting))
         return n
+
+    def _drop(self, rid: int) -> None:
+        """Waiting ``rid`` leaves the queue unadmitted (its consumer left). O(1) plus the
+        policy's removal."""
+        del self._waiting[rid]
+        self._request_ids.pop(rid, None)
+        self.policy.remove(rid)
 
     def _overdue(self) -> QueuedRequest | None:
         """The oldest waiting request once it has waited ``oldest_first_after_s``, else None.
@@ -315,9 +328,7 @@ class AdmissionGate:
         except BaseException:
             self.cancelled += 1
             if rid in self._waiting:
-                del self._waiting[rid]
-                self._request_ids.pop(rid, None)
-                self.policy.remove(rid)
+                self._drop(rid)
                 self.drain.observe(self.clock.now(), bool(self._waiting))
             elif fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._release(fut.result(), prefilled=False)  # admitted, then cancelled

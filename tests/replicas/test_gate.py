@@ -331,6 +331,35 @@ async def test_a_stream_cancelled_after_admission_frees_its_slot():
     assert [rid for rid, _ in out] == ["b", "b"]
 
 
+async def test_a_waiter_cancelled_just_before_a_pump_is_not_admitted():
+    """Serve cancels a waiter's task when its client disconnects; ``Task.cancel`` cancels the
+    admission future the task awaits at once, but the task sees it only when it next runs. A pump
+    in between (an engine step, another request's arrival or end) must not admit the request: it
+    would stay counted in the engine forever (its task, finding its future cancelled, has nothing
+    to release), hold prefill budget, and after ``stall_timeout_s`` the watchdog would fail the
+    replica as stalled with nothing in the engine (a CI run of a thousand disconnects did so)."""
+    gate, engine, clock = make_gate("fcfs", stall_timeout_s=15.0)
+    engine.fits = False
+    out: list = []
+    a = asyncio.create_task(consume(gate, call("a", 64), out))
+    b = asyncio.create_task(consume(gate, call("b", 64), out))
+    await settle()
+    assert len(gate.policy) == 2 and engine.started == []
+    a.cancel()  # its future is cancelled now; the task has not run yet
+    engine.fits = True
+    assert gate.pump() == 1  # b only: a is dropped from the queue, not admitted
+    assert gate.routing_stats().admitted_ids == ["b"] and gate._pending_prefill == 64
+    await settle()
+    assert a.cancelled() and gate.cancelled == 1 and engine.started == ["b"]
+    engine.release("b")
+    await b
+    assert [rid for rid, _ in out] == ["b", "b"]
+    assert (gate._admitted, gate._pending_prefill, len(gate.policy), gate.routing_stats().waiting_ids) == ({}, 0, 0, [])
+    clock.advance(15.0)
+    gate._watch()
+    assert not gate.stalled  # nothing is in the engine: nothing to stall
+
+
 async def test_a_flooding_tenant_does_not_starve_a_quiet_one():
     """Tenant a queues six requests, then tenant b two. FCFS within each tenant, fair queueing
     across them: b, newly backlogged, starts at the system's virtual time, so it goes next, and
