@@ -137,6 +137,13 @@ class Overloaded(ReplicaError):
         self.replica = replica
 
 
+class PastWaitBound(ReplicaError):
+    """The request waited in the replica's queue until its class's wait bound passed, unadmitted:
+    HTTP 429 with Retry-After, and not tried elsewhere (its bound is spent)."""
+
+    status = 429
+
+
 class RequestTooLarge(ReplicaError):
     """The request can never fit this engine (KV capacity or context length): HTTP 400."""
 

@@ -341,7 +341,7 @@ class FairwayStats:
         "unknown_field" | "unsupported_parameter" | "unknown_model" | "body_too_large" |
         "body_timeout" | "headers_too_large" | "unauthorized" | "forbidden" | "replica_dead" |
         "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal" | "hold_bound" |
-        "hold_timeout" | "held_full"."""
+        "hold_timeout" | "held_full" | "past_bound"."""
         self._inc("rejects", (reason, self._replica(replica)), 1)
 
     def set_engine(self, replica: str, running: int, waiting: int, kv_usage: float, preemptions_total: int = 0) -> None:

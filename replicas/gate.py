@@ -50,6 +50,7 @@ Complexity: a pump is O(admitted) policy decisions, each O(waiting) vectorised.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections import OrderedDict
@@ -66,6 +67,7 @@ from fairway.protocol import (
     EngineStalled,
     GenerateCall,
     Overloaded,
+    PastWaitBound,
     ReplicaError,
     ReplicaRoutingStats,
     RequestTooLarge,
@@ -115,6 +117,7 @@ class AdmissionGate:
         replica: str = "replica",
         stats: Any = None,
         policy_factory: Callable[[], QueuePolicy] | None = None,
+        wait_bound_s: Callable[[str], float | None] | None = None,
     ) -> None:
         self.engine = engine
         # the tenants' queues, each ordered by ``policy``'s kind (``policy`` serves requests without a key)
@@ -142,6 +145,9 @@ class AdmissionGate:
         self._deadlines: dict[int, Any] = {}  # admitted rid -> its asyncio.Timeout (fired on a stall)
         self._ticker: asyncio.Task | None = None
         self.drain = DrainRate()  # cost-model prefill seconds worked off per busy second
+        self.wait_bound_s = wait_bound_s  # a request's class -> its wait bound (None: none); with classes
+        self._bounds: list[tuple[float, int]] = []  # (wall deadline, rid) of waiting requests; heap, lazy
+        self.past_bound = 0  # requests answered 429 because they waited past their class's bound
         self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
         engine.set_cache_listener(self.policy.on_blocks_stored, self.policy.on_blocks_removed)
         engine.on_step = self.pump
@@ -165,6 +171,7 @@ class AdmissionGate:
             await asyncio.sleep(PUMP_TICK_S)
             if self._waiting:
                 self.pump()
+                self._shed()
             self._watch()
             self._publish()
 
@@ -183,6 +190,24 @@ class AdmissionGate:
         loop_now = asyncio.get_running_loop().time()
         for timeout in self._deadlines.values():
             timeout.reschedule(loop_now)
+
+    def _shed(self) -> None:
+        """Answer the waiting requests whose class's wait bound has passed (``PastWaitBound``,
+        429): still unadmitted at their bound, they would miss it anyway, and the engine's time
+        goes to requests that can still meet theirs. O(due log n)."""
+        now = time.time()
+        while self._bounds and self._bounds[0][0] <= now:
+            _, rid = heapq.heappop(self._bounds)
+            fut = self._waiting.get(rid)
+            if fut is None or fut.done():
+                continue
+            self._drop(rid)
+            self.past_bound += 1
+            self._reject("past_bound")
+            fut.set_exception(PastWaitBound(f"replica {self.replica}: the request waited in its queue past its "
+                                            "class's wait bound; retry later", retry_after_s=max(1.0, round(
+                                                self.queue_wait_s(), 1))))
+        self.drain.observe(self.clock.now(), bool(self._waiting))
 
     def _progress(self) -> None:
         self._progress_at = self.clock.now()
@@ -316,6 +341,9 @@ class AdmissionGate:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         self._request_ids[rid] = call.request_id
+        bound = self.wait_bound_s(call.priority_class) if self.wait_bound_s is not None else None
+        if bound is not None:
+            heapq.heappush(self._bounds, (call.waited_from + bound, rid))
         self.policy.add(QueuedRequest(rid=rid, arrival_s=self.clock.now(), prompt_tokens=n,
                                       block_hashes=call.block_hashes, seq=rid,
                                       output_tokens=call.max_tokens, priority_class=call.priority_class),
@@ -325,8 +353,9 @@ class AdmissionGate:
             if call.ack:  # the router holds it until a gate takes it: say so now, not at its first token
                 yield TokenChunk(token_ids=[], accepted=True, replica=self.replica)
             adm: Admission = await fut
-        except BaseException:
-            self.cancelled += 1
+        except BaseException as e:
+            if not isinstance(e, PastWaitBound):
+                self.cancelled += 1
             if rid in self._waiting:
                 self._drop(rid)
                 self.drain.observe(self.clock.now(), bool(self._waiting))

@@ -43,7 +43,14 @@ from fairway.clock import MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.hashing import block_hashes
 from fairway.policies.classes import ClassesConfig
-from fairway.protocol import GenerateCall, Overloaded, ReplicaError, TokenChunk, UnsupportedParameter
+from fairway.protocol import (
+    GenerateCall,
+    Overloaded,
+    PastWaitBound,
+    ReplicaError,
+    TokenChunk,
+    UnsupportedParameter,
+)
 from fairway.routing.held import HeldQueue
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.detokenize import IncrementalDetokenizer, StopFilter
@@ -147,6 +154,8 @@ def map_error(e: BaseException) -> HTTPError:
     for x in (e, cause):
         if isinstance(x, UnsupportedParameter):
             return HTTPError(400, x.message, None, "unsupported_parameter", x.param)
+        if isinstance(x, PastWaitBound):
+            return HTTPError(429, x.message, x.retry_after_s, "past_bound")
         if isinstance(x, ReplicaError):
             reason = {429: "queue_full", 400: "too_long", 504: "stalled"}.get(x.status, "engine_failed")
             return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason,

@@ -184,6 +184,8 @@ class ClusterRouter(EngineListener):
             if pick < 0:
                 ledger.unbook(key)  # refused or held: not sent
                 return pick
+        if self.flow is not None:
+            self.flow.placed(spec, pick)
         b = ledger.sent(key, pick, key, spec.prompt_tokens, hashes).booking
         assert b is not None
         if self.sync_delay_s > 0.0:
@@ -197,8 +199,14 @@ class ClusterRouter(EngineListener):
 
     @property
     def holds(self) -> bool:
-        """Whether this router may hold requests (flow control with a held queue)."""
+        """Whether this router may hold requests (flow control with a held queue; it also sheds
+        requests past their class's bound at ``release``)."""
         return self.flow is not None and self.flow.held is not None
+
+    @property
+    def pending(self) -> bool:
+        """Whether ``release`` has anything to do: requests held, or placed with a bound to watch."""
+        return self.flow is not None and self.flow.pending
 
     @property
     def n_held(self) -> int:
@@ -209,7 +217,7 @@ class ClusterRouter(EngineListener):
         """The held requests placed now (each routed anew, booked) and those whose hold ended
         (``FlowControl.release``)."""
         assert self.flow is not None
-        return self.flow.release(lambda spec: self(spec, replicas, held=True))
+        return self.flow.release(lambda spec: self(spec, replicas, held=True), replicas)
 
     # -- engine reports (EngineModel.listener) ----------------------------------------------
 

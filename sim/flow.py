@@ -21,7 +21,9 @@ the per-class summary (docs/design.md, Flow control).
   finishes and every ``poll_s``); a held request whose bound less ``gate_wait_s`` passes is
   refused then. While any request is held, new ones join the held queue, but for those whose
   bound leaves no time to hold them (a bound at or under the gates'): they are placed where a
-  replica has room, or refused.
+  replica has room, or refused. With classes (``bounds="class"``) a placed request still waiting
+  in its replica's queue when its class's bound passes is taken out and refused (``shed``), as
+  each live gate answers it 429 (``PastWaitBound``).
 
 Complexity: ``place`` O(N) ``work_ahead_s`` calls at worst (each O(n) in the replica's queue),
 one on the common path; ``release`` one ``HeldQueue.head`` and one routing decision per request
@@ -130,6 +132,8 @@ class FlowControl:
         self._deadlines: list[tuple[float, int]] = []  # (hold end, rid), lazily cleaned
         self.hold_times: list[float] = []  # seconds each placed held request was held
         self.hold_timeouts = 0
+        self._placed: list[tuple[float, int, int]] = []  # (bound, rid, replica) of placed requests; heap
+        self.shed = 0  # placed requests refused at their bound, still waiting in a replica's queue
 
     def bound_s(self, spec: RequestSpec) -> float:
         """The request's wait bound: the gate's (``bounds="gate"``: with a held queue, ``hold_s``)
@@ -205,14 +209,34 @@ class FlowControl:
     def n_held(self) -> int:
         return 0 if self.held is None else len(self.held)
 
-    def release(self, route: Callable[[RequestSpec], int]) -> tuple[list[tuple[RequestSpec, int]],
-                                                                     list[RequestSpec]]:
+    @property
+    def pending(self) -> bool:
+        """Requests held, or placed with a class bound still to watch."""
+        return bool(self._placed) or self.n_held > 0
+
+    def placed(self, spec: RequestSpec, replica: int) -> None:
+        """``spec`` went to ``replica``: with classes and a held queue, it is shed there if still
+        waiting at its class's bound (``release``). O(log n)."""
+        if self.held is not None and self.bounds == "class":
+            heapq.heappush(self._placed, (spec.arrival_s + self.bound_s(spec), spec.rid, replica))
+
+    def release(self, route: Callable[[RequestSpec], int],
+                engines: Sequence[EngineModel] = ()) -> tuple[list[tuple[RequestSpec, int]], list[RequestSpec]]:
         """The held requests to place now, in the held queue's order, with their replicas
         (``route(spec)``: the router's pick with room, booked, or -1 when none has room, which
-        ends the round), and those refused because their hold ended."""
+        ends the round), and those refused: their hold ended, or (``engines``) they waited in a
+        replica's queue past their class's bound, where they are aborted."""
         assert self.held is not None
         now = self.clock.now()
         expired = []
+        while self._placed and self._placed[0][0] <= now:
+            _, rid, j = heapq.heappop(self._placed)
+            if j < len(engines) and rid in engines[j].policy:  # still waiting there, unadmitted
+                spec = engines[j].reqs[rid].spec
+                engines[j].abort(rid)
+                self.refused[self.classes.resolve(spec.priority_class)] += 1
+                self.shed += 1
+                expired.append(spec)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
             if rid in self.held:
@@ -263,7 +287,7 @@ def flow_summary(finished: Sequence[EngineRequest], rejected: Sequence[EngineReq
                    retried=flow.retried)
         if flow.held is not None:
             out.update(held=len(flow.hold_times), hold_s=short_pct(pct(np.asarray(flow.hold_times, dtype=float))),
-                       hold_timeouts=flow.hold_timeouts)
+                       hold_timeouts=flow.hold_timeouts, shed=flow.shed)
     return out
 
 

@@ -28,7 +28,7 @@ _RANK = {STEP_END: 0, ARRIVAL: 1, INITIAL_ARRIVAL: 1}
 
 Router = Callable[[RequestSpec, list[EngineModel]], int]  # -1: refused (flow control's wait bound), -2: held
 REFUSED = "refused: predicted wait beyond the wait bound"
-HELD_OUT = "refused: held at the router until its wait bound"
+PAST_BOUND = "refused: its wait bound passed (held at the router, or waiting in its replica's queue)"
 HELD = -2  # sim.flow.HELD: the router holds the request (released by ``router.release``)
 
 
@@ -119,8 +119,9 @@ class Simulation:
             self._push(follow.arrival_s, ARRIVAL, follow)
 
     def _released(self, touched: set[int]) -> None:
-        """The router's held requests placed now (their replicas join ``touched``) or refused
-        (their hold ended). After every instant's events, before idle replicas start a step."""
+        """The router's held requests placed now (their replicas join ``touched``), and the
+        requests refused because their wait bound passed (held, or waiting at a replica).
+        After every instant's events, before idle replicas start a step."""
         placed, expired = self._release(self.replicas)  # type: ignore[misc]
         for spec, j in placed:
             r = self.replicas[j].add(spec)
@@ -128,7 +129,7 @@ class Simulation:
                 self._rejected(r)
             touched.add(j)
         for spec in expired:
-            self._rejected(EngineRequest(spec=spec, seq=-1, replica=-1, rejected=HELD_OUT))
+            self._rejected(EngineRequest(spec=spec, seq=-1, replica=-1, rejected=PAST_BOUND))
 
     def on_step_end(self, j: int) -> list[RequestSpec]:
         self._busy[j] = False
@@ -174,7 +175,7 @@ class Simulation:
                     for f in self.on_step_end(j):
                         self._push(max(f.arrival_s, t), ARRIVAL, f)
                     touched.add(j)
-            if self._release is not None and self.router.n_held:  # type: ignore[attr-defined]
+            if self._release is not None and self.router.pending:  # type: ignore[attr-defined]
                 self._released(touched)
             touched.discard(HELD)
             for j in sorted(touched):

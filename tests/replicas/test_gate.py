@@ -678,3 +678,33 @@ async def test_a_call_with_ack_is_acknowledged_when_queued_and_refusals_stay_ref
         engine.release(x)
         await settle()
     await asyncio.gather(*busy)
+
+
+async def test_a_request_still_waiting_at_its_class_bound_is_answered_429_not_retried():
+    """With a wait bound per class, a request still unadmitted when its bound passes is answered
+    ``PastWaitBound`` (429, which the ingress does not retry elsewhere) and leaves the queue; a
+    class without a bound, and an admitted request, are untouched."""
+    from fairway.protocol import PastWaitBound
+
+    gate, engine, _ = make_gate("fcfs", prefill_budget_tokens=1)
+    gate.wait_bound_s = {"short": 0.0, "long": None}.get
+    out: list = []
+    running = asyncio.create_task(consume(gate, call("a", 64), out))
+    await settle()
+    short, long_ = call("s", 64), call("l", 64)
+    short.priority_class, long_.priority_class = "short", "long"
+    short.received_s = long_.received_s = time.time() - 1.0
+    ts = asyncio.create_task(consume(gate, short, out))
+    tl = asyncio.create_task(consume(gate, long_, out))
+    await settle()
+    assert len(gate.policy) == 2
+    gate._shed()
+    await settle()
+    with pytest.raises(PastWaitBound):
+        await ts
+    assert len(gate.policy) == 1 and gate.past_bound == 1 and gate.rejected == 1 and gate.cancelled == 0
+    for x in ("a", "l"):
+        engine.release(x)
+        await settle()
+    await asyncio.gather(running, tl)
+    assert engine.started == ["a", "l"]
