@@ -25,7 +25,8 @@ mix, and every arm routes with the Fairway router over 8 replicas:
 
 ``priority-fcfs``, ``llmd-flow`` and ``classes`` share the product's admission (each gate's room
 counted on the work ahead of the request's class, the retry, the held queue ordered as their own
-queues with each class's wait bound), so they differ only in the order. Capacity is the highest
+queues with each class's wait bound, a request still queued at a replica when its class's bound
+passes refused there), so they differ only in the order. Capacity is the highest
 rate at which ``default`` keeps p99 TTFT under 2 s with no classes (a doubling search, then
 bisection); loads are multiples of it. The interactive TTFT of an idle cluster is the class arm's
 at 0.1x.
