@@ -51,6 +51,10 @@ S = TypeVar("S")
 
 #: how often a round starts while requests are held and this ingress sees no sign of room
 DEFAULT_POLL_S = 0.25
+#: a probe that neither a gate's acknowledgement nor its refusal answers within this long (a
+#: replica whose event loop is stuck) counts as a refusal; its send is cancelled, which takes the
+#: request out of that gate's queue, so the rounds, and with them the held requests' bounds, go on
+PROBE_TIMEOUT_S = 5.0
 
 
 class HoldArgs(BaseModel):
@@ -107,6 +111,7 @@ class Holder(Generic[S]):
         self.stats = stats
         self.wall = wall
         self.margin_s = margin_s
+        self.probe_timeout_s = PROBE_TIMEOUT_S
         self._waiters: dict[int, _Waiter[S]] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap; entries of requests gone are skipped
         self._ids = itertools.count()
@@ -190,9 +195,10 @@ class Holder(Generic[S]):
                 continue
             self._probing = rid
             try:
-                stream = await self.probe(dataclasses.replace(w.call, ack=True, avoid=()))
+                stream = await asyncio.wait_for(self.probe(dataclasses.replace(w.call, ack=True, avoid=())),
+                                                self.probe_timeout_s)
             except Exception as e:  # noqa: BLE001 - a refusal keeps it held; any other failure is its answer
-                if getattr(e, "refused_by", ""):
+                if getattr(e, "refused_by", "") or isinstance(e, TimeoutError):
                     self.last_wait_s = getattr(e, "retry_after_s", None) or self.last_wait_s
                     if w.fut.done():
                         self._leave(rid, "gone", drop=True)

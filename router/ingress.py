@@ -429,7 +429,15 @@ class FairwayIngress:
     async def _probe(self, call: GenerateCall) -> _Stream:
         """Send a held ``call`` (``ack`` set); its stream once a gate has queued it."""
         stream = _Stream(self, call, self.handle.generate.remote(call))
-        await stream.accepted()
+        try:
+            await stream.accepted()
+        except HTTPError as e:
+            if not e.refused_by:
+                stream.close()
+            raise
+        except BaseException:  # cancelled (the probe timed out): out of the gate's queue, never run
+            stream.close()
+            raise
         return stream
 
     def _hold_bound(self, call: GenerateCall) -> float:

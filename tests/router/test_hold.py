@@ -207,3 +207,17 @@ async def test_only_a_request_whose_bound_outlasts_the_gates_can_be_held():
     assert not h.can_hold(call("i", klass="int"))
     assert h.can_hold(call("b", klass="batch"))
     assert not h.can_hold(call("late", klass="batch", received=time.time() - 26.0))  # 30 - 5 s passed
+
+
+async def test_a_probe_nobody_answers_counts_as_a_refusal_and_the_bounds_go_on():
+    """A gate that neither acknowledges nor refuses (its replica's loop stuck): the probe times
+    out like a refusal, and the held request still gets its answer at its bound."""
+    gates = Gates()
+    gates.gate = asyncio.Event()  # never set: every probe hangs
+    h = holder(gates, bound_s=0.4)
+    h.probe_timeout_s = 0.1
+    t0 = time.monotonic()
+    with pytest.raises(HoldRefused) as e:
+        await asyncio.wait_for(h.wait(call("x"), refused_wait_s=0.1), 5)
+    assert e.value.reason == "hold_timeout" and time.monotonic() - t0 < 2.0
+    assert gates.probes >= 1 and len(h) == 0
