@@ -69,9 +69,9 @@ class SyntheticCluster:
             self.router.observe_loop_lag(0.002 * rng.random())
             self.router.observe_e2e(lane, ttft + 0.002 + 0.5 * rng.random(), name)
             if rng.random() < 0.2:  # a fifth interactive (1 s objective), the rest batch (30 s)
-                self.router.observe_class_ttft("interactive", ttft + 0.002, 1.0)
+                self.router.observe_class_ttft("interactive", ttft + 0.002, 1.0, lane)
             else:
-                self.router.observe_class_ttft("batch", ttft + 0.002, 30.0)
+                self.router.observe_class_ttft("batch", ttft + 0.002, 30.0, lane)
                 if load > 1.0:  # past capacity some batch requests wait at the router for room
                     self.router.observe_hold("batch", 0.5 * load * rng.random(), "sent")
             self.router.inc_requests(lane, "ok", name)

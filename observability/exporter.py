@@ -119,7 +119,7 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("rejects", "counter", "fairway_rejects_total", "Rejected requests by reason."),
     MetricSpec("class_ttft", "histogram", "fairway_class_ttft_seconds",
-               "Level router: time to first token by request class (as fairway_ttft_seconds)."),
+               "Level router: time to first token by request class and lane (as fairway_ttft_seconds)."),
     MetricSpec("class_objective", "counter", "fairway_class_objective_total",
                "Level router: first tokens by request class within (objective=met) or past (missed) the class's "
                "TTFT objective."),

@@ -126,7 +126,7 @@ _HISTOGRAMS = {
     "prefill": QUEUE_WAIT_BUCKETS_S,  # (lane, replica): level replica, engine admission -> first token
     "loop_lag": QUEUE_WAIT_BUCKETS_S,  # (): level router, how late the ingress's event loop runs a timer
     "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
-    "class_ttft": TTFT_BUCKETS_S,  # (class,): level router, TTFT by request class
+    "class_ttft": TTFT_BUCKETS_S,  # (class, lane): level router, TTFT by request class and lane
     "hold": QUEUE_WAIT_BUCKETS_S,  # (class, status): level router, time held at the router, by how it left
 }
 # The label names of each series key, in key order.
@@ -162,7 +162,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "prefill": ("lane", "replica"),
     "loop_lag": (),
     "cache_estimate_error": ("replica",),
-    "class_ttft": ("class",),
+    "class_ttft": ("class", "lane"),
 }
 COUNTERS = _COUNTERS
 GAUGES = _GAUGES
@@ -297,11 +297,12 @@ class FairwayStats:
         """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""
         self._inc("routing_decisions", (reason, self._replica(replica)), 1)
 
-    def observe_class_ttft(self, priority_class: str, seconds: float, objective_s: float) -> None:
-        """The router-level TTFT of one request of ``priority_class``, and whether it met the
-        class's TTFT objective (``objective_s``): goodput is the share that did."""
+    def observe_class_ttft(self, priority_class: str, seconds: float, objective_s: float, lane: str = "") -> None:
+        """The router-level TTFT of one request of ``priority_class`` (served from ``lane`` of its
+        class's queue), and whether it met the class's TTFT objective (``objective_s``): goodput
+        is the share that did."""
         seconds = _clamp0(seconds)
-        self._observe("class_ttft", (priority_class,), seconds)
+        self._observe("class_ttft", (priority_class, lane), seconds)
         self._inc("class_objective", (priority_class, "met" if seconds <= objective_s else "missed"), 1)
 
     def inc_class_reject(self, priority_class: str, reason: str) -> None:

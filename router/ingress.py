@@ -772,7 +772,7 @@ class _Stream:
             st.observe_ttft(self.lane, self.ttft_s, replica=self.replica)
             name = self.call.priority_class
             if name:
-                st.observe_class_ttft(name, self.ttft_s, self.ingress.args.classes.spec(name).objective_s)
+                st.observe_class_ttft(name, self.ttft_s, self.ingress.args.classes.spec(name).objective_s, self.lane)
 
     async def rest(self) -> AsyncIterator[TokenChunk]:
         if self.done:
