@@ -61,6 +61,12 @@ def measure(policy: str, waiting: int, cycles: int, seed: int = 0) -> dict[str, 
         t2 = time.perf_counter_ns()
         sel.append(t1 - t0)
         full.append(t2 - t0)
+    return timings(sel, full)
+
+
+def timings(sel: list[int], full: list[int]) -> dict[str, float]:
+    """Median and p99, in microseconds, of the decisions (``sel``) and the whole cycles (``full``),
+    both in nanoseconds."""
     s, f = np.array(sel) / 1e3, np.array(full) / 1e3
     return {
         "select_p50_us": float(np.median(s)),
@@ -101,9 +107,7 @@ def measure_held(held: int, cycles: int, seed: int = 0, inner: str = "fairway") 
         t2 = time.perf_counter_ns()
         sel.append(t1 - t0)
         full.append(t2 - t0)
-    s, f = np.array(sel) / 1e3, np.array(full) / 1e3
-    return {"select_p50_us": float(np.median(s)), "select_p99_us": float(np.percentile(s, 99)),
-            "cycle_p50_us": float(np.median(f)), "cycle_p99_us": float(np.percentile(f, 99))}
+    return timings(sel, full)
 
 
 def main() -> None:
