@@ -149,3 +149,47 @@ def test_memory_view_is_free_blocks_that_no_waiting_request_needs():
     assert eng.pool.num_free == 100 and view() == 100  # nobody waits for them
     eng.add(spec(1, clock.now(), 320, 1, chain("a", 20)))  # waits, its first 10 blocks cached
     assert view() == 100 - 10
+
+
+def tiered(max_seqs=2, budget=64, **cfg):
+    """An engine ordering by two class tiers (``i`` tier 0, ``b`` tier 1), with ``cfg`` on top."""
+    clock = ManualClock()
+    cost = LinearCost()
+    pol = make_policy("classes", clock=clock, cost=cost, classes="i:tier=0,b:tier=1")
+    config = EngineConfig(kv_blocks=200, max_num_batched_tokens=budget, max_num_seqs=max_seqs, **cfg)
+    return EngineModel(config, cost, pol, clock), clock
+
+
+def classed(rid, arrival, prompt, output, klass):
+    s = spec(rid, arrival, prompt, output, chain(f"r{rid}", prompt // 16))
+    s.priority_class = klass
+    return s
+
+
+def test_tier_slots_keep_the_last_slots_for_the_strictest_tier():
+    """``tier_slots=1`` of 2: a second tier-1 request waits for a slot while one runs; a tier-0
+    request arriving then takes the kept slot at once."""
+    eng, clock = tiered(tier_slots=1)
+    eng.add(classed(0, 0.0, 32, 20, "b"))
+    eng.add(classed(1, 0.0, 32, 20, "b"))
+    eng.start_step()
+    assert [r.rid for r in eng.running] == [0]  # b1 may not take the last slot
+    clock.set(0.05)
+    eng.finish_step()
+    eng.add(classed(2, 0.05, 32, 2, "i"))
+    eng.start_step()
+    assert [r.rid for r in eng.running] == [0, 2]  # the tier-0 request takes it
+
+
+def test_tier_reserve_pauses_a_less_strict_prefill_while_a_stricter_request_waits():
+    """``tier_reserve=1``: a running tier-1 prefill takes no budget while a tier-0 request waits,
+    which is admitted with the whole step's budget; without the reserve both share it."""
+    for reserve, expect in ((1.0, {1: 64}), (0.0, {0: 64})):
+        eng, clock = tiered(max_seqs=4, budget=64, tier_reserve=reserve)
+        eng.add(classed(0, 0.0, 320, 1, "b"))
+        eng.start_step()
+        clock.set(0.1)
+        eng.finish_step()
+        eng.add(classed(1, 0.1, 320, 1, "i"))
+        eng.start_step()
+        assert {r.rid: n for r, n in eng._batch} == expect
