@@ -15,7 +15,10 @@ it. The exit status is 1 if any digest differs between the trees or between repe
 
 Runs (the reference set of issue 22, item 6): A/B/C replay the Mooncake synthetic trace at x3 on 8
 replicas under the ``fairway``, ``llmd`` and ``dynamo`` (events index) routers; D is one replica
-on the ``agentic`` workload at concurrency 100.
+on the ``agentic`` workload at concurrency 100. E, asked for by name only (``--runs E``), is the
+issue's one-hour trace: the Mooncake conversation trace at its own pace on 8 replicas under
+``fairway``; it runs where ``trace_dir()`` (``$FAIRWAY_TRACE_DIR``) holds that trace, and is
+skipped with a message elsewhere.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fairway.request import WorkloadError
+from workloads.traces import TRACE_DIR_ENV, resolve_trace
+
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ["--replicas", "8", "--policy", "fairway", "--workload",
          "trace:../shared/traces/mooncake_synthetic_trace.jsonl", "--duration", "1e9", "--time-scale", "3",
@@ -41,7 +47,11 @@ RUNS: dict[str, list[str]] = {
     "B": [*TRACE, "--router", "llmd"],
     "C": [*TRACE, "--router", "dynamo", "--index-mode", "events"],
     "D": ["--workload", "agentic", "--concurrency", "100", "--duration", "300", "--seed", "0", "--policy", "fairway"],
+    "E": ["--replicas", "8", "--policy", "fairway", "--router", "fairway", "--workload", "trace:mooncake-conversation",
+          "--seed", "0"],
 }
+DEFAULT_RUNS = "A,B,C,D"
+NAMED_TRACE = {"E": "mooncake-conversation"}  # runs that need a named trace, which may be absent
 VOLATILE = ("sim_wall_s",)
 
 
@@ -90,7 +100,8 @@ def export(rev: str, into: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sim_speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default=None, help="git revision to compare against (omit: this checkout only)")
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {', '.join(RUNS)}")
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated, from {', '.join(RUNS)} "
+                                                           f"(default {DEFAULT_RUNS})")
     ap.add_argument("--repeat", type=int, default=3, help="runs per command and tree (medians printed)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", default=None, help="write every sample here")
@@ -99,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         ap.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
+    for n in [n for n in names if n in NAMED_TRACE]:
+        try:
+            resolve_trace(NAMED_TRACE[n])
+        except WorkloadError as e:
+            print(f"run {n} skipped: {e} (set {TRACE_DIR_ENV} to a folder that holds it)", file=sys.stderr)
+            names.remove(n)
+    if not names:
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"head": ROOT} if args.base is None else {args.base: export(args.base, tmp), "head": ROOT}
         samples = {(n, t): Sample() for n in names for t in trees}
