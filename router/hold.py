@@ -55,6 +55,9 @@ DEFAULT_POLL_S = 0.25
 #: replica whose event loop is stuck) counts as a refusal; its send is cancelled, which takes the
 #: request out of that gate's queue, so the rounds, and with them the held requests' bounds, go on
 PROBE_TIMEOUT_S = 5.0
+#: after a round ends in a refusal, the next starts no sooner than this: under overload every
+#: first token and finish is a sign of room, and each round costs a refused probe (a Ray call)
+REFUSED_PAUSE_S = 0.02
 
 
 class HoldArgs(BaseModel):
@@ -162,6 +165,10 @@ class Holder(Generic[S]):
             self._task = asyncio.get_running_loop().create_task(self._rounds())
         try:
             return await fut
+        except BaseException:  # its caller left just as a gate took it: nobody reads the stream
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.close(fut.result())
+            raise
         finally:
             if not fut.done():
                 fut.cancel()  # its caller left: a round that is sending it closes the stream
@@ -183,11 +190,13 @@ class Holder(Generic[S]):
             self._room.clear()
             self._expire()
             try:
-                await self._round()
+                if not await self._round():
+                    await asyncio.sleep(REFUSED_PAUSE_S)
             except Exception:  # noqa: BLE001 - a bug here must not leave requests held forever
                 logger.exception("ingress: a round of the held queue failed")
 
-    async def _round(self) -> None:
+    async def _round(self) -> bool:
+        """Send held requests in order until one is refused (False) or none is left (True)."""
         while (rid := self.queue.head()) is not None:
             w = self._waiters[rid]
             if w.fut.done():  # its caller left between rounds
@@ -202,7 +211,7 @@ class Holder(Generic[S]):
                     self.last_wait_s = getattr(e, "retry_after_s", None) or self.last_wait_s
                     if w.fut.done():
                         self._leave(rid, "gone", drop=True)
-                    return  # no room yet: the round ends, the request keeps its place
+                    return False  # no room yet: the round ends, the request keeps its place
                 self._leave(rid, "failed", drop=True)
                 if not w.fut.done():
                     w.fut.set_exception(e)
@@ -214,6 +223,7 @@ class Holder(Generic[S]):
                 self.close(stream)  # its client left while the gate took it
             else:
                 w.fut.set_result(stream)
+        return True
 
     def _expire(self) -> None:
         """Refuse the held requests whose bound has passed. O(expired log n)."""

@@ -47,6 +47,7 @@ class Gates:
         self.probes = 0
         self.closed: list[str] = []
         self.gate: asyncio.Event | None = None  # when set, a probe waits for it (a slow gate)
+        self.on_sent: Any = None  # called soon after a probe is accepted
 
     async def probe(self, c: GenerateCall) -> str:
         assert c.ack and c.avoid == ()
@@ -59,6 +60,8 @@ class Gates:
         if not self.room:
             raise Refused("replica r0 queue is full")
         self.sent.append(c.request_id)
+        if self.on_sent is not None:
+            asyncio.get_running_loop().call_soon(self.on_sent)  # runs before the caller resumes
         return "stream-" + c.request_id
 
     def close(self, stream: str) -> None:
@@ -221,3 +224,25 @@ async def test_a_probe_nobody_answers_counts_as_a_refusal_and_the_bounds_go_on()
         await asyncio.wait_for(h.wait(call("x"), refused_wait_s=0.1), 5)
     assert e.value.reason == "hold_timeout" and time.monotonic() - t0 < 2.0
     assert gates.probes >= 1 and len(h) == 0
+
+
+async def test_a_caller_leaving_as_its_stream_arrives_closes_it_and_rounds_pause_after_a_refusal():
+    """The round hands the stream over and the caller is cancelled before it reads it: the
+    stream is closed, not left running. And however many signs of room arrive, rounds that end
+    in a refusal are at least ``REFUSED_PAUSE_S`` apart (one refused probe each)."""
+    from router.hold import REFUSED_PAUSE_S
+
+    gates = Gates()
+    h = holder(gates, poll_s=10.0)
+    busy = asyncio.ensure_future(h.wait(call("busy"), refused_wait_s=1.0))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.2:  # a storm of signs of room
+        h.room()
+        await asyncio.sleep(0.001)
+    assert 1 <= gates.probes <= 0.2 / REFUSED_PAUSE_S + 2
+    gates.room = True
+    gates.on_sent = busy.cancel  # the result is set; its caller is cancelled before it runs
+    h.room()
+    with pytest.raises(asyncio.CancelledError):
+        await busy
+    assert gates.closed == ["stream-busy"]
