@@ -61,11 +61,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "--gate-wait, a request none has room for waits at the router within its wait bound")
     p.add_argument("--hold-s", type=float, default=10.0,
                    help="--hold with --class-bounds gate: every request's wait bound (router.hold.max_wait_s)")
-    p.add_argument("--tier-reserve", type=float, default=0.0,
-                   help="the engine's share of a step's budget that running prefills of a less strict class tier "
-                        "than one waiting may not take (0: off; 1: they pause)")
-    p.add_argument("--tier-slots", type=int, default=0,
-                   help="the engine's sequence slots only the strictest class tier may take (0: off)")
     p.add_argument("--no-flow-retry", action="store_true",
                    help="with --classes: a request over the bound on the router's pick is refused, not tried "
                         "on another replica (today's cluster)")
@@ -116,8 +111,6 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         gate_wait_s=args.gate_wait,
         flow_retry=not args.no_flow_retry,
         hold=args.hold,
-        tier_reserve=args.tier_reserve,
-        tier_slots=args.tier_slots,
         hold_s=args.hold_s,
     )
 

@@ -72,11 +72,6 @@ class RunConfig(BaseModel):
     hold: bool = Field(False, description="with classes: the router's held queue (the product's): a replica has "
                                           "room within the gates' bound (gate_wait_s), a request none has room "
                                           "for waits at the router within its wait bound (sim/flow.py)")
-    tier_reserve: float = Field(0.0, ge=0, le=1, description="the engine's tier reserve (EngineConfig): the "
-                                "share of a step's budget running prefills of a less strict tier than one "
-                                "waiting may not take")
-    tier_slots: int = Field(0, ge=0, description="the engine's sequence slots that only the strictest class "
-                                                 "tier may take (EngineConfig)")
     hold_s: float = Field(10.0, gt=0, description="hold with class_bounds=gate: every request's wait bound "
                                                   "(router.hold.max_wait_s)")
 
@@ -147,8 +142,6 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
         block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
-        tier_reserve=cfg.tier_reserve,
-        tier_slots=cfg.tier_slots,
         kv_blocks=cfg.kv_blocks,
         retention=cfg.retention,
         host_kv_blocks=cfg.host_kv_blocks,

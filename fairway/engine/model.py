@@ -58,11 +58,6 @@ class EngineConfig:
     host_link_bytes_per_s: host-to-GPU copy bandwidth for reloads (PCIe 5.0 x16, ~50 GB/s per
         direction on an H200 host).
     admission: the session-aware admission gate's config (``fairway.admission``); None = off.
-    tier_reserve: the share of a step's token budget that running prefills of a request-class
-        tier less strict than the strictest one waiting may not take (0 = off; 1: they pause
-        while a stricter request waits), so that one is admitted at the next step.
-    tier_slots: sequence slots (of ``max_num_seqs``) that only requests of the strictest
-        request-class tier configured may take (0 = off), so that one finds a slot at once.
     """
 
     block_size: int = 16
@@ -73,14 +68,8 @@ class EngineConfig:
     host_kv_blocks: int = 0
     host_link_bytes_per_s: float = 50e9
     admission: AdmissionConfig | None = None
-    tier_reserve: float = 0.0
-    tier_slots: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.tier_slots < self.max_num_seqs:
-            raise ValueError("tier_slots must be in [0, max_num_seqs)")
-        if not 0.0 <= self.tier_reserve <= 1.0:
-            raise ValueError("tier_reserve must be in [0, 1]")
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("engine limits must be positive")
         if self.kv_blocks is not None and self.kv_blocks <= 0:
@@ -193,7 +182,6 @@ class EngineModel:
         self.held: HeldQueue[Any] = HeldQueue()
         self._due: list[tuple[float, int, int]] = []  # (deadline, wait token, rid) of waiting requests
         self._wait_seq = 0
-        self._reserve_off = False  # start_step's second try, with the tier reserve off
         horizon = (config.admission or AdmissionConfig()).session_horizon_s if self._track else 0.0
         self.sessions = WaitingSessions(horizon)
         # seconds to reload one token's KV from the host tier
@@ -316,11 +304,6 @@ class EngineModel:
         i = 0
         running = self.running  # (a preemption rebinds self.running: reread below)
         free = pool.free  # len(free) is pool.num_free, without a property call per request
-        # tier reserve: prefills of a less strict tier than one waiting share what it leaves
-        low_left, best_tier = budget, -1
-        if cfg.tier_reserve > 0.0 and len(self.policy) and not self._reserve_off:
-            best_tier = self.policy.best_tier()
-            low_left = int(budget * (1.0 - cfg.tier_reserve))
         while i < len(running) and budget > 0:
             r = running[i]
             if r.ready_s > now:  # its KV is still loading from the host tier
@@ -330,13 +313,6 @@ class EngineModel:
             n = r.spec.prompt_tokens + r.generated - done  # r.target - num_computed, inlined
             if n > budget:
                 n = budget
-            if best_tier >= 0 and r.generated == 0 and self.policy.tier_of(r.spec.priority_class) > best_tier:
-                if n > low_left:
-                    n = low_left
-                if n <= 0:  # paused this step: a stricter request waits
-                    i += 1
-                    continue
-                low_left -= n
             need = -(-(done + n) // bs) - len(r.blocks)
             if need <= 0:  # the usual decode step: no new block
                 batch.append((r, n))
@@ -364,12 +340,6 @@ class EngineModel:
             i += 1
         if not preempted:
             budget = self._admit_waiting(now, batch, budget)
-        if not batch and best_tier >= 0:  # the stricter request could not start either: no pause
-            self._reserve_off = True
-            try:
-                return self.start_step()
-            finally:
-                self._reserve_off = False
         if not batch:
             self._batch = []
             loading = [r.ready_s for r in self.running if r.ready_s > now]
@@ -552,14 +522,10 @@ class EngineModel:
                 self.held.remove(rid)
                 self.policy.add(q)
                 budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
-        top = self.policy.strictest_tier() if cfg.tier_slots else 0
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
             q = self.policy.select()
             if q is None:
                 break
-            if (cfg.tier_slots and len(self.running) >= cfg.max_num_seqs - cfg.tier_slots
-                    and self.policy.tier_of(q.priority_class) > top):
-                break  # the last slots are the strictest tier's
             r = self.reqs[q.rid]
             if gate is None:
                 # head-of-line under memory pressure, the usual case of a memory-bound run: the

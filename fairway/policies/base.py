@@ -235,14 +235,6 @@ class QueuePolicy(ABC):
         the strictest tier first. O(1) here."""
         return 0
 
-    def tier_of(self, priority_class: str) -> int:
-        """The tier of requests of ``priority_class``: 0 for a policy that ignores classes. O(1)."""
-        return 0
-
-    def strictest_tier(self) -> int:
-        """The strictest tier configured (0 for a policy that ignores classes). O(1)."""
-        return 0
-
     def preempt_victim(self, running: Sequence[int]) -> int:
         """Index into ``running`` (admission order) of the request to preempt: the newest, as
         vLLM does for FCFS."""

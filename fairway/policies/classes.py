@@ -297,13 +297,6 @@ class ClassQueues(QueueGroup, QueuePolicy):
                 return self.specs[tier[0]].tier
         return 0
 
-    def strictest_tier(self) -> int:
-        return self.specs[self._tiers[0][0]].tier
-
-    def tier_of(self, priority_class: str) -> int:
-        c = self._default if not priority_class or priority_class not in self.specs else priority_class
-        return self.specs[c].tier
-
     def class_sizes(self) -> dict[str, int]:
         """Waiting requests per class (classes with none left out)."""
         return self.group_sizes()

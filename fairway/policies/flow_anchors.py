@@ -59,16 +59,9 @@ class _Tiered(QueuePolicy):
     def _on_add(self, slot: int, req: QueuedRequest) -> None:
         self.tier[slot] = self._tier(req)
 
-    def strictest_tier(self) -> int:
-        return min(self._tier_of.values(), default=0)
-
-    def tier_of(self, priority_class: str) -> int:
-        if not self.config.classes:
-            return 0
-        return self._tier_of.get(self.config.resolve(priority_class), 0)
-
     def best_tier(self) -> int:
-        """The strictest tier waiting (0 when none waits). O(n)."""
+        """The strictest tier waiting (0 when none waits): a gate serving several tenants' queues
+        serves it first (``QueuePolicy.best_tier``). O(n)."""
         live = self._live()
         return int(self.tier[: self._hi][live].min()) if live.any() else 0
 

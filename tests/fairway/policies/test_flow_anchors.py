@@ -55,3 +55,16 @@ def test_anchor_work_ahead_counts_its_tier_and_stricter_ones():
     p.add(req(0, 0.0, "hi", prompt=256))
     p.add(req(1, 0.0, "lo", prompt=512))
     assert p.work_ahead_s("hi") == 0.25 and p.work_ahead_s("lo") == 0.75 and p.work_ahead_s("") == 0.75
+
+
+def test_the_anchors_report_the_strictest_tier_waiting():
+    """A gate serving several tenants' queues asks each for its strictest tier waiting."""
+    for name in ("priority-fcfs", "llmd-flow"):
+        p, _ = policy_with_cache(name, set(), classes="hi:tier=0,lo:tier=2")
+        assert p.best_tier() == 0  # nothing waits
+        p.add(req(0, 0.0, "lo"))
+        assert p.best_tier() == 2
+        p.add(req(1, 1.0, "hi"))
+        assert p.best_tier() == 0
+        p.remove(1)
+        assert p.best_tier() == 2
