@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -132,13 +133,8 @@ class FairwayReplica:
             except Exception as e:  # noqa: BLE001 - serving must not depend on metrics
                 logger.warning("replica %s: metrics endpoint not started: %s", self.name, e)
                 self.exporter = None
-        classes = a.classes
-
-        def wait_bound(name: str) -> float | None:  # with classes, each class's; without, none
-            return classes.spec(name).wait_bound_s if classes.classes else None
-
         self.gate = AdmissionGate(self.engine, policy, clock, a.gate_config(), replica=self.name, stats=self.stats,
-                                  wait_bound_s=wait_bound,
+                                  wait_bound_s=partial(a.classes.wait_bound_for, default=None),  # without classes: none
                                   policy_factory=new_policy if a.tenant_fair else None)
         await self.gate.start()
         self.kv_publisher = self._publish_kv() if a.publish_kv_events else None

@@ -443,8 +443,7 @@ class FairwayIngress:
     def _hold_bound(self, call: GenerateCall) -> float:
         """How long after its headers ``call`` may wait for a replica's queue: its class's wait
         bound, else ``hold.max_wait_s``."""
-        classes = self.args.classes
-        return classes.spec(call.priority_class).wait_bound_s if classes.classes else self.args.hold.max_wait_s
+        return self.args.classes.wait_bound_for(call.priority_class, self.args.hold.max_wait_s)
 
     async def _held(self, call: GenerateCall, refused: HTTPError | None) -> _Stream:
         """``call`` held until a gate takes it (``Holder.wait``); its refusal as an HTTPError."""

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.policies.groups import QueueGroup
+
+D = TypeVar("D")  # the default of ``ClassesConfig.wait_bound_for``
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,11 @@ class ClassesConfig:
             if name:
                 return self.resolve(name)
         return self.default_name
+
+    def wait_bound_for(self, name: str, default: D) -> float | D:
+        """The wait bound of a request of class ``name`` ("" = the default class): its class's
+        ``wait_bound_s``; ``default`` when no classes are configured. O(C)."""
+        return self.spec(name).wait_bound_s if self.classes else default
 
     def spec(self, name: str) -> ClassSpec:
         name = self.resolve(name)

@@ -75,7 +75,7 @@ def holder(gates: Gates, classes: str = "", max_held: int = 100, bound_s: float 
     stats = FairwayStats(level="router", component="hold-test")
 
     def bound(c: GenerateCall) -> float:
-        return cfg.spec(c.priority_class).wait_bound_s if cfg.classes else bound_s
+        return cfg.wait_bound_for(c.priority_class, bound_s)
 
     return Holder(queue, gates.probe, gates.close, bound, poll_s=poll_s, stats=stats)
 

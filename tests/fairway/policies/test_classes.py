@@ -197,3 +197,9 @@ def test_best_tier_is_the_strictest_tier_waiting():
     assert pol.best_tier() == 0
     pol.remove(1)
     assert pol.best_tier() == 2
+
+
+def test_a_requests_wait_bound_is_its_classes_or_the_default_without_classes():
+    c = ClassesConfig.parse("interactive:objective=1,batch:tier=1:objective=30:max_wait=60")
+    assert c.wait_bound_for("interactive", None) == 1.0 and c.wait_bound_for("", None) == 60.0
+    assert ClassesConfig().wait_bound_for("", 10.0) == 10.0 and ClassesConfig().wait_bound_for("", None) is None
