@@ -87,8 +87,7 @@ class HoldRefused(Exception):
 @dataclass(slots=True)
 class _Waiter(Generic[S]):
     call: GenerateCall
-    fut: asyncio.Future[S]
-    deadline: float  # wall time the hold ends (the call's wait bound after its headers)
+    fut: asyncio.Future[tuple[S, float]]  # its stream and the seconds it was held, once a gate took it
 
 
 class Holder(Generic[S]):
@@ -126,38 +125,43 @@ class Holder(Generic[S]):
     def __len__(self) -> int:
         return len(self._waiters)
 
+    def _hold_end(self, call: GenerateCall) -> float:
+        """When ``call``'s hold ends (wall time): its wait bound after its headers, less the
+        gates' bound (it may wait that long at a gate once sent). O(1) plus ``bound_s``."""
+        return call.waited_from + self.bound_s(call) - self.margin_s
+
     def can_hold(self, call: GenerateCall) -> bool:
         """Whether ``call``'s wait bound leaves time to hold it (it ends after the gates' bound).
         One that does not is never held, so it does not queue behind the held requests: it is
         sent, and refused if the gates refuse it. O(1)."""
-        return call.waited_from + self.bound_s(call) - self.margin_s > self.wall()
+        return self._hold_end(call) > self.wall()
 
     def room(self) -> None:
         """A sign that a replica may have room: start a round (when requests are held). O(1)."""
         if self._waiters:
             self._room.set()
 
-    async def wait(self, call: GenerateCall, refused_wait_s: float | None = None) -> S:
-        """Hold ``call`` until a gate accepts it; its stream. ``refused_wait_s``: the least queue
-        wait the gates that refused it estimated (None: it joins the requests already held).
-        Raises ``HoldRefused``. Cancelling the wait (its client left) drops it."""
-        now = self.wall()
-        bound = self.bound_s(call)
-        deadline = call.waited_from + bound - self.margin_s  # then at most margin_s at a gate
+    async def wait(self, call: GenerateCall, refused_wait_s: float | None = None) -> tuple[S, float]:
+        """Hold ``call`` until a gate accepts it; its stream and the seconds it was held.
+        ``refused_wait_s``: the least queue wait the gates that refused it estimated (None: it
+        joins the requests already held). Raises ``HoldRefused``. Cancelling the wait (its
+        client left) drops it."""
+        deadline = self._hold_end(call)
         if refused_wait_s is not None:
             self.last_wait_s = refused_wait_s
-            if now + max(refused_wait_s - self.margin_s, 0.0) > deadline:
+            if self.wall() + max(refused_wait_s - self.margin_s, 0.0) > deadline:
                 raise self._refused(call, "hold_bound", refused_wait_s,
                                     f"every replica's queue is full: the shortest is an estimated "
-                                    f"{refused_wait_s:.1f} s of work, past this request's wait bound of {bound:g} s")
+                                    f"{refused_wait_s:.1f} s of work, past this request's wait bound of "
+                                    f"{self.bound_s(call):g} s")
         if self.queue.full:
             raise self._refused(call, "held_full", self.last_wait_s,
                                 f"every replica's queue is full and this router holds {self.queue.max_held} "
                                 f"requests already")
         rid = next(self._ids)
-        fut: asyncio.Future[S] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[S, float]] = asyncio.get_running_loop().create_future()
         self.queue.hold(rid, len(call.prompt_token_ids), call.priority_class, call.tenant)
-        self._waiters[rid] = _Waiter(call, fut, deadline)
+        self._waiters[rid] = _Waiter(call, fut)
         heapq.heappush(self._deadlines, (deadline, rid))
         self._gauge(call.priority_class)
         self._room.set()  # a new request may fit where the held ones did not (a stricter tier)
@@ -167,7 +171,7 @@ class Holder(Generic[S]):
             return await fut
         except BaseException:  # its caller left just as a gate took it: nobody reads the stream
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.close(fut.result())
+                self.close(fut.result()[0])
             raise
         finally:
             if not fut.done():
@@ -218,11 +222,11 @@ class Holder(Generic[S]):
                 continue
             finally:
                 self._probing = -1
-            self._leave(rid, "sent", drop=False)
+            held_s = self._leave(rid, "sent", drop=False)
             if w.fut.done():
                 self.close(stream)  # its client left while the gate took it
             else:
-                w.fut.set_result(stream)
+                w.fut.set_result((stream, held_s))
         return True
 
     def _expire(self) -> None:
@@ -240,12 +244,14 @@ class Holder(Generic[S]):
                     w.call, "hold_timeout", self.last_wait_s,
                     f"every replica's queue stayed full within this request's wait bound of {bound:g} s"))
 
-    def _leave(self, rid: int, outcome: str, drop: bool) -> None:
+    def _leave(self, rid: int, outcome: str, drop: bool) -> float:
+        """``rid`` leaves the held queue (``outcome``: how, for the metrics); the seconds it was held."""
         w = self._waiters.pop(rid)
-        held = self.queue.drop(rid) if drop else self.queue.take(rid)
+        held_s = self.queue.drop(rid) if drop else self.queue.take(rid)
         if self.stats is not None:
-            self.stats.observe_hold(w.call.priority_class, held.held_s, outcome)
+            self.stats.observe_hold(w.call.priority_class, held_s, outcome)
         self._gauge(w.call.priority_class)
+        return held_s
 
     def _gauge(self, priority_class: str) -> None:
         if self.stats is not None:  # the ingress gives every call its configured class name ("" without classes)

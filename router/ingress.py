@@ -429,15 +429,7 @@ class FairwayIngress:
     async def _probe(self, call: GenerateCall) -> _Stream:
         """Send a held ``call`` (``ack`` set); its stream once a gate has queued it."""
         stream = _Stream(self, call, self.handle.generate.remote(call))
-        try:
-            await stream.accepted()
-        except HTTPError as e:
-            if not e.refused_by:
-                stream.close()
-            raise
-        except BaseException:  # cancelled (the probe timed out): out of the gate's queue, never run
-            stream.close()
-            raise
+        await self._or_close(stream, stream.accepted())  # cancelled (timed out): out of the gate's queue
         return stream
 
     def _hold_bound(self, call: GenerateCall) -> float:
@@ -447,12 +439,11 @@ class FairwayIngress:
 
     async def _held(self, call: GenerateCall, refused: HTTPError | None) -> _Stream:
         """``call`` held until a gate takes it (``Holder.wait``); its refusal as an HTTPError."""
-        t0 = time.monotonic()
         try:
-            stream = await self.holder.wait(call, None if refused is None else (refused.retry_after_s or 1.0))
+            stream, stream.held_s = await self.holder.wait(call, None if refused is None
+                                                           else (refused.retry_after_s or 1.0))
         except HoldRefused as e:
             raise HTTPError(429, e.message, max(1.0, e.retry_after_s), e.reason) from None
-        stream.held_s = time.monotonic() - t0
         return stream
 
     async def _sent(self, call: GenerateCall, request: Request | None, sent: bool) -> tuple[_Stream, TokenChunk]:
@@ -480,12 +471,17 @@ class FairwayIngress:
         stream = await unless_gone(request, self._held(call, refusal))
         return stream, await self._first(stream, request, sent)
 
+    @classmethod
+    async def _first(cls, stream: _Stream, request: Request | None, sent: bool) -> TokenChunk:
+        """The stream's first chunk, ended early when its client leaves (``_or_close``)."""
+        return await cls._or_close(stream, unless_gone(request, stream.first(sent=sent)))
+
     @staticmethod
-    async def _first(stream: _Stream, request: Request | None, sent: bool) -> TokenChunk:
-        """The stream's first chunk; on any failure but a gate's refusal (nothing runs then) the
-        stream is closed, which stops the replica's work (its client left, or it failed)."""
+    async def _or_close(stream: _Stream, aw: Awaitable[T]) -> T:
+        """``await aw``; on any failure but a gate's refusal (nothing runs then) the stream is
+        closed, which stops the replica's work (its client left, it failed, or it timed out)."""
         try:
-            return await unless_gone(request, stream.first(sent=sent))
+            return await aw
         except HTTPError as e:
             if not e.refused_by:
                 stream.close()

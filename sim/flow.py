@@ -251,7 +251,7 @@ class FlowControl:
             j = route(spec)
             if j < 0:
                 break
-            self.hold_times.append(self.held.take(rid).held_s)
+            self.hold_times.append(self.held.take(rid))
             del self._specs[rid]
             placed.append((spec, j))
         return placed, expired

@@ -25,7 +25,6 @@ held requests (``bench/decision.py --held`` measures it at 10,000 held).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from fairway.clock import Clock
@@ -35,15 +34,6 @@ from fairway.policies.classes import ClassesConfig, ClassQueues
 
 #: the most requests one router holds by default; beyond it a refused request is answered 429 at once
 DEFAULT_MAX_HELD = 10_000
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """A request as it left the held queue: its class and how long it was held (seconds)."""
-
-    rid: int
-    priority_class: str
-    held_s: float
 
 
 class HeldQueue:
@@ -59,20 +49,19 @@ class HeldQueue:
         self.policy = ClassQueues(clock, cost, block_size, classes=self.classes, inner=inner,
                                   inner_options=inner_options)
         self.max_held = max_held
-        self._since: dict[int, float] = {}  # rid -> clock time it was first held
-        self._class: dict[int, str] = {}  # rid -> its configured class name ("" without classes)
+        self._held: dict[int, tuple[float, str]] = {}  # rid -> (clock time held, class name; "" without classes)
         self.depth: Counter[str] = Counter()  # held requests per class
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._since)
+        return len(self._held)
 
     def __contains__(self, rid: int) -> bool:
-        return rid in self._since
+        return rid in self._held
 
     @property
     def full(self) -> bool:
-        return len(self._since) >= self.max_held
+        return len(self._held) >= self.max_held
 
     def hold(self, rid: int, prompt_tokens: int, priority_class: str = "", tenant: str = "") -> bool:
         """Hold ``rid`` (a ``prompt_tokens``-token request of ``priority_class``, "" = the default);
@@ -84,8 +73,7 @@ class HeldQueue:
         self.policy.add(QueuedRequest(rid=rid, arrival_s=now, prompt_tokens=max(1, prompt_tokens), block_hashes=(),
                                       seq=self._seq, priority_class=name, tenant=tenant))
         self._seq += 1
-        self._since[rid] = now
-        self._class[rid] = name
+        self._held[rid] = (now, name)
         self.depth[name] += 1
         return True
 
@@ -95,23 +83,24 @@ class HeldQueue:
         req = self.policy.select()
         return None if req is None else req.rid
 
-    def take(self, rid: int) -> Held:
-        """``rid`` was accepted by a replica: it leaves, and its class is charged its work. O(1)."""
+    def take(self, rid: int) -> float:
+        """``rid`` was accepted by a replica: it leaves, and its class is charged its work; the
+        seconds it was held. O(1)."""
         self.policy.admit(rid)
         return self._left(rid)
 
-    def drop(self, rid: int) -> Held:
-        """``rid`` gives up (its wait bound passed, or its client left): it leaves uncharged. O(1)."""
+    def drop(self, rid: int) -> float:
+        """``rid`` gives up (its wait bound passed, or its client left): it leaves uncharged; the
+        seconds it was held. O(1)."""
         self.policy.remove(rid)
         return self._left(rid)
 
-    def _left(self, rid: int) -> Held:
-        since = self._since.pop(rid)
-        name = self._class.pop(rid)
+    def _left(self, rid: int) -> float:
+        since, name = self._held.pop(rid)
         self.depth[name] -= 1
         if not self.depth[name]:
             del self.depth[name]
-        return Held(rid, name, max(0.0, self.clock.now() - since))
+        return max(0.0, self.clock.now() - since)
 
 
-__all__ = ["DEFAULT_MAX_HELD", "Held", "HeldQueue"]
+__all__ = ["DEFAULT_MAX_HELD", "HeldQueue"]
