@@ -196,18 +196,21 @@ class AdmissionGate:
         429): still unadmitted at their bound, they would miss it anyway, and the engine's time
         goes to requests that can still meet theirs. O(due log n)."""
         now = time.time()
+        shed = 0
         while self._bounds and self._bounds[0][0] <= now:
             _, rid = heapq.heappop(self._bounds)
             fut = self._waiting.get(rid)
             if fut is None or fut.done():
                 continue
             self._drop(rid)
-            self.past_bound += 1
+            shed += 1
             self._reject("past_bound")
             fut.set_exception(PastWaitBound(f"replica {self.replica}: the request waited in its queue past its "
                                             "class's wait bound; retry later", retry_after_s=max(1.0, round(
                                                 self.queue_wait_s(), 1))))
-        self.drain.observe(self.clock.now(), bool(self._waiting))
+        if shed:  # the queue shrank: the drain rate's backlog state (the pump observed it otherwise)
+            self.past_bound += shed
+            self.drain.observe(self.clock.now(), bool(self._waiting))
 
     def _progress(self) -> None:
         self._progress_at = self.clock.now()

@@ -176,8 +176,11 @@ class FlowControl:
             return self._hold(spec, min(self.wait_s(e, spec) for e in engines))
         return self._refuse(spec, engines)
 
-    def _refuse(self, spec: RequestSpec, engines: Sequence[EngineModel]) -> int:
+    def _count_refusal(self, spec: RequestSpec) -> None:
         self.refused[self.classes.resolve(spec.priority_class)] += 1
+
+    def _refuse(self, spec: RequestSpec, engines: Sequence[EngineModel]) -> int:
+        self._count_refusal(spec)
         room = self.room_s(spec)
         if any(self.wait_s(e, spec) <= room for e in engines):
             self.refused_with_room += 1
@@ -199,7 +202,7 @@ class FlowControl:
         end = self.hold_end_s(spec)
         late = predicted_s is not None and now + max(predicted_s - self.gate_wait_s, 0.0) > end
         if late or now >= end or not self.held.hold(spec.rid, spec.prompt_tokens, spec.priority_class):
-            self.refused[self.classes.resolve(spec.priority_class)] += 1
+            self._count_refusal(spec)
             return -1
         self._specs[spec.rid] = spec
         heapq.heappush(self._deadlines, (end, spec.rid))
@@ -234,7 +237,7 @@ class FlowControl:
             if j < len(engines) and rid in engines[j].policy:  # still waiting there, unadmitted
                 spec = engines[j].reqs[rid].spec
                 engines[j].abort(rid)
-                self.refused[self.classes.resolve(spec.priority_class)] += 1
+                self._count_refusal(spec)
                 self.shed += 1
                 expired.append(spec)
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -242,7 +245,7 @@ class FlowControl:
             if rid in self.held:
                 self.held.drop(rid)
                 spec = self._specs.pop(rid)
-                self.refused[self.classes.resolve(spec.priority_class)] += 1
+                self._count_refusal(spec)
                 self.hold_timeouts += 1
                 expired.append(spec)
         placed = []

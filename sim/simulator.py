@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fairway.clock import ManualClock
 from fairway.engine.model import EngineModel, EngineRequest
 from fairway.request import RequestSpec, Workload
+from sim.flow import HELD
 
 STEP_END = 0  # rank 0: completions free memory before same-instant arrivals are admitted
 ARRIVAL = 1
@@ -29,7 +30,6 @@ _RANK = {STEP_END: 0, ARRIVAL: 1, INITIAL_ARRIVAL: 1}
 Router = Callable[[RequestSpec, list[EngineModel]], int]  # -1: refused (flow control's wait bound), -2: held
 REFUSED = "refused: predicted wait beyond the wait bound"
 PAST_BOUND = "refused: its wait bound passed (held at the router, or waiting in its replica's queue)"
-HELD = -2  # sim.flow.HELD: the router holds the request (released by ``router.release``)
 
 
 def round_robin() -> Router:
