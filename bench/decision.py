@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.policies import QueuedRequest, QueuePolicy, make_policy
+
+T = TypeVar("T")
 
 
 def _requests(rng: np.random.Generator, n: int, start: int) -> list[QueuedRequest]:
@@ -44,13 +48,8 @@ def measure(policy: str, waiting: int, cycles: int, seed: int = 0) -> dict[str, 
     for r in _requests(rng, waiting, 0):
         p.add(r)
     fresh = iter(_requests(rng, cycles, waiting))
-    sel, full = [], []
-    for k in range(cycles):
-        clock.advance(0.02)
-        t0 = time.perf_counter_ns()
-        r = p.select()
-        t1 = time.perf_counter_ns()
-        assert r is not None
+
+    def rest(k: int, r: QueuedRequest) -> None:  # admit, keep the queue at N, 4 cache events
         p.admit(r.rid)
         p.add(next(fresh))
         fam = int(rng.integers(0, 50))
@@ -58,15 +57,26 @@ def measure(policy: str, waiting: int, cycles: int, seed: int = 0) -> dict[str, 
         cached.update(new)
         p.on_blocks_stored(new)
         p.on_step(8192)
+
+    return timed_cycles(cycles, lambda: clock.advance(0.02), p.select, rest)
+
+
+def timed_cycles(cycles: int, tick: Callable[[], None], decide: Callable[[], T | None],
+                 rest: Callable[[int, T], None]) -> dict[str, float]:
+    """``cycles`` of ``tick()``, the timed decision ``decide()`` and the rest of the cycle
+    ``rest(k, decision)``: the median and p99, in microseconds, of the decision alone and of the
+    whole cycle."""
+    sel, full = [], []
+    for k in range(cycles):
+        tick()
+        t0 = time.perf_counter_ns()
+        x = decide()
+        t1 = time.perf_counter_ns()
+        assert x is not None
+        rest(k, x)
         t2 = time.perf_counter_ns()
         sel.append(t1 - t0)
         full.append(t2 - t0)
-    return timings(sel, full)
-
-
-def timings(sel: list[int], full: list[int]) -> dict[str, float]:
-    """Median and p99, in microseconds, of the decisions (``sel``) and the whole cycles (``full``),
-    both in nanoseconds."""
     s, f = np.array(sel) / 1e3, np.array(full) / 1e3
     return {
         "select_p50_us": float(np.median(s)),
@@ -95,19 +105,12 @@ def measure_held(held: int, cycles: int, seed: int = 0, inner: str = "fairway") 
     for rid in range(held):
         clock.advance(0.001)
         hold(rid)
-    sel, full = [], []
-    for k in range(cycles):
-        clock.advance(0.002)
-        t0 = time.perf_counter_ns()
-        rid = q.head()
-        t1 = time.perf_counter_ns()
-        assert rid is not None
+
+    def rest(k: int, rid: int) -> None:  # sent: it leaves, one more is held
         q.take(rid)
         hold(held + k)
-        t2 = time.perf_counter_ns()
-        sel.append(t1 - t0)
-        full.append(t2 - t0)
-    return timings(sel, full)
+
+    return timed_cycles(cycles, lambda: clock.advance(0.002), q.head, rest)
 
 
 def main() -> None:
