@@ -40,7 +40,7 @@ def serve(port: int, interval_s: float) -> None:
 
     import router.ingress as ingress_mod
     from fairway.protocol import TokenChunk
-    from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
+    from router.ingress import FairwayIngress, IngressArgs, app
 
     class Gen:
         def __init__(self, call: Any) -> None:
@@ -73,7 +73,6 @@ def serve(port: int, interval_s: float) -> None:
             return Gen(call)
 
     ingress = FairwayIngress(Replicas(), IngressArgs(model=MODEL, metrics=False))
-    app.dependency_overrides[current_ingress] = lambda: ingress
     ingress_mod.current_ingress = lambda: ingress
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
 

@@ -242,7 +242,10 @@ class FairwayIngress:
         from router.tokenizer import Tokenizer
 
         self.args = a = args if isinstance(args, IngressArgs) else IngressArgs(**args)
-        self.handle = replicas.options(stream=True)
+        # plain pickle both ways: every type crossing is importable here and in the replica
+        # (fairway.protocol), and cloudpickle's per-object checks cost a stream's every item
+        self.handle = replicas.options(stream=True, request_serialization="pickle",
+                                       response_serialization="pickle")
         self.tokenizer = Tokenizer(a.tokenizer)
         self.max_text_bytes = self.tokenizer.max_text_bytes(a.max_model_len)
         self.tokenize_pool = ThreadPoolExecutor(a.tokenizer_threads or usable_cpus(), thread_name_prefix="tokenize")
@@ -829,6 +832,12 @@ def current_ingress() -> FairwayIngress:
     return serve.get_replica_context().servable_object
 
 
+async def ingress_dependency() -> FairwayIngress:
+    """``current_ingress`` as a FastAPI dependency: async, so FastAPI calls it on the event loop
+    (a plain function would cost a worker-thread hop per request)."""
+    return current_ingress()
+
+
 class ReceivedAt:
     """ASGI middleware, the outermost: stamps the wall time this ingress had the request's
     headers into its scope (``received_at``), where the client's wait starts; everything after it
@@ -890,7 +899,7 @@ app.add_middleware(AuthGuard, keys=current_keys, on_reject=count_reject)  # no b
 app.add_middleware(ReceivedAt)  # outermost: the client's wait starts before any guard
 
 
-Ingress = Annotated[FairwayIngress, Depends(current_ingress)]
+Ingress = Annotated[FairwayIngress, Depends(ingress_dependency)]
 
 
 @app.get("/health")

@@ -28,7 +28,7 @@ from fairway.policies.classes import ClassesConfig
 from fairway.protocol import Overloaded, TokenChunk
 from router.auth import AuthArgs
 from router.hold import HoldArgs
-from router.ingress import FairwayIngress, IngressArgs, app, current_ingress
+from router.ingress import FairwayIngress, IngressArgs, app
 from router.limits import RequestLimits
 
 MODEL = "fairway-tiny"
@@ -112,8 +112,6 @@ class Server:
 
     def __enter__(self) -> Server:
         # the app's routes and guards find this ingress as Serve's replica context would give it
-        self._overrides = dict(app.dependency_overrides)
-        app.dependency_overrides[current_ingress] = lambda: self.ingress
         self._current = ingress_mod.current_ingress
         ingress_mod.current_ingress = lambda: self.ingress
         self.thread.start()
@@ -130,8 +128,6 @@ class Server:
         self.server.should_exit = True
         self.thread.join(10)
         ingress_mod.current_ingress = self._current  # a server started before this one is current again
-        app.dependency_overrides.clear()
-        app.dependency_overrides.update(self._overrides)
 
 
 @pytest.fixture(scope="module")
