@@ -101,6 +101,12 @@ class Tokenizer:
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
         self.max_token_bytes = self._max_token_bytes()
+        # a stream's every frame decodes twice (router/detokenize.py): call the Rust tokenizer
+        # itself where the Python wrapper would only pass the ids through (1.3 against 4.7 us
+        # for 8 ids); a wrapper that cleans up spaces keeps its own decode
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        self._fast_decode = (backend.decode if backend is not None
+                             and not getattr(self.tok, "clean_up_tokenization_spaces", True) else None)
 
     def _max_token_bytes(self) -> int | None:
         """The most UTF-8 bytes of text one token can stand for, times the normalizer's shrink
@@ -150,6 +156,8 @@ class Tokenizer:
         return list(out)
 
     def decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=True)
         return self.tok.decode(ids, skip_special_tokens=True)
 
 

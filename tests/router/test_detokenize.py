@@ -67,3 +67,13 @@ def test_deltas_join_to_the_whole_decode_for_any_token_ids(tok, data):
     ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=30))  # invalid UTF-8 too
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=10))
     assert "".join(stream(tok, ids, cuts)) == tok.decode(ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=511), max_size=24))
+def test_decode_is_the_wrappers_decode(tok, ids):
+    """``Tokenizer.decode`` calls the Rust tokenizer directly; it must say what the Hugging Face
+    wrapper says for any ids, special tokens (skipped) included."""
+    assert tok._fast_decode is not None  # the shipped tokenizer takes the direct path
+    ids = [i % len(tok.tok) for i in ids]
+    assert tok.decode(ids) == tok.tok.decode(ids, skip_special_tokens=True)
