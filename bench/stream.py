@@ -13,8 +13,9 @@ streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, 
 - ``bare``: the same graph in bare Ray Serve, one item per token (``bench/stream_apps.py``);
 - ``aiohttp``: one aiohttp process, one SSE frame per token, no Ray.
 
-Per point: tokens/s received (counted from ``token_ids``), TTFT p50/p99 of the requests sent in
-the window, and CPU per streamed token = the whole machine's busy CPU time in the window
+Per point: tokens/s received (counted from ``token_ids``); for the cluster, that rate over what
+the engine model itself emits for the same closed loop ("of engine", ``engine_rate``: the most any
+serving path could deliver); TTFT p50/p99 of the requests sent in the window, and CPU per streamed token = the whole machine's busy CPU time in the window
 (``/proc/stat``: every process, the client included) / tokens received. A warm-up precedes each
 window. Results: a markdown table on stdout and ``stream.json`` in ``--out``.
 """
@@ -49,6 +50,43 @@ def busy_cpu_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def engine_rate(concurrency: int, max_tokens: int, replicas: int = 2, duration_s: float = 30.0,
+                profile: str = "h200-llama3-8b") -> float:
+    """Tokens/s the engine model itself emits for ``concurrency`` closed-loop streams of this
+    client's request, split evenly over ``replicas`` (the most the serving path can deliver):
+    each replica's ``EngineModel`` on a virtual clock, a finished stream replaced at once."""
+    from fairway.clock import ManualClock
+    from fairway.cost_model import CostModel
+    from fairway.engine.model import EngineConfig, EngineModel
+    from fairway.policies import make_policy
+    from fairway.request import RequestSpec
+
+    cost = CostModel.from_profile(profile)
+    bs = 16
+    shared = tuple(range(1, len(PROMPT) // bs + 1))  # one prompt for every request: its blocks are shared
+    fresh = (len(PROMPT) + max_tokens) // bs - len(shared)  # each output's blocks are its own
+    total = 0
+    for replica in range(replicas):
+        streams = concurrency // replicas + (1 if replica < concurrency % replicas else 0)
+        clock = ManualClock()
+        model = EngineModel(EngineConfig(kv_blocks=20000), cost,
+                            make_policy("fcfs", clock=clock, cost=cost, block_size=bs), clock)
+        for rid in range(streams):
+            model.add(RequestSpec(rid, 0.0, len(PROMPT), max_tokens,
+                                  shared + tuple(10**9 + rid * fresh + i for i in range(fresh))))
+        rid = streams
+        while streams and clock.now() < duration_s:
+            step = model.start_step()
+            assert step is not None, "closed-loop streams always leave work"
+            clock.set(clock.now() + step)
+            for _ in model.finish_step():
+                total += max_tokens
+                model.add(RequestSpec(rid, clock.now(), len(PROMPT), max_tokens,
+                                      shared + tuple(10**9 + rid * fresh + i for i in range(fresh))))
+                rid += 1
+    return total / duration_s
+
+
 @dataclass
 class Point:
     target: str
@@ -61,6 +99,7 @@ class Point:
     errors: int
     window_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    engine_tokens_per_s: float | None = None  # the engine model's own rate (fairway targets)
 
 
 async def _one(session: Any, url: str, body: dict[str, Any], on_tokens: Any) -> float | None:
@@ -195,10 +234,12 @@ def targets(names: list[str], intervals: list[float], port: int, modes: list[boo
 
 
 def table(points: list[Point]) -> str:
-    rows = [[p.target, p.concurrency, f"{p.tokens_per_s:,.0f}", f"{p.ttft_p50_ms:.0f}", f"{p.ttft_p99_ms:.0f}",
-             f"{p.cpu_ms_per_token:.2f}", p.requests, p.errors] for p in points]
-    return md_table(["target", "C", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "CPU ms / token", "requests",
-                     "errors"], rows, align="lrrrrrrr")
+    rows = [[p.target, p.concurrency, f"{p.tokens_per_s:,.0f}",
+             f"{p.tokens_per_s / p.engine_tokens_per_s:.2f}" if p.engine_tokens_per_s else "",
+             f"{p.ttft_p50_ms:.0f}", f"{p.ttft_p99_ms:.0f}", f"{p.cpu_ms_per_token:.3f}", p.requests, p.errors]
+            for p in points]
+    return md_table(["target", "C", "tokens/s", "of engine", "TTFT p50 ms", "TTFT p99 ms", "CPU ms / token",
+                     "requests", "errors"], rows, align="lrrrrrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             for c in conc:
                 r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
                 points.append(point(label, c, r, **extra))
+                if label.startswith("fairway"):
+                    points[-1].engine_tokens_per_s = engine_rate(c, a.max_tokens)
                 print(table(points[-1:]).splitlines()[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
