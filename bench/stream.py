@@ -15,9 +15,10 @@ streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, 
 
 Per point: tokens/s received (counted from ``token_ids``); for the cluster, that rate over what
 the engine model itself emits for the same closed loop ("of engine", ``engine_rate``: the most any
-serving path could deliver); TTFT p50/p99 of the requests sent in the window, and CPU per streamed token = the whole machine's busy CPU time in the window
-(``/proc/stat``: every process, the client included) / tokens received. A warm-up precedes each
-window. Results: a markdown table on stdout and ``stream.json`` in ``--out``.
+serving path could deliver); TTFT p50/p99 of the requests sent in the window, and CPU per
+streamed token = the whole machine's busy CPU time in the window (``/proc/stat``: every process,
+the client included) / tokens received. A warm-up precedes each window. Results: a markdown
+table on stdout and ``stream.json`` in ``--out``.
 """
 
 from __future__ import annotations

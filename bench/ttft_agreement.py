@@ -13,6 +13,10 @@ results saved, scrapes again, and compares the two over the run:
   the measurements do, not by the buckets' width; the client's exact p50 and p99 beside them.
 
 Results: one JSON object on stdout (``ratio_*``: router / client).
+
+``--reference`` runs the same client against one aiohttp process that sends its first token 8 ms
+after each request instead (``bench/stream_apps.py``): what the client measures beyond those 8 ms
+is the client's own time (and the kernel's), which no server-side stamp can see.
 """
 
 from __future__ import annotations
@@ -93,24 +97,47 @@ def cluster(url: str | None, port: int) -> Iterator[str]:
             yield u
 
 
+def bench_serve(args: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``url``; its saved per-request results."""
+    cmd = [str(args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", "fairway-tiny", "--tokenizer", str(ROOT / "deploy/models/fairway-tiny"),
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--request-rate", args.request_rate, "--seed", str(args.seed), "--save-result", "--save-detailed",
+           "--result-dir", tmp, "--result-filename", "run.json", "--disable-tqdm"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                         f"{done.stderr[-3000:]}")
+    return json.loads((Path(tmp) / "run.json").read_text())
+
+
+def reference(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's own share: the same run against one aiohttp process whose first token leaves
+    ``TOKEN_S`` after the request (``bench/stream_apps.py``), so whatever the client measures
+    beyond that is spent in the client, the kernel and the server's accept, which no stamp inside
+    a server sees."""
+    from bench.stream import aiohttp_server
+    from bench.stream_apps import TOKEN_S
+
+    with aiohttp_server(args.port) as url, tempfile.TemporaryDirectory() as tmp:
+        result = bench_serve(args, url, tmp)
+    client = [t for t in result["ttfts"] if t and t > 0]
+    return {"num_prompts": args.num_prompts, "request_rate": args.request_rate, "server_ttft_s": TOKEN_S,
+            "completed": result.get("completed"), "mean_client_s": sum(client) / len(client),
+            "p50_client_exact_s": exact(0.5, client), "p99_client_exact_s": exact(0.99, client)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     vllm = Path(args.vllm)
     if not vllm.exists():
         raise SystemExit(f"{vllm} not found: run scripts/vllm_cpu_setup.sh first")
+    if args.reference:
+        return reference(args)
     with cluster(args.url, args.port) as url, tempfile.TemporaryDirectory() as tmp:
         before, s0, n0 = histogram(url, "router", METRIC)
         stages0 = scrape_stages(url)
-        cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-               "--model", "fairway-tiny", "--tokenizer", str(ROOT / "deploy/models/fairway-tiny"),
-               "--dataset-name", "random", "--random-input-len", str(args.input_len),
-               "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-               "--request-rate", args.request_rate, "--seed", str(args.seed), "--save-result", "--save-detailed",
-               "--result-dir", tmp, "--result-filename", "run.json", "--disable-tqdm"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
-                             f"{done.stderr[-3000:]}")
-        result = json.loads((Path(tmp) / "run.json").read_text())
+        result = bench_serve(args, url, tmp)
         after, s1, n1 = histogram(url, "router", METRIC)
         stages1 = scrape_stages(url)
     client = [t for t in result["ttfts"] if t and t > 0]
@@ -149,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm", default=str(ROOT / ".venv-vllm/bin/vllm"), help="the vLLM CLI")
+    ap.add_argument("--reference", action="store_true",
+                    help="run the client against one aiohttp process instead (the client's own share)")
     print(json.dumps(run(ap.parse_args(argv)), indent=1))
     return 0
 

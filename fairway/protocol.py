@@ -201,6 +201,12 @@ class Engine(ABC):
     #: the gate's pump (set by the gate): an engine that can calls it after every step, so waiting
     #: requests enter at step boundaries; the gate's ticker re-checks otherwise
     on_step: Callable[[], None] | None = None
+    #: the replica's stream interval (set by the replica, ``replicas/stream.py``); an engine that
+    #: ``coalesces`` holds a request's later outputs until this long after its previous one and
+    #: yields them merged (the first and the finishing output at once), so its consumer wakes once
+    #: per interval instead of once per step, and the replica does not merge them again
+    stream_interval_s: float = 0.0
+    coalesces: bool = False
 
     @abstractmethod
     async def start(self) -> None: ...

@@ -11,7 +11,9 @@ Rules: the first chunk leaves at once (TTFT pays nothing); later chunks are held
 arrives; the finishing chunk leaves at once with whatever is held; the gate's ``accepted``
 chunk (no tokens) passes at once and counts as no send. While the engine keeps making
 steps, a held token waits at most ``interval_s`` plus one step. ``interval_s = 0`` passes every
-chunk through. Closing the coalesced stream closes the source (the gate releases the request).
+chunk through: the replica passes 0 for an engine that merges at the source (``Engine.coalesces``:
+the sim engine holds a stream's tokens itself, so a step wakes no consumer of a held stream).
+Closing the coalesced stream closes the source (the gate releases the request).
 Cost: O(1) per chunk, one list extend per token.
 """
 

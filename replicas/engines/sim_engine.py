@@ -33,6 +33,11 @@ has not: a request that sets one to other than its no-op value is refused
 cache like any other, so a follow-up turn that sends the previous output back hits it. Complexity
 per step: O(batch) plus the engine model's own.
 
+Streaming: with the replica's ``stream_interval_s`` (``replicas/stream.py``) a request's tokens
+after its first wait in its output list until that long after its previous output, or its finish,
+and leave merged: its consumer (the gate's stream, the replica's generator, Ray's transport) wakes
+once per interval instead of once per step, which was the replica's largest Python cost per token.
+
 Host KV tier (off by default): ``host_kv_blocks`` > 0 (and ``host_link_bytes_per_s``, default
 50e9) give the engine model a host (CPU) tier: evicted blocks are kept there and reloaded at the
 link's speed. Its tier events (which hashes are host-only) go to ``set_tier_listener``'s
@@ -91,10 +96,13 @@ class _Live:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0
     cached_sent: bool = False
+    hold_until: float = 0.0  # later tokens wait for this time (``stream_interval_s``) or the finish
 
 
 class SimEngine(Engine, EngineListener):
     """``Engine`` protocol over ``EngineModel`` in real time (see the module docstring)."""
+
+    coalesces = True  # _emit holds a stream's later tokens for stream_interval_s
 
     def __init__(
         self,
@@ -265,9 +273,13 @@ class SimEngine(Engine, EngineListener):
         live = self._live.get(r.rid)
         if live is None or r.generated <= before:
             return
+        done = r.finished_s >= 0
+        now = self.clock.now()
+        if live.cached_sent and not done and now < live.hold_until:
+            return  # a later output within the stream interval: its tokens leave with a later step's
+        live.hold_until = now + self.stream_interval_s
         new = live.output_ids[live.sent : r.generated]
         live.sent = r.generated
-        done = r.finished_s >= 0
         cached = None
         if not live.cached_sent:
             cached = max(0, r.cached_tokens)

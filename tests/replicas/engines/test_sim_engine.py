@@ -4,6 +4,7 @@ seen through the ``Engine`` protocol the gate uses (run 1000x faster than real t
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
@@ -176,3 +177,17 @@ async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine
     ok.frequency_penalty, ok.repetition_penalty, ok.logit_bias, ok.top_p = 0.0, 1.0, {}, 0.3
     tokens, _ = await run(engine, ok)
     assert len(tokens) == 3
+
+
+async def test_the_stream_interval_holds_later_outputs_until_the_finish(engine):
+    """With a stream interval the engine yields a request's first output and then nothing until
+    the interval has passed or the request finishes: here (an hour's interval, 1000x speed) the
+    first token alone, then the other 19 with the finish; the same tokens either way."""
+    c = replace(call("i", list(range(300, 300 + 40)), max_tokens=20), seed=7)  # the same output twice
+    engine.stream_interval_s = 0.0
+    every = [out.token_ids async for out in engine.generate(c)]
+    assert [len(t) for t in every] == [1] * 20
+    engine.stream_interval_s = 3600.0
+    held = [out.token_ids async for out in engine.generate(c)]
+    assert [len(t) for t in held] == [1, 19]
+    assert sum(held, []) == sum(every, [])
