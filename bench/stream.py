@@ -17,7 +17,8 @@ Per point: tokens/s received (counted from ``token_ids``); for the cluster, that
 the engine model itself emits for the same closed loop ("of engine", ``engine_rate``: the most any
 serving path could deliver); TTFT p50/p99 of the requests sent in the window, and CPU per
 streamed token = the whole machine's busy CPU time in the window (``/proc/stat``: every process,
-the client included) / tokens received. A warm-up precedes each window. Results: a markdown
+the client included) / tokens received. A warm-up precedes each window. ``--repeat N`` runs N
+rounds of every target in turn and prints each point's medians. Results: a markdown
 table on stdout and ``stream.json`` in ``--out``.
 """
 
@@ -234,6 +235,24 @@ def targets(names: list[str], intervals: list[float], port: int, modes: list[boo
             raise SystemExit(f"unknown target {name!r}: fairway, bare, aiohttp")
 
 
+def medians(points: list[Point]) -> list[Point]:
+    """One point per (target, C): the median of each figure over the rounds (``requests`` and
+    ``errors`` summed), in first-seen order."""
+    groups: dict[tuple[str, int], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.target, p.concurrency), []).append(p)
+
+    def med(ps: list[Point], name: str) -> float:
+        return float(np.median([getattr(p, name) for p in ps]))
+
+    return [Point(t, c, med(ps, "tokens_per_s"), med(ps, "ttft_p50_ms"), med(ps, "ttft_p99_ms"),
+                  med(ps, "cpu_ms_per_token"), sum(p.requests for p in ps), sum(p.errors for p in ps),
+                  med(ps, "window_s"), {**ps[0].extra, "rounds": len(ps),
+                                         "cpu_ms_per_token": [p.cpu_ms_per_token for p in ps]},
+                  ps[0].engine_tokens_per_s)
+            for (t, c), ps in groups.items()]
+
+
 def table(points: list[Point]) -> str:
     rows = [[p.target, p.concurrency, f"{p.tokens_per_s:,.0f}",
              f"{p.tokens_per_s / p.engine_tokens_per_s:.2f}" if p.engine_tokens_per_s else "",
@@ -256,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=int(os.environ.get("FAIRWAY_BENCH_PORT", "8471")))
+    ap.add_argument("--repeat", type=int, default=1, help="rounds; the table then shows each point's medians")
     ap.add_argument("--out", default="out/stream")
     a = ap.parse_args(argv)
     conc = [int(x) for x in a.concurrency.split(",")]
@@ -263,20 +283,21 @@ def main(argv: list[str] | None = None) -> int:
     points: list[Point] = []
     modes = [m == "on" for m in a.serve_modes.split(",")]
     haproxy = tuple(m == "on" for m in a.haproxy.split(","))
-    for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy):
-        with ctx as url:
-            for c in conc:
-                r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
-                points.append(point(label, c, r, **extra))
-                if label.startswith("fairway"):
-                    points[-1].engine_tokens_per_s = engine_rate(c, a.max_tokens)
-                print(table(points[-1:]).splitlines()[-1], flush=True)
+    for _ in range(a.repeat):  # rounds: every target once per round, so the machine's drift hits all alike
+        for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy):
+            with ctx as url:
+                for c in conc:
+                    r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
+                    points.append(point(label, c, r, **extra))
+                    if label.startswith("fairway"):
+                        points[-1].engine_tokens_per_s = engine_rate(c, a.max_tokens)
+                    print(table(points[-1:]).splitlines()[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream.json").write_text(json.dumps({"points": [asdict(p) for p in points], "argv": sys.argv,
                                                  "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                                  "nproc": os.cpu_count()}, indent=1))
-    print(table(points))
+    print(table(medians(points) if a.repeat > 1 else points))
     return 0
 
 
