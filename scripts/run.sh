@@ -88,6 +88,9 @@ PY
   echo "starting the cluster ($CONFIG), log: $OUT/serve.log"
   for _ in $(seq 1 180); do
     if ready 2>/dev/null; then
+      # until Ray's HAProxy lists the ingress replica it sends every request through Serve's own
+      # proxy (its fallback): "up" means the path that serves from then on is in place
+      python -m cluster.launch wait-haproxy "$PORT"
       echo "cluster up at $URL after $(( $(date +%s) - start )) s"
       return
     fi

@@ -39,3 +39,32 @@ def test_the_env_lines_survive_a_shell_eval_with_spaces_in_a_value(monkeypatch, 
     out = subprocess.run(["bash", "-c", 'set -a; eval "$1"; echo "$RAY_SERVE_HAPROXY_RETRY_ON"', "_", lines],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == HAPROXY_RETRY_ON
+
+
+def _haproxy_config(root, name: str, port: int, servers: list[str]) -> None:
+    d = root / "haproxy-serve" / name
+    d.mkdir(parents=True)
+    lines = ["frontend http_frontend", f"    bind *:{port}", "backend http-fairway"]
+    lines += [f"    server {s} check" for s in servers]
+    (d / "haproxy.cfg").write_text("\n".join(lines) + "\n")
+
+
+def test_the_direct_ingress_is_the_replica_the_newest_config_for_the_port_lists(monkeypatch, tmp_path):
+    import os
+    import time
+
+    import cluster.launch as launch
+
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    fallback = "SERVE_PROXY_ACTOR-fallback-x 127.0.0.1:8500"
+    _haproxy_config(tmp_path, "a", 8000, [fallback])  # the first seconds: the fallback only
+    assert launch.direct_ingress_url(8000, timeout_s=0) is None
+    _haproxy_config(tmp_path, "b", 8000, ["SERVE_REPLICA_fairway-FairwayIngress-q 127.0.0.1:30001", fallback])
+    _haproxy_config(tmp_path, "c", 9000, ["SERVE_REPLICA_other-Ingress-z 127.0.0.1:30002"])  # another port's
+    t = time.time()
+    os.utime(tmp_path / "haproxy-serve/a/haproxy.cfg", (t - 10, t - 10))  # the oldest
+    assert launch.direct_ingress_url(8000, timeout_s=0) == "http://127.0.0.1:30001"
+    assert launch.direct_ingress_url(9000, timeout_s=0) == "http://127.0.0.1:30002"
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # Serve's own proxy is the HTTP ingress
+    assert launch.direct_ingress_url(8000, timeout_s=0) is None
