@@ -45,7 +45,9 @@ HAPROXY_RETRY_ON = "conn-failure empty-response"
 #: cluster stop: with 30 s, ``scripts/run.sh stop`` and each test cluster took 30-36 s to stop.
 INGRESS_DRAIN_S = "3"
 DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
-HAPROXY_CONFIGS = "haproxy-serve/*/haproxy.cfg"  # where Ray Serve writes its HAProxy's configuration
+#: Ray Serve's HAProxy configuration (its setting, its default); Ray writes one per node, in a
+#: folder named for the node beside this path
+HAPROXY_CONFIG_FILE_LOC = "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/haproxy-serve/haproxy.cfg"
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -186,19 +188,31 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
             time.sleep(0.5)
 
 
+def _haproxy_config_texts() -> Iterator[str]:
+    """The HAProxy configurations Ray wrote on this machine, newest first (one may vanish as a
+    cluster stops: skipped)."""
+    path = Path(os.environ.get(*HAPROXY_CONFIG_FILE_LOC))
+    dated = []
+    for cfg in path.parent.glob(f"*/{path.name}"):
+        with contextlib.suppress(OSError):
+            dated.append((cfg.stat().st_mtime, cfg))
+    for _, cfg in sorted(dated, reverse=True):
+        with contextlib.suppress(OSError):
+            yield cfg.read_text()
+
+
 def direct_ingress_url(port: int, timeout_s: float = 60.0) -> str | None:
     """The first ingress replica's own HTTP address (Ray Serve's direct ingress) as the HAProxy on
     ``port`` routes to it, read from the newest HAProxy configuration Ray wrote for that port; None
     when HAProxy is not the HTTP ingress or lists no ingress replica within ``timeout_s``. Why wait
     for it: for the first seconds after the app answers, Ray's HAProxy has only its fallback, Serve's
-    own proxy actor, and sends every request through it, a slower path under load."""
+    own proxy actor, and sends every request through it, a slower path under load. Call it once the
+app answers: a stopped cluster's configuration stays behind, and only a newer one hides it."""
     if serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return None
     deadline = time.monotonic() + timeout_s
     while True:
-        configs = sorted(Path(tempfile.gettempdir()).glob(HAPROXY_CONFIGS), key=lambda p: p.stat().st_mtime,
-                         reverse=True)
-        text = next((t for t in (c.read_text() for c in configs) if f"bind *:{port}\n" in t), "")
+        text = next((t for t in _haproxy_config_texts() if f"bind *:{port}\n" in t), "")
         found = re.search(r"server SERVE_REPLICA_\S+ ([\d.]+:\d+)", text)
         if found:
             return f"http://{found.group(1)}"

@@ -3,10 +3,12 @@ one place ``scripts/run.sh`` and the tests take them from."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
+import time
 
-from cluster.launch import HAPROXY_BUFSIZE, HAPROXY_RETRY_ON, INGRESS_DRAIN_S, main, serve_env
+from cluster.launch import HAPROXY_BUFSIZE, HAPROXY_RETRY_ON, INGRESS_DRAIN_S, direct_ingress_url, main, serve_env
 
 
 def test_the_defaults_fill_only_what_the_environment_leaves_unset():
@@ -42,7 +44,7 @@ def test_the_env_lines_survive_a_shell_eval_with_spaces_in_a_value(monkeypatch, 
 
 
 def _haproxy_config(root, name: str, port: int, servers: list[str]) -> None:
-    d = root / "haproxy-serve" / name
+    d = root / name
     d.mkdir(parents=True)
     lines = ["frontend http_frontend", f"    bind *:{port}", "backend http-fairway"]
     lines += [f"    server {s} check" for s in servers]
@@ -50,21 +52,16 @@ def _haproxy_config(root, name: str, port: int, servers: list[str]) -> None:
 
 
 def test_the_direct_ingress_is_the_replica_the_newest_config_for_the_port_lists(monkeypatch, tmp_path):
-    import os
-    import time
-
-    import cluster.launch as launch
-
-    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", str(tmp_path / "haproxy.cfg"))  # Ray's setting
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     fallback = "SERVE_PROXY_ACTOR-fallback-x 127.0.0.1:8500"
     _haproxy_config(tmp_path, "a", 8000, [fallback])  # the first seconds: the fallback only
-    assert launch.direct_ingress_url(8000, timeout_s=0) is None
+    assert direct_ingress_url(8000, timeout_s=0) is None
     _haproxy_config(tmp_path, "b", 8000, ["SERVE_REPLICA_fairway-FairwayIngress-q 127.0.0.1:30001", fallback])
     _haproxy_config(tmp_path, "c", 9000, ["SERVE_REPLICA_other-Ingress-z 127.0.0.1:30002"])  # another port's
     t = time.time()
-    os.utime(tmp_path / "haproxy-serve/a/haproxy.cfg", (t - 10, t - 10))  # the oldest
-    assert launch.direct_ingress_url(8000, timeout_s=0) == "http://127.0.0.1:30001"
-    assert launch.direct_ingress_url(9000, timeout_s=0) == "http://127.0.0.1:30002"
+    os.utime(tmp_path / "a/haproxy.cfg", (t - 10, t - 10))  # the oldest
+    assert direct_ingress_url(8000, timeout_s=0) == "http://127.0.0.1:30001"
+    assert direct_ingress_url(9000, timeout_s=0) == "http://127.0.0.1:30002"
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # Serve's own proxy is the HTTP ingress
-    assert launch.direct_ingress_url(8000, timeout_s=0) is None
+    assert direct_ingress_url(8000, timeout_s=0) is None
