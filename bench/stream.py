@@ -56,7 +56,8 @@ def engine_rate(concurrency: int, max_tokens: int, replicas: int = 2, duration_s
                 profile: str = "h200-llama3-8b") -> float:
     """Tokens/s the engine model itself emits for ``concurrency`` closed-loop streams of this
     client's request, split evenly over ``replicas`` (the most the serving path can deliver):
-    each replica's ``EngineModel`` on a virtual clock, a finished stream replaced at once."""
+    each replica's ``EngineModel`` (``deploy/cluster.yaml``'s KV) on a virtual clock, a finished
+    stream replaced at once; every token generated in ``duration_s`` counts."""
     from fairway.clock import ManualClock
     from fairway.cost_model import CostModel
     from fairway.engine.model import EngineConfig, EngineModel
@@ -64,18 +65,22 @@ def engine_rate(concurrency: int, max_tokens: int, replicas: int = 2, duration_s
     from fairway.request import RequestSpec
 
     cost = CostModel.from_profile(profile)
-    bs = 16
+    config = EngineConfig(kv_blocks=20000)
+    bs = config.block_size
     shared = tuple(range(1, len(PROMPT) // bs + 1))  # one prompt for every request: its blocks are shared
     fresh = (len(PROMPT) + max_tokens) // bs - len(shared)  # each output's blocks are its own
     total = 0
     for replica in range(replicas):
-        streams = concurrency // replicas + (1 if replica < concurrency % replicas else 0)
         clock = ManualClock()
-        model = EngineModel(EngineConfig(kv_blocks=20000), cost,
-                            make_policy("fcfs", clock=clock, cost=cost, block_size=bs), clock)
-        for rid in range(streams):
-            model.add(RequestSpec(rid, 0.0, len(PROMPT), max_tokens,
+        model = EngineModel(config, cost, make_policy("fcfs", clock=clock, cost=cost, block_size=bs), clock)
+
+        def add(rid: int, model: EngineModel = model, clock: ManualClock = clock) -> None:
+            model.add(RequestSpec(rid, clock.now(), len(PROMPT), max_tokens,
                                   shared + tuple(10**9 + rid * fresh + i for i in range(fresh))))
+
+        streams = concurrency // replicas + (1 if replica < concurrency % replicas else 0)
+        for rid in range(streams):
+            add(rid)
         rid = streams
         while streams and clock.now() < duration_s:
             step = model.start_step()
@@ -83,9 +88,9 @@ def engine_rate(concurrency: int, max_tokens: int, replicas: int = 2, duration_s
             clock.set(clock.now() + step)
             for _ in model.finish_step():
                 total += max_tokens
-                model.add(RequestSpec(rid, clock.now(), len(PROMPT), max_tokens,
-                                      shared + tuple(10**9 + rid * fresh + i for i in range(fresh))))
+                add(rid)
                 rid += 1
+        total += sum(r.generated for r in model.reqs.values())  # the streams still running
     return total / duration_s
 
 
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     points: list[Point] = []
     modes = [m == "on" for m in a.serve_modes.split(",")]
     haproxy = tuple(m == "on" for m in a.haproxy.split(","))
+    engine = {c: engine_rate(c, a.max_tokens) for c in conc} if "fairway" in a.targets.split(",") else {}
     for _ in range(a.repeat):  # rounds: every target once per round, so the machine's drift hits all alike
         for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy):
             with ctx as url:
@@ -290,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
                     points.append(point(label, c, r, **extra))
                     if label.startswith("fairway"):
-                        points[-1].engine_tokens_per_s = engine_rate(c, a.max_tokens)
+                        points[-1].engine_tokens_per_s = engine[c]
                     print(table(points[-1:]).splitlines()[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
