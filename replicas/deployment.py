@@ -110,6 +110,8 @@ class FairwayReplica:
         self.name = replica_name()
         self.engine = make_engine(a.engine, **a.engine_args)
         self.engine.stream_interval_s = a.stream_interval_s
+        # a stream's tokens are merged once: by an engine that coalesces, else by the replica
+        self._coalesce_s = 0.0 if self.engine.coalesces else a.stream_interval_s
         self.clock = clock = MonotonicClock()
         block_size = self.engine.block_size
         cost = CostModel.from_profile(a.profile)
@@ -185,8 +187,7 @@ class FairwayReplica:
         return pub
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
-        interval = 0.0 if self.engine.coalesces else self.args.stream_interval_s  # merged once, where it is cheapest
-        async for chunk in coalesce(self.gate.submit(call), interval, self.clock):
+        async for chunk in coalesce(self.gate.submit(call), self._coalesce_s, self.clock):
             yield chunk
 
     def record_routing_stats(self) -> ReplicaRoutingStats:

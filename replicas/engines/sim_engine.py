@@ -274,10 +274,11 @@ class SimEngine(Engine, EngineListener):
         if live is None or r.generated <= before:
             return
         done = r.finished_s >= 0
-        now = self.clock.now()
-        if live.cached_sent and not done and now < live.hold_until:
-            return  # a later output within the stream interval: its tokens leave with a later step's
-        live.hold_until = now + self.stream_interval_s
+        if self.stream_interval_s > 0:
+            now = self.clock.now()
+            if live.cached_sent and not done and now < live.hold_until:
+                return  # a later output within the stream interval: its tokens leave with a later step's
+            live.hold_until = now + self.stream_interval_s
         new = live.output_ids[live.sent : r.generated]
         live.sent = r.generated
         cached = None
