@@ -3,7 +3,9 @@
 ``python -m bench.routing [--replicas 16] [--prompt-tokens 8192] [--routers fairway,pow2,...]``
 builds a prefix index holding, per replica, the prefixes of earlier prompts (shared 2k-token
 system prompts, per-session histories), then times the whole routing path for fresh 8k-token
-prompts that share part of their prefix with what the replicas hold.
+prompts that share part of their prefix with what the replicas hold. ``--classes`` gives the
+router two request classes (20% ``interactive``, tier 0; 80% ``batch``, tier 1), so the class
+view (the queue per class, the work ahead of each) is priced on every decision.
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import numpy as np
 from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.load_view import LoadView
+from fairway.policies.classes import ClassesConfig
 from fairway.prefix_index import EVENTS, PrefixIndex
 from fairway.routing import ROUTERS, make_router
 from fairway.routing.host import RoutingHost
 
+CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
+
 
 def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int = 16, index_mode: str = "approx",
-            host_share: float = 0.0) -> dict[str, float]:
+            host_share: float = 0.0, classes: bool = False) -> dict[str, float]:
     """Median and p99 of one decision through ``RoutingHost`` (match, states, rank, book,
     record). ``index_mode="events"``: the exact index, fed the warm-up prompts as stored KV
     events; ``host_share`` > 0 (events only): that share of the tail of each warm prompt's
     shared half (what later prompts match) is host-only (tier events), so the tier-aware
-    lookup splits real host hits."""
+    lookup splits real host hits; ``classes``: every request in one of two classes (module
+    docstring)."""
     rng = np.random.default_rng(0)
     clock = ManualClock()
     cost = CostModel.from_profile(DEFAULT_PROFILE)
@@ -35,7 +41,8 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
     events = index_mode == EVENTS
     index = PrefixIndex(replicas, mode=index_mode, capacity_blocks=None if events else cost.default_kv_blocks(bs))
     load = LoadView(replicas, clock, cost, block_size=bs)
-    host = RoutingHost(policy, index, load, block_size=bs)
+    host = RoutingHost(policy, index, load, block_size=bs,
+                       classes=ClassesConfig.parse(CLASSES if classes else ""))
     n_blocks = prompt_tokens // bs
 
     def prompt(k: int) -> list[int]:
@@ -59,9 +66,10 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
         hashes = prompt(10_000 + k)
         clock.advance(0.01)
         t0 = time.perf_counter_ns()
-        d = host.decide(k, prompt_tokens, hashes)
+        klass = ("interactive" if rng.random() < 0.2 else "batch") if classes else ""
+        d = host.decide(k, prompt_tokens, hashes, klass=klass)
         host.record_routed(d.pick, hashes, d.reason)
-        host.book(k, d.pick, prompt_tokens, d.matched_blocks, hashes)
+        host.book(k, d.pick, prompt_tokens, d.matched_blocks, hashes, klass)
         t1 = time.perf_counter_ns()
         times.append(t1 - t0)
         sent.append((d.pick, hashes))
@@ -81,12 +89,13 @@ def main() -> None:
     ap.add_argument("--index", default="approx", choices=["approx", "events"], help="prefix index mode")
     ap.add_argument("--host-share", type=float, default=0.0,
                     help="events index: share of the tail of each held prompt's shared half that is host-only")
+    ap.add_argument("--classes", action="store_true", help="two request classes (20%% interactive, 80%% batch)")
     args = ap.parse_args()
     print(f"{'router':<18} {'p50 us':>8} {'p99 us':>8}  ({args.replicas} replicas, {args.prompt_tokens}-token prompts, "
-          f"{args.index} index, host share {args.host_share})")
+          f"{args.index} index, host share {args.host_share}{', classes' if args.classes else ''})")
     for name in args.routers.split(","):
         m = measure(name, args.replicas, args.prompt_tokens, args.cycles, index_mode=args.index,
-                    host_share=args.host_share)
+                    host_share=args.host_share, classes=args.classes)
         print(f"{name:<18} {m['p50_us']:>8.1f} {m['p99_us']:>8.1f}")
 
 

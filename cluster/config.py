@@ -14,6 +14,7 @@ and ``policy_options`` holds every option.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -162,6 +163,9 @@ class ClusterArgs(ServedModel, ServedEngine):
             "shared_view": self.shared_view(),
             "sync_period_s": self.router.sync_period_s,
             "prefix_view": self.router.prefix_view,
+            # JSON, as Ray Serve wants the router's kwargs: the classes the replicas order by
+            "classes": [dataclasses.asdict(c) for c in self.classes],
+            "default_class": self.default_class,
         }
 
     def shared_view(self) -> bool:

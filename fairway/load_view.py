@@ -69,6 +69,8 @@ class LoadSnapshot:
     (their sum is ``queued_prefill_s[j]`` up to float drift); ``max_running[j]`` is j's sequence
     capacity, 0 when unknown; ``prefill_ends[j]`` the estimated prefill end times (start + its
     prefill estimate) of j's started requests whose end was still ahead at ``taken_s``;
+    ``class_queues[j]`` maps each request class with requests waiting on j to (their queued
+    prefill seconds, their estimates ascending); empty for requests routed without a class.
     ``routed_windows[j]`` is ``(t0, ps)``: t0 the routing time of the oldest of j's last
     ``ROUTED_WINDOW`` routed requests and ps the prefill estimates of the later ones, ascending,
     so sum(ps) / (now - t0) is the prefill work routed to j per second lately ((now, ()) before
@@ -90,6 +92,7 @@ class LoadSnapshot:
     speed: tuple[float, ...] = field(default=())
     active_prefill_tokens: tuple[int, ...] = field(default=())
     unique_active_blocks: tuple[int, ...] = field(default=())
+    class_queues: tuple[dict[str, tuple[float, tuple[float, ...]]], ...] = field(default=())
 
     @property
     def waiting(self) -> tuple[int, ...]:
@@ -106,6 +109,7 @@ class _Tracked:
     uncached_tokens: int
     blocks: int
     started: bool = False
+    klass: str = ""
 
 
 class LoadView:
@@ -119,7 +123,7 @@ class LoadView:
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
                  "_qp", "_qp_frozen", "_cap", "_speed", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version",
-                 "_snap_version", "_ptok", "_held", "_ab", "_abw", "_ab_req")
+                 "_snap_version", "_ptok", "_held", "_ab", "_abw", "_ab_req", "_cq", "_cq_frozen")
 
     def __init__(
         self, num_replicas: int, clock: Clock, cost: CostModel, block_size: int = 16, stale_s: float = 0.0
@@ -155,6 +159,9 @@ class LoadView:
         self._ab: list[dict[int, int]] = []  # per replica: hash -> active requests holding it
         self._abw: dict[int, int] = {}  # hash -> bitmask of the replicas where it is active
         self._ab_req: dict[int, Sequence[int]] = {}  # rid -> its tracked prompt hashes
+        # per replica, per request class: [queued prefill s, sorted (P, rid)] of its waiting requests
+        self._cq: list[dict[str, tuple[list[float], list[tuple[float, int]]]]] = []
+        self._cq_frozen: list[dict[str, tuple[float, tuple[float, ...]]] | None] = []
         self._snap: LoadSnapshot | None = None
         self._version = 0
         self._snap_version = -1
@@ -179,6 +186,8 @@ class LoadView:
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks, self._ptok):
             icol.append(0)
         self._ab.append({})
+        self._cq.append({})
+        self._cq_frozen.append({})
         self._version += 1
         return len(self._q) - 1
 
@@ -188,13 +197,16 @@ class LoadView:
     # -- lifecycle hooks ---------------------------------------------------------------------
 
     def on_routed(
-        self, rid: int, replica: int, prompt_tokens: int, cached_tokens: int = 0, prefill_s: float | None = None
+        self, rid: int, replica: int, prompt_tokens: int, cached_tokens: int = 0, prefill_s: float | None = None,
+        klass: str = "",
     ) -> float:
         """Request ``rid`` was routed to ``replica`` with an estimated ``cached_tokens`` hit.
 
         Adds its prefill estimate P = cost.prefill_time(prompt - cached, cached) to Q_j (or
         ``prefill_s`` when the caller already priced it) and returns it. The hit is capped at
-        prompt - 1 tokens (the engine always computes the last prompt token). O(1).
+        prompt - 1 tokens (the engine always computes the last prompt token). ``klass``: its
+        request class, when the host has classes (it is then also queued in ``class_queues``).
+        O(log n + n) for the sorted lists.
         """
         if rid in self._req:
             raise KeyError(f"request {rid} is already tracked")
@@ -203,8 +215,9 @@ class LoadView:
         c = max(0, min(cached_tokens, prompt_tokens - 1))
         p = self.cost.prefill_time(prompt_tokens - c, c) if prefill_s is None else float(prefill_s)
         blocks = -(-prompt_tokens // self.block_size)
-        t = _Tracked(rid, replica, prompt_tokens, p, prompt_tokens - c, blocks)
+        t = _Tracked(rid, replica, prompt_tokens, p, prompt_tokens - c, blocks, klass=klass)
         self._req[rid] = t
+        self._class_queue(t)
         self._rw[replica].append((self.clock.now(), p))
         self._rw_frozen[replica] = None
         self._q[replica] += p
@@ -308,6 +321,7 @@ class LoadView:
         self._q[t.replica] += t.prefill_s
         bisect.insort(self._qp[t.replica], (t.prefill_s, rid))
         self._qp_frozen[t.replica] = None
+        self._class_queue(t)
         self._qtok[t.replica] += t.uncached_tokens
         self._nq[t.replica] += 1
         self._version += 1
@@ -392,6 +406,7 @@ class LoadView:
             unique_active_blocks=tuple(len(c) for c in self._ab),
             prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
             routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
+            class_queues=tuple(self._frozen_classes(j) for j in range(len(self._cq))),
         )
         if keep:
             self._snap = snap
@@ -405,6 +420,24 @@ class LoadView:
         if frozen is None:
             frozen = self._qp_frozen[j] = tuple(p for p, _ in self._qp[j])
         return frozen
+
+    def _frozen_classes(self, j: int) -> dict[str, tuple[float, tuple[float, ...]]]:
+        """Replica j's waiting requests per class (see ``LoadSnapshot.class_queues``), rebuilt
+        only after a classed request joined or left its queue. Not to be mutated."""
+        frozen = self._cq_frozen[j]
+        if frozen is None:
+            frozen = self._cq_frozen[j] = {
+                k: (max(0.0, q[0]) if ps else 0.0, tuple(p for p, _ in ps)) for k, (q, ps) in self._cq[j].items() if ps}
+        return frozen
+
+    def _class_queue(self, t: _Tracked) -> None:
+        """A classed request joins its replica's class queue. O(log n + n)."""
+        if not t.klass:
+            return
+        q, ps = self._cq[t.replica].setdefault(t.klass, ([0.0], []))
+        q[0] += t.prefill_s
+        bisect.insort(ps, (t.prefill_s, t.rid))
+        self._cq_frozen[t.replica] = None
 
     def _routed_window(self, j: int, now: float) -> tuple[float, tuple[float, ...]]:
         """Replica j's routed-work window (see ``LoadSnapshot``), rebuilt only after a request
@@ -461,6 +494,13 @@ class LoadView:
         i = bisect.bisect_left(qp, (t.prefill_s, t.rid))
         if i < len(qp) and qp[i][1] == t.rid:
             del qp[i]
+        if t.klass:
+            q, ps = self._cq[j][t.klass]
+            i = bisect.bisect_left(ps, (t.prefill_s, t.rid))
+            if i < len(ps) and ps[i][1] == t.rid:
+                del ps[i]
+            q[0] = q[0] - t.prefill_s if ps else 0.0
+            self._cq_frozen[j] = None
         # Sums of floats drift: reset to exactly 0 when nothing waits, and never go negative.
         self._q[j] = 0.0 if self._nq[j] == 0 else max(0.0, self._q[j] - t.prefill_s)
 

@@ -35,6 +35,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from fairway.clock import Clock, MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.load_view import LoadView
+from fairway.policies.classes import ClassesConfig, ClassSpec
 from fairway.prefix_index import PrefixIndex
 from fairway.protocol import GenerateCall, ReplicaRoutingStats
 from fairway.routing import make_router
@@ -76,7 +77,9 @@ class FairwayRequestRouter(RequestRouter):
     through ``router/view_hub.py``), ``sync_period_s`` and ``prefix_view``: ``"approx"`` (the
     index learns from the routings and the engines' cached-token reports) or ``"events"`` (the
     replicas' exact KV events through the hub, with the approximate index as the fallback while
-    they are not current: ``fairway/routing/fallback_index.py``). Tests inject ``clock`` (the load
+    they are not current: ``fairway/routing/fallback_index.py``); ``classes`` (the request classes
+    the gates order by, as ``ClassSpec`` fields, JSON) and ``default_class``, so a policy with a
+    class view prices a request on its class's queue. Tests inject ``clock`` (the load
     view's time, default monotonic), ``wall`` (the time base of the replicas' stats stamps,
     default ``time.time``), ``exchange`` (the hub call) and ``unsent_grace_s``.
     """
@@ -96,6 +99,8 @@ class FairwayRequestRouter(RequestRouter):
         wall: Callable[[], float] | None = None,
         exchange: Callable[[str, list[Event], int, bool], Awaitable[Exchange]] | None = None,
         unsent_grace_s: float = UNSENT_GRACE_S,
+        classes: list[dict[str, Any]] | None = None,
+        default_class: str = "",
         **unused: Any,
     ) -> None:
         if unused:
@@ -115,6 +120,7 @@ class FairwayRequestRouter(RequestRouter):
             FallbackIndex(0) if self.exact else PrefixIndex(0),
             LoadView(0, self.clock, self.cost, block_size=block_size),
             block_size=block_size,
+            classes=ClassesConfig(tuple(ClassSpec(**c) for c in classes or ()), default_class),
         )
         self.policy, self.index, self.load = self.host.policy, self.host.index, self.host.load
         self.reasons = self.host.reasons
@@ -233,7 +239,8 @@ class FairwayRequestRouter(RequestRouter):
         # that all sees the same load would herd onto one replica before the first
         # on_request_routed. A retry of the same request replaces its previous booking.
         d, changes = self.bookings.choose(iid, call.request_id, len(call.prompt_token_ids),
-                                          call.block_hashes[:n_hash], sorted(by_idx), session=call.session or None)
+                                          call.block_hashes[:n_hash], sorted(by_idx), session=call.session or None,
+                                          klass=call.priority_class)
         self._publish(changes)
         booked = changes.booking
         # A caller that goes away before Ray assigns a replica (a client that hung up) gets no
@@ -268,7 +275,7 @@ class FairwayRequestRouter(RequestRouter):
         j = self._index_of(replica_id)
         n_hash = len(call.prompt_token_ids) // self.block_size
         changes = self.bookings.sent(pending_request.metadata.internal_request_id, j, call.request_id,
-                                     len(call.prompt_token_ids), call.block_hashes[:n_hash])
+                                     len(call.prompt_token_ids), call.block_hashes[:n_hash], call.priority_class)
         self._publish(changes)
         b = changes.booking
         assert b is not None

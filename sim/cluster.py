@@ -38,6 +38,7 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineListener, EngineModel, EngineRequest
 from fairway.load_view import LoadView
+from fairway.policies.classes import ClassesConfig
 from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.request import RequestSpec
 from fairway.routing import make_router
@@ -75,7 +76,10 @@ class ClusterRouter(EngineListener):
         view: str = OWN,
         sync_delay_s: float = 0.0,
         flow: FlowControl | None = None,
+        classes: ClassesConfig | None = None,
     ) -> None:
+        """``classes``: the request classes the replicas order by, for a router policy that
+        prices a request on its class's queue (``RoutingHost``); None: the whole queue."""
         if routers < 1:
             raise ValueError("routers must be >= 1")
         if index_mode not in INDEX_MODES:
@@ -111,6 +115,7 @@ class ClusterRouter(EngineListener):
                 shared_load if one else load(),
                 block_size=block_size,
                 feedback=feedback,
+                classes=classes,
             )
             for k in range(routers)
         ]
@@ -173,7 +178,7 @@ class ClusterRouter(EngineListener):
         hashes = self._prompt_hashes(spec)
         key = str(spec.rid)
         d, _ = ledger.choose(key, key, spec.prompt_tokens, hashes,
-                             session=str(spec.session) if spec.session >= 0 else None)
+                             session=str(spec.session) if spec.session >= 0 else None, klass=spec.priority_class)
         pick = d.pick
         if self.flow is not None:
             ranked = [j for tier in d.ranks for j in tier if j != d.pick]
@@ -186,7 +191,7 @@ class ClusterRouter(EngineListener):
                 return pick
         if self.flow is not None:
             self.flow.placed(spec, pick)
-        b = ledger.sent(key, pick, key, spec.prompt_tokens, hashes).booking
+        b = ledger.sent(key, pick, key, spec.prompt_tokens, hashes, spec.priority_class).booking
         assert b is not None
         if self.sync_delay_s > 0.0:
             event = ledger.routed_event(b)

@@ -176,6 +176,8 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
             stale_s=cfg.stale_s,
             options=router_options(cfg),
             flow=flow,
+            # the router prices a request on its class's queue where the replicas order by class
+            classes=classes if flow is not None and policy_class(cfg.policy).takes_classes else None,
         )
     sim = Simulation(workload, replicas, clock, router=router)
     sim.flow = flow

@@ -27,7 +27,7 @@ worst); cache events fan out to every class's policy (O(C) each).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -146,6 +146,24 @@ class ClassesConfig:
         name = self.resolve(name)
         return next(c for c in self.classes if c.name == name)
 
+    def others_ahead_s(self, name: str, own_s: float, queued: Mapping[str, float]) -> float:
+        """The queued prefill seconds of other classes that a request of class ``name`` waits
+        for, given its own class's queued work ``own_s`` and every class's (``queued``, seconds
+        by class name): every class of a stricter tier whole, and from each other class u of
+        its tier the share fair queueing serves meanwhile, min(Q_u, own_s * w_u / w_c). The
+        same rule orders a gate's queue (``ClassQueues``) and prices a replica at the router.
+        O(C)."""
+        if not queued:
+            return 0.0
+        me = self.spec(name)
+        ahead = 0.0
+        for s in self.classes:
+            w = queued.get(s.name, 0.0)
+            if s.name == me.name or s.tier > me.tier or w <= 0.0:
+                continue
+            ahead += w if s.tier < me.tier else min(w, own_s * s.weight / me.weight)
+        return ahead
+
     @classmethod
     def parse(cls, text: str, default: str = "") -> ClassesConfig:
         """``interactive:tier=0:objective=1,batch:tier=1:objective=30:weight=1:max_wait=60`` ->
@@ -198,6 +216,7 @@ class ClassQueues(QueueGroup, QueuePolicy):
             raise ValueError("classes cannot nest")
         specs = self.config.classes or (ClassSpec("default"),)
         self.specs = {c.name: c for c in specs}
+        self._all = ClassesConfig(tuple(specs))  # the classes, the default one included
         self.queues: dict[str, QueuePolicy] = {
             c.name: make_policy(inner, clock=clock, cost=cost, block_size=block_size, **(inner_options or {}))
             for c in specs}
@@ -313,16 +332,9 @@ class ClassQueues(QueueGroup, QueuePolicy):
         of a stricter tier, its own class's queue Q_c, and from each other class u of its tier
         the share fair queueing serves meanwhile, min(Q_u, Q_c * w_u / w_c). O(C) inner sums."""
         c = self._default if not priority_class or priority_class not in self.queues else priority_class
-        me = self.specs[c]
         own = self.queues[c].queued_prefill_s()
-        ahead = own
-        for u, q in self.queues.items():
-            s = self.specs[u]
-            if u == c or s.tier > me.tier or not len(q):
-                continue
-            w = q.queued_prefill_s()
-            ahead += w if s.tier < me.tier else min(w, own * s.weight / me.weight)
-        return ahead
+        queued = {u: q.queued_prefill_s() for u, q in self.queues.items() if len(q)}
+        return own + self._all.others_ahead_s(c, own, queued)
 
 
 __all__ = ["ClassQueues", "ClassSpec", "ClassesConfig", "as_classes"]

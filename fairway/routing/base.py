@@ -26,13 +26,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.load_view import LoadSnapshot
+
+if TYPE_CHECKING:
+    from fairway.policies.classes import ClassesConfig
 
 
 @dataclass(slots=True)
@@ -49,6 +52,20 @@ class RouteRequest:
     prompt_tokens: int
     block_hashes: Sequence[int]
     session: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassView:
+    """A replica's queue as a request of one class sees it, where the gate orders by class.
+
+    queued_s, queued: its own class's waiting prefill seconds and their estimates, ascending.
+    ahead_s: the other classes' queued prefill seconds the gate serves before it
+    (``ClassesConfig.others_ahead_s``: stricter tiers whole, same-tier classes' fair share).
+    """
+
+    queued_s: float
+    queued: tuple[float, ...]
+    ahead_s: float
 
 
 @dataclass(slots=True)
@@ -90,6 +107,8 @@ class ReplicaState:
         the longest prefix of the prompt that an outstanding request there holds); None when the
         host does not track active blocks (``RouterPolicy.active_blocks``).
         ``0 <= new_blocks <= len(block_hashes)``.
+    class_view: with request classes and a policy that asks (``RouterPolicy.class_view``), the
+        queue as the request's class sees it there (``ClassView``); None otherwise.
     """
 
     replica: int
@@ -111,6 +130,7 @@ class ReplicaState:
     active_prefill_tokens: int = 0
     unique_active_blocks: int = 0
     new_blocks: int | None = None
+    class_view: ClassView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +196,9 @@ class RouterPolicy(ABC):
         # then tracks each replica's active prompt blocks (``LoadView.track_blocks``, O(prompt
         # blocks) per request)
         self.active_blocks = False
+        # whether ``rank`` reads a request's class's queue (``ReplicaState.class_view``): the
+        # host then gives it with classes
+        self.class_view = False
 
     @abstractmethod
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
@@ -245,13 +268,17 @@ def make_states(
     replicas: Iterable[int] | None = None,
     host: Sequence[int] | None = None,
     new: Sequence[int] | None = None,
+    klass: str = "",
+    classes: ClassesConfig | None = None,
 ) -> list[ReplicaState]:
     """Build the ``ReplicaState`` list for one request from a load snapshot, the index's
     ``match(hashes)`` and ``sizes()`` (all indexed by replica id), for ``replicas`` (default
     all); ``host``: the host part of each match (``match_tiers``), None for none; ``new``: the
-    request's new active blocks per replica (``LoadView.new_blocks``), None when untracked. O(R)."""
+    request's new active blocks per replica (``LoadView.new_blocks``), None when untracked;
+    ``klass`` and ``classes``: the request's class and the configured classes, for the class view
+    (``ReplicaState.class_view``; none without them). O(R) (times C with classes)."""
     ids = range(len(snap.outstanding)) if replicas is None else replicas
-    return [
+    states = [
         ReplicaState(
             replica=j,
             outstanding=snap.outstanding[j],
@@ -275,6 +302,14 @@ def make_states(
         )
         for j in ids
     ]
+    if klass and classes is not None and classes.classes and snap.class_queues:
+        for s in states:
+            queues = snap.class_queues[s.replica]
+            own_s, own = queues.get(klass, (0.0, ()))
+            ahead = classes.others_ahead_s(klass, own_s, {k: q for k, (q, _) in queues.items() if k != klass})
+            s.class_view = ClassView(own_s, own, ahead)
+    return states
 
 
-__all__ = ["Ranking", "ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice", "make_states", "ranks_of"]
+__all__ = ["ClassView", "Ranking", "ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice", "make_states",
+           "ranks_of"]

@@ -61,7 +61,8 @@ class Booking:
     ``replica`` when booked; ``routed_at`` the wall time it was booked or sent (a replica's report
     taken before it cannot have seen it); ``started``: a report showed it left the replica's queue;
     ``sent``: the send was seen; ``remote``: another router's; ``best_blocks``: the decision's
-    longest match among the candidates (the policy's statistics)."""
+    longest match among the candidates (the policy's statistics); ``klass``: its request class
+    ("" without classes)."""
 
     rid: int
     request_id: str
@@ -75,6 +76,7 @@ class Booking:
     reason: str = "choice"
     remote: bool = False
     best_blocks: int = 0
+    klass: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,30 +167,32 @@ class Bookings:
     # -- this router's requests ----------------------------------------------------------------
 
     def choose(self, key: str, request_id: str, prompt_tokens: int, hashes: Sequence[int],
-               replicas: Sequence[int] | None = None, session: str | None = None) -> tuple[Decision, Changes]:
+               replicas: Sequence[int] | None = None, session: str | None = None,
+               klass: str = "") -> tuple[Decision, Changes]:
         """Decide for a request among ``replicas`` (default all) and book the pick at once (a burst routed
         concurrently must see each other's bookings). A booking already under ``key`` (a retry
         of the same request) is forgotten first. ``Changes.booking`` is the new booking."""
         changes = self.unbook(key)
         hashes = tuple(hashes)
         rid = next(self._rids)
-        d = self.host.decide(rid, prompt_tokens, hashes, replicas=replicas, session=session)
+        d = self.host.decide(rid, prompt_tokens, hashes, replicas=replicas, session=session, klass=klass)
         self._book(rid, key, request_id, d.pick, prompt_tokens, hashes, d.matched_blocks, d.reason,
-                   d.best_blocks, self.wall(), changes)
+                   d.best_blocks, self.wall(), changes, klass)
         return d, changes
 
     def book(self, key: str, request_id: str, replica: int, prompt_tokens: int, hashes: Sequence[int],
              estimated_blocks: int, reason: str = "choice", best_blocks: int = 0,
-             routed_at: float | None = None) -> Changes:
+             routed_at: float | None = None, klass: str = "") -> Changes:
         """Book a request on ``replica`` without a decision (``routed_at``: default now). Beyond
         ``max_tracked`` bookings the oldest is forgotten."""
         changes = Changes()
         self._book(next(self._rids), key, request_id, replica, prompt_tokens, tuple(hashes), estimated_blocks, reason,
                    best_blocks,
-                   self.wall() if routed_at is None else routed_at, changes)
+                   self.wall() if routed_at is None else routed_at, changes, klass)
         return changes
 
-    def sent(self, key: str, replica: int, request_id: str, prompt_tokens: int, hashes: Sequence[int]) -> Changes:
+    def sent(self, key: str, replica: int, request_id: str, prompt_tokens: int, hashes: Sequence[int],
+             klass: str = "") -> Changes:
         """The request was sent to ``replica``: its booking moves there if it was booked
         elsewhere in the rank (or was not booked), is dated now, and the index records the
         prompt there. ``Changes.booking`` is the sent booking."""
@@ -197,10 +201,11 @@ class Bookings:
         if b is None or b.replica != replica:  # sent to another replica of the rank than booked
             reason = b.reason if b is not None else "choice"
             best = b.best_blocks if b is not None else 0
+            klass = b.klass if b is not None else klass
             changes.replicas += self.unbook(key).replicas
             hashes = tuple(hashes)
             self._book(next(self._rids), key, request_id, replica, prompt_tokens, hashes,
-                       self.host.index.match_one(replica, hashes), reason, best, self.wall(), changes)
+                       self.host.index.match_one(replica, hashes), reason, best, self.wall(), changes, klass)
             b = changes.booking
             assert b is not None
         b.routed_at = self.wall()
@@ -335,7 +340,7 @@ class Bookings:
     def routed_event(self, b: Booking) -> RequestRouted:
         """The shared view's event for this router's sent booking ``b``."""
         return RequestRouted(self.names[b.replica], self.shared_key(b), b.hashes, b.prompt_tokens,
-                             b.estimated_blocks, b.request_id, b.routed_at, b.best_blocks)
+                             b.estimated_blocks, b.request_id, b.routed_at, b.best_blocks, b.klass)
 
     def finished_event(self, b: Booking) -> RequestFinished:
         """The shared view's event for this router's completed booking ``b``."""
@@ -361,10 +366,11 @@ class Bookings:
                 return Changes()
             j = self.replica(event.replica)
             rid = next(self._rids)
-            self.host.adopt(rid, j, event.hashes, event.prompt_tokens, event.estimated_blocks, event.best_blocks)
+            self.host.adopt(rid, j, event.hashes, event.prompt_tokens, event.estimated_blocks, event.best_blocks,
+                            event.klass)
             changes = Changes()
             self._track(key, Booking(rid, event.request_id, j, tuple(event.hashes), event.estimated_blocks,
-                                     event.prompt_tokens, event.routed_at, remote=True), changes)
+                                     event.prompt_tokens, event.routed_at, remote=True, klass=event.klass), changes)
             changes.replicas.append(j)
             return changes
         if isinstance(event, RequestFinished):
@@ -399,10 +405,11 @@ class Bookings:
     # -- internals -----------------------------------------------------------------------------
 
     def _book(self, rid: int, key: str, request_id: str, replica: int, prompt_tokens: int, hashes: tuple[int, ...],
-              estimated_blocks: int, reason: str, best_blocks: int, routed_at: float, changes: Changes) -> None:
-        self.host.book(rid, replica, prompt_tokens, estimated_blocks, hashes)
+              estimated_blocks: int, reason: str, best_blocks: int, routed_at: float, changes: Changes,
+              klass: str = "") -> None:
+        self.host.book(rid, replica, prompt_tokens, estimated_blocks, hashes, klass)
         b = Booking(rid, request_id, replica, hashes, estimated_blocks, prompt_tokens, routed_at, reason=reason,
-                    best_blocks=max(best_blocks, estimated_blocks))
+                    best_blocks=max(best_blocks, estimated_blocks), klass=klass)
         self._track(key, b, changes)
         changes.replicas.append(replica)
         changes.booking = b

@@ -14,7 +14,9 @@ W_rj the wait (``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit o
 queued work no heavier than P_rj; R_j + Q_j with no free slot or ``wait_model="fcfs"``; cold:
 ``overtaken_wait``); S_rj the first-token step with j's decodes (``decode_batch``); fullness_j
 per ``footprint``; reload_rj the host-tier hits' reload (``host_tier``); s_j the measured pace
-(``speed_aware``, else 1).
+(``speed_aware``, else 1). With request classes (``class_view``), W_rj is priced on the request's class's
+queue (``class_wait``): Q_j and A_rj are its class's, plus the other classes' work its gate
+serves first.
 
 Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
 id). The ``Ranking``'s reason: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is
@@ -69,6 +71,10 @@ class FairwayRouterConfig:
       least m of (a continuation) stays on the best-T such replica unless its T is more than
       sticky_slack times the request's cold prefill above the minimum T, so a conversation's
       context is not copied to a replica whose queue is only a little shorter.
+    - class_view = True: with request classes, a request's wait is priced on its class's queue
+      and the other classes' work its gate serves first (``class_wait``), not on the whole
+      queue: an interactive request behind a batch flood is placed by the interactive work
+      ahead of it.
     - speed_aware = False: True divides T_rj by the replica's measured speed (module docstring).
       Off by default: a replica's rate is learned only while requests wait there and kept while
       it is idle, so a rate learned under a heavy mix goes stale and skews a later cold burst.
@@ -97,6 +103,7 @@ class FairwayRouterConfig:
     host_link_bytes_per_s: float = 50e9
     sticky_match: float = 0.0
     sticky_slack: float = 3.0
+    class_view: bool = True
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -121,7 +128,7 @@ class FairwayRouterConfig:
             raise ValueError("fast_share must be in (0, 1]")
         if self.rule not in ("score", "affinity"):
             raise ValueError("rule must be 'score' or 'affinity'")
-        for name in ("host_tier", "speed_aware"):
+        for name in ("host_tier", "speed_aware", "class_view"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         for name in ("theta", "p_floor_s", "extra_work_weight", "footprint_weight", "fast_share", "sticky_match",
@@ -159,21 +166,23 @@ class FairwayRouter(RouterPolicy):
             raise TypeError("give FairwayRouter a config or options, not both")
         self.config = cfg = config if config is not None else FairwayRouterConfig(**options)  # type: ignore[arg-type]
         self.host_tier = cfg.host_tier
+        self.class_view = cfg.class_view
         # seconds to reload one token's KV from the host tier (the engine model's own rate; the
         # bandwidth is checked there)
         self.reload_s_per_token = reload_s_per_token(cost, cfg.host_link_bytes_per_s)
         self.shares = PrefixShares()
 
-    def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
+    def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int,
+                      queued: tuple[float, tuple[float, ...]] | None = None) -> float:
         """W_rj for a request with prefill estimate ``prefill_s`` and ``cached_tokens`` on
-        replica ``s`` (see the module docstring). O(log n) plus a C-level sum over the n
-        requests waiting there."""
-        q = s.queued_prefill_s
+        replica ``s`` (see the module docstring); ``queued``: (Q, its sorted estimates) in place
+        of the replica's whole queue. O(log n) plus a C-level sum over the n requests waiting
+        there."""
+        q, qp = (s.queued_prefill_s, s.queued_prefills) if queued is None else queued
         r = self.running_prefill_s(s) if self.config.running_prefill else 0.0
         queue_model = self.config.wait_model == "queue"
         if queue_model and cached_tokens <= 0 and self.config.overtaking:
             return self.overtaken_wait(s, r + q, prefill_s)
-        qp = s.queued_prefills
         slots_full = s.max_running and s.outstanding >= s.max_running
         if not queue_model or cached_tokens <= 0 or not qp or slots_full:
             return r + q  # the whole queue ahead: FCFS replicas, a cold request, or no free slot
@@ -233,9 +242,9 @@ class FairwayRouter(RouterPolicy):
         cached = {s.replica: self.cached_tokens(req, s) for s in ss}
         prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
                    for s in ss}
-        wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
+        wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
+            s, prefill[s.replica], cached[s.replica]) for s in ss}
         least = min(prefill.values())
-        w = self.config.extra_work_weight
         if self.config.footprint == "kv":
             kmax = max(s.kv_usage for s in ss) or 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
@@ -244,10 +253,8 @@ class FairwayRouter(RouterPolicy):
         else:
             biggest = max(s.index_blocks for s in ss) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
-        ttft = {s.replica: self.expected_ttft(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
-                                              fullness[s.replica]) / (s.speed if self.config.speed_aware else 1.0)
-                + w * (prefill[s.replica] - least) + (self.reload_s(req, s) if self.host_tier else 0.0)
-                for s in ss}
+        ttft = {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica], fullness[s.replica],
+                                   least) for s in ss}
         load = {s.replica: s.outstanding for s in ss}
         size = {s.replica: s.index_blocks for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
@@ -271,6 +278,22 @@ class FairwayRouter(RouterPolicy):
         else:
             reason = "affinity" if cached[pick] == best else "fair"
         return Ranking(ranks_of([pick], (r for r in order if r != pick)), reason, ttft, wait)
+
+    def _t(self, req: RouteRequest, s: ReplicaState, cached: int, prefill: float, wait: float, fullness: float,
+           least: float) -> float:
+        """T_rj from its terms (the module docstring's rule). O(1)."""
+        speed = s.speed if self.config.speed_aware else 1.0
+        return (self.expected_ttft(req, s, cached, prefill, wait, fullness) / speed
+                + self.config.extra_work_weight * (prefill - least)
+                + (self.reload_s(req, s) if self.host_tier else 0.0))
+
+    def class_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
+        """W_rj as the request's class sees replica ``s`` (``ReplicaState.class_view``): the
+        other classes' work its gate serves first, plus the wait model over its own class's
+        queue. O(log n + n) as ``expected_wait``."""
+        v = s.class_view
+        assert v is not None
+        return v.ahead_s + self.expected_wait(s, prefill_s, cached_tokens, (v.queued_s, v.queued))
 
     def on_adopted(self, hashes: Sequence[int], matched_blocks: int, prompt_tokens: int) -> None:
         """A decision of another router instance counts in the prefix shares as one of ours, so

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fairway.load_view import LoadView
+from fairway.policies.classes import ClassesConfig
 from fairway.prefix_index import APPROX, PrefixIndex
 from fairway.routing.base import Ranking, RouteRequest, RouterPolicy, make_states
 
@@ -45,11 +46,14 @@ class RoutingHost:
     """A router policy with its own prefix index and load view (see the module docstring)."""
 
     def __init__(self, policy: RouterPolicy, index: PrefixIndex, load: LoadView, block_size: int = 16,
-                 feedback: bool = True) -> None:
+                 feedback: bool = True, classes: ClassesConfig | None = None) -> None:
         """``feedback=False``: an approximate index learns from the router's decisions only, never
         from the engines' cached-token reports (what Ray's, SGLang's, AIBrix's and
-        production-stack's routers know: docs/design.md, Anchors)."""
+        production-stack's routers know: docs/design.md, Anchors). ``classes``: the cluster's
+        request classes, for a policy that prices a request's wait on its class's queue
+        (``RouterPolicy.class_view``)."""
         self.policy = policy
+        self.classes = classes if classes is not None and classes.classes else None
         self.feedback_on = feedback
         self.index = index
         self.load = load
@@ -63,17 +67,19 @@ class RoutingHost:
         return j
 
     def decide(self, rid: int, prompt_tokens: int, hashes: Sequence[int],
-               replicas: Iterable[int] | None = None, session: str | None = None) -> Decision:
+               replicas: Iterable[int] | None = None, session: str | None = None, klass: str = "") -> Decision:
         """Rank ``replicas`` (default all) for a request and pick within the first rank;
-        ``session``: the request's session key, if it has one (``RouteRequest.session``)."""
+        ``session``: the request's session key, if it has one (``RouteRequest.session``);
+        ``klass``: its request class ("" without classes)."""
         host = None
         if self.policy.host_tier:  # GPU hit / host hit / miss (events index with host tiers)
             matched, host = self.index.match_tiers(hashes)
         else:
             matched = self.index.match(hashes)
         new = self.load.new_blocks(hashes) if self.policy.active_blocks else None  # Dynamo's decode term
+        view = self.classes is not None and self.policy.class_view
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
-                             new=new)
+                             new=new, klass=self._class_of(klass) if view else "", classes=self.classes)
         ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
         first = ranking.ranks[0]
         live = self.load.live()
@@ -82,12 +88,25 @@ class RoutingHost:
         return Decision(ranking.ranks, pick, matched[pick], ranking.reason or "choice", best, ranking)
 
     def book(self, rid: int, replica: int, prompt_tokens: int, matched_blocks: int,
-             hashes: Sequence[int] = ()) -> None:
-        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached);
-        a policy that reads active blocks gets its prompt ``hashes`` tracked there."""
-        self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size)
+             hashes: Sequence[int] = (), klass: str = "") -> None:
+        """The request's prefill joins ``replica``'s queued work (its matched blocks are cached),
+        in its class's queue with classes; a policy that reads active blocks gets its prompt
+        ``hashes`` tracked there."""
+        self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size,
+                            klass=self._class_of(klass))
         if self.policy.active_blocks:
             self.load.track_blocks(rid, hashes)
+
+    def _class_of(self, klass: str) -> str:
+        """The class a booking is queued under: ``klass`` resolved ("" = the default class) with
+        classes, "" without them or for a class this host does not know (an event from a router
+        configured otherwise). O(C)."""
+        if self.classes is None:
+            return ""
+        try:
+            return self.classes.resolve(klass)
+        except ValueError:
+            return ""
 
     def unbook(self, rid: int) -> None:
         """Forget a booked request (a retry, or one that was never sent)."""
@@ -100,14 +119,14 @@ class RoutingHost:
         self.index.record_routed(replica, hashes)
 
     def adopt(self, rid: int, replica: int, hashes: Sequence[int], prompt_tokens: int, matched_blocks: int,
-              best_blocks: int | None = None) -> None:
+              best_blocks: int | None = None, klass: str = "") -> None:
         """Another router instance sent this request to ``replica`` (a shared view): the index
         and the load view learn it as if routed here (``matched_blocks`` cached there), and the
         policy's own traffic statistics count it (``RouterPolicy.on_adopted``) under the
         decision's longest match, ``best_blocks`` (default: ``matched_blocks``), as they count
         the policy's own decisions; it is not one of this policy's decisions."""
         self.index.record_routed(replica, hashes)
-        self.book(rid, replica, prompt_tokens, matched_blocks, hashes)
+        self.book(rid, replica, prompt_tokens, matched_blocks, hashes, klass)
         self.policy.on_adopted(hashes, matched_blocks if best_blocks is None else best_blocks, prompt_tokens)
 
     def finished(self, rid: int, replica: int, hashes: Sequence[int], cached_tokens: int,

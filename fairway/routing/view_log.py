@@ -36,7 +36,7 @@ class RequestRouted:
     """A router sent a request to ``replica`` (a replica's unique id). ``key`` names it across
     the view (``"<router id>:<its number there>"``); ``estimated_blocks``: the router's index match
     on ``replica``; ``best_blocks``: the decision's longest match among the candidates;
-    ``routed_at``: the router's wall clock."""
+    ``routed_at``: the router's wall clock; ``klass``: its request class ("" without classes)."""
 
     replica: str
     key: str
@@ -46,6 +46,7 @@ class RequestRouted:
     request_id: str
     routed_at: float
     best_blocks: int
+    klass: str = ""
 
 
 @dataclass(frozen=True, slots=True)

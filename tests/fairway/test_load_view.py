@@ -1,12 +1,15 @@
 """The load view (fairway/load_view.py): the routed / started / finished lifecycle, the waiting
-work and its capacity, the started prefills' ends, the routed window, reported speed, staleness."""
+work and its capacity, the started prefills' ends, the routed window, reported speed, staleness,
+the per-class queues and the class view they give a request."""
 
 from __future__ import annotations
 
 import pytest
 
 from fairway.load_view import ROUTED_WINDOW
+from fairway.policies.classes import ClassesConfig
 from fairway.routing import make_states
+from fairway.routing.base import ClassView
 from tests.fairway.routing.helpers import view
 
 
@@ -161,3 +164,43 @@ def test_load_view_staleness():
         live.report_kv_usage(0, 1.5)
     with pytest.raises(ValueError):
         view(1, stale_s=-1.0)
+
+
+def test_load_view_queues_classed_requests_per_class():
+    lv, _ = view(2)
+    for rid, p, k in ((1, 0.5, "batch"), (2, 0.1, "interactive"), (3, 0.3, "batch"), (4, 0.2, "")):
+        lv.on_routed(rid, 0, 100, prefill_s=p, klass=k)
+    lv.on_routed(5, 1, 100, prefill_s=0.4, klass="interactive")
+    s = lv.snapshot()
+    assert s.class_queues[0] == {"batch": (pytest.approx(0.8), (0.3, 0.5)), "interactive": (0.1, (0.1,))}
+    assert s.class_queues[1] == {"interactive": (0.4, (0.4,))}
+    assert s.queued_prefills[0] == (0.1, 0.2, 0.3, 0.5)  # the whole queue, unclassed request included
+    lv.on_started(3)
+    lv.on_finished(2)  # cancelled while waiting: its class's queue empties
+    assert lv.snapshot().class_queues[0] == {"batch": (0.5, (0.5,))}
+    lv.on_preempted(3, cached_tokens=0, prompt_tokens=100)  # back in its class's queue, re-priced
+    assert lv.snapshot().class_queues[0] == {"batch": (pytest.approx(0.61), (0.11, 0.5))}
+    for rid in (1, 3):
+        lv.on_started(rid)
+    assert lv.snapshot().class_queues[0] == {}
+
+
+def test_make_states_gives_a_classed_request_its_class_queue_and_the_work_ahead_of_it():
+    classes = ClassesConfig.parse("interactive:tier=0,gold:tier=1:weight=3,batch:tier=1:weight=1,bulk:tier=2")
+    lv, _ = view(1)
+    for rid, p, k in ((1, 0.4, "interactive"), (2, 0.6, "gold"), (3, 0.9, "batch"), (4, 0.2, "batch"),
+                      (5, 5.0, "bulk")):
+        lv.on_routed(rid, 0, 100, prefill_s=p, klass=k)
+    snap = lv.snapshot()
+
+    def state(k: str):
+        return make_states(snap, [0], [0], klass=k, classes=classes)[0]
+
+    assert state("interactive").class_view == ClassView(0.4, (0.4,), 0.0)  # tier 0: nothing ahead of its class
+    # batch: tier 0 whole, and gold's share while batch's 1.1 s drain: min(0.6, 1.1 * 3)
+    v = state("batch").class_view
+    assert (v.queued_s, v.queued, v.ahead_s) == (pytest.approx(1.1), (0.2, 0.9), pytest.approx(0.4 + 0.6))
+    assert state("gold").class_view.ahead_s == pytest.approx(0.4 + 0.2)  # batch's share: min(1.1, 0.6 / 3)
+    assert state("bulk").class_view.ahead_s == pytest.approx(0.4 + 0.6 + 1.1)
+    assert state("bulk").queued_prefill_s == pytest.approx(7.1)  # the whole queue stays beside it
+    assert make_states(snap, [0], [0])[0].class_view is None  # no class: no class view

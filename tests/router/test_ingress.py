@@ -859,7 +859,8 @@ def test_the_openapi_schema_fuzzed_never_gets_a_5xx(server):
     before = len(server.replicas.calls)
     assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/health", "/v1/models"}
     for op in ops:
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)  # the same examples every run: a CI failure reproduces
         @given(case=op.as_strategy())
         def fuzz(case):
             case.call_and_validate(checks=[not_a_server_error], timeout=10)

@@ -5,6 +5,7 @@ replicas' ``ReplicaRoutingStats``), so every expectation is exact."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -132,6 +133,29 @@ async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
     # completion: the request leaves the load view and waits for its cached-token feedback
     r.on_request_completed(pick.replica_id, "iid-a")
     assert "iid-a" not in r.bookings and r.bookings.awaiting_feedback("a") and 0 not in r.load
+
+
+@pytest.mark.asyncio
+async def test_a_classed_call_is_booked_under_its_class_with_the_clusters_classes():
+    """The cluster hands the router its classes as JSON (Ray's rule for router kwargs); the
+    router rebuilds them, and a call's class (the default class for one that names none)
+    queues its booking in that class's queue of the load view."""
+    from cluster.config import ClusterArgs
+
+    kwargs = ClusterArgs(classes=[{"name": "interactive", "tier": 0}, {"name": "batch", "tier": 1}]).router_kwargs()
+    json.dumps(kwargs)
+    clock = ManualClock(T0)
+    r = object.__new__(FairwayRequestRouter)
+    r.initialize_state(**{**kwargs, "metrics": False}, clock=clock, wall=clock.now)
+    reps = [replica("replica-0"), replica("replica-1")]
+    for rid, klass in (("a", "interactive"), ("b", "")):
+        c = call(rid, 64)
+        c.priority_class = klass
+        pick = (await r.choose_replicas(reps, pending(c)))[0][0]
+        r.on_request_routed(pending(c), pick.replica_id, None)
+    assert r.bookings.get("iid-a").klass == "interactive" and r.bookings.get("iid-b").klass == ""
+    queued = {k for q in r.load.snapshot().class_queues for k in q}
+    assert queued == {"interactive", "batch"}  # "": the default class, the last configured
 
 
 def test_replica_updates_apply_stats_without_another_decision(monkeypatch):

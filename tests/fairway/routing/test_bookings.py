@@ -12,6 +12,7 @@ import pytest
 from fairway.clock import ManualClock
 from fairway.cost_model import CostModel
 from fairway.load_view import LoadView
+from fairway.policies.classes import ClassesConfig
 from fairway.prefix_index import PrefixIndex
 from fairway.protocol import ReplicaRoutingStats
 from fairway.routing import make_router
@@ -32,14 +33,15 @@ T0 = 100.0  # the manual clock's start; the wall (the replicas' stats stamps) is
 BS = 16
 
 
-def ledger(replicas: int = 2, exact: bool = False, policy: str = "ray-prefix",
+def ledger(replicas: int = 2, exact: bool = False, policy: str = "ray-prefix", classes: str = "",
            **limits: int) -> tuple[Bookings, ManualClock]:
-    """A ledger over a fresh host with ``replicas`` replicas ("r0", "r1", ...: indices 0, 1, ...)."""
+    """A ledger over a fresh host with ``replicas`` replicas ("r0", "r1", ...: indices 0, 1, ...)
+    and the request ``classes`` (a ``ClassesConfig.parse`` spec)."""
     clock = ManualClock(T0)
     cost = CostModel.from_profile("h200-llama3-8b")
     host = RoutingHost(make_router(policy, clock=clock, cost=cost, block_size=BS, rng=np.random.default_rng(0)),
                        FallbackIndex(0) if exact else PrefixIndex(0), LoadView(0, clock, cost, block_size=BS),
-                       block_size=BS)
+                       block_size=BS, classes=ClassesConfig.parse(classes))
     b = Bookings(host, clock, clock.now, source="me", exact=exact, **limits)
     for j in range(replicas):
         assert b.replica(f"r{j}") == j
@@ -264,6 +266,21 @@ def test_another_routers_request_is_adopted_once_and_ends_with_its_finish():
     done = b.apply_remote(RequestFinished("other:3"))
     assert done.replicas == [1] and b.awaiting_feedback("x") and outstanding(b) == (0, 0)
     assert b.apply_remote(RequestFinished("other:3")) == Changes()
+
+
+def test_a_request_keeps_its_class_through_a_move_and_across_the_shared_view():
+    b, _ = ledger(classes="interactive:tier=0,batch:tier=1")
+    d, _ = b.choose("k", "a", 4 * BS, chain("a", 4), klass="interactive")
+    moved = b.sent("k", 1 - d.pick, "a", 4 * BS, chain("a", 4)).booking  # sent elsewhere in the rank
+    assert moved.klass == "interactive"
+    event = b.routed_event(moved)
+    assert event.klass == "interactive"
+    other, _ = ledger(classes="interactive:tier=0,batch:tier=1")
+    other.apply_remote(event)
+    expected: list[set[str]] = [set(), set()]
+    expected[1 - d.pick] = {"interactive"}
+    assert [set(q) for q in other.host.load.snapshot().class_queues] == expected
+    assert other.get(f"remote:{event.key}").klass == "interactive"
 
 
 def test_a_gone_router_takes_its_requests_in_flight_with_it_and_a_replica_its_blocks():

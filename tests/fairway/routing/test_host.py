@@ -1,5 +1,5 @@
-"""The routing host (fairway/routing/host.py): the tier split read from an events index, and
-unchanged decisions without a host tier."""
+"""The routing host (fairway/routing/host.py): the tier split read from an events index,
+unchanged decisions without a host tier, and the class view of a classed request."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from fairway.clock import ManualClock
 from fairway.load_view import LoadView
+from fairway.policies.classes import ClassesConfig
 from fairway.prefix_index import PrefixIndex
 from fairway.routing import make_router
 from fairway.routing.host import RoutingHost
@@ -50,3 +51,38 @@ def test_no_host_tier_decisions_are_unchanged():
         rq = req(int(rng.integers(17, 400)), rid=k)
         assert ranked(aware, rq, states) == ranked(blind, rq, states)
         assert last(aware).scores == last(blind).scores
+
+
+def _class_host(classes: str = "interactive:tier=0,batch:tier=1", **options: object) -> RoutingHost:
+    clock = ManualClock()
+    cost = LinearCost()
+    pol = make_router("fairway", clock=clock, cost=cost, block_size=BS,  # type: ignore[arg-type]
+                      rng=np.random.default_rng(0), replicate=False, **options)
+    return RoutingHost(pol, PrefixIndex(2), LoadView(2, clock, cost, block_size=BS),  # type: ignore[arg-type]
+                       block_size=BS, classes=ClassesConfig.parse(classes))
+
+
+def test_a_classed_request_is_placed_by_the_work_its_gate_serves_before_it():
+    """Replica 0 holds 10 s of batch work, replica 1 1 s of batch and 2 s of interactive work:
+    an interactive request waits for 0 s on replica 0 and 2 s on replica 1 (the gates serve
+    tier 0 first), a batch request for 10 s against 3 s. Without the class view both see the
+    whole queues (10 s against 3 s) and go to replica 1."""
+    for view, interactive_pick in ((True, 0), (False, 1)):
+        host = _class_host(class_view=view)
+        for rid, j, p, k in ((1, 0, 10.0, "batch"), (2, 1, 1.0, "batch"), (3, 1, 2.0, "interactive")):
+            host.load.on_routed(rid, j, 100, prefill_s=p, klass=k)
+        picks = [host.decide(10 + n, 160, chain(f"q{n}", 10), klass=k).pick
+                 for n, k in enumerate(("interactive", "batch", ""))]  # "": the default class, batch
+        assert picks == [interactive_pick, 1, 1]
+        d = host.decide(20, 160, chain("w", 10), klass="interactive")
+        assert d.ranking.waits[0] < 1.0 < d.ranking.waits[1] if view else d.ranking.waits[0] > d.ranking.waits[1]
+
+
+def test_bookings_queue_a_request_under_its_class_and_resolve_the_default():
+    host = _class_host()
+    host.book(1, 0, 160, 0, klass="")
+    host.book(2, 1, 160, 0, klass="interactive")
+    host.book(3, 1, 160, 0, klass="unknown")  # a class this router does not know: the whole queue only
+    queues = host.load.snapshot().class_queues
+    assert set(queues[0]) == {"batch"} and set(queues[1]) == {"interactive"}
+    assert host.load.snapshot().outstanding == (1, 2)
