@@ -62,6 +62,9 @@ class FairwayConfig:
         (new blocks beyond the free blocks nobody waiting needs > its hit blocks that no running
         request holds, which its waiting puts at risk) yields the decision to the Fast lane's
         pick when that one saves at least as much as it evicts.
+    guard_overdue: with memory_guard, the guard acts only while at least this share of the
+        waiting requests are promoted (overdue: a sustained overload rather than a spike);
+        0 = whenever memory binds (docs/history/2026-12-03-agentic-guard-trigger.md).
     """
 
     theta: float = 12.0
@@ -72,6 +75,7 @@ class FairwayConfig:
     sticky_due: bool = True
     fast_scope: str = "all"
     memory_guard: bool = False
+    guard_overdue: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -80,6 +84,8 @@ class FairwayConfig:
             raise ValueError("p_floor_s must be >= 0")
         if not 0.0 < self.fair_share < 1.0:
             raise ValueError("fair_share must be in (0, 1)")
+        if not 0.0 <= self.guard_overdue <= 1.0:
+            raise ValueError("guard_overdue must be in [0, 1]")
         if self.fast_order not in ("least-work", "most-cached"):
             raise ValueError(f"unknown fast_order {self.fast_order!r}")
         if self.fast_scope not in ("unpromoted", "all"):
@@ -224,10 +230,17 @@ class Fairway(QueuePolicy):
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
-        if lane == FAIR and self._spare_blocks is not None and self.config.memory_guard:
+        if lane == FAIR and self._guarding():
             slot, lane = self._guard(slot, now)
         self._chosen = (slot, lane)
         return slot
+
+    def _guarding(self) -> bool:
+        """Whether the memory guard is on now: configured, with the host's memory view, and at
+        least ``guard_overdue`` of the waiting requests promoted (sustained overload). O(1)."""
+        cfg = self.config
+        return (self._spare_blocks is not None and cfg.memory_guard
+                and self._n_fair >= cfg.guard_overdue * len(self))
 
     def _destroys(self, slot: int) -> bool:
         """Whether admitting ``slot`` now evicts more cached context of waiting requests (its new
@@ -259,7 +272,7 @@ class Fairway(QueuePolicy):
             mask = live if cfg.fast_scope == "all" else live & ~self.promoted[:hi]
             if cfg.fast_order == "least-work":
                 slot = self._argmin(self.prefill_s[:hi], mask)
-                if self._spare_blocks is None or not cfg.memory_guard or not self._destroys(slot):
+                if not self._guarding() or not self._destroys(slot):
                     return slot
                 # memory binds: reuse is the cache a choice keeps, not the work it leaves
             return self._argmin(-self.cached[:hi].astype(float), mask)

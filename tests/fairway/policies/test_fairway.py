@@ -149,10 +149,10 @@ def test_config_bounds():
         FairwayConfig(fair_order="oldest")
 
 
-def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset()):
+def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):
     """Defaults plus the memory guard, with a hand-set memory view: ``spare[0]`` free blocks
     that no waiting request needs; the cached blocks in ``held`` are held by running requests."""
-    p, clock = policy_with_cache("fairway", cached, memory_guard=True)
+    p, clock = policy_with_cache("fairway", cached, memory_guard=True, **options)
     p.attach_memory(lambda: spare[0], lambda hs: sum(1 for h in hs if h not in held))
     return p, clock
 
@@ -179,6 +179,21 @@ def test_memory_guard_lets_warm_requests_pass_a_cold_fair_head_only_when_memory_
     p, clock = policy_with_cache("fairway", set(warm))  # no guard (and no memory view)
     _cold_head_and_two_warm(p, clock)
     assert [p.admit(p.select().rid).rid for _ in range(3)] == [0, 1, 2]
+
+
+def test_memory_guard_with_guard_overdue_acts_only_while_that_share_of_the_queue_is_promoted():
+    """A cold head (due 19.32) and two warm requests that arrived at 19 (due 20.2). At t = 30 all
+    three are promoted (share 1.0): the guard acts at guard_overdue 0.75 as at 0. At t = 20 only
+    the cold head is (share 1/3): at 0.75 the lanes decide as without the guard, at 0.3 the
+    guard acts."""
+    warm = set(chain("w1", 20)) | set(chain("w2", 20))
+    for overdue, at, expected in ((0.75, 30.0, [1, 2, 0]), (0.75, 20.0, [0, 1, 2]), (0.3, 20.0, [1, 2, 0])):
+        p, clock = _guarded([0], set(warm), guard_overdue=overdue)
+        p.add(queued(0, 0.0, 1600, chain("cold", 100)))
+        p.add(queued(1, 19.0, 336, chain("w1", 21)))
+        p.add(queued(2, 19.0, 336, chain("w2", 21)))
+        clock.set(at)
+        assert [p.admit(p.select().rid).rid for _ in range(3)] == expected, (overdue, at)
 
 
 def test_memory_guard_does_not_yield_to_a_pick_that_also_destroys_more_than_it_keeps():
