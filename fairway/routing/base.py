@@ -45,13 +45,15 @@ class RouteRequest:
     ``block_hashes`` are the chained hashes of the prompt's full blocks (not the output's);
     ``session`` is the conversation or user the request
     belongs to, when the client or the workload names one (the routing key of session-affinity
-    routers), else None.
+    routers), else None; ``objective_s`` its class's TTFT objective when the host gives the
+    class view (``RouterPolicy.class_view``), else 0.0.
     """
 
     rid: int
     prompt_tokens: int
     block_hashes: Sequence[int]
     session: str | None = None
+    objective_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +198,8 @@ class RouterPolicy(ABC):
         # then tracks each replica's active prompt blocks (``LoadView.track_blocks``, O(prompt
         # blocks) per request)
         self.active_blocks = False
-        # whether ``rank`` reads a request's class's queue (``ReplicaState.class_view``): the
-        # host then gives it with classes
+        # whether ``rank`` reads a request's class's queue (``ReplicaState.class_view``) and
+        # objective (``RouteRequest.objective_s``): the host then gives them with classes
         self.class_view = False
 
     @abstractmethod

@@ -14,9 +14,11 @@ W_rj the wait (``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit o
 queued work no heavier than P_rj; R_j + Q_j with no free slot or ``wait_model="fcfs"``; cold:
 ``overtaken_wait``); S_rj the first-token step with j's decodes (``decode_batch``); fullness_j
 per ``footprint``; reload_rj the host-tier hits' reload (``host_tier``); s_j the measured pace
-(``speed_aware``, else 1). With request classes (``class_view``), W_rj is priced on the request's class's
-queue (``class_wait``): Q_j and A_rj are its class's, plus the other classes' work its gate
-serves first.
+(``speed_aware``, else 1). With request classes (``class_view``): while some replica's T_rj meets the
+request's class's objective, nothing changes (the whole queue keeps the cluster balanced for
+every class); when none does, W_rj is priced on the queue its class sees (``class_wait``: Q_j and
+A_rj its class's, plus the other classes' work its gate serves first), so an interactive request
+behind a batch flood is placed by the interactive work ahead of it.
 
 Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
 id). The ``Ranking``'s reason: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is
@@ -71,10 +73,9 @@ class FairwayRouterConfig:
       least m of (a continuation) stays on the best-T such replica unless its T is more than
       sticky_slack times the request's cold prefill above the minimum T, so a conversation's
       context is not copied to a replica whose queue is only a little shorter.
-    - class_view = True: with request classes, a request's wait is priced on its class's queue
-      and the other classes' work its gate serves first (``class_wait``), not on the whole
-      queue: an interactive request behind a batch flood is placed by the interactive work
-      ahead of it.
+    - class_view = True: with request classes, a request that no replica serves within its
+      class's objective by the whole queue is placed by the queue its class sees
+      (``class_wait``; module docstring).
     - speed_aware = False: True divides T_rj by the replica's measured speed (module docstring).
       Off by default: a replica's rate is learned only while requests wait there and kept while
       it is idle, so a rate learned under a heavy mix goes stale and skews a later cold burst.
@@ -242,8 +243,7 @@ class FairwayRouter(RouterPolicy):
         cached = {s.replica: self.cached_tokens(req, s) for s in ss}
         prefill = {s.replica: self.cost.prefill_time(req.prompt_tokens - cached[s.replica], cached[s.replica])
                    for s in ss}
-        wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
-            s, prefill[s.replica], cached[s.replica]) for s in ss}
+        wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
         least = min(prefill.values())
         if self.config.footprint == "kv":
             kmax = max(s.kv_usage for s in ss) or 1.0
@@ -255,6 +255,14 @@ class FairwayRouter(RouterPolicy):
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
         ttft = {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica], fullness[s.replica],
                                    least) for s in ss}
+        if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
+                s.class_view is not None for s in ss):
+            # no replica meets the class's objective by the whole queue: price the wait on the
+            # queue the request's class sees (module docstring)
+            wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
+                s, prefill[s.replica], cached[s.replica]) for s in ss}
+            ttft = {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
+                                       fullness[s.replica], least) for s in ss}
         load = {s.replica: s.outstanding for s in ss}
         size = {s.replica: s.index_blocks for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache

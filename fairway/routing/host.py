@@ -80,7 +80,9 @@ class RoutingHost:
         view = self.classes is not None and self.policy.class_view
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
                              new=new, klass=self._class_of(klass) if view else "", classes=self.classes)
-        ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session), states)
+        objective = self.classes.spec(self._class_of(klass)).objective_s if view else 0.0
+        ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session, objective_s=objective),
+                                   states)
         first = ranking.ranks[0]
         live = self.load.live()
         pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
