@@ -294,7 +294,8 @@ def test_the_openapi_schema_fuzzed_against_the_cluster_never_gets_a_5xx(url):
 
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     for op in (r.ok() for r in schema.get_all_operations()):
-        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)  # the same examples every run: a CI failure reproduces
         @given(case=op.as_strategy())
         def fuzz(case):
             if isinstance(case.body, dict) and case.body.get("max_tokens") is None \
