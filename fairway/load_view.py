@@ -16,6 +16,10 @@ and the rate at which prefill work has been routed to it lately (``routed_window
 time of the oldest of its last ``ROUTED_WINDOW`` routed requests and the prefill estimates of the
 ones after it, sorted), from which the router reads the rate of work lighter than a request's own.
 
+With request classes (the host passes each booking's class), the snapshot also lists each
+replica's waiting work per class (``class_queues``), from which the Fairway router prices a
+request on the queue its class sees (``fairway/routing/base.py``: ``ClassView``).
+
 llm-d's token load (read by the ``llmd`` anchor, ``fairway/routing/anchors/llmd.py``): per replica,
 the uncached prompt tokens of its requests whose first token has not come yet
 (``active_prefill_tokens``: added at routing, released by ``on_first_token`` or
