@@ -431,7 +431,7 @@ class LoadView:
         frozen = self._cq_frozen[j]
         if frozen is None:
             frozen = self._cq_frozen[j] = {
-                k: (max(0.0, q[0]) if ps else 0.0, tuple(p for p, _ in ps)) for k, (q, ps) in self._cq[j].items() if ps}
+                k: (max(0.0, q[0]), tuple(p for p, _ in ps)) for k, (q, ps) in self._cq[j].items() if ps}
         return frozen
 
     def _class_queue(self, t: _Tracked) -> None:
@@ -493,20 +493,22 @@ class LoadView:
         j = t.replica
         self._nq[j] -= 1
         self._qtok[j] -= t.uncached_tokens
-        qp = self._qp[j]
         self._qp_frozen[j] = None
-        i = bisect.bisect_left(qp, (t.prefill_s, t.rid))
-        if i < len(qp) and qp[i][1] == t.rid:
-            del qp[i]
+        _remove_sorted(self._qp[j], t)
         if t.klass:
             q, ps = self._cq[j][t.klass]
-            i = bisect.bisect_left(ps, (t.prefill_s, t.rid))
-            if i < len(ps) and ps[i][1] == t.rid:
-                del ps[i]
+            _remove_sorted(ps, t)
             q[0] = q[0] - t.prefill_s if ps else 0.0
             self._cq_frozen[j] = None
         # Sums of floats drift: reset to exactly 0 when nothing waits, and never go negative.
         self._q[j] = 0.0 if self._nq[j] == 0 else max(0.0, self._q[j] - t.prefill_s)
+
+
+def _remove_sorted(ps: list[tuple[float, int]], t: _Tracked) -> None:
+    """Remove ``t``'s (P, rid) entry from the sorted list ``ps``, if there. O(log n + n)."""
+    i = bisect.bisect_left(ps, (t.prefill_s, t.rid))
+    if i < len(ps) and ps[i][1] == t.rid:
+        del ps[i]
 
 
 __all__ = ["LoadSnapshot", "LoadView"]

@@ -253,16 +253,19 @@ class FairwayRouter(RouterPolicy):
         else:
             biggest = max(s.index_blocks for s in ss) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
-        ttft = {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica], fullness[s.replica],
-                                   least) for s in ss}
+
+        def scores() -> dict[int, float]:
+            return {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
+                                       fullness[s.replica], least) for s in ss}
+
+        ttft = scores()
         if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
                 s.class_view is not None for s in ss):
             # no replica meets the class's objective by the whole queue: price the wait on the
             # queue the request's class sees (module docstring)
             wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
                 s, prefill[s.replica], cached[s.replica]) for s in ss}
-            ttft = {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
-                                       fullness[s.replica], least) for s in ss}
+            ttft = scores()
         load = {s.replica: s.outstanding for s in ss}
         size = {s.replica: s.index_blocks for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache

@@ -78,9 +78,10 @@ class RoutingHost:
             matched = self.index.match(hashes)
         new = self.load.new_blocks(hashes) if self.policy.active_blocks else None  # Dynamo's decode term
         view = self.classes is not None and self.policy.class_view
+        klass = self._class_of(klass) if view else ""
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
-                             new=new, klass=self._class_of(klass) if view else "", classes=self.classes)
-        objective = self.classes.spec(self._class_of(klass)).objective_s if view else 0.0
+                             new=new, klass=klass, classes=self.classes)
+        objective = self.classes.spec(klass).objective_s if klass and self.classes is not None else 0.0
         ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session, objective_s=objective),
                                    states)
         first = ranking.ranks[0]
