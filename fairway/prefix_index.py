@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, KeysView, Mapping, Sequence
-from itertools import filterfalse, groupby, repeat
+from itertools import filterfalse, groupby, islice, repeat
 from operator import itemgetter
 
 from fairway.hashing import longest_cached_prefix
@@ -461,19 +461,24 @@ class PrefixIndex:
         Why in two sweeps: a prompt is hundreds of blocks, touched twice per request (routed,
         then fed back). Inserting the hashes new to the replica, then moving every hash to the
         end in touch order, leaves the same order as touching them one by one (each touched hash
-        ends where its last touch puts it), and both sweeps run in ``filterfalse``/``map``
-        rather than an interpreted loop; only the new hashes are visited one by one (their
-        ``_where`` bit)."""
+        ends where its last touch puts it); the membership test and the moves run in
+        ``filterfalse``/``map`` rather than an interpreted loop, and only the new hashes are
+        visited one by one (inserted, with their ``_where`` bit)."""
         lru = self._lru[replica]
         rev = hashes[::-1]
         new = list(filterfalse(lru.__contains__, rev))
-        if new:
-            lru.update(zip(new, repeat(None)))
+        k, n0 = len(new), len(lru)
+        if k:
             bit = 1 << replica
             where = self._where
-            for h in new:
+            for h in new:  # one loop for both: cheaper than OrderedDict.update, which adds per item
+                lru[h] = None
                 where[h] = where.get(h, 0) | bit
-        deque(map(lru.move_to_end, rev), maxlen=0)
+        # The new hashes now end the order, in touch order. When they are the first k touched and
+        # distinct (a prompt's uncached tail: the usual case), moving the rest to the end
+        # finishes the order and the new ones need no move.
+        tail_new = len(lru) - n0 == k and rev[:k] == new
+        deque(map(lru.move_to_end, rev[k:] if tail_new else rev), maxlen=0)
         return self._age(replica)
 
     def _age(self, replica: int) -> int:
@@ -486,9 +491,8 @@ class PrefixIndex:
         if n <= 0:
             return 0
         where, keep = self._where, ~(1 << replica)
-        popitem = lru.popitem
-        for _ in range(n):  # _unset, inlined
-            h = popitem(last=False)[0]
+        for h in list(islice(lru, n)):  # the n oldest; _unset, inlined
+            del lru[h]
             m = where[h] & keep
             if m:
                 where[h] = m

@@ -18,7 +18,7 @@ hashing does on a Mooncake trace). Two true bounds, over the prompt blocks a req
   held by running requests cannot be evicted in a real engine, which only lowers what it reaches.
 
 Complexity: O(B log B) for B blocks referenced in the sequence, vectorised: the references are
-flattened once into dense integer ids (``References``: one numpy sort), the infinite-cache hits
+flattened once into dense integer ids (``References``: one numpy argsort), the infinite-cache hits
 and the LRU replay are array passes, and MIN runs its heap loop only when the reused blocks do
 not all fit at once (a sweep over the blocks' live intervals decides that in O(B)).
 """
@@ -64,7 +64,7 @@ class References:
         total = int(lens.sum())
         try:  # engine hashes are 64-bit unsigned: one vectorised sort
             flat = np.fromiter(chain.from_iterable(s.block_hashes for s in order), np.uint64, total)
-            _, first_idx, ids, count = np.unique(flat, return_index=True, return_inverse=True, return_counts=True)
+            first_idx, ids, count = _dense_ids(flat)
         except OverflowError:  # any other ints (hand-made hashes in tests): ids by first appearance
             seen: dict[int, int] = {}
             ids = np.fromiter((seen.setdefault(h, len(seen)) for s in order for h in s.block_hashes), np.int64, total)
@@ -76,6 +76,28 @@ class References:
         counted = (np.arange(total) - np.repeat(starts, lens)) < np.repeat(cacheable, lens)
         prompt = sum(s.prompt_tokens for s in order)
         return cls(ids.astype(np.int64, copy=False), first, count, starts, lens, cacheable, counted, prompt)
+
+
+def _dense_ids(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(flat, return_index=True, return_inverse=True, return_counts=True)`` without
+    the values: (each distinct value's first index, each element's rank among the distinct
+    values, each distinct value's count), the same arrays. Why not ``np.unique``: it sorts
+    stably to find first indices; an unstable argsort plus a minimum per run of equal values
+    gives the same first indices with fewer and cheaper passes, which matter on a long trace
+    (9M references: about half the time). O(B log B)."""
+    if not len(flat):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    o = np.argsort(flat)
+    s = flat[o]
+    new = np.empty(len(s), dtype=bool)  # s[k] starts a run of equal values
+    new[0] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    del s
+    starts = np.flatnonzero(new)
+    ids = np.empty(len(o), dtype=np.int64)
+    ids[o] = np.cumsum(new) - 1
+    return np.minimum.reduceat(o, starts), ids, np.diff(starts, append=len(o))
 
 
 def _infinite_hits(refs: References) -> int:

@@ -107,6 +107,32 @@ def test_lru_aging_order_exact():
     check_invariants(idx)
 
 
+def test_approx_touches_equal_a_one_by_one_lru_after_random_operations():
+    # the bulk touch (new hashes inserted, then only what needs it moved) against the plain rule:
+    # each block touched tail first, oldest dropped past capacity; prompts whose held blocks are
+    # the head (the usual case), held blocks in the middle or tail, and a hash twice in a prompt
+    rng = np.random.default_rng(11)
+    for cap in (None, 3, 17):
+        idx = PrefixIndex(2, capacity_blocks=cap)
+        ref: list[dict[int, None]] = [{}, {}]
+        for _ in range(300):
+            j = int(rng.integers(0, 2))
+            hashes = [int(x) for x in rng.integers(0, 40, size=int(rng.integers(0, 12)))]
+            if rng.random() < 0.5:
+                hashes = sorted(set(hashes))  # a chain-like prompt: distinct, head first
+            aged = idx.record_routed(j, hashes) if rng.random() < 0.7 else idx.on_feedback(j, hashes, 0, 16)
+            before = len(ref[j])
+            for h in reversed(hashes):
+                ref[j].pop(h, None)
+                ref[j][h] = None
+            n = max(0, len(ref[j]) - cap) if cap is not None else 0
+            for h in list(ref[j])[:n]:
+                del ref[j][h]
+            assert aged == n, (before, hashes)
+            assert list(idx.blocks(j)) == list(ref[j])
+        check_invariants(idx)
+
+
 def test_a_request_longer_than_capacity_keeps_its_head():
     idx = PrefixIndex(1, capacity_blocks=3)
     assert idx.record_routed(0, A) == 5

@@ -98,3 +98,20 @@ def test_vectorised_replays_equal_their_definitions():
         refs = [int(x) for x in rng.integers(0, 8, size=int(rng.integers(1, 40)))]
         for cap in (1, 2, 3, 5, 8):
             assert _min_hits(np.array(refs), cap) == _belady(refs, cap)
+
+
+def test_dense_ids_are_numpy_unique_without_the_values():
+    # the references' ids come from an unstable argsort: they must be np.unique's arrays exactly
+    # (first index, rank, count), including runs of equal values and one or no element
+    from sim.hit_bounds import _dense_ids
+
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 7, 500, 20_000):
+        for distinct in (1, 3, 64, 2**63):
+            x = rng.integers(0, distinct, size=n, dtype=np.uint64)
+            first, ids, count = _dense_ids(x)
+            _, u_first, u_ids, u_count = np.unique(x, return_index=True, return_inverse=True, return_counts=True)
+            assert first.tolist() == u_first.tolist()
+            assert ids.tolist() == u_ids.tolist()
+            assert count.tolist() == u_count.tolist()
+    assert [a.tolist() for a in _dense_ids(np.zeros(0, dtype=np.uint64))] == [[], [], []]
