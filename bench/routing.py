@@ -5,7 +5,10 @@ builds a prefix index holding, per replica, the prefixes of earlier prompts (sha
 system prompts, per-session histories), then times the whole routing path for fresh 8k-token
 prompts that share part of their prefix with what the replicas hold. ``--classes`` gives the
 router two request classes (20% ``interactive``, tier 0; 80% ``batch``, tier 1), so the class
-view (the queue per class, the work ahead of each) is priced on every decision.
+view (the queue per class, the work ahead of each) is priced on every decision. Besides the
+whole path it prints its two parts' medians: "choose" (decide + book: what the Ray host's
+``choose_replicas`` runs while the request waits) and "record" (the index learns the prompt: the
+Ray host's ``on_request_routed``, after the request is sent).
 """
 
 from __future__ import annotations
@@ -60,24 +63,30 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
                 index.on_tier_events(k % replicas, [(True, h) for h in p[cut:half]])
         else:
             index.record_routed(k % replicas, p)
-    times = []
+    times: list[int] = []
+    choose: list[int] = []  # decide + book: what the Ray host's choose_replicas runs before the request is sent
+    record: list[int] = []  # the index learns the prompt: the Ray host's on_request_routed, after the send
     sent: list[tuple[int, list[int]]] = []
     for k in range(cycles):
         hashes = prompt(10_000 + k)
         clock.advance(0.01)
-        t0 = time.perf_counter_ns()
         klass = ("interactive" if rng.random() < 0.2 else "batch") if classes else ""
+        t0 = time.perf_counter_ns()
         d = host.decide(k, prompt_tokens, hashes, klass=klass)
-        host.record_routed(d.pick, hashes, d.reason)
         host.book(k, d.pick, prompt_tokens, d.matched_blocks, hashes, klass)
         t1 = time.perf_counter_ns()
-        times.append(t1 - t0)
+        host.record_routed(d.pick, hashes, d.reason)
+        t2 = time.perf_counter_ns()
+        times.append(t2 - t0)
+        choose.append(t1 - t0)
+        record.append(t2 - t1)
         sent.append((d.pick, hashes))
         if k >= 64:
             host.on_finished(k - 64)  # keep ~64 requests in flight
             host.release(*sent[k - 64])
     us = np.array(times) / 1e3
-    return {"p50_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99))}
+    return {"p50_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)),
+            "choose_p50_us": float(np.median(choose)) / 1e3, "record_p50_us": float(np.median(record)) / 1e3}
 
 
 def main() -> None:
@@ -91,12 +100,15 @@ def main() -> None:
                     help="events index: share of the tail of each held prompt's shared half that is host-only")
     ap.add_argument("--classes", action="store_true", help="two request classes (20%% interactive, 80%% batch)")
     args = ap.parse_args()
-    print(f"{'router':<18} {'p50 us':>8} {'p99 us':>8}  ({args.replicas} replicas, {args.prompt_tokens}-token prompts, "
-          f"{args.index} index, host share {args.host_share}{', classes' if args.classes else ''})")
+    print(f"{'router':<18} {'p50 us':>8} {'p99 us':>8} {'choose':>8} {'record':>8}  ({args.replicas} replicas, "
+          f"{args.prompt_tokens}-token prompts, {args.index} index, host share {args.host_share}"
+          f"{', classes' if args.classes else ''}; choose = decide + book, record = the index learns the prompt, "
+          "both p50 us)")
     for name in args.routers.split(","):
         m = measure(name, args.replicas, args.prompt_tokens, args.cycles, index_mode=args.index,
                     host_share=args.host_share, classes=args.classes)
-        print(f"{name:<18} {m['p50_us']:>8.1f} {m['p99_us']:>8.1f}")
+        print(f"{name:<18} {m['p50_us']:>8.1f} {m['p99_us']:>8.1f} {m['choose_p50_us']:>8.1f} "
+              f"{m['record_p50_us']:>8.1f}")
 
 
 if __name__ == "__main__":

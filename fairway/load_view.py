@@ -388,6 +388,12 @@ class LoadView:
                 return snap
         return self._take(now)
 
+    def outstanding_now(self) -> Sequence[int]:
+        """The current outstanding count per replica, ignoring ``stale_s`` (``live().outstanding``
+        without building a snapshot: the host breaks ties within a rank on it). A live view,
+        not to be mutated. O(1)."""
+        return self._out
+
     def live(self) -> LoadSnapshot:
         """The current counters, ignoring ``stale_s`` (for metrics and tests). O(replicas)."""
         return self._take(self.clock.now(), keep=False)

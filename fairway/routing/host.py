@@ -85,8 +85,8 @@ class RoutingHost:
         ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session, objective_s=objective),
                                    states)
         first = ranking.ranks[0]
-        live = self.load.live()
-        pick = min(first, key=lambda j: (live.outstanding[j], first.index(j)))
+        out = self.load.outstanding_now()
+        pick = min(first, key=lambda j: (out[j], first.index(j)))
         best = max(s.matched_blocks for s in states)
         return Decision(ranking.ranks, pick, matched[pick], ranking.reason or "choice", best, ranking)
 
