@@ -51,6 +51,7 @@ import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
@@ -409,14 +410,14 @@ class LoadView:
             running=tuple(self._run),
             active_blocks=tuple(self._blocks),
             kv_usage=tuple(self._kv),
-            queued_prefills=tuple(self._frozen_queue(j) for j in range(len(self._qp))),
+            queued_prefills=tuple(map(self._frozen_queue, range(len(self._qp)))),
             max_running=tuple(self._cap),
             speed=tuple(self._speed),
             active_prefill_tokens=tuple(self._ptok),
-            unique_active_blocks=tuple(len(c) for c in self._ab),
-            prefill_ends=tuple(self._prefill_ends(j, now) for j in range(len(self._pf))),
-            routed_windows=tuple(self._routed_window(j, now) for j in range(len(self._rw))),
-            class_queues=tuple(self._frozen_classes(j) for j in range(len(self._cq))),
+            unique_active_blocks=tuple(map(len, self._ab)),
+            prefill_ends=tuple(map(self._prefill_ends, range(len(self._pf)), repeat(now))),
+            routed_windows=tuple(map(self._routed_window, range(len(self._rw)), repeat(now))),
+            class_queues=tuple(map(self._frozen_classes, range(len(self._cq)))),
         )
         if keep:
             self._snap = snap

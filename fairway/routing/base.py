@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -280,6 +280,18 @@ def make_states(
     ``klass`` and ``classes``: the request's class and the configured classes, for the class view
     (``ReplicaState.class_view``; none without them). O(R) (times C with classes)."""
     ids = range(len(snap.outstanding)) if replicas is None else replicas
+    n = len(snap.outstanding)
+    # the optional columns resolved once, not once per replica
+    none: tuple[Any, ...] = (None,) * n
+    qps = snap.queued_prefills or ((),) * n
+    caps = snap.max_running or (0,) * n
+    ends = snap.prefill_ends or ((),) * n
+    windows = snap.routed_windows or ((0.0, ()),) * n
+    hosts = host if host is not None else (0,) * n
+    speeds = snap.speed or (1.0,) * n
+    ptoks = snap.active_prefill_tokens or (0,) * n
+    uniq = snap.unique_active_blocks or (0,) * n
+    news = new if new is not None else none
     states = [
         ReplicaState(
             replica=j,
@@ -291,16 +303,16 @@ def make_states(
             index_blocks=index_blocks[j],
             queued_prefill_tokens=snap.queued_prefill_tokens[j],
             active_blocks=snap.active_blocks[j],
-            queued_prefills=snap.queued_prefills[j] if snap.queued_prefills else (),
-            max_running=snap.max_running[j] if snap.max_running else 0,
-            prefill_ends=snap.prefill_ends[j] if snap.prefill_ends else (),
-            routed_since=snap.routed_windows[j][0] if snap.routed_windows else 0.0,
-            routed_prefills=snap.routed_windows[j][1] if snap.routed_windows else (),
-            host_blocks=host[j] if host is not None else 0,
-            speed=snap.speed[j] if snap.speed else 1.0,
-            active_prefill_tokens=snap.active_prefill_tokens[j] if snap.active_prefill_tokens else 0,
-            unique_active_blocks=snap.unique_active_blocks[j] if snap.unique_active_blocks else 0,
-            new_blocks=new[j] if new is not None else None,
+            queued_prefills=qps[j],
+            max_running=caps[j],
+            prefill_ends=ends[j],
+            routed_since=windows[j][0],
+            routed_prefills=windows[j][1],
+            host_blocks=hosts[j],
+            speed=speeds[j],
+            active_prefill_tokens=ptoks[j],
+            unique_active_blocks=uniq[j],
+            new_blocks=news[j],
         )
         for j in ids
     ]
