@@ -28,7 +28,7 @@ worst); cache events fan out to every class's policy (O(C) each).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fairway.clock import Clock
@@ -86,8 +86,6 @@ class ClassesConfig:
 
     classes: tuple[ClassSpec, ...] = ()
     default: str = ""
-    # name -> spec, built once: the router resolves a class per replica on every decision
-    _by_name: dict[str, ClassSpec] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
@@ -95,11 +93,10 @@ class ClassesConfig:
             raise ValueError(f"duplicate class names in {names}")
         if self.default and self.default not in names:
             raise ValueError(f"default class {self.default!r} is not one of {names}")
-        object.__setattr__(self, "_by_name", {c.name: c for c in self.classes})
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self._by_name)
+        return tuple(c.name for c in self.classes)
 
     @property
     def default_name(self) -> str:
@@ -111,7 +108,7 @@ class ClassesConfig:
         valid classes for an unknown one. O(C)."""
         if not name:
             return self.default_name
-        if name not in self._by_name:
+        if not any(c.name == name for c in self.classes):
             raise ValueError(f"unknown class {name!r}; valid: {', '.join(self.names) or '(none configured)'}")
         return name
 
@@ -146,8 +143,14 @@ class ClassesConfig:
         return self.spec(name).wait_bound_s if self.classes else default
 
     def spec(self, name: str) -> ClassSpec:
-        """The spec of class ``name`` ("" = the default); ``ValueError`` for an unknown one. O(1)."""
-        return self._by_name[self.resolve(name)]
+        """The spec of class ``name`` ("" = the default); ``ValueError`` for an unknown one.
+        O(C), one plain loop: the router asks once per replica on every classed decision."""
+        want = name or self.default_name
+        for c in self.classes:
+            if c.name == want:
+                return c
+        self.resolve(name)  # raises, naming the valid classes
+        raise ValueError("no request classes are configured")
 
     def others_ahead_s(self, name: str, own_s: float, queued: Mapping[str, float]) -> float:
         """The queued prefill seconds of other classes that a request of class ``name`` waits
