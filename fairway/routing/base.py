@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -282,7 +282,6 @@ def make_states(
     ids = range(len(snap.outstanding)) if replicas is None else replicas
     n = len(snap.outstanding)
     # the optional columns resolved once, not once per replica
-    none: tuple[Any, ...] = (None,) * n
     qps = snap.queued_prefills or ((),) * n
     caps = snap.max_running or (0,) * n
     ends = snap.prefill_ends or ((),) * n
@@ -291,7 +290,7 @@ def make_states(
     speeds = snap.speed or (1.0,) * n
     ptoks = snap.active_prefill_tokens or (0,) * n
     uniq = snap.unique_active_blocks or (0,) * n
-    news = new if new is not None else none
+    news: Sequence[int | None] = new if new is not None else (None,) * n
     states = [
         ReplicaState(
             replica=j,
