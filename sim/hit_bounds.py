@@ -64,18 +64,17 @@ class References:
         total = int(lens.sum())
         try:  # engine hashes are 64-bit unsigned: one vectorised sort
             flat = np.fromiter(chain.from_iterable(s.block_hashes for s in order), np.uint64, total)
-            first_idx, ids, count = _dense_ids(flat)
-        except OverflowError:  # any other ints (hand-made hashes in tests): ids by first appearance
+        except OverflowError:  # any other ints (hand-made hashes in tests): numbered by first appearance
             seen: dict[int, int] = {}
-            ids = np.fromiter((seen.setdefault(h, len(seen)) for s in order for h in s.block_hashes), np.int64, total)
-            _, first_idx, count = np.unique(ids, return_index=True, return_counts=True)
+            flat = np.fromiter((seen.setdefault(h, len(seen)) for s in order for h in s.block_hashes), np.int64, total)
+        first_idx, ids, count = _dense_ids(flat)
         first = np.zeros(total, dtype=bool)
         first[first_idx] = True
         starts = np.cumsum(lens) - lens
         cacheable = np.fromiter((max(0, (s.prompt_tokens - 1) // block_size) for s in order), np.int64, n)
         counted = (np.arange(total) - np.repeat(starts, lens)) < np.repeat(cacheable, lens)
         prompt = sum(s.prompt_tokens for s in order)
-        return cls(ids.astype(np.int64, copy=False), first, count, starts, lens, cacheable, counted, prompt)
+        return cls(ids, first, count, starts, lens, cacheable, counted, prompt)
 
 
 def _dense_ids(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

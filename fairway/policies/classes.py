@@ -106,11 +106,7 @@ class ClassesConfig:
     def resolve(self, name: str) -> str:
         """The configured class ``name`` stands for ("" = the default); ``ValueError`` naming the
         valid classes for an unknown one. O(C)."""
-        if not name:
-            return self.default_name
-        if not any(c.name == name for c in self.classes):
-            raise ValueError(f"unknown class {name!r}; valid: {', '.join(self.names) or '(none configured)'}")
-        return name
+        return self.spec(name).name if name else self.default_name
 
     def for_request(self, priority: int | str | None = None, header: str = "", tenant_default: str = "") -> str:
         """The class of a request: the body's ``priority`` (a class name, or an integer tier as
@@ -149,8 +145,7 @@ class ClassesConfig:
         for c in self.classes:
             if c.name == want:
                 return c
-        self.resolve(name)  # raises, naming the valid classes
-        raise ValueError("no request classes are configured")
+        raise ValueError(f"unknown class {want!r}; valid: {', '.join(self.names) or '(none configured)'}")
 
     def others_ahead_s(self, name: str, own_s: float, queued: Mapping[str, float]) -> float:
         """The queued prefill seconds of other classes that a request of class ``name`` waits

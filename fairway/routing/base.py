@@ -279,8 +279,8 @@ def make_states(
     request's new active blocks per replica (``LoadView.new_blocks``), None when untracked;
     ``klass`` and ``classes``: the request's class and the configured classes, for the class view
     (``ReplicaState.class_view``; none without them). O(R) (times C with classes)."""
-    ids = range(len(snap.outstanding)) if replicas is None else replicas
     n = len(snap.outstanding)
+    ids = range(n) if replicas is None else replicas
     # the optional columns resolved once, not once per replica
     qps = snap.queued_prefills or ((),) * n
     caps = snap.max_running or (0,) * n
