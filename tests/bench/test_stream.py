@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.stream import Point, aiohttp_server, drive, engine_rate, medians, point
+from bench.stream import Point, aiohttp_server, drive, engine_rate, medians, point, targets
 from observability.exporter import free_port
 
 
@@ -31,6 +31,19 @@ def test_rounds_give_one_point_per_target_and_c_with_the_medians():
     assert [(x.target, x.concurrency) for x in m] == [("fairway", 64), ("aiohttp", 64)]
     assert (m[0].tokens_per_s, m[0].cpu_ms_per_token, m[0].requests) == (9500, 0.13, 15)
     assert m[0].extra["cpu_ms_per_token"] == [0.15, 0.12, 0.13] and m[1].cpu_ms_per_token == 0.07
+
+
+def test_each_prefix_view_is_its_own_fairway_row_and_no_view_keeps_the_configs_own():
+    # nothing starts: each server is a context manager, entered only by the caller
+    rows = list(targets(["fairway"], [0.05], 1, [True], (True,), ("approx", "events")))
+    assert [label for label, _, _ in rows] == [
+        "fairway (interval 50 ms, Serve throughput-optimized, HAProxy ingress, approx prefix view)",
+        "fairway (interval 50 ms, Serve throughput-optimized, HAProxy ingress, events prefix view)"]
+    assert [extra["prefix_view"] for _, extra, _ in rows] == ["approx", "events"]
+    cluster = [ctx.args[1] for _, _, ctx in rows]  # ray_mode(fast, running_cluster(...), haproxy)
+    assert [c.kwds["router"] for c in cluster] == [{"prefix_view": "approx"}, {"prefix_view": "events"}]
+    (label, extra, ctx), = targets(["fairway"], [0.05], 1, [True], (True,))
+    assert "prefix view" not in label and "prefix_view" not in extra and "router" not in ctx.args[1].kwds
 
 
 def test_the_engine_rate_grows_with_the_streams_until_the_steps_lengthen():
