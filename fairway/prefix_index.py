@@ -157,14 +157,13 @@ class PrefixIndex:
     def clear_replica(self, replica: int) -> None:
         """Forget everything replica ``replica`` holds (it died or cleared its cache).
 
-        O(blocks it held)."""
-        lru = self._lru[replica]
+        O(blocks it held and blocks in flight to it)."""
+        lru, fly = self._lru[replica], self._fly[replica]
         for h in lru:
             self._unset(replica, h)
-        lru.clear()
-        fly = self._fly[replica]
-        for h in fly:
+        for h in filterfalse(lru.__contains__, fly):  # a block both held and in flight: unset once
             self._unset(replica, h)
+        lru.clear()
         fly.clear()
         self._clear_host(replica)
 

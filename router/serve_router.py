@@ -166,7 +166,11 @@ class FairwayRequestRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.bookings.replica_died(replica_id.unique_id)
+        try:
+            self.bookings.replica_died(replica_id.unique_id)
+        except Exception:  # noqa: BLE001 - Ray calls this while it routes a request: a raise here leaves it pending
+            logger.exception("fairway router %s: forgetting dead replica %s failed", self.router_id,
+                             replica_id.unique_id)
 
     def _publish(self, changes: Changes) -> None:
         """The replicas' gauges (what this router counts there: outstanding, queued prefill) and

@@ -315,6 +315,18 @@ def test_clearing_a_replica_drops_its_flight():
     check_invariants(idx)
 
 
+def test_clearing_a_replica_that_holds_blocks_also_in_flight_there():
+    # a replica died while a request routed to it was unfinished, and its engine had already
+    # stored that prompt's blocks: each block is both held and in flight on it (and held elsewhere)
+    idx = PrefixIndex(2, mode="events")
+    idx.on_kv_events(0, [(True, h) for h in A[:3]])
+    idx.on_kv_events(1, [(True, h) for h in A[:1]])
+    idx.record_routed(0, A[:4])
+    idx.clear_replica(0)
+    assert idx.match(A[:4]) == [0, 1] and len(idx) == 1
+    check_invariants(idx)
+
+
 def test_approx_mode_release_is_a_no_op():
     idx = PrefixIndex(1)
     idx.record_routed(0, A[:3])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from ray.serve._private.common import DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest, ReplicaID
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
 from fairway.clock import ManualClock
 from fairway.protocol import GenerateCall, ReplicaRoutingStats
@@ -158,12 +158,24 @@ async def test_a_classed_call_is_booked_under_its_class_with_the_clusters_classe
     assert queued == {"interactive", "batch"}  # "": the default class, the last configured
 
 
+def test_a_failure_to_forget_a_dead_replica_is_logged_not_raised_into_rays_routing(monkeypatch, caplog):
+    # Ray calls on_replica_actor_died from the loop that assigns a pending request a replica: a
+    # raise there left that request pending until its client gave up (60 s)
+    r, _ = router()
+    monkeypatch.setattr(RequestRouter, "on_replica_actor_died", lambda self, rid: None)  # Ray's own bookkeeping
+
+    def broken(uid: str) -> None:
+        raise KeyError(uid)
+
+    monkeypatch.setattr(r.bookings, "replica_died", broken)
+    r.on_replica_actor_died(ReplicaID("replica-0", DeploymentID("FairwayReplica")))
+    assert "forgetting dead replica replica-0 failed" in caplog.text
+
+
 def test_replica_updates_apply_stats_without_another_decision(monkeypatch):
     """Ray calls ``update_replicas`` on every stats broadcast. The finished request's cached-token
     report is taken in then, not at the next decision, so the counters do not lag when no request
     follows."""
-    from ray.serve.request_router import RequestRouter
-
     monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Ray's own bookkeeping
     r, _, j = one_replica()
     book(r, j, "a", 4096, routed_at=T0 - 5.0)
