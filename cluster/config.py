@@ -23,7 +23,7 @@ from fairway.policies import validated_policy
 from fairway.policies.classes import ClassesConfig, ClassSpec
 from fairway.routing import validated_router
 from fairway.routing.fairway import router_options_for
-from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
+from fairway.routing.view_log import DEFAULT_KV_PERIOD_S, DEFAULT_SYNC_PERIOD_S
 from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs, ReplicaOptions, ServedEngine
 from replicas.engines import validated_engine
@@ -48,12 +48,18 @@ class RouterArgs(BaseModel):
     shared_view: bool | None = Field(
         None, description="the request routers of all ingress replicas share one routing view (a Ray actor); "
                           "default: on when ingress_replicas > 1")
-    sync_period_s: float = Field(DEFAULT_SYNC_PERIOD_S, gt=0, le=1.0,
-                                 description="how often each router exchanges with the shared view")
-    prefix_view: Literal["approx", "events"] = Field(
-        "approx", description="approx: the index learns from routings and cached-token reports; events: the "
-                              "replicas' exact KV events through the shared view (which it turns on), the "
-                              "approximate index as the fallback while they are not current")
+    sync_period_s: float | None = Field(
+        None, gt=0, le=1.0, description="how often each router exchanges with the shared view; default: "
+                                        f"{DEFAULT_SYNC_PERIOD_S} s with > 1 ingress replica (the routers share their "
+                                        "routings), else kv_period_s (one router only reads the KV events)")
+    kv_period_s: float = Field(DEFAULT_KV_PERIOD_S, gt=0, le=1.0,
+                               description="exact prefix view: how often each replica sends its engine's KV events "
+                                           "to the shared view")
+    prefix_view: Literal["approx", "events"] | None = Field(
+        None, description="events: the replicas' exact KV events through the shared view (which it turns on), the "
+                          "approximate index as the fallback while they are not current; approx: the index learns "
+                          "from routings and cached-token reports only; default: events with Fairway's request "
+                          "router and its shared view, else approx")
     hold: HoldArgs = Field(default_factory=HoldArgs, description="the held queue: a request every replica's queue "
                            "refused waits at the router for room within its wait bound (router/hold.py)")
 
@@ -94,10 +100,15 @@ class ClusterArgs(ServedModel, ServedEngine):
         if classes.classes and self.replica.policy == "classes":
             raise ValueError("the request classes are configured once, at the top level (classes:); "
                              "replica.policy names the order within a class")
-        if self.router.prefix_view == "events" and (self.router.shared_view is False
-                                                    or self.router.policy == RAY_DEFAULT_ROUTER):
+        # the exact view wherever its KV events can reach a router (docs/design.md, Fairway router)
+        no_events = self.router.shared_view is False or self.router.policy == RAY_DEFAULT_ROUTER
+        if self.router.prefix_view is None:
+            self.router.prefix_view = "approx" if no_events else "events"
+        if self.router.prefix_view == "events" and no_events:
             raise ValueError("router.prefix_view: events needs Fairway's request router with its shared view "
                              "(the replicas' KV events travel through it)")
+        if self.router.sync_period_s is None:  # an exchange is an actor call: only as often as it has news
+            self.router.sync_period_s = DEFAULT_SYNC_PERIOD_S if self.ingress_replicas > 1 else self.router.kv_period_s
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
@@ -147,7 +158,7 @@ class ClusterArgs(ServedModel, ServedEngine):
             **self.model_dump(include=set(ServedEngine.model_fields) - {"engine_args"}),
             engine_args=self.replica_engine_args(),
             publish_kv_events=self.router.prefix_view == "events",
-            kv_publish_period_s=self.router.sync_period_s,
+            kv_publish_period_s=self.router.kv_period_s,
             classes=self.request_classes(),
         )
 

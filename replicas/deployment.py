@@ -24,7 +24,7 @@ from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.policies import make_policy
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import GenerateCall, ReplicaRoutingStats, TokenChunk
-from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
+from fairway.routing.view_log import DEFAULT_KV_PERIOD_S
 from fairway.spec import resolve_spec
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
@@ -76,7 +76,7 @@ class ReplicaArgs(ReplicaOptions, ServedEngine):
 
     publish_kv_events: bool = Field(False, description="send the engine's KV events to the routers' shared "
                                                        "view (router.prefix_view: events)")
-    kv_publish_period_s: float = Field(DEFAULT_SYNC_PERIOD_S, gt=0, le=1.0, description="how often KV events "
+    kv_publish_period_s: float = Field(DEFAULT_KV_PERIOD_S, gt=0, le=1.0, description="how often KV events "
                                                                                           "are sent")
     classes: ClassesConfig = Field(default_factory=ClassesConfig, description="request classes: the gate orders "
                                    "its queue by them (strict tiers, fair shares of prefill work)")

@@ -84,11 +84,32 @@ def test_ray_default_router_is_not_a_policy_spec():
 def test_the_exact_prefix_view_turns_on_the_shared_view_and_the_replicas_publishing():
     a = ClusterArgs(router={"prefix_view": "events"})
     assert a.router_kwargs()["prefix_view"] == "events" and a.router_kwargs()["shared_view"] is True
-    assert a.replica_args().publish_kv_events and a.replica_args().kv_publish_period_s == a.router.sync_period_s
-    assert not ClusterArgs().replica_args().publish_kv_events  # approx (the default): nothing published
+    assert a.replica_args().publish_kv_events and a.replica_args().kv_publish_period_s == a.router.kv_period_s == 0.05
+    assert ClusterArgs(router={"kv_period_s": 0.2}).replica_args().kv_publish_period_s == 0.2
+    approx = ClusterArgs(router={"prefix_view": "approx"})
+    assert not approx.replica_args().publish_kv_events and approx.router_kwargs()["shared_view"] is False
     for bad in ({"prefix_view": "events", "shared_view": False}, {"prefix_view": "events", "policy": "ray-default"}):
         with pytest.raises(ValidationError, match="prefix_view: events needs"):
             ClusterArgs(router=bad)
+
+
+def test_the_exact_prefix_view_is_the_default_wherever_it_can_run():
+    a = ClusterArgs()
+    assert a.router.prefix_view == "events" and a.replica_args().publish_kv_events and a.shared_view()
+    # Ray's own router reads no index, and without the shared view no KV event reaches a router
+    for router in ({"policy": "ray-default"}, {"shared_view": False}):
+        b = ClusterArgs(router=router)
+        assert b.router.prefix_view == "approx" and not b.replica_args().publish_kv_events
+    # the resolved view survives the trip to Ray's replicas (a pydantic round trip)
+    assert ClusterArgs(**a.model_dump()).router.prefix_view == "events"
+
+
+def test_one_router_exchanges_at_the_kv_events_period_and_several_at_the_sync_period():
+    one, two = ClusterArgs(), ClusterArgs(ingress_replicas=2)
+    assert one.router_kwargs()["sync_period_s"] == one.router.kv_period_s == 0.05  # it only reads KV events
+    assert two.router_kwargs()["sync_period_s"] == 0.01  # the routers share their routings
+    assert ClusterArgs(router={"sync_period_s": 0.02}).router_kwargs()["sync_period_s"] == 0.02
+    assert ClusterArgs(**two.model_dump()).router.sync_period_s == 0.01
 
 
 def test_the_replicas_age_bound_reaches_the_gate_config():
