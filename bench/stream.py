@@ -234,12 +234,11 @@ def targets(names: list[str], intervals: list[float], port: int, modes: list[boo
             mode = {"fast": fast, "haproxy": hap}
             if name == "fairway":
                 for iv, view in [(i, v) for i in intervals for v in views]:
-                    router = {"router": {"prefix_view": view}} if view else {}
-                    vtag = f", {view} prefix view" if view else ""
-                    yield f"fairway (interval {iv * 1000:g} ms{tag}{vtag})", \
-                        {"stream_interval_s": iv, **mode, **({"prefix_view": view} if view else {})}, \
+                    chosen = {"prefix_view": view} if view else {}  # "": the config's own view
+                    yield f"fairway (interval {iv * 1000:g} ms{tag}{f', {view} prefix view' if view else ''})", \
+                        {"stream_interval_s": iv, **mode, **chosen}, \
                         ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv,
-                                                       **router), hap)
+                                                       **({"router": chosen} if view else {})), hap)
             elif name == "bare":
                 yield f"bare Ray Serve (per token{tag})", mode, \
                     ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port), hap)
@@ -300,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m == "on" for m in a.serve_modes.split(",")]
     haproxy = tuple(m == "on" for m in a.haproxy.split(","))
     engine = {c: engine_rate(c, a.max_tokens) for c in conc} if "fairway" in a.targets.split(",") else {}
+    views = tuple(a.prefix_views.split(",")) if a.prefix_views else ("",)
     for _ in range(a.repeat):  # rounds: every target once per round, so the machine's drift hits all alike
-        views = tuple(a.prefix_views.split(",")) if a.prefix_views else ("",)
         for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy, views):
             with ctx as url:
                 for c in conc:

@@ -31,8 +31,8 @@ REPLICA_SOURCE = "replica:"  # the prefix of a replica's source name (its KV eve
 DEFAULT_SYNC_PERIOD_S = 0.01
 #: How often each replica sends its engine's KV events to the shared view by default (seconds):
 #: the cluster's ``router.kv_period_s``. Each send is an actor call (about a millisecond of CPU
-#: across the processes): merged over 50 ms, the exact view costs a fifth of what 10 ms costs, and
-#: the simulator routes as well with its events 50-100 ms late (docs/benchmarks.md, 5).
+#: across the processes here), so 50 ms makes a fifth of 10 ms's calls; in the simulator events
+#: 50-100 ms late keep the exact view's gain at Mooncake x4 and half of it at x2 (docs/benchmarks.md, 5).
 DEFAULT_KV_PERIOD_S = 0.05
 
 
