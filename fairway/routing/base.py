@@ -272,13 +272,16 @@ def make_states(
     new: Sequence[int] | None = None,
     klass: str = "",
     classes: ClassesConfig | None = None,
+    views: ClassViews | None = None,
 ) -> list[ReplicaState]:
     """Build the ``ReplicaState`` list for one request from a load snapshot, the index's
     ``match(hashes)`` and ``sizes()`` (all indexed by replica id), for ``replicas`` (default
     all); ``host``: the host part of each match (``match_tiers``), None for none; ``new``: the
     request's new active blocks per replica (``LoadView.new_blocks``), None when untracked;
     ``klass`` and ``classes``: the request's class and the configured classes, for the class view
-    (``ReplicaState.class_view``; none without them). O(R) (times C with classes)."""
+    (``ReplicaState.class_view``; none without them); ``views``: the host's memo of the class views
+    (``ClassViews``), None to build them afresh. O(R) (times C with classes, for the replicas
+    whose class queues changed when given ``views``)."""
     n = len(snap.outstanding)
     ids = range(n) if replicas is None else replicas
     # the optional columns resolved once, not once per replica
@@ -291,38 +294,53 @@ def make_states(
     ptoks = snap.active_prefill_tokens or (0,) * n
     uniq = snap.unique_active_blocks or (0,) * n
     news: Sequence[int | None] = new if new is not None else (None,) * n
+    # positional, in ReplicaState's field order: keyword arguments cost three times as much per
+    # state here (16 states: about 11 us of a decision), and tests/test_routing_base.py checks
+    # every column lands in its named field
+    out, run, qs, kv, qt, ab = (snap.outstanding, snap.running, snap.queued_prefill_s, snap.kv_usage,
+                                snap.queued_prefill_tokens, snap.active_blocks)
     states = [
-        ReplicaState(
-            replica=j,
-            outstanding=snap.outstanding[j],
-            running=snap.running[j],
-            queued_prefill_s=snap.queued_prefill_s[j],
-            kv_usage=snap.kv_usage[j],
-            matched_blocks=matched[j],
-            index_blocks=index_blocks[j],
-            queued_prefill_tokens=snap.queued_prefill_tokens[j],
-            active_blocks=snap.active_blocks[j],
-            queued_prefills=qps[j],
-            max_running=caps[j],
-            prefill_ends=ends[j],
-            routed_since=windows[j][0],
-            routed_prefills=windows[j][1],
-            host_blocks=hosts[j],
-            speed=speeds[j],
-            active_prefill_tokens=ptoks[j],
-            unique_active_blocks=uniq[j],
-            new_blocks=news[j],
-        )
+        ReplicaState(j, out[j], run[j], qs[j], kv[j], matched[j], index_blocks[j], qt[j], ab[j], qps[j], caps[j],
+                     ends[j], windows[j][0], windows[j][1], hosts[j], speeds[j], ptoks[j], uniq[j], news[j])
         for j in ids
     ]
     if klass and classes is not None and classes.classes and snap.class_queues:
+        memo = views if views is not None else ClassViews()
+        cq = snap.class_queues
         for s in states:
-            queues = snap.class_queues[s.replica]
-            own_s, own = queues.get(klass, (0.0, ()))
-            ahead = classes.others_ahead_s(klass, own_s, {k: q for k, (q, _) in queues.items() if k != klass})
-            s.class_view = ClassView(own_s, own, ahead)
+            s.class_view = memo.view(s.replica, cq[s.replica], klass, classes)
     return states
 
 
-__all__ = ["ClassView", "Ranking", "ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice", "make_states",
-           "ranks_of"]
+class ClassViews:
+    """The ``ClassView`` each class sees on each replica, kept while that replica's class queues
+    are the same object: the load view rebuilds a replica's frozen class queues only when a
+    classed request joins or leaves them (``LoadSnapshot.class_queues``), so a decision
+    recomputes only the replicas whose queues moved since the last one.
+
+    Why: with classes, building every replica's view on every decision was the largest part of
+    building the states. Complexity: O(1) per replica whose queues did not change, O(C) per
+    one that did. A host keeps one per router; ``make_states`` without one builds afresh."""
+
+    __slots__ = ("_memo",)
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Mapping[str, tuple[float, tuple[float, ...]]], dict[str, ClassView]]] = {}
+
+    def view(self, replica: int, queues: Mapping[str, tuple[float, tuple[float, ...]]], klass: str,
+             classes: ClassesConfig) -> ClassView:
+        """The view of class ``klass`` on ``replica`` whose class queues are ``queues`` (not to be
+        mutated: a new object when they change)."""
+        memo = self._memo.get(replica)
+        if memo is None or memo[0] is not queues:
+            memo = self._memo[replica] = (queues, {})
+        v = memo[1].get(klass)
+        if v is None:
+            own_s, own = queues.get(klass, (0.0, ()))
+            ahead = classes.others_ahead_s(klass, own_s, {k: q for k, (q, _) in queues.items() if k != klass})
+            v = memo[1][klass] = ClassView(own_s, own, ahead)
+        return v
+
+
+__all__ = ["ClassView", "ClassViews", "Ranking", "ReplicaState", "RouteRequest", "RouterPolicy", "by_id", "choice",
+           "make_states", "ranks_of"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fairway.load_view import LoadView
 from fairway.policies.classes import ClassesConfig
 from fairway.prefix_index import APPROX, PrefixIndex
-from fairway.routing.base import Ranking, RouteRequest, RouterPolicy, make_states
+from fairway.routing.base import ClassViews, Ranking, RouteRequest, RouterPolicy, make_states
 
 
 @dataclass(slots=True)
@@ -59,6 +59,7 @@ class RoutingHost:
         self.load = load
         self.block_size = block_size
         self.reasons: Counter = Counter()  # routing decisions by reason, as recorded
+        self._views = ClassViews()  # the class views, per replica, while its class queues stand
 
     def add_replica(self) -> int:
         """A new replica id in both the index and the load view."""
@@ -80,7 +81,7 @@ class RoutingHost:
         view = self.classes is not None and self.policy.class_view
         klass = self._class_of(klass) if view else ""
         states = make_states(self.load.snapshot(), matched, self.index.sizes(), replicas=replicas, host=host,
-                             new=new, klass=klass, classes=self.classes)
+                             new=new, klass=klass, classes=self.classes, views=self._views)
         objective = self.classes.spec(klass).objective_s if klass and self.classes is not None else 0.0
         ranking = self.policy.rank(RouteRequest(rid, prompt_tokens, hashes, session=session, objective_s=objective),
                                    states)

@@ -204,3 +204,40 @@ def test_make_states_gives_a_classed_request_its_class_queue_and_the_work_ahead_
     assert state("bulk").class_view.ahead_s == pytest.approx(0.4 + 0.6 + 1.1)
     assert state("bulk").queued_prefill_s == pytest.approx(7.1)  # the whole queue stays beside it
     assert make_states(snap, [0], [0])[0].class_view is None  # no class: no class view
+
+
+def test_make_states_puts_every_snapshot_column_in_its_named_field():
+    """make_states builds the states positionally (for speed): a distinct value per column, per
+    replica, must land in the field of the same name."""
+    from dataclasses import fields
+
+    from fairway.load_view import LoadSnapshot
+
+    cols = {f.name: (f"{f.name}-0", f"{f.name}-1") for f in fields(LoadSnapshot) if f.name not in
+            ("taken_s", "routed_windows", "class_queues")}
+    snap = LoadSnapshot(taken_s=0.0, routed_windows=((0.5, ("w0",)), (1.5, ("w1",))), **cols)  # type: ignore[arg-type]
+    states = make_states(snap, ["m0", "m1"], ["i0", "i1"], host=["h0", "h1"], new=["n0", "n1"])  # type: ignore[list-item]
+    for j, s in enumerate(states):
+        assert s.replica == j
+        for name, vals in cols.items():  # each column has a state field of its name
+            assert getattr(s, name) == vals[j], name
+        assert (s.matched_blocks, s.index_blocks, s.host_blocks, s.new_blocks) == (f"m{j}", f"i{j}", f"h{j}", f"n{j}")
+        assert (s.routed_since, s.routed_prefills) == ((0.5, 1.5)[j], (f"w{j}",))
+
+
+def test_class_views_are_kept_while_a_replicas_class_queues_stand_and_rebuilt_when_they_move():
+    from fairway.routing.base import ClassViews
+
+    classes = ClassesConfig.parse("interactive:tier=0,batch:tier=1")
+    lv, _ = view(2)
+    lv.on_routed(1, 0, 100, prefill_s=0.4, klass="interactive")
+    lv.on_routed(2, 1, 100, prefill_s=0.9, klass="batch")
+    views = ClassViews()
+    first = make_states(lv.snapshot(), [0, 0], [0, 0], klass="batch", classes=classes, views=views)
+    assert [s.class_view for s in first] == [ClassView(0.0, (), 0.4), ClassView(0.9, (0.9,), 0.0)]
+    lv.on_routed(3, 1, 100, prefill_s=0.3, klass="interactive")  # only replica 1's queues move
+    second = make_states(lv.snapshot(), [0, 0], [0, 0], klass="batch", classes=classes, views=views)
+    assert second[0].class_view is first[0].class_view  # kept
+    assert second[1].class_view == ClassView(0.9, (0.9,), 0.3)  # rebuilt
+    fresh = make_states(lv.snapshot(), [0, 0], [0, 0], klass="batch", classes=classes)
+    assert [s.class_view for s in second] == [s.class_view for s in fresh]
