@@ -19,6 +19,10 @@ mix, and every arm routes with the Fairway router over 8 replicas:
   (tenants; the shared workloads have one per class), then FCFS within a flow.
 - ``classes``: the product with classes: the class policy (``fairway/policies/classes.py``:
   strict tiers, weighted fair sharing of prefill work, Fairway's lanes within a class).
+- ``classes-strict``: ``classes`` with the engine model's ``strict_prefill_first``: a step in
+  which the interactive tier has prefill to run runs no batch prefill (decodes go on). Not what
+  stock vLLM does (it schedules running prefills first, whatever their priority): an engine-side
+  option, measured in docs/history/2026-12-03-strict-prefill.md.
 - ``classes-nohold``: the class policy with the router's class check alone: a request goes to the
   first replica of the router's ranking where the work its queue order puts ahead of it is within
   its class's wait bound, else it is refused at once (the simulator before the held queue).
@@ -58,6 +62,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "priority-fcfs": {"policy": "priority-fcfs", "hold": True},
     "llmd-flow": {"policy": "llmd-flow", "hold": True},
     "classes": {"policy": "classes", "hold": True},
+    "classes-strict": {"policy": "classes", "hold": True, "strict_prefill_first": True},
     "classes-nohold": {"policy": "classes"},
 }
 ANCHORS = ("priority-fcfs", "llmd-flow")

@@ -72,6 +72,8 @@ class RunConfig(BaseModel):
     hold: bool = Field(False, description="with classes: the router's held queue (the product's): a replica has "
                                           "room within the gates' bound (gate_wait_s), a request none has room "
                                           "for waits at the router within its wait bound (sim/flow.py)")
+    strict_prefill_first: bool = Field(False, description="with classes: a step in which the strictest tier has "
+                                                          "prefill runs no lower tier's prefill (EngineConfig)")
     hold_s: float = Field(10.0, gt=0, description="hold with class_bounds=gate: every request's wait bound "
                                                   "(router.hold.max_wait_s)")
 
@@ -142,6 +144,7 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
         block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
+        strict_prefill_first=cfg.strict_prefill_first,
         kv_blocks=cfg.kv_blocks,
         retention=cfg.retention,
         host_kv_blocks=cfg.host_kv_blocks,

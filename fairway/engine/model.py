@@ -58,6 +58,11 @@ class EngineConfig:
     host_link_bytes_per_s: host-to-GPU copy bandwidth for reloads (PCIe 5.0 x16, ~50 GB/s per
         direction on an H200 host).
     admission: the session-aware admission gate's config (``fairway.admission``); None = off.
+    strict_prefill_first: with request classes, a step in which the strictest tier has prefill
+        to run (a running request of it not past its prompt, or one waiting) runs no prefill of a
+        lower tier, and admits none: the strict tier's chunks run in steps of their own size
+        instead of sharing a full token budget with batch prefill (docs/history/
+        2026-12-03-strict-prefill.md). Decodes go on. Off: vLLM's order (running first).
     """
 
     block_size: int = 16
@@ -68,6 +73,7 @@ class EngineConfig:
     host_kv_blocks: int = 0
     host_link_bytes_per_s: float = 50e9
     admission: AdmissionConfig | None = None
+    strict_prefill_first: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -127,6 +133,12 @@ class EngineRequest:
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.spec.arrival_s
+
+
+def _prefill_left(r: EngineRequest) -> bool:
+    """Whether running ``r`` has prompt (or, preempted, context) tokens still to compute beyond
+    its next decode token. O(1)."""
+    return r.target - r.num_computed > (1 if r.generated else 0)
 
 
 class EngineListener:
@@ -304,10 +316,12 @@ class EngineModel:
         i = 0
         running = self.running  # (a preemption rebinds self.running: reread below)
         free = pool.free  # len(free) is pool.num_free, without a property call per request
+        strict = cfg.strict_prefill_first and self._strict_prefill()
+        lower = self.policy.lower_tier
         while i < len(running) and budget > 0:
             r = running[i]
-            if r.ready_s > now:  # its KV is still loading from the host tier
-                i += 1
+            if r.ready_s > now or (strict and _prefill_left(r) and lower(r.spec.priority_class)):
+                i += 1  # its KV is still loading from the host tier, or a strict tier's prefill runs
                 continue
             done = r.num_computed
             n = r.spec.prompt_tokens + r.generated - done  # r.target - num_computed, inlined
@@ -339,7 +353,7 @@ class EngineModel:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit_waiting(now, batch, budget)
+            budget = self._admit_waiting(now, batch, budget, strict)
         if not batch:
             self._batch = []
             loading = [r.ready_s for r in self.running if r.ready_s > now]
@@ -472,12 +486,15 @@ class EngineModel:
             first_turn=r.spec.session >= 0 and r.spec.turn == 0 and r.generated == 0,
         )
 
-    def _admit_waiting(self, now: float, batch: list[tuple[EngineRequest, int]], budget: int) -> int:
+    def _admit_waiting(self, now: float, batch: list[tuple[EngineRequest, int]], budget: int,
+                       strict: bool = False) -> int:
         """Admit waiting requests into ``batch`` while budget, ``max_num_seqs`` and memory
-        allow; return the budget left. With the admission gate: held requests first (earliest
-        deadline first; one past its deadline is admitted as soon as memory fits, and nothing
-        else is admitted before it), then the policy's picks, of which the gate moves cold ones
-        to the held queue instead of letting them evict waiting sessions' contexts."""
+        allow; return the budget left. ``strict``: the strictest tier has prefill in this step,
+        so a lower tier's pick waits (``EngineConfig.strict_prefill_first``). With the admission
+        gate: held requests first (earliest deadline first; one past its deadline is admitted as
+        soon as memory fits, and nothing else is admitted before it), then the policy's picks, of
+        which the gate moves cold ones to the held queue instead of letting them evict waiting
+        sessions' contexts."""
         cfg = self.config
         pool = self.pool
         gate = self.gate
@@ -526,6 +543,8 @@ class EngineModel:
             q = self.policy.select()
             if q is None:
                 break
+            if strict and self.policy.lower_tier(q.priority_class):
+                break
             r = self.reqs[q.rid]
             if gate is None:
                 # head-of-line under memory pressure, the usual case of a memory-bound run: the
@@ -548,6 +567,14 @@ class EngineModel:
                 break  # memory-bound admission: the head waits for room
             budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
         return budget
+
+    def _strict_prefill(self) -> bool:
+        """Whether the strictest tier has prefill to run: a request of it waits, or one running
+        is not past its prompt. O(running)."""
+        if self.policy.strict_waiting():
+            return True
+        lower = self.policy.lower_tier
+        return any(_prefill_left(r) and not lower(r.spec.priority_class) for r in self.running)
 
     def _set_deadline(self, r: EngineRequest, deadline: float) -> None:
         self._wait_seq += 1

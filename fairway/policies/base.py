@@ -235,6 +235,17 @@ class QueuePolicy(ABC):
         the strictest tier first. O(1) here."""
         return 0
 
+    def lower_tier(self, priority_class: str) -> bool:
+        """Whether class ``priority_class`` is of a tier below the strictest one configured (an
+        engine may keep prefill room for the strictest tier): False for a policy that ignores
+        classes. O(1) here."""
+        return False
+
+    def strict_waiting(self) -> bool:
+        """Whether a request of the strictest tier configured waits: False for a policy that
+        ignores classes (no tier is kept room for). O(1) here."""
+        return False
+
     def preempt_victim(self, running: Sequence[int]) -> int:
         """Index into ``running`` (admission order) of the request to preempt: the newest, as
         vLLM does for FCFS."""

@@ -324,6 +324,16 @@ class ClassQueues(QueueGroup, QueuePolicy):
                 return self.specs[tier[0]].tier
         return 0
 
+    def lower_tier(self, priority_class: str) -> bool:
+        """Whether class ``priority_class`` ("" = the default) is of a tier below the strictest
+        configured. O(1)."""
+        c = self._default if not priority_class else priority_class
+        return self.specs[c].tier > self.specs[self._tiers[0][0]].tier
+
+    def strict_waiting(self) -> bool:
+        """Whether a request of the strictest tier's classes waits. O(C)."""
+        return any(len(self.queues[c]) for c in self._tiers[0])
+
     def class_sizes(self) -> dict[str, int]:
         """Waiting requests per class (classes with none left out)."""
         return self.group_sizes()
