@@ -61,6 +61,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "--gate-wait, a request none has room for waits at the router within its wait bound")
     p.add_argument("--hold-s", type=float, default=10.0,
                    help="--hold with --class-bounds gate: every request's wait bound (router.hold.max_wait_s)")
+    p.add_argument("--strict-prefill-first", action="store_true",
+                   help="with --classes: a step in which the strictest tier has prefill runs no lower tier's "
+                        "prefill (an engine-model option; stock vLLM runs running prefills first)")
     p.add_argument("--no-flow-retry", action="store_true",
                    help="with --classes: a request over the bound on the router's pick is refused, not tried "
                         "on another replica (today's cluster)")
@@ -112,6 +115,7 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         flow_retry=not args.no_flow_retry,
         hold=args.hold,
         hold_s=args.hold_s,
+        strict_prefill_first=args.strict_prefill_first,
     )
 
 

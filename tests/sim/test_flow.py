@@ -94,6 +94,13 @@ def test_mix_is_validated():
         build(small(classes=""))
 
 
+def test_strict_prefill_first_is_refused_where_no_policy_tells_the_engine_the_tiers():
+    for kw in ({"classes": "", "class_mix": ""}, {"policy": "priority-fcfs"}):
+        with pytest.raises(ValueError, match="--strict-prefill-first needs --classes and --policy classes"):
+            build(small(strict_prefill_first=True, **kw))
+    build(small(strict_prefill_first=True))  # the class policy: accepted
+
+
 def held_flow(**kw) -> tuple[FlowControl, ManualClock]:
     clock = ManualClock()
     flow = FlowControl(ClassesConfig.parse("interactive:tier=0:objective=1,batch:tier=1:objective=30"),
