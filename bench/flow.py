@@ -22,7 +22,9 @@ mix, and every arm routes with the Fairway router over 8 replicas:
 - ``classes-strict``: ``classes`` with the engine model's ``strict_prefill_first``: a step in
   which the interactive tier has prefill to run runs no batch prefill (decodes go on). Not what
   stock vLLM does (it schedules running prefills first, whatever their priority): an engine-side
-  option, measured in docs/history/2026-12-03-strict-prefill.md.
+  option, measured in docs/history/2026-12-03-strict-prefill.md. ``priority-fcfs-strict`` and
+  ``llmd-flow-strict``: the anchors on the same engine, so the option is compared like with like.
+  The strict arms run when named (``--arms``), not by default.
 - ``classes-nohold``: the class policy with the router's class check alone: a request goes to the
   first replica of the router's ranking where the work its queue order puts ahead of it is within
   its class's wait bound, else it is refused at once (the simulator before the held queue).
@@ -63,9 +65,12 @@ ARMS: dict[str, dict[str, Any]] = {
     "llmd-flow": {"policy": "llmd-flow", "hold": True},
     "classes": {"policy": "classes", "hold": True},
     "classes-strict": {"policy": "classes", "hold": True, "strict_prefill_first": True},
+    "priority-fcfs-strict": {"policy": "priority-fcfs", "hold": True, "strict_prefill_first": True},
+    "llmd-flow-strict": {"policy": "llmd-flow", "hold": True, "strict_prefill_first": True},
     "classes-nohold": {"policy": "classes"},
 }
 ANCHORS = ("priority-fcfs", "llmd-flow")
+DEFAULT_ARMS = tuple(a for a in ARMS if not a.endswith("-strict"))
 IDLE_LOAD = 0.1
 
 
@@ -159,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity", default=None, help="workload=req/s,... instead of measuring it")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--arms", default=",".join(ARMS), help="a subset of the arms (the verdicts need default, "
-                                                           "classes and the anchors)")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"a subset of {', '.join(ARMS)} (the verdicts need default, classes and the anchors; "
+                         "default: all but the engine-side strict arms)")
     ap.add_argument("--out", default=None, help="write every run's summary here (JSON)")
     a = ap.parse_args(argv)
     workloads = [w for w in a.workloads.split(",") if w]

@@ -140,9 +140,9 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
             policy_options = {**policy_options, "classes": classes}
     elif cfg.hold:
         raise ValueError("--hold needs --classes (use --class-bounds gate to ignore them)")
-    if cfg.strict_prefill_first and (not classes.classes or cfg.policy != "classes"):
-        raise ValueError("--strict-prefill-first needs --classes and --policy classes (the queue policy that "
-                         "tells the engine each request's tier)")
+    if cfg.strict_prefill_first and (not classes.classes or not policy_class(cfg.policy).takes_classes):
+        raise ValueError("--strict-prefill-first needs --classes and a policy that orders by class (classes, "
+                         "priority-fcfs, llmd-flow): it tells the engine each request's tier")
     engine_cfg = EngineConfig(
         block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -46,6 +46,7 @@ class _Tiered(QueuePolicy):
         super().__init__(clock, cost, block_size)
         self.config = as_classes(classes)
         self._tier_of = {c.name: c.tier for c in self.config.classes}
+        self._strictest = min(self._tier_of.values(), default=0)
         self.tier = np.zeros(len(self.active), dtype=np.int64)
 
     def _grow_extra(self, n: int) -> None:
@@ -64,6 +65,21 @@ class _Tiered(QueuePolicy):
         serves it first (``QueuePolicy.best_tier``). O(n)."""
         live = self._live()
         return int(self.tier[: self._hi][live].min()) if live.any() else 0
+
+    def lower_tier(self, priority_class: str) -> bool:
+        """Whether class ``priority_class`` ("" = the default) is of a tier below the strictest
+        configured (``QueuePolicy.lower_tier``: the engine's strict-tier prefill). O(1)."""
+        if not self.config.classes:
+            return False
+        return self._tier_of[self.config.resolve(priority_class)] > self._strictest
+
+    def strict_waiting(self) -> bool:
+        """Whether a request of the strictest tier configured waits (``QueuePolicy.strict_waiting``).
+        O(n) vectorised."""
+        if not self.config.classes:
+            return False
+        hi = self._hi
+        return bool((self.active[:hi] & (self.tier[:hi] == self._strictest)).any())
 
     def _top_band(self) -> np.ndarray:
         """Mask of the live slots in the most important tier waiting. O(n)."""

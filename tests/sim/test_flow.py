@@ -95,10 +95,11 @@ def test_mix_is_validated():
 
 
 def test_strict_prefill_first_is_refused_where_no_policy_tells_the_engine_the_tiers():
-    for kw in ({"classes": "", "class_mix": ""}, {"policy": "priority-fcfs"}):
-        with pytest.raises(ValueError, match="--strict-prefill-first needs --classes and --policy classes"):
+    for kw in ({"classes": "", "class_mix": ""}, {"policy": "fairway"}):
+        with pytest.raises(ValueError, match="--strict-prefill-first needs --classes and a policy that orders by"):
             build(small(strict_prefill_first=True, **kw))
-    build(small(strict_prefill_first=True))  # the class policy: accepted
+    for policy in ("classes", "priority-fcfs", "llmd-flow"):  # the policies that order by class: accepted
+        build(small(strict_prefill_first=True, policy=policy))
 
 
 def held_flow(**kw) -> tuple[FlowControl, ManualClock]:

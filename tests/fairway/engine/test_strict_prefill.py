@@ -21,6 +21,8 @@ def engine(strict: bool, policy: str = "classes", budget: int = 64):
     clock = ManualClock()
     cost = LinearCost()  # step = .01 + .001 per prefill token (+ .005 with decodes)
     kw = {"classes": CLASSES, "inner": "fcfs"} if policy == "classes" else {}
+    if policy in ("priority-fcfs", "llmd-flow"):
+        kw = {"classes": CLASSES}
     pol = make_policy(policy, clock=clock, cost=cost, **kw)
     cfg = EngineConfig(kv_blocks=100, max_num_batched_tokens=budget, strict_prefill_first=strict)
     return EngineModel(cfg, cost, pol, clock), clock
@@ -94,3 +96,22 @@ def test_the_class_policy_names_its_lower_tiers_and_its_strict_waiting():
     assert p.strict_waiting()
     assert not make_policy("fcfs", clock=ManualClock(), cost=LinearCost()).lower_tier("x")
 
+
+
+@pytest.mark.parametrize("name", ["priority-fcfs", "llmd-flow"])
+def test_the_flow_anchors_name_their_lower_tiers_and_their_strict_waiting(name):
+    p = make_policy(name, clock=ManualClock(), cost=LinearCost(), classes="a:tier=1,b:tier=2,c:tier=1")
+    assert [p.lower_tier(c) for c in ("a", "b", "c", "")] == [False, True, False, False]  # "": the last, c
+    assert not p.strict_waiting()
+    p.add(queued(0, "b"))
+    assert not p.strict_waiting()
+    p.add(queued(1, "a"))
+    assert p.strict_waiting()
+    assert not make_policy(name, clock=ManualClock(), cost=LinearCost()).lower_tier("")  # no classes
+
+
+def test_an_anchor_on_the_strict_engine_runs_the_strict_arrival_first():
+    # the first test's timeline, with priority-fcfs ordering the engine's queue
+    specs = [classed(0, 0.0, 200, 2, "lo"), classed(1, 0.03, 32, 1, "hi")]
+    assert first_tokens(True, specs, "priority-fcfs")[1] == pytest.approx(0.074 + 0.042)
+    assert first_tokens(False, specs, "priority-fcfs")[1] == pytest.approx(0.222 + 0.01 + 0.040)
