@@ -295,7 +295,7 @@ def make_states(
     uniq = snap.unique_active_blocks or (0,) * n
     news: Sequence[int | None] = new if new is not None else (None,) * n
     # positional, in ReplicaState's field order: keyword arguments cost three times as much per
-    # state here (16 states: about 11 us of a decision), and tests/test_routing_base.py checks
+    # state here (16 states: about 11 us of a decision), and tests/fairway/test_load_view.py checks
     # every column lands in its named field
     out, run, qs, kv, qt, ab = (snap.outstanding, snap.running, snap.queued_prefill_s, snap.kv_usage,
                                 snap.queued_prefill_tokens, snap.active_blocks)
