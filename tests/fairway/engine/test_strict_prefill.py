@@ -86,28 +86,19 @@ def test_without_classes_the_option_changes_nothing():
     assert first_tokens(True, specs, "fcfs") == first_tokens(False, specs, "fcfs")
 
 
-def test_the_class_policy_names_its_lower_tiers_and_its_strict_waiting():
-    p = make_policy("classes", clock=ManualClock(), cost=LinearCost(), classes="a:tier=1,b:tier=2,c:tier=1")
+@pytest.mark.parametrize("name", ["classes", "priority-fcfs", "llmd-flow"])
+def test_the_class_ordered_policies_name_their_lower_tiers_and_their_strict_waiting(name):
+    p = make_policy(name, clock=ManualClock(), cost=LinearCost(), classes="a:tier=1,b:tier=2,c:tier=1")
     assert [p.lower_tier(c) for c in ("a", "b", "c", "")] == [False, True, False, False]  # "": the last, c
     assert not p.strict_waiting()
     p.add(queued(0, "b"))
     assert not p.strict_waiting()
     p.add(queued(1, "c"))
     assert p.strict_waiting()
+    if name != "classes":  # the anchors without classes: one tier
+        assert not make_policy(name, clock=ManualClock(), cost=LinearCost()).lower_tier("")
     assert not make_policy("fcfs", clock=ManualClock(), cost=LinearCost()).lower_tier("x")
 
-
-
-@pytest.mark.parametrize("name", ["priority-fcfs", "llmd-flow"])
-def test_the_flow_anchors_name_their_lower_tiers_and_their_strict_waiting(name):
-    p = make_policy(name, clock=ManualClock(), cost=LinearCost(), classes="a:tier=1,b:tier=2,c:tier=1")
-    assert [p.lower_tier(c) for c in ("a", "b", "c", "")] == [False, True, False, False]  # "": the last, c
-    assert not p.strict_waiting()
-    p.add(queued(0, "b"))
-    assert not p.strict_waiting()
-    p.add(queued(1, "a"))
-    assert p.strict_waiting()
-    assert not make_policy(name, clock=ManualClock(), cost=LinearCost()).lower_tier("")  # no classes
 
 
 def test_an_anchor_on_the_strict_engine_runs_the_strict_arrival_first():
