@@ -64,13 +64,12 @@ ARMS: dict[str, dict[str, Any]] = {
     "priority-fcfs": {"policy": "priority-fcfs", "hold": True},
     "llmd-flow": {"policy": "llmd-flow", "hold": True},
     "classes": {"policy": "classes", "hold": True},
-    "classes-strict": {"policy": "classes", "hold": True, "strict_prefill_first": True},
-    "priority-fcfs-strict": {"policy": "priority-fcfs", "hold": True, "strict_prefill_first": True},
-    "llmd-flow-strict": {"policy": "llmd-flow", "hold": True, "strict_prefill_first": True},
     "classes-nohold": {"policy": "classes"},
 }
 ANCHORS = ("priority-fcfs", "llmd-flow")
-DEFAULT_ARMS = tuple(a for a in ARMS if not a.endswith("-strict"))
+DEFAULT_ARMS = tuple(ARMS)
+# the class arm and the anchors on the engine model's strict-tier prefill (run when named)
+ARMS.update({f"{a}-strict": {**ARMS[a], "strict_prefill_first": True} for a in ("classes", *ANCHORS)})
 IDLE_LOAD = 0.1
 
 

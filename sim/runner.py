@@ -72,10 +72,10 @@ class RunConfig(BaseModel):
     hold: bool = Field(False, description="with classes: the router's held queue (the product's): a replica has "
                                           "room within the gates' bound (gate_wait_s), a request none has room "
                                           "for waits at the router within its wait bound (sim/flow.py)")
-    strict_prefill_first: bool = Field(False, description="with classes: a step in which the strictest tier has "
-                                                          "prefill runs no lower tier's prefill (EngineConfig)")
     hold_s: float = Field(10.0, gt=0, description="hold with class_bounds=gate: every request's wait bound "
                                                   "(router.hold.max_wait_s)")
+    strict_prefill_first: bool = Field(False, description="with classes: a step in which the strictest tier has "
+                                                          "prefill runs no lower tier's prefill (EngineConfig)")
 
     @model_validator(mode="after")
     def _resolve_index_mode(self) -> RunConfig:

@@ -317,7 +317,7 @@ class EngineModel:
         running = self.running  # (a preemption rebinds self.running: reread below)
         free = pool.free  # len(free) is pool.num_free, without a property call per request
         strict = cfg.strict_prefill_first and self._strict_prefill()
-        lower = self.policy.lower_tier
+        lower = self.policy.lower_tier if strict else None  # read only while a strict tier prefills
         while i < len(running) and budget > 0:
             r = running[i]
             if r.ready_s > now or (strict and _prefill_left(r) and lower(r.spec.priority_class)):

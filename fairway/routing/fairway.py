@@ -240,10 +240,9 @@ class FairwayRouter(RouterPolicy):
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
-        # cached_tokens and P_rj per replica; P depends on the cached tokens only, so it is
-        # priced once per distinct match (most replicas share one: none, or the shared prefix)
-        cacheable, bs = max(0, (req.prompt_tokens - 1) // self.block_size), self.block_size
-        cached = {s.replica: min(s.matched_blocks, cacheable) * bs for s in ss}
+        cached = {s.replica: self.cached_tokens(req, s) for s in ss}
+        # P_rj depends on the cached tokens only: priced once per distinct match (most replicas
+        # share one: none, or the shared prefix)
         price = {c: self.cost.prefill_time(req.prompt_tokens - c, c) for c in set(cached.values())}
         prefill = {j: price[c] for j, c in cached.items()}
         wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
