@@ -51,7 +51,6 @@ import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
@@ -117,6 +116,41 @@ class _Tracked:
     klass: str = ""
 
 
+class _SortedWork:
+    """The (P, rid) entries of requests waiting on one replica (or of one class there), sorted,
+    with their P's alone in a parallel list, so a snapshot copies the estimates with one C-level
+    ``tuple`` instead of a generator over the pairs.
+
+    Why: a replica's queue is re-frozen after every request that joins or leaves it; with a deep
+    queue the per-entry Python loop was most of a snapshot. Complexity: O(log n + n) per add or
+    remove (a bisect and two memmoves in C), O(n) in C per ``frozen``."""
+
+    __slots__ = ("keys", "ps")
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[float, int]] = []
+        self.ps: list[float] = []
+
+    def add(self, p: float, rid: int) -> None:
+        i = bisect.bisect_right(self.keys, (p, rid))
+        self.keys.insert(i, (p, rid))
+        self.ps.insert(i, p)
+
+    def remove(self, p: float, rid: int) -> None:
+        """Remove ``rid``'s entry (priced ``p``), if there."""
+        i = bisect.bisect_left(self.keys, (p, rid))
+        if i < len(self.keys) and self.keys[i][1] == rid:
+            del self.keys[i]
+            del self.ps[i]
+
+    def __len__(self) -> int:
+        return len(self.ps)
+
+    def frozen(self) -> tuple[float, ...]:
+        """The estimates, ascending."""
+        return tuple(self.ps)
+
+
 class LoadView:
     """Router-side load bookkeeping per replica, read through a possibly stale snapshot.
 
@@ -127,7 +161,7 @@ class LoadView:
     """
 
     __slots__ = ("clock", "cost", "block_size", "stale_s", "_q", "_qtok", "_nq", "_out", "_run", "_blocks", "_kv",
-                 "_qp", "_qp_frozen", "_cap", "_speed", "_pf", "_rw", "_rw_frozen", "_req", "_snap", "_version",
+                 "_qp", "_qp_frozen", "_cap", "_speed", "_pf", "_rw", "_rws", "_rw_frozen", "_req", "_snap", "_version",
                  "_snap_version", "_ptok", "_held", "_ab", "_abw", "_ab_req", "_cq", "_cq_frozen")
 
     def __init__(
@@ -150,12 +184,13 @@ class LoadView:
         self._run: list[int] = []
         self._blocks: list[int] = []
         self._kv: list[float] = []
-        self._qp: list[list[tuple[float, int]]] = []  # per replica: (P, rid) of waiting requests, sorted
+        self._qp: list[_SortedWork] = []  # per replica: (P, rid) of waiting requests, sorted
         self._qp_frozen: list[tuple[float, ...] | None] = []  # its P's as a tuple; None when stale
         self._cap: list[int] = []  # per replica: max_num_seqs, 0 = unknown
         self._speed: list[float] = []  # per replica: measured pace against the cost model, 1.0 = unknown
         self._pf: list[dict[int, float]] = []  # per replica: rid -> estimated prefill end, started requests
         self._rw: list[deque[tuple[float, float]]] = []  # per replica: (routed at, P) of its last routed
+        self._rws: list[list[float]] = []  # per replica: the P's of its window after the oldest, sorted
         self._rw_frozen: list[tuple[float, tuple[float, ...]] | None] = []  # its window; None when stale
         self._req: dict[int, _Tracked] = {}
         self._ptok: list[int] = []  # per replica: held prefill tokens (no first token yet)
@@ -165,7 +200,7 @@ class LoadView:
         self._abw: dict[int, int] = {}  # hash -> bitmask of the replicas where it is active
         self._ab_req: dict[int, Sequence[int]] = {}  # rid -> its tracked prompt hashes
         # per replica, per request class: [queued prefill s, sorted (P, rid)] of its waiting requests
-        self._cq: list[dict[str, tuple[list[float], list[tuple[float, int]]]]] = []
+        self._cq: list[dict[str, tuple[list[float], _SortedWork]]] = []
         self._cq_frozen: list[dict[str, tuple[float, tuple[float, ...]]] | None] = []
         self._snap: LoadSnapshot | None = None
         self._version = 0
@@ -181,12 +216,13 @@ class LoadView:
         """Append an idle replica; return its id. O(1)."""
         for fcol in (self._q, self._kv):
             fcol.append(0.0)
-        self._qp.append([])
+        self._qp.append(_SortedWork())
         self._qp_frozen.append(())
         self._cap.append(0)
         self._speed.append(1.0)
         self._pf.append({})
         self._rw.append(deque(maxlen=ROUTED_WINDOW))
+        self._rws.append([])
         self._rw_frozen.append(None)
         for icol in (self._qtok, self._nq, self._out, self._run, self._blocks, self._ptok):
             icol.append(0)
@@ -223,10 +259,9 @@ class LoadView:
         t = _Tracked(rid, replica, prompt_tokens, p, prompt_tokens - c, blocks, klass=klass)
         self._req[rid] = t
         self._class_queue(t)
-        self._rw[replica].append((self.clock.now(), p))
-        self._rw_frozen[replica] = None
+        self._route_window(replica, p)
         self._q[replica] += p
-        bisect.insort(self._qp[replica], (p, rid))
+        self._qp[replica].add(p, rid)
         self._qp_frozen[replica] = None
         self._qtok[replica] += t.uncached_tokens
         self._nq[replica] += 1
@@ -324,7 +359,7 @@ class LoadView:
         self._run[t.replica] -= 1
         self._pf[t.replica].pop(rid, None)
         self._q[t.replica] += t.prefill_s
-        bisect.insort(self._qp[t.replica], (t.prefill_s, rid))
+        self._qp[t.replica].add(t.prefill_s, rid)
         self._qp_frozen[t.replica] = None
         self._class_queue(t)
         self._qtok[t.replica] += t.uncached_tokens
@@ -402,6 +437,8 @@ class LoadView:
     # -- internals ---------------------------------------------------------------------------
 
     def _take(self, now: float, keep: bool = True) -> LoadSnapshot:
+        # the per-replica columns read their frozen entries inline and call the rebuild only for
+        # the replicas that moved (a call per replica was a third of a snapshot)
         snap = LoadSnapshot(
             taken_s=now,
             queued_prefill_s=tuple(self._q),
@@ -410,14 +447,17 @@ class LoadView:
             running=tuple(self._run),
             active_blocks=tuple(self._blocks),
             kv_usage=tuple(self._kv),
-            queued_prefills=tuple(map(self._frozen_queue, range(len(self._qp)))),
+            queued_prefills=tuple([f if f is not None else self._frozen_queue(j)
+                                   for j, f in enumerate(self._qp_frozen)]),
             max_running=tuple(self._cap),
             speed=tuple(self._speed),
             active_prefill_tokens=tuple(self._ptok),
             unique_active_blocks=tuple(map(len, self._ab)),
-            prefill_ends=tuple(map(self._prefill_ends, range(len(self._pf)), repeat(now))),
-            routed_windows=tuple(map(self._routed_window, range(len(self._rw)), repeat(now))),
-            class_queues=tuple(map(self._frozen_classes, range(len(self._cq)))),
+            prefill_ends=tuple([self._prefill_ends(j, now) if pf else () for j, pf in enumerate(self._pf)]),
+            routed_windows=tuple([f if f is not None else self._routed_window(j, now)
+                                  for j, f in enumerate(self._rw_frozen)]),
+            class_queues=tuple([f if f is not None else self._frozen_classes(j)
+                                for j, f in enumerate(self._cq_frozen)]),
         )
         if keep:
             self._snap = snap
@@ -429,7 +469,7 @@ class LoadView:
         changed, so a snapshot copies only the queues that moved since the last one."""
         frozen = self._qp_frozen[j]
         if frozen is None:
-            frozen = self._qp_frozen[j] = tuple(p for p, _ in self._qp[j])
+            frozen = self._qp_frozen[j] = self._qp[j].frozen()
         return frozen
 
     def _frozen_classes(self, j: int) -> dict[str, tuple[float, tuple[float, ...]]]:
@@ -438,30 +478,41 @@ class LoadView:
         frozen = self._cq_frozen[j]
         if frozen is None:
             frozen = self._cq_frozen[j] = {
-                k: (max(0.0, q[0]), tuple(p for p, _ in ps)) for k, (q, ps) in self._cq[j].items() if ps}
+                k: (max(0.0, q[0]), ps.frozen()) for k, (q, ps) in self._cq[j].items() if ps}
         return frozen
 
     def _class_queue(self, t: _Tracked) -> None:
         """A classed request joins its replica's class queue. O(log n + n)."""
         if not t.klass:
             return
-        q, ps = self._cq[t.replica].setdefault(t.klass, ([0.0], []))
+        cq = self._cq[t.replica]
+        q, ps = cq.get(t.klass) or cq.setdefault(t.klass, ([0.0], _SortedWork()))
         q[0] += t.prefill_s
-        bisect.insort(ps, (t.prefill_s, t.rid))
+        ps.add(t.prefill_s, t.rid)
         self._cq_frozen[t.replica] = None
+
+    def _route_window(self, j: int, p: float) -> None:
+        """A request priced ``p`` was routed to replica j now: it joins j's window (the oldest
+        entry leaves a full one, and the next oldest becomes the window's start), and the
+        window's sorted estimates follow. O(log W + W) in C."""
+        w, later = self._rw[j], self._rws[j]
+        if len(w) == w.maxlen:
+            w.popleft()
+            del later[bisect.bisect_left(later, w[0][1])]  # the new start leaves the sorted part
+        if w:
+            bisect.insort(later, p)
+        w.append((self.clock.now(), p))
+        self._rw_frozen[j] = None
 
     def _routed_window(self, j: int, now: float) -> tuple[float, tuple[float, ...]]:
         """Replica j's routed-work window (see ``LoadSnapshot``), rebuilt only after a request
-        was routed to j: O(1), or O(W log W) for the W = ``ROUTED_WINDOW`` entries once per
-        routing to j."""
+        was routed to j: O(1), or O(W) in C once per routing to j."""
         frozen = self._rw_frozen[j]
         if frozen is None:
             w = self._rw[j]
             if len(w) < 2:
                 return (now, ())  # not kept: "now" moves
-            it = iter(w)
-            t0, _ = next(it)
-            frozen = self._rw_frozen[j] = (t0, tuple(sorted(p for _, p in it)))
+            frozen = self._rw_frozen[j] = (w[0][0], tuple(self._rws[j]))
         return frozen
 
     def _prefill_ends(self, j: int, now: float) -> tuple[float, ...]:
@@ -501,21 +552,15 @@ class LoadView:
         self._nq[j] -= 1
         self._qtok[j] -= t.uncached_tokens
         self._qp_frozen[j] = None
-        _remove_sorted(self._qp[j], t)
+        self._qp[j].remove(t.prefill_s, t.rid)
         if t.klass:
             q, ps = self._cq[j][t.klass]
-            _remove_sorted(ps, t)
+            ps.remove(t.prefill_s, t.rid)
             q[0] = q[0] - t.prefill_s if ps else 0.0
             self._cq_frozen[j] = None
         # Sums of floats drift: reset to exactly 0 when nothing waits, and never go negative.
         self._q[j] = 0.0 if self._nq[j] == 0 else max(0.0, self._q[j] - t.prefill_s)
 
-
-def _remove_sorted(ps: list[tuple[float, int]], t: _Tracked) -> None:
-    """Remove ``t``'s (P, rid) entry from the sorted list ``ps``, if there. O(log n + n)."""
-    i = bisect.bisect_left(ps, (t.prefill_s, t.rid))
-    if i < len(ps) and ps[i][1] == t.rid:
-        del ps[i]
 
 
 __all__ = ["LoadSnapshot", "LoadView"]

@@ -246,6 +246,9 @@ def by_id(states: Sequence[ReplicaState]) -> list[ReplicaState]:
     or duplicated candidate list. O(R log R)."""
     if not states:
         raise ValueError("no replicas to rank")
+    ids = [s.replica for s in states]
+    if ids == sorted(set(ids)):  # already in order, no duplicate (the hosts' usual list): C-level checks
+        return list(states)
     ss = sorted(states, key=lambda s: s.replica)
     for a, b in zip(ss, ss[1:], strict=False):
         if a.replica == b.replica:

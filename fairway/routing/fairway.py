@@ -174,56 +174,54 @@ class FairwayRouter(RouterPolicy):
         self.shares = PrefixShares()
 
     def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int,
-                      queued: tuple[float, tuple[float, ...]] | None = None) -> float:
+                      queued: tuple[float, tuple[float, ...]] | None = None, now: float | None = None) -> float:
         """W_rj for a request with prefill estimate ``prefill_s`` and ``cached_tokens`` on
         replica ``s`` (see the module docstring); ``queued``: (Q, its sorted estimates) in place
-        of the replica's whole queue. O(log n) plus a C-level sum over the n requests waiting
-        there."""
+        of the replica's whole queue; ``now``: the clock's time, when the caller has read it.
+        O(log n) plus a C-level sum over the n requests waiting there."""
+        cfg = self.config
         q, qp = (s.queued_prefill_s, s.queued_prefills) if queued is None else queued
-        r = self.running_prefill_s(s) if self.config.running_prefill else 0.0
-        queue_model = self.config.wait_model == "queue"
-        if queue_model and cached_tokens <= 0 and self.config.overtaking:
-            return self.overtaken_wait(s, r + q, prefill_s)
+        r = self.running_prefill_s(s, now) if cfg.running_prefill and s.prefill_ends else 0.0
+        queue_model = cfg.wait_model == "queue"
+        if queue_model and cached_tokens <= 0 and cfg.overtaking:
+            return self.overtaken_wait(s, r + q, prefill_s, now)
         slots_full = s.max_running and s.outstanding >= s.max_running
         if not queue_model or cached_tokens <= 0 or not qp or slots_full:
             return r + q  # the whole queue ahead: FCFS replicas, a cold request, or no free slot
         ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
-        return r + min(q, ahead / self.config.fast_share)
+        return r + min(q, ahead / cfg.fast_share)
 
-    def lighter_rate(self, s: ReplicaState, prefill_s: float) -> float:
+    def lighter_rate(self, s: ReplicaState, prefill_s: float, now: float | None = None) -> float:
         """rho_rj: prefill seconds per second of the work lighter than ``prefill_s`` routed to
-        ``s`` lately (its routed window), 0 while there is no window. O(log W) for the bisect
-        plus a C-level sum over at most W = 31 estimates."""
+        ``s`` lately (its routed window), 0 while there is no window; ``now`` as
+        ``expected_wait``'s. O(log W) for the bisect plus a C-level sum over at most W = 31
+        estimates."""
         ps = s.routed_prefills
-        span = self.clock.now() - s.routed_since
-        if not ps or span <= 0.0:
+        if not ps:
+            return 0.0
+        span = (self.clock.now() if now is None else now) - s.routed_since
+        if span <= 0.0:
             return 0.0
         return sum(ps[: bisect.bisect_left(ps, prefill_s)]) / span
 
-    def overtaken_wait(self, s: ReplicaState, ahead_s: float, prefill_s: float) -> float:
+    def overtaken_wait(self, s: ReplicaState, ahead_s: float, prefill_s: float, now: float | None = None) -> float:
         """A cold request's wait on ``s`` behind ``ahead_s`` seconds of work: stretched by the
         lighter work that keeps arriving and overtaking it, ahead_s / (1 - rho), until its
         promotion after theta * P: capped at ahead_s + theta * P. O(log W)."""
         bound = ahead_s + self.config.theta * prefill_s
-        rho = self.lighter_rate(s, prefill_s)
+        rho = self.lighter_rate(s, prefill_s, now)
         return min(ahead_s / (1.0 - rho), bound) if rho < 1.0 else bound
 
-    def running_prefill_s(self, s: ReplicaState) -> float:
+    def running_prefill_s(self, s: ReplicaState, now: float | None = None) -> float:
         """R_j: the estimated prefill still to run of the requests already started on ``s``
         (each started at t0 with estimate P ends at t0 + P; the engine schedules running
-        prefills before it admits waiting requests). O(k) for the k listed."""
+        prefills before it admits waiting requests); ``now`` as ``expected_wait``'s. O(k) for
+        the k listed."""
         if not s.prefill_ends:
             return 0.0
-        now = self.clock.now()
+        if now is None:
+            now = self.clock.now()
         return sum(e - now for e in s.prefill_ends if e > now)
-
-    def own_time(self, req: RouteRequest, s: ReplicaState, cached_tokens: int) -> float:
-        """The step that computes ``req``'s first token on ``s``: its uncached tokens on top of
-        ``cached_tokens``, batched with the decodes of ``s``'s running requests (their context
-        estimated as the outstanding requests' blocks times the running fraction). O(1)."""
-        n = req.prompt_tokens - cached_tokens
-        ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
-        return self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
 
     def reload_s(self, req: RouteRequest, s: ReplicaState) -> float:
         """The host-tier reload before ``req``'s first step on ``s``: its host-hit tokens
@@ -233,47 +231,72 @@ class FairwayRouter(RouterPolicy):
 
     def expected_ttft(self, req: RouteRequest, s: ReplicaState, cached_tokens: int, prefill_s: float,
                       wait_s: float, fullness: float) -> float:
-        """T_rj without the extra-work term: the wait, the first token's step (``own_time``
-        with the decode batch, else P_rj) and the footprint term. O(1)."""
-        step = self.own_time(req, s, cached_tokens) if self.config.decode_batch else prefill_s
-        return wait_s + step + self.config.footprint_weight * prefill_s * fullness
+        """T_rj without the extra-work term: the wait, the step that computes ``req``'s first
+        token (with ``decode_batch``: its uncached tokens on top of ``cached_tokens``, batched
+        with the decodes of ``s``'s running requests, their context estimated as the outstanding
+        requests' blocks times the running fraction; else P_rj) and the footprint term. O(1)."""
+        cfg = self.config
+        if cfg.decode_batch:
+            n = req.prompt_tokens - cached_tokens
+            ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
+            step = self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
+        else:
+            step = prefill_s
+        return wait_s + step + cfg.footprint_weight * prefill_s * fullness
 
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
         ss = by_id(states)
-        cached = {s.replica: self.cached_tokens(req, s) for s in ss}
-        # P_rj depends on the cached tokens only: priced once per distinct match (most replicas
-        # share one: none, or the shared prefix)
-        price = {c: self.cost.prefill_time(req.prompt_tokens - c, c) for c in set(cached.values())}
-        prefill = {j: price[c] for j, c in cached.items()}
-        wait = {s.replica: self.expected_wait(s, prefill[s.replica], cached[s.replica]) for s in ss}
+        now = self.clock.now()
+        cfg = self.config
+        # the cached tokens and P_rj depend on the match only: priced once per distinct match
+        # (most replicas share one: none, or the shared prefix)
+        price: dict[int, tuple[int, float]] = {}
+        cached: dict[int, int] = {}
+        prefill: dict[int, float] = {}
+        for s in ss:
+            cp = price.get(s.matched_blocks)
+            if cp is None:
+                c = self.cached_tokens(req, s)
+                cp = price[s.matched_blocks] = (c, self.cost.prefill_time(req.prompt_tokens - c, c))
+            cached[s.replica], prefill[s.replica] = cp
         least = min(prefill.values())
-        if self.config.footprint == "kv":
-            kmax = max(s.kv_usage for s in ss) or 1.0
-            fullness = {s.replica: s.kv_usage / kmax for s in ss}
-        elif self.config.footprint == "kv-abs":
-            fullness = {s.replica: s.kv_usage for s in ss}
-        else:
-            biggest = max(s.index_blocks for s in ss) or 1
+        if cfg.footprint == "index":
+            biggest = max([s.index_blocks for s in ss]) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
+        else:  # x / 1.0 is x: "kv-abs" is the KV usage itself
+            kmax = (max([s.kv_usage for s in ss]) or 1.0) if cfg.footprint == "kv" else 1.0
+            fullness = {s.replica: s.kv_usage / kmax for s in ss}
+        # T_rj is expected_ttft itself where no term beyond it applies (``_t``)
+        plain = not (cfg.speed_aware or cfg.extra_work_weight)
+        host_tier, ttft_of, t_of = self.host_tier, self.expected_ttft, self._t
 
-        def scores() -> dict[int, float]:
-            return {s.replica: self._t(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
-                                       fullness[s.replica], least) for s in ss}
+        def score(s: ReplicaState, w: float) -> float:
+            j = s.replica
+            if plain and not (host_tier and s.host_blocks):
+                return ttft_of(req, s, cached[j], prefill[j], w, fullness[j])
+            return t_of(req, s, cached[j], prefill[j], w, fullness[j], least)
 
-        ttft = scores()
+        wait: dict[int, float] = {}
+        ttft: dict[int, float] = {}
+        expected_wait = self.expected_wait
+        for s in ss:  # ``score`` inline: a call per replica costs as much as the loop saves
+            j = s.replica
+            c, p = cached[j], prefill[j]
+            w = wait[j] = expected_wait(s, p, c, None, now)
+            ttft[j] = (ttft_of(req, s, c, p, w, fullness[j]) if plain and not (host_tier and s.host_blocks)
+                       else t_of(req, s, c, p, w, fullness[j], least))
         if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
                 s.class_view is not None for s in ss):
             # no replica meets the class's objective by the whole queue: price the wait on the
             # queue the request's class sees (module docstring)
             wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
                 s, prefill[s.replica], cached[s.replica]) for s in ss}
-            ttft = scores()
-        load = {s.replica: s.outstanding for s in ss}
-        size = {s.replica: s.index_blocks for s in ss}
+            ttft = {s.replica: score(s, wait[s.replica]) for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
         # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
         # cluster's memory), then the id
-        order = sorted(ttft, key=lambda j: (ttft[j], -cached[j], load[j], size[j], j))
+        order = [k[-1] for k in sorted([(ttft[s.replica], -cached[s.replica], s.outstanding, s.index_blocks, s.replica)
+                                        for s in ss])]
         best = max(cached.values())
         pick = order[0]
         if self.config.sticky_match > 0:
@@ -295,10 +318,16 @@ class FairwayRouter(RouterPolicy):
     def _t(self, req: RouteRequest, s: ReplicaState, cached: int, prefill: float, wait: float, fullness: float,
            least: float) -> float:
         """T_rj from its terms (the module docstring's rule). O(1)."""
-        speed = s.speed if self.config.speed_aware else 1.0
-        return (self.expected_ttft(req, s, cached, prefill, wait, fullness) / speed
-                + self.config.extra_work_weight * (prefill - least)
-                + (self.reload_s(req, s) if self.host_tier else 0.0))
+        cfg = self.config
+        t = self.expected_ttft(req, s, cached, prefill, wait, fullness)
+        # each term skipped where it is exactly 0 (a speed of 1): the sum is the same to the bit
+        if cfg.speed_aware:
+            t = t / s.speed
+        if cfg.extra_work_weight:
+            t = t + cfg.extra_work_weight * (prefill - least)
+        if self.host_tier and s.host_blocks:
+            t = t + self.reload_s(req, s)
+        return t
 
     def class_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
         """W_rj as the request's class sees replica ``s`` (``ReplicaState.class_view``): the

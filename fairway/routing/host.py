@@ -87,7 +87,7 @@ class RoutingHost:
                                    states)
         first = ranking.ranks[0]
         out = self.load.outstanding_now()
-        pick = min(first, key=lambda j: (out[j], first.index(j)))
+        pick = first[0] if len(first) == 1 else min(first, key=lambda j: (out[j], first.index(j)))
         best = max(s.matched_blocks for s in states)
         return Decision(ranking.ranks, pick, matched[pick], ranking.reason or "choice", best, ranking)
 

@@ -4,6 +4,7 @@ the per-class queues and the class view they give a request."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from fairway.load_view import ROUTED_WINDOW
@@ -139,6 +140,46 @@ def test_load_view_keeps_a_window_of_the_work_routed_lately():
         lv.on_routed(100 + i, 1, 100, prefill_s=i / 100)
     t0, ps = lv.snapshot().routed_windows[1]
     assert t0 == 12.0 and ps == pytest.approx(tuple(i / 100 for i in range(3, ROUTED_WINDOW + 2)))
+
+
+def test_snapshot_columns_kept_in_order_equal_a_rebuild_from_the_requests_after_random_operations():
+    """The waiting estimates (whole queue and per class) and the routed window are kept sorted as
+    requests come and go, not re-sorted per snapshot: after random routings (with equal prices),
+    starts, preemptions and finishes they equal a plain rebuild from the live requests."""
+    rng = np.random.default_rng(7)
+    lv, clock = view(3)
+    live: dict[int, tuple[int, float, str, bool]] = {}  # rid -> replica, P, class, started
+    routed: list[list[tuple[float, float]]] = [[], [], []]  # per replica: (time, P) in routing order
+    for rid in range(600):
+        clock.set(rid * 0.1)
+        op = rng.random()
+        if op < 0.5 or not live:
+            j, p, k = int(rng.integers(3)), float(rng.choice([0.1, 0.2, 0.2, 0.5, rng.random()])), ""
+            k = str(rng.choice(["", "a", "b"]))
+            lv.on_routed(rid, j, 100, prefill_s=p, klass=k)
+            live[rid] = (j, p, k, False)
+            routed[j].append((clock.now(), p))
+        else:
+            r = int(rng.choice(sorted(live)))
+            j, p, k, started = live[r]
+            if op < 0.7 and not started:
+                lv.on_started(r)
+                live[r] = (j, p, k, True)
+            elif op < 0.8 and started:
+                lv.on_preempted(r, prompt_tokens=100)
+                live[r] = (j, lv.cost.prefill_time(100, 0), k, False)
+            else:
+                lv.on_finished(r)
+                del live[r]
+        snap = lv.snapshot()
+        for j in range(3):
+            waiting = [(p, k) for (jj, p, k, started) in live.values() if jj == j and not started]
+            assert snap.queued_prefills[j] == tuple(sorted(p for p, _ in waiting))
+            want = {k: tuple(sorted(p for p, kk in waiting if kk == k)) for k in ("a", "b")}
+            assert {k: v[1] for k, v in snap.class_queues[j].items()} == {k: v for k, v in want.items() if v}
+            w = routed[j][-ROUTED_WINDOW:]
+            if len(w) >= 2:
+                assert snap.routed_windows[j] == (w[0][0], tuple(sorted(p for _, p in w[1:])))
 
 
 def test_load_view_staleness():
