@@ -97,6 +97,11 @@ class ClusterArgs(ServedModel, ServedEngine):
                     classes.resolve(tenant.default_class)
                 except ValueError as e:
                     raise ValueError(f"auth.tenants.{name}.default_class: {e}") from None
+        if "tiers" in self.engine_args:
+            raise ValueError("engine_args.tiers is set by the replica: use replica.strict_tiers")
+        if self.replica.strict_tiers and (not classes.classes or self.engine != "sim"):
+            raise ValueError("replica.strict_tiers needs request classes (classes:) and the sim engine: stock vLLM "
+                             "runs its running requests' prefill first whatever their priority")
         if classes.classes and self.replica.policy == "classes":
             raise ValueError("the request classes are configured once, at the top level (classes:); "
                              "replica.policy names the order within a class")

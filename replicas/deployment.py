@@ -41,6 +41,9 @@ class ReplicaOptions(GateConfig):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
     tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
+    strict_tiers: bool = Field(False, description="with request classes, sim engine only: the engine serves its "
+                               "waiting requests by tier and runs no lower tier's prefill while the strictest "
+                               "tier has prefill, and the gate admits a request past the lower tiers' backlog")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaOptions:
@@ -108,7 +111,8 @@ class FairwayReplica:
         a = args if isinstance(args, ReplicaArgs) else ReplicaArgs(**args)
         self.args = a
         self.name = replica_name()
-        self.engine = make_engine(a.engine, **a.engine_args)
+        # strict tiers: the engine orders by the classes' tiers (checked at the config: sim engine, classes set)
+        self.engine = make_engine(a.engine, **a.engine_args, **({"tiers": a.classes} if a.strict_tiers else {}))
         self.engine.stream_interval_s = a.stream_interval_s
         # a stream's tokens are merged once: by an engine that coalesces, else by the replica
         self._coalesce_s = 0.0 if self.engine.coalesces else a.stream_interval_s
@@ -138,7 +142,8 @@ class FairwayReplica:
                 self.exporter = None
         self.gate = AdmissionGate(self.engine, policy, clock, a.gate_config(), replica=self.name, stats=self.stats,
                                   wait_bound_s=partial(a.classes.wait_bound_for, default=None),  # without classes: none
-                                  policy_factory=new_policy if a.tenant_fair else None)
+                                  policy_factory=new_policy if a.tenant_fair else None,
+                                  tier_of=(lambda k: a.classes.spec(k).tier) if a.strict_tiers else None)
         await self.gate.start()
         self.kv_publisher = self._publish_kv() if a.publish_kv_events else None
         self.faults = None

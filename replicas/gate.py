@@ -8,7 +8,10 @@ near empty. "Room" is, in order:
 1. fewer than ``max_num_seqs`` requests in the engine;
 2. less than one step's token budget (``max_num_batched_tokens``, or ``prefill_budget_tokens``)
    of admitted prompt tokens still to prefill, so the engine always has a full step of prefill
-   work and at most about one step of backlog that the gate no longer orders;
+   work and at most about one step of backlog that the gate no longer orders (with an engine
+   that serves the strictest tier's prefill first, ``tier_of``: the admitted backlog of the
+   pick's tier and stricter ones only, so an interactive request does not wait here for a step
+   of batch backlog the engine will pause for it);
 3. the head request's KV blocks fit (``engine.can_fit``); if not, the head waits and nothing
    behind it jumps ahead (vLLM's head-of-line rule), so a large request is never starved by
    small ones slipping into freed memory.
@@ -118,8 +121,13 @@ class AdmissionGate:
         stats: Any = None,
         policy_factory: Callable[[], QueuePolicy] | None = None,
         wait_bound_s: Callable[[str], float | None] | None = None,
+        tier_of: Callable[[str], int] | None = None,
     ) -> None:
+        """``tier_of`` (a class name -> its tier, lower first): given when the engine itself
+        serves the strictest tier's prefill first (the sim engine's ``tiers``); rule 2 then counts,
+        for a request of tier t, only the admitted prefill of tiers up to t (module docstring)."""
         self.engine = engine
+        self.tier_of = tier_of
         # the tenants' queues, each ordered by ``policy``'s kind (``policy`` serves requests without a key)
         self.config = config or GateConfig()
         self.policy = TenantQueues(policy, policy_factory, block_size=engine.block_size,
@@ -133,6 +141,8 @@ class AdmissionGate:
         self._promotions_seen = 0
         self.recent_cached: OrderedDict[str, int] = OrderedDict()
         self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
+        self._pending_tier: dict[int, int] = {}  # with tier_of: those tokens by tier
+        self._tier: dict[int, int] = {}  # with tier_of: admitted rid without a first token -> its tier
         self._admitted: dict[int, str] = {}  # in the engine (admitted, not finished): rid -> request id
         self._prefilling: dict[int, float] = {}  # of those, without a first token: rid -> admission wall time
         self.admitted = 0
@@ -225,7 +235,12 @@ class AdmissionGate:
         # when its coroutine next runs, so the engine's own figures lag this loop.
         if len(self._admitted) >= self.engine.max_num_seqs:
             return False
-        return self._pending_prefill < self._budget()
+        # with tier_of, rule 2 depends on the pick's tier: ``pump`` checks it per pick
+        return self.tier_of is not None or self._pending_prefill < self._budget()
+
+    def _pending_upto(self, tier: int) -> int:
+        """Admitted prefill tokens without a first token, of tiers up to ``tier``. O(tiers)."""
+        return sum(n for t, n in self._pending_tier.items() if t <= tier)
 
     def _budget(self) -> int:
         """Admitted-but-unprefilled tokens the engine may hold (one step's worth by default)."""
@@ -239,6 +254,11 @@ class AdmissionGate:
             overdue = self._overdue()
             q = overdue or self.policy.select(skip=owing)
             if q is None:
+                break
+            tier = self.tier_of(q.priority_class) if self.tier_of is not None else 0
+            # rule 2: with tier_of, for the pick's tier (the strictest waiting: the policy's order)
+            pending = self._pending_upto(tier) if self.tier_of is not None else self._pending_prefill
+            if pending >= self._budget():
                 break
             if self._waiting[q.rid].done():
                 # its task was cancelled (the client left): ``Task.cancel`` cancelled the future at
@@ -254,7 +274,7 @@ class AdmissionGate:
                 tenant = self.policy.tenant_of(q.rid)
                 tokens, slots = self.policy.reserve(tenant, self.clock.now())
                 if slots and (len(self._admitted) + slots >= self.engine.max_num_seqs
-                              or self._pending_prefill + min(tokens, self._budget() // 2) >= self._budget()):
+                              or pending + min(tokens, self._budget() // 2) >= self._budget()):
                     owing.add(tenant)
                     continue
             if not self.engine.can_fit(q.prompt_tokens + tokens, q.block_hashes):
@@ -265,6 +285,9 @@ class AdmissionGate:
             adm = self.policy.admit(q.rid)
             self.drain.took(self.clock.now(), adm.est_prefill_s)
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
+            if self.tier_of is not None:
+                self._tier[q.rid] = tier
+                self._pending_tier[tier] = self._pending_tier.get(tier, 0) + adm.prompt_tokens - adm.cached_tokens
             self._admitted[q.rid] = self._request_ids.pop(q.rid, "")
             self._prefilling[q.rid] = time.time()
             fut = self._waiting.pop(q.rid)
@@ -397,6 +420,9 @@ class AdmissionGate:
         it leaves the pending prefill tokens and the prefilling list the stats report."""
         self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
         self._prefilling.pop(adm.rid, None)
+        tier = self._tier.pop(adm.rid, None)
+        if tier is not None:
+            self._pending_tier[tier] -= adm.prompt_tokens - adm.cached_tokens
 
     async def _stream_until_stall(self, call: GenerateCall, adm: Admission,
                                   progress: dict[str, bool]) -> AsyncIterator[TokenChunk]:

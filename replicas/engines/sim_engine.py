@@ -18,7 +18,12 @@ late sleeps less, down to zero, and a deficit beyond ``max_catchup_s`` is writte
 busy time and the per-step lateness, so a run can show how far the real-time loop kept up.
 
 The gate in front (``replicas/gate.py``) orders admission with the Fairway queue; inside, the
-engine serves what it was given first-come-first-served, as vLLM's own waiting queue does.
+engine serves what it was given first-come-first-served, as vLLM's own waiting queue does. With
+``tiers`` (the replica's ``strict_tiers``) it serves its waiting queue by class tier instead, as
+vLLM's priority scheduling does, and pauses lower tiers' prefill while the strictest tier has
+prefill to run, so an interactive prompt is not computed in steps shared with batch prefill
+chunks (stock vLLM has no such rule: it runs its running requests' prefill first, whatever their
+priority).
 
 A request whose consumer stops reading (the client disconnected, so Serve cancelled the call) is
 aborted in the model at once: it leaves the queue or the running batch and its KV blocks are freed,
@@ -60,6 +65,7 @@ from fairway.clock import Clock, MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.engine.model import EngineConfig, EngineListener, EngineModel, EngineRequest
 from fairway.hashing import HashState, salt_seed
+from fairway.policies.classes import ClassesConfig
 from fairway.policies import make_policy
 from fairway.protocol import (
     Engine,
@@ -120,7 +126,13 @@ class SimEngine(Engine, EngineListener):
         max_catchup_s: float = 0.1,
         host_kv_blocks: int = 0,
         host_link_bytes_per_s: float = 50e9,
+        tiers: ClassesConfig | None = None,
     ) -> None:
+        """``tiers`` (the replica passes its request classes with ``replica.strict_tiers``): the
+        engine serves its waiting queue by tier, then first-come-first-served (vLLM's priority
+        scheduling), and a step in which the strictest tier has prefill runs no lower tier's
+        prefill (``EngineConfig.strict_prefill_first``; module docstring). None: FCFS, as vLLM's
+        default."""
         if speed <= 0:
             raise ValueError("speed must be > 0")
         if pacing not in ("deadline", "sleep"):
@@ -138,10 +150,16 @@ class SimEngine(Engine, EngineListener):
         self.seed = seed
         self.clock = clock or MonotonicClock()
         self.cost = CostModel.from_profile(profile)
+        self.tiers = tiers if tiers is not None and tiers.classes else None
+        if tiers is not None and self.tiers is None:
+            raise ValueError("tiers needs at least one request class")
         cfg = EngineConfig(block_size, max_num_batched_tokens, max_num_seqs, kv_blocks,
-                           host_kv_blocks=host_kv_blocks, host_link_bytes_per_s=host_link_bytes_per_s)  # checked there
-        fcfs = make_policy("fcfs", clock=self.clock, cost=self.cost, block_size=block_size)
-        self.model = EngineModel(cfg, self.cost, fcfs, self.clock)
+                           host_kv_blocks=host_kv_blocks, host_link_bytes_per_s=host_link_bytes_per_s,
+                           strict_prefill_first=self.tiers is not None)  # checked there
+        order = (make_policy("priority-fcfs", clock=self.clock, cost=self.cost, block_size=block_size,
+                             classes=self.tiers) if self.tiers is not None
+                 else make_policy("fcfs", clock=self.clock, cost=self.cost, block_size=block_size))
+        self.model = EngineModel(cfg, self.cost, order, self.clock)
         self.model.listener = self
         self._live: dict[int, _Live] = {}
         self._next_rid = 0
@@ -335,7 +353,18 @@ class SimEngine(Engine, EngineListener):
             prompt_tokens=len(call.prompt_token_ids),
             output_tokens=call.max_tokens,
             block_hashes=tuple(hashes + tail.hashes),
+            priority_class=self._class_of(call.priority_class),
         )
+
+    def _class_of(self, name: str) -> str:
+        """The request's class as the engine orders it: its configured class with ``tiers``
+        (an unknown one, which the ingress refuses before, counts as the default), else "". O(C)."""
+        if self.tiers is None:
+            return ""
+        try:
+            return self.tiers.resolve(name)
+        except ValueError:
+            return self.tiers.default_name
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
         if self._failed is not None:

@@ -145,3 +145,16 @@ def test_request_classes_reach_the_ingress_and_every_replica():
 def test_bad_request_classes_fail_when_the_config_is_parsed(extra, needle):
     with pytest.raises(ValidationError, match=needle):
         ClusterArgs(**extra)
+
+
+def test_strict_tiers_need_classes_and_the_sim_engine_and_reach_the_replicas():
+    classes = [{"name": "interactive", "tier": 0, "objective_s": 1.0}, {"name": "batch", "tier": 1}]
+    with pytest.raises(ValueError, match="strict_tiers needs request classes"):
+        ClusterArgs(replica={"strict_tiers": True})
+    with pytest.raises(ValueError, match="stock vLLM"):
+        ClusterArgs(replica={"strict_tiers": True}, classes=classes, engine="vllm",
+                    engine_args={"model": "deploy/models/fairway-tiny-llama"})
+    with pytest.raises(ValueError, match="replica.strict_tiers"):
+        ClusterArgs(classes=classes, engine_args={"tiers": "x"})
+    ra = ClusterArgs(replica={"strict_tiers": True}, classes=classes).replica_args()
+    assert ra.strict_tiers and [c.name for c in ra.classes.classes] == ["interactive", "batch"]

@@ -3,7 +3,8 @@ gate queue and a small prefill budget, so bursts queue at the gate and overflow 
 two tenants; three request classes: ``interactive`` (tier 0), ``bulk`` (tier 1, a 120 s wait
 bound: held at the router; the default tenant class of ``bulkco``) and ``batch`` (tier 1, a 5 s
 wait bound, the gates' own, so a request every gate refuses is answered 429 at once and one still
-queued after 5 s is answered 429 then; the class of a request without one)."""
+queued after 5 s is answered 429 then; the class of a request without one). The replicas run
+strict tiers (``replica.strict_tiers``): their engines serve the interactive tier's prefill first."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ BULKCO = {"authorization": "Bearer k-bulk"}
 def slow():
     with running_cluster(num_replicas=2, engine_args={"speed": 0.1}, api_key="k-alice", env=KEYS_ENV,
                          auth={"keys_env": "FAIRWAY_TEST_KEYS", "tenants": {"bulkco": {"default_class": "bulk"}}},
-                         replica={"max_queue": 3, "prefill_budget_tokens": 512},
+                         replica={"max_queue": 3, "prefill_budget_tokens": 512, "strict_tiers": True},
                          classes=[{"name": "interactive", "tier": 0, "objective_s": 5.0, "max_wait_s": 60.0},
                                   {"name": "bulk", "tier": 1, "objective_s": 60.0, "max_wait_s": 120.0},
                                   {"name": "batch", "tier": 1, "objective_s": 60.0, "max_wait_s": 5.0}]) as u:
@@ -156,3 +157,30 @@ def test_requests_every_gate_refused_are_held_and_served_once(slow):
     print(f"held at the router: {len(held)} of 12, for {min(held):.2f}-{max(held):.2f} s")
     assert total(slow, "router", "fairway_router_hold_seconds_count") - held_before == len(held)
     assert total(slow, "replica", "fairway_requests_total") - ok_before == 12  # none ran twice
+
+
+def test_with_strict_tiers_an_interactive_prompt_is_not_computed_behind_a_running_batch_prefill(slow):
+    """Four cold 16,000-token bulk prompts, so every replica has one, each two steps of prefill
+    (8,192 tokens a step, 10x slowed); 0.3 s later an interactive 300-token prompt. Stock vLLM (and the
+    sim engine without strict tiers) would run the bulk prompt's second chunk before it; with
+    strict tiers the gate lets it past the bulk backlog and the engine computes it alone in the
+    next step: its first token comes before the first token of the bulk request on its replica."""
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int, klass: str, n: int, after: float):
+                await asyncio.sleep(after)
+                loop = asyncio.get_running_loop()
+                sent = loop.time()
+                payload = {"model": MODEL, "prompt": prompt_ids(1300 + i, n), "max_tokens": 2, "priority": klass}
+                async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
+                                  timeout=aiohttp.ClientTimeout(total=300)) as r:
+                    body = await r.json()
+                    return r.status, body, sent + body.get("fairway", {}).get("ttft_s", 0.0)
+            return await asyncio.gather(*(one(i, "bulk", 16_000, 0.0) for i in range(4)),
+                                        one(4, "interactive", 300, 0.3))
+
+    results = asyncio.run(run())
+    assert [c for c, _, _ in results] == [200] * 5, [b for _, b, _ in results]
+    _, fast, first = results[4]
+    bulk = [t for _, b, t in results[:4] if b["fairway"]["replica"] == fast["fairway"]["replica"]]
+    assert bulk and first < min(bulk), ([(b["fairway"], t) for _, b, t in results], first, bulk)

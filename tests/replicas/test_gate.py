@@ -15,6 +15,7 @@ import pytest
 
 from fairway.clock import ManualClock
 from fairway.policies import make_policy
+from fairway.policies.classes import ClassesConfig
 from fairway.protocol import Engine, EngineOutput, EngineStats, GenerateCall, Overloaded, RequestTooLarge
 from replicas.gate import AdmissionGate, GateConfig
 from tests.factories import LinearCost, chain
@@ -708,3 +709,39 @@ async def test_a_request_still_waiting_at_its_class_bound_is_answered_429_not_re
         await settle()
     await asyncio.gather(running, tl)
     assert engine.started == ["a", "l"]
+
+
+@pytest.mark.parametrize("tiered, started", [
+    (False, ["b0"]),  # rule 2: the batch backlog fills the budget, the interactive request waits behind it
+    (True, ["b0", "i0"]),  # the engine pauses batch prefill for it: rule 2 counts only its own tier's backlog
+])
+async def test_with_an_engine_that_serves_the_strict_tier_first_rule_2_counts_only_that_tiers_backlog(
+        tiered, started):
+    """A batch request's 500 prompt tokens fill the 100-token prefill budget. An interactive
+    request then arrives: with ``tier_of`` (the engine runs the strictest tier's prefill first)
+    it enters the engine at once, and a second interactive one waits for the first's prefill, not
+    for the batch's; without it, both wait for the batch request's first token."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    classes = ClassesConfig.parse(CLASSES)
+    gate = AdmissionGate(engine, make_policy("classes", clock=clock, cost=LinearCost(), block_size=16,
+                                             classes=CLASSES, inner="fcfs"),
+                         clock, GateConfig(), replica="r0",
+                         tier_of=(lambda k: classes.spec(k).tier) if tiered else None)
+    out: list = []
+
+    def c(rid: str, klass: str, tokens: int) -> GenerateCall:
+        x = call(rid, tokens)
+        x.priority_class = klass
+        return x
+
+    tasks = [asyncio.create_task(consume(gate, c("b0", "batch", 500), out))]
+    await settle()
+    tasks += [asyncio.create_task(consume(gate, c(r, "interactive", 200), out)) for r in ("i0", "i1")]
+    await settle()
+    assert engine.started == started
+    for r in ("b0", "i0", "i1") if not tiered else ("i0", "i1", "b0"):
+        engine.release(r)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert engine.started == ["b0", "i0", "i1"] and gate.admitted == 3

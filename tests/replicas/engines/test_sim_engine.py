@@ -191,3 +191,38 @@ async def test_the_stream_interval_holds_later_outputs_until_the_finish(engine):
     held = [out.token_ids async for out in engine.generate(c)]
     assert [len(t) for t in held] == [1, 19]
     assert sum(held, []) == sum(every, [])
+
+
+@pytest.mark.parametrize("tiered, first", [(False, ["batch", "interactive"]), (True, ["interactive", "batch"])])
+async def test_with_tiers_an_interactive_prompt_is_not_prefilled_behind_a_batch_prompt(tiered, first):
+    """A 4,096-token batch prompt and then a 256-token interactive one reach the engine together
+    (a 512-token step budget: the batch prompt needs 8 steps of prefill). FCFS, as stock vLLM,
+    computes the batch prompt first; with ``tiers`` the engine takes the interactive request first
+    and runs no batch prefill until its prefill is done."""
+    from fairway.policies.classes import ClassesConfig
+
+    tiers = ClassesConfig.parse("interactive:tier=0:objective=1,batch:tier=1:objective=30") if tiered else None
+    e = make_engine("sim", speed=1000.0, kv_blocks=1024, max_model_len=8192, max_num_batched_tokens=512,
+                    tiers=tiers)
+    await e.start()
+    order: list[str] = []
+
+    async def one(klass: str, ids: list[int]) -> None:
+        c = call(klass, ids, max_tokens=2)
+        c.priority_class = klass
+        async for _ in e.generate(c):
+            if klass not in order:
+                order.append(klass)
+
+    try:
+        await asyncio.gather(one("batch", list(range(1000, 1000 + 4096))), one("interactive", [7] * 256))
+    finally:
+        await e.shutdown()
+    assert order == first
+
+
+async def test_tiers_need_a_class():
+    from fairway.policies.classes import ClassesConfig
+
+    with pytest.raises(Exception, match="tiers needs at least one request class"):
+        make_engine("sim", tiers=ClassesConfig.parse(""))
