@@ -65,8 +65,8 @@ from fairway.clock import Clock, MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.engine.model import EngineConfig, EngineListener, EngineModel, EngineRequest
 from fairway.hashing import HashState, salt_seed
-from fairway.policies.classes import ClassesConfig
 from fairway.policies import make_policy
+from fairway.policies.classes import ClassesConfig
 from fairway.protocol import (
     Engine,
     EngineFailed,
