@@ -45,6 +45,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="share of clients that hang up on purpose (half at a random time, half mid-stream)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stderr is a terminal)")
+    r.add_argument("--class-mix", default="", help="name=share,...: each request's class, sent as the body's "
+                   "priority (drawn as the simulator's --class-mix)")
+    r.add_argument("--class-objectives", default="", help="name=seconds,...: TTFT objectives, for attainment by class")
     r.add_argument("--json", default=None, help="write the summary JSON here")
     return ap
 
@@ -67,6 +70,8 @@ def config_from(args: argparse.Namespace) -> HttpRunConfig:
         retries=args.retries,
         disconnect_fraction=args.disconnect_fraction,
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+        class_mix=args.class_mix,
+        class_objectives=args.class_objectives,
     )
 
 
@@ -96,6 +101,10 @@ def format_lane_table(res: dict[str, Any]) -> str:
              for r in rows]
     for rep in res.get("per_replica") or []:
         lines.append(f"replica {rep['replica']}: {rep['requests']} requests, hit ratio {rep['hit_ratio']:.3f}")
+    for name, c in (res.get("by_class") or {}).items():
+        att = f", attainment {c['attainment']:.3f} (objective {c['objective_s']:g} s)" if "attainment" in c else ""
+        lines.append(f"class {name}: {c['n']} sent, {c['n_finished']} ok, {c['n_rejected']} refused, ttft p50 "
+                     f"{c['ttft_s']['p50']:.3f} p99 {c['ttft_s']['p99']:.3f} s{att}")
     return "\n".join(lines)
 
 

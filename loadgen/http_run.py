@@ -36,7 +36,7 @@ from typing import Any, TextIO
 
 import aiohttp
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.clock import Clock, MonotonicClock
 from fairway.request import RequestSpec, Workload
@@ -45,6 +45,7 @@ from loadgen.accounting import Ledger, classify
 from loadgen.http_client import ServerError, StreamResult, first_model, reuse_tracing, stream_completion
 from loadgen.progress import ProgressLine
 from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
+from workloads.class_mix import ClassMix, parse_mix
 from workloads.registry import make_workload_from
 
 #: Keys ``loadgen run`` writes that ``sim run`` does not.
@@ -84,11 +85,40 @@ class HttpRunConfig(BaseModel):
     disconnect_fraction: float = Field(0.0, ge=0, le=1, description="share of clients that hang up on purpose")
     disconnect_within_s: float = Field(0.5, gt=0, description="a timed hang-up comes within this (s)")
     api_key: str | None = Field(None, description="sent as 'Authorization: Bearer <key>'", repr=False)
+    class_mix: str = Field("", description="name=share,...: each request's class (the body's priority), drawn "
+                           "by a seeded RNG as the simulator's --class-mix; the summary is then also by class")
+    class_objectives: str = Field("", description="name=seconds,...: each class's TTFT objective, for the "
+                                  "summary's attainment by class")
+
+    @model_validator(mode="after")
+    def _check_classes(self) -> HttpRunConfig:
+        """The class mix and objectives parse (checked here, at the edge, not at the summary)."""
+        if self.class_mix:
+            parse_mix(self.class_mix)
+        parse_objectives(self.class_objectives)
+        return self
 
 
 def build_workload(cfg: HttpRunConfig) -> Workload:
-    """The workload exactly as ``sim.runner.build`` makes it. Raises ``WorkloadError``."""
-    return make_workload_from(cfg)
+    """The workload exactly as ``sim.runner.build`` makes it (with its class mix, as the
+    simulator's). Raises ``WorkloadError``, or ``ValueError`` for a bad mix."""
+    workload = make_workload_from(cfg)
+    return ClassMix(workload, parse_mix(cfg.class_mix), cfg.seed) if cfg.class_mix else workload
+
+
+def parse_objectives(text: str) -> dict[str, float]:
+    """``interactive=1,batch=30`` -> {name: seconds}; each > 0 (``ValueError`` naming the entry)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, v = part.partition("=")
+        try:
+            seconds = float(v) if eq and name.strip() else -1.0
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise ValueError(f"bad class objective {part!r}: expected name=seconds with seconds > 0")
+        out[name.strip()] = seconds
+    return out
 
 
 @dataclass(slots=True)
@@ -108,6 +138,7 @@ class RequestRecord:
     spec_prompt_tokens: int
     reused_context: bool
     result: StreamResult
+    klass: str = ""
 
 
 class HttpLoadRun:
@@ -182,6 +213,7 @@ class HttpLoadRun:
             "ignore_eos": True,
             "return_token_ids": True,
             "temperature": 0,
+            **({"priority": spec.priority_class} if spec.priority_class else {}),
         }
 
     async def _one(self, spec: RequestSpec) -> None:
@@ -207,7 +239,7 @@ class HttpLoadRun:
         self.records.append(RequestRecord(
             rid=spec.rid, kind=spec.kind, session=spec.session, turn=spec.turn, arrival_s=spec.arrival_s,
             sent_s=sent_s, finish_s=finish_s, spec_prompt_tokens=spec.prompt_tokens,
-            reused_context=prefix is not None, result=res,
+            reused_context=prefix is not None, result=res, klass=spec.priority_class,
         ))
         self.progress.on_done(res.ok)
         if res.ok and res.output_ids is not None:
@@ -308,6 +340,26 @@ class HttpLoadRun:
             "wall_s": wall_s,
             "accounting": self.ledger.report(),
         }
+        if cfg.class_mix:
+            out["by_class"] = self._by_class()
+        return out
+
+    def _by_class(self) -> dict[str, dict[str, Any]]:
+        """Per class: requests sent, answered, refused; TTFT percentiles of the answered ones and,
+        with an objective, the share of the sent ones whose first token met it (a refused or
+        unanswered request misses it: attainment, as the simulator counts it)."""
+        objectives = parse_objectives(self.cfg.class_objectives)
+        out: dict[str, dict[str, Any]] = {}
+        for name in sorted({r.klass for r in self.records}):
+            rs = [r for r in self.records if r.klass == name]
+            ttft = [_sample(r).ttft_s for r in rs if r.result.ok]
+            row: dict[str, Any] = {"n": len(rs), "n_finished": len(ttft),
+                                   "n_rejected": sum(1 for r in rs if not r.result.ok and r.result.rejected),
+                                   "ttft_s": pct(ttft)}
+            if name in objectives:
+                row["objective_s"] = objectives[name]
+                row["attainment"] = sum(1 for t in ttft if t <= objectives[name]) / len(rs) if rs else None
+            out[name] = row
         return out
 
 

@@ -1,9 +1,8 @@
 """Flow control in the simulator: a class mix on any workload, the router's wait-bound check, and
 the per-class summary (docs/design.md, Flow control).
 
-- ``ClassMix`` labels each request of a workload with a class drawn from a mix by its own seeded
-  RNG (a stream apart from the workload's, so the requests themselves are the ones the workload
-  makes without classes); every turn of a session shares its first turn's class.
+- ``ClassMix`` (``workloads/class_mix.py``, shared with the load generator) labels each request of
+  a workload with a class drawn from a mix.
 - ``FlowControl`` is the router-side admission the issue asks for, as far as the simulator
   models it: a request goes to the router's pick when that replica's predicted wait for its class
   (``QueuePolicy.work_ahead_s``: the queued prefill seconds its queue order puts ahead of it) is
@@ -34,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -43,65 +42,9 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineModel, EngineRequest
 from fairway.policies.classes import ClassesConfig
-from fairway.request import RequestSpec, Workload
+from fairway.request import RequestSpec
 from fairway.routing.held import HeldQueue
 from fairway.summary import pct, short_pct
-
-
-def parse_mix(text: str, classes: ClassesConfig) -> tuple[tuple[str, float], ...]:
-    """``interactive=0.2,batch=0.8`` -> ((name, probability), ...), normalised; every name must
-    be a configured class and every share > 0."""
-    out: list[tuple[str, float]] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, v = part.partition("=")
-        if not eq:
-            raise ValueError(f"bad class mix entry {part!r}: expected name=share")
-        name = classes.resolve(name.strip())
-        try:
-            share = float(v)
-        except ValueError:
-            raise ValueError(f"bad share {v!r} for class {name}") from None
-        if not share > 0:
-            raise ValueError(f"class {name}: share must be > 0")
-        out.append((name, share))
-    if not out:
-        raise ValueError("an empty class mix")
-    total = sum(s for _, s in out)
-    return tuple((n, s / total) for n, s in out)
-
-
-class ClassMix(Workload):
-    """``inner``'s requests, each labelled with a class drawn from ``mix`` (module docstring)."""
-
-    def __init__(self, inner: Workload, mix: Sequence[tuple[str, float]], seed: int) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.closed_loop = inner.closed_loop
-        self.names = [n for n, _ in mix]
-        self.cum = np.cumsum([p for _, p in mix])
-        self.rng = np.random.default_rng([seed, 25])  # apart from the workload's own stream
-        self._session: dict[int, str] = {}
-
-    def __getattr__(self, attr: str) -> Any:  # the inner workload's other attributes
-        return getattr(self.inner, attr)
-
-    def _label(self, spec: RequestSpec) -> RequestSpec:
-        c = self._session.get(spec.session) if spec.session >= 0 else None
-        if c is None:
-            i = int(np.searchsorted(self.cum, self.rng.random(), side="right"))
-            c = self.names[min(i, len(self.names) - 1)]
-            if spec.session >= 0:
-                self._session[spec.session] = c
-        spec.priority_class = c
-        return spec
-
-    def initial(self) -> Iterator[RequestSpec]:
-        for spec in self.inner.initial():
-            yield self._label(spec)
-
-    def on_complete(self, spec: RequestSpec, finish_s: float) -> list[RequestSpec]:
-        return [self._label(s) for s in self.inner.on_complete(spec, finish_s)]
-
 
 #: ``FlowControl.place``'s answer for a request it holds
 HELD = -2
@@ -294,4 +237,4 @@ def flow_summary(finished: Sequence[EngineRequest], rejected: Sequence[EngineReq
     return out
 
 
-__all__ = ["HELD", "ClassMix", "FlowControl", "flow_summary", "parse_mix"]
+__all__ = ["HELD", "FlowControl", "flow_summary"]

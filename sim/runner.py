@@ -16,10 +16,11 @@ from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
-from sim.flow import ClassMix, FlowControl, flow_summary, parse_mix
+from sim.flow import FlowControl, flow_summary
 from sim.hit_bounds import References, hit_ratio_bounds
 from sim.metrics import summarize
 from sim.simulator import Simulation
+from workloads.class_mix import ClassMix, parse_mix
 from workloads.registry import make_workload_from
 
 

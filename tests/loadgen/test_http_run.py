@@ -54,6 +54,7 @@ class Received:
     lane: str = ""
     chunks: int = 0
     authorization: str | None = None
+    priority: str | None = None
 
 
 @dataclass
@@ -96,7 +97,7 @@ class FakeOpenAI:
         assert body["stream"] is True and body["return_token_ids"] is True and body["ignore_eos"] is True
         assert body["model"] == "fake-model"
         rec = Received(len(self.received), list(body["prompt"]), int(body["max_tokens"]),
-                       authorization=request.headers.get("Authorization"))
+                       authorization=request.headers.get("Authorization"), priority=body.get("priority"))
         self.received.append(rec)
         if self.hang(rec.index):
             await self._stop.wait()
@@ -313,6 +314,31 @@ async def test_open_loop_counts_timings_lanes_and_cache_are_exact(serve):
     assert res["wall_s"] >= expected[-1].arrival_s
     text = progress.getvalue()
     assert text.startswith("\rloadgen: sent") and text.endswith("\n") and f"ok {n}" in text
+
+
+@pytest.mark.asyncio
+async def test_a_class_mix_sends_each_class_as_priority_and_sums_up_attainment_by_class(serve):
+    """``class_mix``: every request carries its drawn class as the body's ``priority``, drawn as
+    the simulator draws it for the same seed; the summary counts each class, and its attainment
+    is the share of its sent requests whose first token met its objective (refusals miss)."""
+    fake = await serve(FakeOpenAI(ttft_s=0.03, reject=lambda i: i == 0))
+    c = cfg(fake.url, "mixed", rate=20, duration_s=1.0, seed=0, class_mix="interactive=1,batch=3",
+            class_objectives="interactive=10,batch=0.001")
+    runner = HttpLoadRun(c)
+    res = await runner.run()
+    from workloads.class_mix import ClassMix, parse_mix
+    expected = {s.rid: s.priority_class for s in ClassMix(make_workload("mixed", rate=20, duration_s=1.0, seed=0),
+                                                           parse_mix("interactive=1,batch=3"), 0).initial()}
+    assert {r.rid: r.klass for r in runner.records} == expected
+    assert Counter(r.priority for r in fake.received) == Counter(expected.values())
+    by = res["by_class"]
+    assert set(by) == {"interactive", "batch"} and by["interactive"]["n"] + by["batch"]["n"] == len(expected)
+    first = fake.received[0].priority  # the refused one
+    assert by[first]["n_rejected"] == 1 and by[first]["n_finished"] == by[first]["n"] - 1
+    assert by["interactive"]["attainment"] == pytest.approx(by["interactive"]["n_finished"] / by["interactive"]["n"])
+    assert by["batch"]["attainment"] == 0.0  # 1 ms: no first token comes that fast
+    with pytest.raises(ValueError, match="bad class objective"):
+        cfg(fake.url, class_mix="a=1", class_objectives="a=0")
 
 
 @pytest.mark.asyncio

@@ -11,9 +11,10 @@ from fairway.clock import ManualClock
 from fairway.cost_model import CostModel
 from fairway.engine.model import EngineRequest
 from fairway.policies.classes import ClassesConfig
-from sim.flow import HELD, FlowControl, flow_summary, parse_mix
+from sim.flow import HELD, FlowControl, flow_summary
 from sim.runner import RunConfig, build, run
 from tests.factories import spec
+from workloads.class_mix import parse_mix
 
 CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
 
