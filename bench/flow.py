@@ -120,8 +120,12 @@ def row_of(res: dict[str, Any]) -> dict[str, Any]:
 
 def verdicts(rows: dict[tuple[str, float, str], dict[str, Any]], idle: dict[str, float],
              loads: Sequence[float]) -> list[str]:
-    """The issue's targets, one line each per workload (module docstring). Pure."""
+    """The issue's targets, one line each per workload (module docstring); a target whose arms
+    were not run is left out. Pure."""
     out = []
+    arms = {k[2] for k in rows}
+    if not {"classes", "default", *ANCHORS} <= arms:
+        return [f"verdicts need the arms classes, default, {', '.join(ANCHORS)}: not all run"]
     for w in sorted({k[0] for k in rows}):
         if 2.0 in loads:
             c = rows[w, 2.0, "classes"]

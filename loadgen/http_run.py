@@ -345,17 +345,19 @@ class HttpLoadRun:
         return out
 
     def _by_class(self) -> dict[str, dict[str, Any]]:
-        """Per class: requests sent, answered, refused; TTFT percentiles of the answered ones and,
+        """Per class: requests sent, answered, refused; TTFT and gate-wait percentiles of the answered ones and,
         with an objective, the share of the sent ones whose first token met it (a refused or
         unanswered request misses it: attainment, as the simulator counts it)."""
         objectives = parse_objectives(self.cfg.class_objectives)
         out: dict[str, dict[str, Any]] = {}
         for name in sorted({r.klass for r in self.records}):
             rs = [r for r in self.records if r.klass == name]
-            ttft = [_sample(r).ttft_s for r in rs if r.result.ok]
+            ok = [_sample(r) for r in rs if r.result.ok]
+            ttft = [s.ttft_s for s in ok]
             row: dict[str, Any] = {"n": len(rs), "n_finished": len(ttft),
                                    "n_rejected": sum(1 for r in rs if not r.result.ok and r.result.rejected),
-                                   "ttft_s": pct(ttft)}
+                                   "ttft_s": pct(ttft),
+                                   "queue_wait_s": pct([s.queue_wait_s for s in ok if s.queue_wait_s is not None])}
             if name in objectives:
                 row["objective_s"] = objectives[name]
                 row["attainment"] = sum(1 for t in ttft if t <= objectives[name]) / len(rs) if rs else None

@@ -25,6 +25,9 @@ def test_verdicts_state_each_target_met_or_missed():
                       "goodput 10.50 vs best anchor 11.00 req/s: MISSED; batch past its bound 0: met")
     assert out[1] == "w 0.5x: p50 1.000x, p99 1.030x of default: MISSED"
     assert out[2] == "w: refusals while a replica had room (class arm, all loads) 1: MISSED"
+    some = {k: v for k, v in rows.items() if k[2] in ("classes", "classes-strict")}
+    assert verdicts(some, {"w": 0.5}, [0.5, 2.0]) == [
+        "verdicts need the arms classes, default, priority-fcfs, llmd-flow: not all run"]
 
 
 @pytest.mark.slow  # about 4 s: ten 8-replica simulator runs
