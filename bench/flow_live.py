@@ -1,11 +1,11 @@
 """Flow control on the live cluster: a class mix through ``serve run``, with and without strict tiers.
 
-``python -m bench.flow_live [--workload rag] [--load 2] [--speed 0.2] [--duration 150] [--arms classes,strict]``
+``python -m bench.flow_live [--workload rag] [--load 2] [--speed 0.2] [--duration 30] [--arms classes,strict]``
 
 Each arm starts the cluster of ``deploy/cluster.yaml`` (2 sim-engine replicas, the Fairway router
-and gates; the engines' KV capacity the cost profile's, as in the simulator) with two request classes, ``interactive`` (tier 0) and ``batch`` (tier 1), and sends the
-workload from the load generator (``loadgen``) with the simulator's seeded 20/80 class mix as each
-body's ``priority``:
+and gates; the engines' KV capacity the cost profile's, as in the simulator) with two request
+classes, ``interactive`` (tier 0) and ``batch`` (tier 1), and sends the workload from the load
+generator (``loadgen``) with the simulator's seeded 20/80 class mix as each body's ``priority``:
 
 - ``classes``: the product with classes (each gate orders by class; the engine serves what it was
   given first-come-first-served, as stock vLLM);
