@@ -48,9 +48,10 @@ def test_one_set_of_replica_defaults():
 def test_every_replica_option_reaches_the_replica():
     options = {"policy": "fcfs", "policy_options": {}, "max_queue": 7, "prefill_budget_tokens": 300,
                "stall_timeout_s": 2.5, "fault_file": "/tmp/f.json", "tenant_fair": False, "tenant_recent_s": 4.0,
-               "max_queue_wait_s": None, "oldest_first_after_s": 9.0}
+               "max_queue_wait_s": None, "oldest_first_after_s": 9.0, "strict_tiers": True}
     assert set(options) == set(ReplicaOptions.model_fields)
-    a = ClusterArgs(replica=options, metrics=False, stream_interval_s=0.0).replica_args()
+    a = ClusterArgs(replica=options, metrics=False, stream_interval_s=0.0,
+                    classes=[{"name": "interactive", "tier": 0}, {"name": "batch", "tier": 1}]).replica_args()
     assert {k: getattr(a, k) for k in options} == options
     assert (a.metrics, a.stream_interval_s, a.engine) == (False, 0.0, "sim")
     assert a.gate_config() == GateConfig(max_queue=7, prefill_budget_tokens=300, stall_timeout_s=2.5,
