@@ -45,7 +45,7 @@ from loadgen.accounting import Ledger, classify
 from loadgen.http_client import ServerError, StreamResult, first_model, reuse_tracing, stream_completion
 from loadgen.progress import ProgressLine
 from loadgen.prompts import DEFAULT_VOCAB_SIZE, PromptBuilder, SessionContexts
-from workloads.class_mix import ClassMix, parse_mix
+from workloads.class_mix import ClassMix, parse_class_values, parse_mix
 from workloads.registry import make_workload_from
 
 #: Keys ``loadgen run`` writes that ``sim run`` does not.
@@ -108,17 +108,7 @@ def build_workload(cfg: HttpRunConfig) -> Workload:
 
 def parse_objectives(text: str) -> dict[str, float]:
     """``interactive=1,batch=30`` -> {name: seconds}; each > 0 (``ValueError`` naming the entry)."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, v = part.partition("=")
-        try:
-            seconds = float(v) if eq and name.strip() else -1.0
-        except ValueError:
-            seconds = -1.0
-        if not seconds > 0:
-            raise ValueError(f"bad class objective {part!r}: expected name=seconds with seconds > 0")
-        out[name.strip()] = seconds
-    return out
+    return dict(parse_class_values(text, "objective", "seconds"))
 
 
 @dataclass(slots=True)
@@ -360,7 +350,8 @@ class HttpLoadRun:
                                    "queue_wait_s": pct([s.queue_wait_s for s in ok if s.queue_wait_s is not None])}
             if name in objectives:
                 row["objective_s"] = objectives[name]
-                row["attainment"] = sum(1 for t in ttft if t <= objectives[name]) / len(rs) if rs else None
+                row["n_met"] = sum(1 for t in ttft if t <= objectives[name])
+                row["attainment"] = row["n_met"] / len(rs) if rs else None
             out[name] = row
         return out
 

@@ -20,25 +20,29 @@ from fairway.policies.classes import ClassesConfig
 from fairway.request import RequestSpec, Workload
 
 
+def parse_class_values(text: str, label: str, what: str) -> list[tuple[str, float]]:
+    """``name=value,...`` -> [(name, value), ...], every name non-empty and every value > 0;
+    ``ValueError`` naming the entry as a ``label`` ("mix entry", "objective") and the value as
+    ``what`` ("share", "seconds")."""
+    out: list[tuple[str, float]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, v = part.partition("=")
+        try:
+            value = float(v) if eq and name.strip() else -1.0
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"bad class {label} {part!r}: expected name={what} with {what} > 0")
+        out.append((name.strip(), value))
+    return out
+
+
 def parse_mix(text: str, classes: ClassesConfig | None = None) -> tuple[tuple[str, float], ...]:
     """``interactive=0.2,batch=0.8`` -> ((name, probability), ...), normalised; every share > 0,
     and every name a configured class of ``classes`` (None: any non-empty name, for a client that
     does not know the server's classes; the server names the valid ones in its 400)."""
-    out: list[tuple[str, float]] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, v = part.partition("=")
-        if not eq:
-            raise ValueError(f"bad class mix entry {part!r}: expected name=share")
-        name = classes.resolve(name.strip()) if classes is not None else name.strip()
-        if not name:
-            raise ValueError(f"bad class mix entry {part!r}: no class name")
-        try:
-            share = float(v)
-        except ValueError:
-            raise ValueError(f"bad share {v!r} for class {name}") from None
-        if not share > 0:
-            raise ValueError(f"class {name}: share must be > 0")
-        out.append((name, share))
+    pairs = parse_class_values(text, "mix entry", "share")
+    out = [(classes.resolve(n) if classes is not None else n, s) for n, s in pairs]
     if not out:
         raise ValueError("an empty class mix")
     total = sum(s for _, s in out)
@@ -78,4 +82,4 @@ class ClassMix(Workload):
         return [self._label(s) for s in self.inner.on_complete(spec, finish_s)]
 
 
-__all__ = ["ClassMix", "parse_mix"]
+__all__ = ["ClassMix", "parse_class_values", "parse_mix"]

@@ -357,14 +357,9 @@ class SimEngine(Engine, EngineListener):
         )
 
     def _class_of(self, name: str) -> str:
-        """The request's class as the engine orders it: its configured class with ``tiers``
-        (an unknown one, which the ingress refuses before, counts as the default), else "". O(C)."""
-        if self.tiers is None:
-            return ""
-        try:
-            return self.tiers.resolve(name)
-        except ValueError:
-            return self.tiers.default_name
+        """The request's class as the engine orders it: its configured class with ``tiers`` (the
+        ingress and the gate have refused an unknown one already), else "". O(C)."""
+        return self.tiers.resolve(name) if self.tiers is not None else ""
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[EngineOutput]:
         if self._failed is not None:

@@ -20,7 +20,7 @@ def test_bad_arguments_exit_2_before_any_cluster_starts(argv, capsys, monkeypatc
 
 
 def test_rows_report_full_speed_seconds_and_batch_goodput():
-    res = {"by_class": {"batch": {"n": 10, "n_finished": 9, "n_rejected": 1, "attainment": 0.8,
+    res = {"by_class": {"batch": {"n": 10, "n_finished": 9, "n_rejected": 1, "attainment": 0.8, "n_met": 8,
                                   "ttft_s": {"p50": 10.0, "p99": 50.0}}}}
     assert flow_live.rows("strict", res, 0.2, 4.0) == [
         "| strict | batch | 10 | 9 | 1 | 2.000 / 10.000 | 0.800 | 2.00 |"]
