@@ -266,32 +266,22 @@ class FairwayRouter(RouterPolicy):
         else:  # x / 1.0 is x: "kv-abs" is the KV usage itself
             kmax = (max([s.kv_usage for s in ss]) or 1.0) if cfg.footprint == "kv" else 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
-        # T_rj is expected_ttft itself where no term beyond it applies (``_t``)
-        plain = not (cfg.speed_aware or cfg.extra_work_weight)
-        host_tier, ttft_of, t_of = self.host_tier, self.expected_ttft, self._t
-
-        def score(s: ReplicaState, w: float) -> float:
-            j = s.replica
-            if plain and not (host_tier and s.host_blocks):
-                return ttft_of(req, s, cached[j], prefill[j], w, fullness[j])
-            return t_of(req, s, cached[j], prefill[j], w, fullness[j], least)
-
         wait: dict[int, float] = {}
         ttft: dict[int, float] = {}
-        expected_wait = self.expected_wait
-        for s in ss:  # ``score`` inline: a call per replica costs as much as the loop saves
+        expected_wait, t_of = self.expected_wait, self._t
+        for s in ss:
             j = s.replica
             c, p = cached[j], prefill[j]
             w = wait[j] = expected_wait(s, p, c, None, now)
-            ttft[j] = (ttft_of(req, s, c, p, w, fullness[j]) if plain and not (host_tier and s.host_blocks)
-                       else t_of(req, s, c, p, w, fullness[j], least))
+            ttft[j] = t_of(req, s, c, p, w, fullness[j], least)
         if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
                 s.class_view is not None for s in ss):
             # no replica meets the class's objective by the whole queue: price the wait on the
             # queue the request's class sees (module docstring)
             wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
                 s, prefill[s.replica], cached[s.replica]) for s in ss}
-            ttft = {s.replica: score(s, wait[s.replica]) for s in ss}
+            ttft = {s.replica: t_of(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
+                                    fullness[s.replica], least) for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
         # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
         # cluster's memory), then the id
