@@ -99,9 +99,8 @@ class ClusterArgs(ServedModel, ServedEngine):
                     raise ValueError(f"auth.tenants.{name}.default_class: {e}") from None
         if "tiers" in self.engine_args:
             raise ValueError("engine_args.tiers is set by the replica: use replica.strict_tiers")
-        if self.replica.strict_tiers and (not classes.classes or self.engine != "sim"):
-            raise ValueError("replica.strict_tiers needs request classes (classes:) and the sim engine: stock vLLM "
-                             "runs its running requests' prefill first whatever their priority")
+        if self.replica.strict_tiers and not classes.classes:
+            raise ValueError("replica.strict_tiers needs request classes (classes:): the engine orders by their tiers")
         if classes.classes and self.replica.policy == "classes":
             raise ValueError("the request classes are configured once, at the top level (classes:); "
                              "replica.policy names the order within a class")
@@ -117,7 +116,8 @@ class ClusterArgs(ServedModel, ServedEngine):
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
-        validated_engine(self.engine, self.replica_engine_args())
+        validated_engine(self.engine, {**self.replica_engine_args(),  # with the tiers the replica passes
+                                       **({"tiers": classes} if r.strict_tiers else {})})
         if self.router.policy != RAY_DEFAULT_ROUTER:  # checked once, with the options it will run with
             t = self.router
             t.policy, t.policy_options = resolve_spec(t.policy, t.policy_options)

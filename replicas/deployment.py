@@ -41,9 +41,10 @@ class ReplicaOptions(GateConfig):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
     tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
-    strict_tiers: bool = Field(False, description="with request classes, sim engine only: the engine serves its "
-                               "waiting requests by tier and runs no lower tier's prefill while the strictest "
-                               "tier has prefill, and the gate admits a request past the lower tiers' backlog")
+    strict_tiers: bool = Field(False, description="with request classes: the engine (sim, or vLLM with its "
+                               "strict-tier scheduler) serves its waiting requests by tier and runs no lower "
+                               "tier's prefill while the strictest tier has prefill, and the gate admits a "
+                               "request past the lower tiers' backlog")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaOptions:
@@ -111,7 +112,7 @@ class FairwayReplica:
         a = args if isinstance(args, ReplicaArgs) else ReplicaArgs(**args)
         self.args = a
         self.name = replica_name()
-        # strict tiers: the engine orders by the classes' tiers (checked at the config: sim engine, classes set)
+        # strict tiers: the engine orders by the classes' tiers (checked at the config: classes set)
         self.engine = make_engine(a.engine, **a.engine_args, **({"tiers": a.classes} if a.strict_tiers else {}))
         self.engine.stream_interval_s = a.stream_interval_s
         # a stream's tokens are merged once: by an engine that coalesces, else by the replica

@@ -30,6 +30,10 @@ What the adapter measures and what it estimates (``fairway.protocol.Engine``):
   LRU-bounded by vLLM's KV size, corrected by each request's reported ``num_cached_tokens``; its
   stored/removed events go to the listener.
 
+With ``tiers`` (the replica's ``strict_tiers``) vLLM runs priority scheduling with a scheduler that
+pauses lower tiers' prefill while the strictest tier has prefill to run
+(``replicas/engines/vllm_tiers.py``), and each request goes with its class's tier as ``priority``.
+
 With ``kv_events=True`` the estimate is replaced by an exact view: vLLM publishes its KV-cache
 events (``kv_events_config``, ZMQ over an ipc socket private to this replica) from the engine-core
 process, with vLLM's hashes plus each block's token ids; a subscriber task here recomputes our
@@ -56,6 +60,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fairway.policies.classes import ClassesConfig
 from fairway.protocol import (
     Engine,
     EngineFailed,
@@ -126,7 +131,12 @@ class VllmEngine(Engine):
         kv_events: bool = False,
         start_in_thread: bool = True,
         recent_feedback: int = 256,
+        tiers: ClassesConfig | None = None,
     ) -> None:
+        """``tiers`` (the replica passes its request classes with ``replica.strict_tiers``): vLLM
+        runs priority scheduling with ``replicas/engines/vllm_tiers.py``'s scheduler, and each call
+        goes with ``priority`` = its class's tier less the strictest tier configured, so no lower
+        tier's prefill runs while the strictest tier has some. None: vLLM's default (FCFS)."""
         if block_size < 1 or max_model_len < 2 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("block_size, max_model_len, max_num_seqs and max_num_batched_tokens must be positive")
         self.model = model
@@ -144,6 +154,18 @@ class VllmEngine(Engine):
         self.seed = seed
         self.engine_args = dict(engine_args or {})
         _check_vllm_engine_args(self.engine_args)
+        self.tiers = tiers if tiers is not None and tiers.classes else None
+        if tiers is not None and self.tiers is None:
+            raise ValueError("tiers needs at least one request class")
+        self._priority: dict[str, int] = {}  # class name ("" = the default) -> vLLM priority
+        if self.tiers is not None:
+            for name in ("scheduler_cls", "scheduling_policy"):
+                if name in self.engine_args:
+                    raise ValueError(f"vLLM's {name} is set by the replica with strict tiers (priority "
+                                     "scheduling, replicas/engines/vllm_tiers.py): leave it out of engine_args")
+            top = min(c.tier for c in self.tiers.classes)
+            self._priority = {c.name: c.tier - top for c in self.tiers.classes}
+            self._priority[""] = self._priority[self.tiers.default_name]
         self.kv_events = kv_events
         self.kv_events_endpoint = f"ipc://{tempfile.gettempdir()}/fairway-kv-{os.getpid()}-{id(self):x}"
         self.kv_events_subscriber: Any = None
@@ -191,6 +213,8 @@ class VllmEngine(Engine):
             args["kv_cache_memory_bytes"] = int(gb * GiB)
         if not is_cpu:
             args["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.tiers is not None:  # start() adds the strict-tier scheduler class
+            args["scheduling_policy"] = "priority"
         if self.kv_events:  # a dict here; start() makes it vLLM's KVEventsConfig
             args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                         "endpoint": self.kv_events_endpoint,
@@ -230,15 +254,27 @@ class VllmEngine(Engine):
             kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
         engine_args = AsyncEngineArgs(**kwargs)
         loggers = [_stat_logger_factory(self._on_scheduler_stats)]
+
+        def build() -> Any:
+            if self.tiers is None:
+                return AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+            from replicas.engines.vllm_tiers import strict_tier_scheduler
+
+            config = engine_args.create_engine_config()  # resolves async scheduling; the class must match it
+            sched = config.scheduler_config
+            sched.scheduler_cls = strict_tier_scheduler(bool(sched.async_scheduling))
+            return AsyncLLM.from_vllm_config(config, stat_loggers=loggers,
+                                             disable_log_stats=engine_args.disable_log_stats)
+
         try:
             if self.start_in_thread:
                 # AsyncLLM defers its asyncio tasks when built outside a running loop, so the
                 # tens of seconds of startup leave this loop free (a replica's health checks).
-                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=loggers)
+                self._llm = await asyncio.to_thread(build)
                 if callable(getattr(self._llm, "_run_output_handler", None)):
                     self._llm._run_output_handler()  # pull outputs from now on, not from the first request
             else:
-                self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+                self._llm = build()
         except Exception as e:
             self._llm = None
             raise EngineFailed(f"vLLM failed to start: {type(e).__name__}: {e}") from e
@@ -344,7 +380,10 @@ class VllmEngine(Engine):
         salt = call.cache_salt
         if salt:  # vLLM then isolates the tenant's blocks as our salted hashes do
             prompt["cache_salt"] = salt
-        stream = llm.generate(prompt, params, rid)
+        if self.tiers is None:
+            stream = llm.generate(prompt, params, rid)
+        else:  # the class was checked at the ingress and the gate
+            stream = llm.generate(prompt, params, rid, priority=self._priority[self.tiers.resolve(call.priority_class)])
         seen = 0  # cumulative outputs (when DELTA is unavailable)
         done = False
         try:

@@ -147,13 +147,19 @@ def test_bad_request_classes_fail_when_the_config_is_parsed(extra, needle):
         ClusterArgs(**extra)
 
 
-def test_strict_tiers_need_classes_and_the_sim_engine_and_reach_the_replicas():
+def test_strict_tiers_need_classes_and_reach_the_replicas_on_either_engine():
     classes = [{"name": "interactive", "tier": 0, "objective_s": 1.0}, {"name": "batch", "tier": 1}]
     with pytest.raises(ValueError, match="strict_tiers needs request classes"):
         ClusterArgs(replica={"strict_tiers": True})
-    with pytest.raises(ValueError, match="stock vLLM"):
-        ClusterArgs(replica={"strict_tiers": True}, classes=classes, engine="vllm",
-                    engine_args={"model": "deploy/models/fairway-tiny-llama"})
+    vllm = {"model": "deploy/models/fairway-tiny-llama"}
+    va = ClusterArgs(replica={"strict_tiers": True}, classes=classes, engine="vllm", engine_args=vllm).replica_args()
+    assert va.strict_tiers and va.engine == "vllm"
+    # the replica sets vLLM's scheduling policy and scheduler class itself: a second setting is refused
+    for name, value in (("scheduling_policy", "fcfs"), ("scheduler_cls", "my.Scheduler")):
+        with pytest.raises(ValueError, match=f"vLLM's {name} is set by the replica with strict tiers"):
+            ClusterArgs(replica={"strict_tiers": True}, classes=classes, engine="vllm",
+                        engine_args={**vllm, "engine_args": {name: value}})
+        ClusterArgs(classes=classes, engine="vllm", engine_args={**vllm, "engine_args": {name: value}})  # no tiers: ok
     with pytest.raises(ValueError, match="replica.strict_tiers"):
         ClusterArgs(classes=classes, engine_args={"tiers": "x"})
     ra = ClusterArgs(replica={"strict_tiers": True}, classes=classes).replica_args()

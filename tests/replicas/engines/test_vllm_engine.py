@@ -437,6 +437,42 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
         asyncio.run(run(call))
 
 
+def test_with_tiers_each_call_goes_with_its_class_tier_as_vllms_priority():
+    """The strictest configured tier is vLLM's priority 0 (the scheduler's strict tier), the others
+    count up from it; a call without a class is the default class's. vLLM itself is faked."""
+    from fairway.policies.classes import ClassesConfig
+
+    seen: list = []
+
+    class LLM:
+        def generate(self, prompt, params, rid, priority=None):
+            seen.append(priority)
+
+            async def stream():
+                yield type("R", (), {"outputs": [], "finished": True, "num_cached_tokens": 0})()
+            return stream()
+
+    tiers = ClassesConfig.parse("chat:tier=1:objective=1,agents:tier=1:objective=2,bulk:tier=3:objective=30")
+    eng = make_engine("vllm", model="m", max_model_len=1024, tiers=tiers)
+    assert eng.build_engine_args(is_cpu=True)["scheduling_policy"] == "priority"
+    assert "scheduling_policy" not in make_engine("vllm", model="m").build_engine_args(is_cpu=True)
+    eng._llm, eng._estimate = LLM(), CacheEstimate(1000, 16, 16)
+    eng._sampling, eng._client_errors, eng._kv_total = (lambda **kw: kw, None), (LookupError,), 1000
+
+    async def run(klass: str) -> None:
+        c = GenerateCall("r", [5] * 40, tuple(block_hashes([5] * 40)), 2, time.time(), priority_class=klass)
+        async for _ in eng.generate(c):
+            pass
+
+    for klass in ("chat", "agents", "bulk", ""):
+        asyncio.run(run(klass))
+    assert seen == [0, 0, 2, 2]  # "" is the default class, the last configured
+    with pytest.raises(ValueError, match="unknown class 'gold'; valid: chat, agents, bulk"):
+        asyncio.run(run("gold"))
+    with pytest.raises(ValueError, match="tiers needs at least one request class"):
+        make_engine("vllm", model="m", tiers=ClassesConfig.parse(""))
+
+
 # -- the adapter on vLLM (CPU) -----------------------------------------------------------------
 
 
@@ -702,3 +738,139 @@ def test_cluster_args_resolve_engine_paths_against_the_repo(tmp_path, monkeypatc
     ea = a.replica_args().engine_args
     assert ea["model"] == str(ROOT / "deploy" / "models" / "fairway-tiny")
     assert ea["tokenizer"] == "org/hub-name"  # not a local path: left for the hub
+
+
+# -- strict tiers on vLLM (CPU): the scheduler that pauses lower tiers' prefill ----------------
+
+TIER_CHUNK = 128  # vLLM's step budget: one CPU block of prefill per step
+TIER_BATCH_PROMPT = 63 * TIER_CHUNK  # 63 steps of prefill
+
+
+async def _tiers_scenario() -> dict:
+    """One engine with two classes (``interactive`` tier 0, ``batch`` tier 1). Twice, a long prompt
+    starts prefilling in 128-token chunks and then, once vLLM has stored its first blocks (the KV
+    events say so), a short prompt arrives: first a ``batch`` prompt and an ``interactive`` one,
+    then, as the control, two ``interactive`` ones (one tier, so nothing pauses)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+        pytest.skip(f"vllm does not import: {e}")
+    from fairway.policies.classes import ClassesConfig
+
+    tiers = ClassesConfig.parse("interactive:tier=0:objective=1,batch:tier=1:objective=30")
+    eng = make_engine("vllm", model=str(TINY_MODEL), max_model_len=TIER_BATCH_PROMPT + 64, max_num_seqs=4,
+                      max_num_batched_tokens=TIER_CHUNK, enforce_eager=True, kv_cache_space_gb=0.25,
+                      dtype="bfloat16", kv_events=True, tiers=tiers)
+    await eng.start()
+    sched = eng._llm.vllm_config.scheduler_config
+    res: dict = {"scheduler_cls": sched.scheduler_cls.__name__, "async": bool(sched.async_scheduling),
+                 "policy": str(sched.policy)}
+    rng = random.Random(2)
+    try:
+        for run, (long_class, short_class) in enumerate((("batch", "interactive"), ("interactive", "interactive"))):
+            order: list[str] = []
+            long_call = _call(f"long{run}", [rng.randrange(5, 4096) for _ in range(TIER_BATCH_PROMPT)], 2)
+            short_call = _call(f"short{run}", [rng.randrange(5, 4096) for _ in range(200)], 2)
+            long_call.priority_class, short_call.priority_class = long_class, short_class
+
+            async def one(name: str, call: GenerateCall, order: list[str] = order) -> None:
+                async for _ in eng.generate(call):
+                    if name not in order:
+                        order.append(name)
+
+            long_task = asyncio.create_task(one("long", long_call))
+            deadline = time.monotonic() + 60
+            while not eng.cached_prefix_blocks(long_call.block_hashes) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            started = eng.cached_prefix_blocks(long_call.block_hashes)
+            await one("short", short_call)
+            await long_task
+            res[run] = {"order": order, "long_blocks_at_short": started,
+                        "long_blocks": len(long_call.block_hashes)}
+    finally:
+        await eng.shutdown()
+    return res
+
+
+@pytest.fixture(scope="module")
+def tiers_scenario() -> dict:
+    return asyncio.run(_tiers_scenario())
+
+
+@needs_vllm
+def test_vllm_strict_tiers_an_interactive_prompt_is_not_prefilled_behind_a_running_batch_prompt(tiers_scenario):
+    r = tiers_scenario
+    # the class that matches vLLM's async scheduling setting (off with vLLM's CPU executor)
+    assert r["scheduler_cls"] == ("AsyncStrictTierScheduler" if r["async"] else "StrictTierScheduler")
+    assert "PRIORITY" in r["policy"].upper()
+    for run in (0, 1):  # the short prompt arrived while the long one was being prefilled
+        assert 0 < r[run]["long_blocks_at_short"] < r[run]["long_blocks"], r[run]
+    assert r[0]["order"] == ["short", "long"]  # batch prefill paused: the interactive prompt went first
+    assert r[1]["order"] == ["long", "short"]  # one tier: vLLM runs the running prefill first
+
+
+def _strict_scheduler(num_blocks: int):
+    """vLLM's own synchronous scheduler with the strict-tier rule, on the tiny model's config: 128-token
+    steps, ``num_blocks`` KV blocks of 128 tokens, no prefix caching (the rule does not read it)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from replicas.engines.vllm_tiers import StrictTierScheduler
+
+    cfg = EngineArgs(model=str(TINY_MODEL), max_model_len=4096, max_num_batched_tokens=TIER_CHUNK, max_num_seqs=4,
+                     enable_prefix_caching=False, scheduling_policy="priority", enforce_eager=True,
+                     async_scheduling=False).create_engine_config()
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    bs = cfg.cache_config.block_size
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return StrictTierScheduler(vllm_config=cfg, kv_cache_config=kv,
+                               structured_output_manager=StructuredOutputManager(cfg), block_size=bs)
+
+
+def _request(rid: str, tokens: int, priority: int, arrival: float):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    ids = [5 + (i * 7 + int(arrival * 13)) % 4000 for i in range(tokens)]
+    return Request(rid, ids, SamplingParams(max_tokens=2), None, arrival_time=arrival, priority=priority)
+
+
+def _steps(sched, n: int, arrivals: dict[int, list]) -> list[dict[str, int]]:
+    """``n`` calls of ``schedule`` (no model runs, so a prompt once computed waits for its first
+    token): each step's scheduled tokens per request; ``arrivals[k]`` are added before step k."""
+    out = []
+    for k in range(n):
+        for r in arrivals.get(k, []):
+            sched.add_request(r)
+        out.append(dict(sched.schedule().num_scheduled_tokens))
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("int_priority, want", [
+    # tier 0 arrives while a tier-1 prompt is mid-prefill: the tier-1 chunks stop, and the tier-1
+    # request waiting behind it is not admitted into the interactive prompt's last, short step
+    (0, [{"batch": 128}] * 2 + [{"int": 128}] * 2 + [{"int": 44}] + [{"batch": 128}] * 6 + [{"batch2": 128}]),
+    # the control, everything in one tier: vLLM's order, the running prefill first
+    (1, [{"batch": 128}] * 8 + [{"int": 128}] * 2 + [{"int": 44, "batch2": 84}, {"batch2": 128}]),
+])
+def test_vllm_strict_tier_scheduler_orders_the_steps(int_priority, want):
+    sched = _strict_scheduler(num_blocks=40)
+    got = _steps(sched, 12, {0: [_request("batch", 1024, 1, 0.0)],
+                             2: [_request("int", 300, int_priority, 1.0), _request("batch2", 400, 1, 2.0)]})
+    assert got == want
+    assert sched.strict_steps == (3 if int_priority == 0 else 0)
+
+
+@needs_vllm
+def test_vllm_strict_tier_scheduler_lets_lower_tiers_run_when_the_strict_tier_cannot_start():
+    """A tier-0 prompt that does not fit the KV memory the tier-1 prefill holds would wait forever if
+    the rule paused that prefill for good: a strict step that scheduled no tier-0 prefill is followed
+    by a step without the rule (9 blocks of 128 tokens; after 7 chunks 2 are free, the prompt needs 3)."""
+    sched = _strict_scheduler(num_blocks=9)
+    got = _steps(sched, 10, {0: [_request("batch", 1024, 1, 0.0)], 7: [_request("int", 300, 0, 1.0)]})
+    assert got == [{"batch": 128}] * 7 + [{}, {"batch": 128}, {}]
