@@ -33,6 +33,7 @@ lower tiers' waiting requests popped and put back as vLLM does for any deferred 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -91,7 +92,17 @@ class AsyncStrictTierScheduler(_StrictTiers, AsyncScheduler):
 
 
 def strict_tier_scheduler(async_scheduling: bool) -> type[Scheduler]:
-    """The class to give vLLM's ``scheduler_cls``: the one matching its async scheduling setting."""
+    """The class to give vLLM's ``scheduler_cls``: the one matching its async scheduling setting.
+    ``RuntimeError`` where this vLLM's scheduler lacks either hook the rule relies on (another
+    vLLM version), so the engine fails at start with the reason instead of serving without it."""
+    missing = [name for name, ok in (
+        ("Scheduler._handle_blocked_waiting_request", hasattr(Scheduler, "_handle_blocked_waiting_request")),
+        ("the running loop's next_decode_eligible_step test",
+         "next_decode_eligible_step" in inspect.getsource(Scheduler.schedule))) if not ok]
+    if missing:
+        raise RuntimeError(f"replica.strict_tiers: this vLLM's scheduler lacks {' and '.join(missing)}; "
+                           "turn strict tiers off (replica.strict_tiers: false) or use a vLLM that has them "
+                           "(tested: 0.32)")
     return AsyncStrictTierScheduler if async_scheduling else StrictTierScheduler
 
 

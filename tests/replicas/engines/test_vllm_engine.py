@@ -874,3 +874,15 @@ def test_vllm_strict_tier_scheduler_lets_lower_tiers_run_when_the_strict_tier_ca
     sched = _strict_scheduler(num_blocks=9)
     got = _steps(sched, 10, {0: [_request("batch", 1024, 1, 0.0)], 7: [_request("int", 300, 0, 1.0)]})
     assert got == [{"batch": 128}] * 7 + [{}, {"batch": 128}, {}]
+
+
+@needs_vllm
+def test_vllm_strict_tier_scheduler_refuses_a_vllm_without_its_hooks(monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from replicas.engines.vllm_tiers import StrictTierScheduler, strict_tier_scheduler
+
+    assert strict_tier_scheduler(False) is StrictTierScheduler
+    monkeypatch.delattr(Scheduler, "_handle_blocked_waiting_request")
+    with pytest.raises(RuntimeError, match="lacks Scheduler._handle_blocked_waiting_request; turn strict tiers off"):
+        strict_tier_scheduler(False)
