@@ -7,10 +7,11 @@ and gates; the engines' KV capacity the cost profile's, as in the simulator) wit
 classes, ``interactive`` (tier 0) and ``batch`` (tier 1), and sends the workload from the load
 generator (``loadgen``) with the simulator's seeded 20/80 class mix as each body's ``priority``:
 
-- ``classes``: the product with classes (each gate orders by class; the engine serves what it was
-  given first-come-first-served, as stock vLLM);
-- ``strict``: the same with ``replica.strict_tiers`` (the sim engine serves the interactive
-  tier's prefill first and the gates count their room per tier: docs/design.md, Flow control).
+- ``classes``: classes with ``replica.strict_tiers: false`` (each gate orders by class; the
+  engine serves what it was given first-come-first-served, as stock vLLM);
+- ``strict``: the product's default with two tiers, ``replica.strict_tiers`` (the sim engine
+  serves the interactive tier's prefill first and the gates count their room per tier:
+  docs/design.md, Flow control).
 
 Time is slowed by ``--speed`` (the engines' step times divided by it) so that the 2-core machine
 that also runs the client, the ingress and both replicas is not what limits the run: the rate,

@@ -101,6 +101,8 @@ class ClusterArgs(ServedModel, ServedEngine):
             raise ValueError("engine_args.tiers is set by the replica: use replica.strict_tiers")
         if self.replica.strict_tiers and not classes.classes:
             raise ValueError("replica.strict_tiers needs request classes (classes:): the engine orders by their tiers")
+        if self.replica.strict_tiers is None:  # what tiers mean: a stricter tier's prefill goes first
+            self.replica.strict_tiers = len({c.tier for c in classes.classes}) > 1
         if classes.classes and self.replica.policy == "classes":
             raise ValueError("the request classes are configured once, at the top level (classes:); "
                              "replica.policy names the order within a class")

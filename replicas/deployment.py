@@ -41,10 +41,11 @@ class ReplicaOptions(GateConfig):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     fault_file: str | None = Field(None, description="test hook (replicas/faults.py); never in production")
     tenant_fair: bool = Field(True, description="with API keys: one queue per tenant, fair queueing across them")
-    strict_tiers: bool = Field(False, description="with request classes: the engine (sim, or vLLM with its "
-                               "strict-tier scheduler) serves its waiting requests by tier and runs no lower "
-                               "tier's prefill while the strictest tier has prefill, and the gate admits a "
-                               "request past the lower tiers' backlog")
+    strict_tiers: bool | None = Field(None, description="with request classes: the engine (sim, or vLLM with "
+                                      "its strict-tier scheduler) serves its waiting requests by tier and runs no "
+                                      "lower tier's prefill while the strictest tier has prefill, and the gate "
+                                      "admits a request past the lower tiers' backlog. Unset: on when the classes "
+                                      "span two tiers or more")
 
     @model_validator(mode="after")
     def _resolve_policy(self) -> ReplicaOptions:

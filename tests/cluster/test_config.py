@@ -159,8 +159,21 @@ def test_strict_tiers_need_classes_and_reach_the_replicas_on_either_engine():
         with pytest.raises(ValueError, match=f"vLLM's {name} is set by the replica with strict tiers"):
             ClusterArgs(replica={"strict_tiers": True}, classes=classes, engine="vllm",
                         engine_args={**vllm, "engine_args": {name: value}})
-        ClusterArgs(classes=classes, engine="vllm", engine_args={**vllm, "engine_args": {name: value}})  # no tiers: ok
+        ClusterArgs(classes=classes, engine="vllm", engine_args={**vllm, "engine_args": {name: value}},
+                    replica={"strict_tiers": False})  # without strict tiers: vLLM's own setting
     with pytest.raises(ValueError, match="replica.strict_tiers"):
         ClusterArgs(classes=classes, engine_args={"tiers": "x"})
     ra = ClusterArgs(replica={"strict_tiers": True}, classes=classes).replica_args()
     assert ra.strict_tiers and [c.name for c in ra.classes.classes] == ["interactive", "batch"]
+
+
+@pytest.mark.parametrize("classes, strict, want", [
+    (None, None, False),  # no classes: nothing to order by
+    ([{"name": "interactive", "tier": 0}, {"name": "batch", "tier": 1}], None, True),  # two tiers: on
+    ([{"name": "a", "tier": 0}, {"name": "b", "tier": 0, "weight": 3}], None, False),  # one tier: weights only
+    ([{"name": "interactive", "tier": 0}, {"name": "batch", "tier": 1}], False, False),  # turned off
+])
+def test_strict_tiers_default_on_when_the_classes_span_two_tiers(classes, strict, want):
+    args = ClusterArgs(**({"classes": classes} if classes else {}),
+                       **({"replica": {"strict_tiers": strict}} if strict is not None else {}))
+    assert args.replica.strict_tiers is want and args.replica_args().strict_tiers is want

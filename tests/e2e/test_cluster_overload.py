@@ -4,8 +4,9 @@ two tenants; three request classes: ``interactive`` (tier 0), ``bulk`` (tier 1, 
 bound: held at the router; the default tenant class of ``bulkco``) and ``batch`` (tier 1, a 5 s
 wait bound, the gates' own, so a request every gate refuses is answered 429 at once and one still
 queued after 5 s is answered 429 then; the class of a request without one). Each test runs on two
-such clusters: the engines first-come-first-served (the default, as stock vLLM), and with strict
-tiers (``replica.strict_tiers``: the engines serve the interactive tier's prefill first)."""
+such clusters: the engines first-come-first-served (``replica.strict_tiers: false``, as stock
+vLLM), and with strict tiers (``replica.strict_tiers``, the default with two tiers: the engines
+serve the interactive tier's prefill first)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ BULKCO = {"authorization": "Bearer k-bulk"}
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fcfs-engine", "strict-tiers"])
 def cluster(request):
-    """(url, strict): the cluster, once with the engines' default FCFS and once with strict tiers."""
+    """(url, strict): the cluster, once with the engines FCFS and once with strict tiers (the default)."""
     with running_cluster(num_replicas=2, engine_args={"speed": 0.1}, api_key="k-alice", env=KEYS_ENV,
                          auth={"keys_env": "FAIRWAY_TEST_KEYS", "tenants": {"bulkco": {"default_class": "bulk"}}},
                          replica={"max_queue": 3, "prefill_budget_tokens": 512, "strict_tiers": request.param},
