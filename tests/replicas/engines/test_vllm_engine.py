@@ -500,6 +500,15 @@ MAX_MODEL_LEN = 4096
 PREFIX = 2100  # shared tokens: 16 whole CPU blocks (2,048 tokens) can hit
 
 
+def _vllm_or_skip() -> None:
+    """Offline, and vLLM importable here, or the scenario is skipped (``needs_vllm`` only finds it installed)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+        pytest.skip(f"vllm does not import: {e}")
+
+
 def _call(rid: str, ids: list[int], max_tokens: int, salt: str | None = None) -> GenerateCall:
     return GenerateCall(rid, ids, tuple(block_hashes(ids, salt=salt)), max_tokens, time.time(), cache_salt=salt)
 
@@ -516,11 +525,7 @@ async def _collect(eng, call: GenerateCall) -> dict:
 
 
 async def _scenario() -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
-        pytest.skip(f"vllm does not import: {e}")
+    _vllm_or_skip()
     res: dict = {}
     eng = make_engine(
         "vllm",
@@ -668,11 +673,7 @@ async def _settled(eng) -> None:
 
 
 async def _events_scenario() -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
-        pytest.skip(f"vllm does not import: {e}")
+    _vllm_or_skip()
     eng = make_engine("vllm", model=str(TINY_MODEL), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                       max_num_batched_tokens=2048, enforce_eager=True, kv_cache_space_gb=EVENTS_KV_GB,
                       dtype="bfloat16", kv_events=True)
@@ -751,11 +752,7 @@ async def _tiers_scenario() -> dict:
     starts prefilling in 128-token chunks and then, once vLLM has stored its first blocks (the KV
     events say so), a short prompt arrives: first a ``batch`` prompt and an ``interactive`` one,
     then, as the control, two ``interactive`` ones (one tier, so nothing pauses)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
-        pytest.skip(f"vllm does not import: {e}")
+    _vllm_or_skip()
     from fairway.policies.classes import ClassesConfig
 
     tiers = ClassesConfig.parse("interactive:tier=0:objective=1,batch:tier=1:objective=30")
