@@ -320,6 +320,58 @@ async def route(r: FairwayRequestRouter, reps: list, c: GenerateCall):
 
 
 @pytest.mark.asyncio
+async def test_an_idle_router_exchanges_at_the_idle_period_and_a_decision_wakes_it():
+    """Busy (a decision within the idle period, a booking, an event to send, or a failing hub's
+    backoff): the sync period. Idle: the idle period, and a decision made meanwhile has the loop
+    exchange at once and routes after that exchange. A real loop on the wall clock: 1 ms sync
+    period, 0.5 s idle period."""
+    import time
+
+    from router.view_hub import ViewHub
+
+    hub, calls = ViewHub(), []
+
+    async def exchange(source, events, after, snapshot=False):
+        calls.append(time.monotonic())
+        return hub.exchange(source, list(events), after, snapshot)
+
+    r = object.__new__(FairwayRequestRouter)
+    r.initialize_state(policy="ray-prefix", metrics=False, shared_view=True, exchange=exchange,
+                       sync_period_s=0.001, idle_sync_period_s=0.5)
+    assert r.sync_wait_s(0.001) == 0.5  # never decided, nothing booked: idle
+    assert r.sync_wait_s(0.004) == 0.004  # a failing hub's backoff is kept
+    reps = [replica("replica-0"), replica("replica-1")]
+    try:
+        await _idle_then_woken(r, reps, calls)
+    finally:
+        if r._sync_task:
+            r._sync_task.cancel()
+
+
+async def _idle_then_woken(r: FairwayRequestRouter, reps: list, calls: list[float]) -> None:
+    import asyncio
+    import time
+
+    pick = await route(r, reps, call("a", 256))  # the bootstrap exchange, then the loop starts
+    assert r.sync_wait_s(0.001) == 0.001  # booked (and just decided): busy
+    r.on_request_completed(pick.replica_id, "iid-a")
+    await r.sync_once()  # the completion's event sent: the outbox is empty again
+    assert len(r.bookings) == 0 and r.sync_wait_s(0.001) == 0.001  # decided within the idle period
+
+    deadline = time.monotonic() + 10
+    while not r._idle_wait and time.monotonic() < deadline:  # the loop goes idle 0.5 s after the decision
+        await asyncio.sleep(0.01)
+    assert r._idle_wait
+    n, t_idle = len(calls), time.monotonic()
+    await asyncio.sleep(0.2)
+    assert len(calls) == n  # idle: no exchange for the idle period
+    t_sent = time.monotonic()
+    await route(r, reps, call("b", 256))
+    # woken, not timed out: the decision waited for the exchange and routed after it
+    assert len(calls) == n + 1 and calls[n] - t_sent < 0.1 < 0.5 - (t_sent - t_idle)
+
+
+@pytest.mark.asyncio
 async def test_a_second_router_sees_the_firsts_routing_and_sends_the_sibling_to_the_holder():
     (a, b), _ = shared_pair()
     reps = [replica("replica-0"), replica("replica-1"), replica("replica-2")]
