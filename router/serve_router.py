@@ -42,7 +42,7 @@ from fairway.routing import make_router
 from fairway.routing.bookings import MAX_TRACKED, Booking, Bookings, Changes
 from fairway.routing.fallback_index import FallbackIndex
 from fairway.routing.host import RoutingHost
-from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S, Event, Exchange
+from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S, Event, Exchange, RequestFinished, RequestRouted
 
 logger = logging.getLogger("ray.serve")
 #: A request Ray assigned a replica but did not send within this long is taken as never sent: its
@@ -50,11 +50,15 @@ logger = logging.getLogger("ray.serve")
 #: ``FairwayRequestRouter._unbook_if_unsent``). An accepted send reports within milliseconds.
 UNSENT_GRACE_S = 5.0
 #: How often an idle router exchanges with the shared view (seconds): one with nothing in flight,
-#: nothing to send and no decision for this long. The hub announces a router silent for 3 s
-#: gone, so 1 s keeps it known; the next decision has the loop exchange at once and waits for it.
+#: nothing to send and no decision or completion for this long. The hub announces a router
+#: silent for 3 s gone, so 1 s keeps it known; with other routers, the next decision has the loop
+#: exchange at once and routes after it.
 IDLE_SYNC_PERIOD_S = 1.0
 #: How long a decision after an idle period waits for that exchange before it routes anyway.
 CATCH_UP_WAIT_S = 0.25
+#: A router that has seen no other router's event for this long routes alone: after an idle
+#: period it does not wait for an exchange (nothing but its own requests changes the caches).
+PEER_WINDOW_S = 30.0
 
 
 def find_call(pending: PendingRequest | None) -> GenerateCall | None:
@@ -142,10 +146,11 @@ class FairwayRequestRouter(RequestRouter):
         self.shared_view = shared_view or self.exact
         self.sync_period_s = sync_period_s
         self.idle_sync_period_s = max(idle_sync_period_s, sync_period_s)
-        self._last_decision = -float("inf")  # clock time of this router's last decision
+        self._last_active = -float("inf")  # clock time of this router's last decision or completion
         self._wake = asyncio.Event()  # set by a decision while the exchange loop waits at the idle period
         self._idle_wait = False
         self._caught_up: asyncio.Future | None = None  # the exchange woken decisions wait for
+        self._peer_at = -float("inf")  # clock time of the last other router's event applied
         self._exchange = exchange
         self._connects = exchange is None  # this router finds the hub itself (not injected)
         self._outbox: list[Event] = []
@@ -249,9 +254,9 @@ class FairwayRequestRouter(RequestRouter):
                 by_idx = kept
         if self.shared_view:
             await self._ensure_synced()
-            self._last_decision = self.clock.now()
-            if self._idle_wait:  # the loop waits at the idle period: exchange now, and route after it
-                await self._catch_up()
+            self._last_active = self.clock.now()
+            if self._idle_wait and self.clock.now() - self._peer_at < PEER_WINDOW_S:
+                await self._catch_up()  # other routers route: exchange now, and route after it
         n_hash = len(call.prompt_token_ids) // self.block_size
         iid = pending_request.metadata.internal_request_id
         # The ledger books the expected pick now: Ray routes requests concurrently, and a burst
@@ -309,6 +314,7 @@ class FairwayRequestRouter(RequestRouter):
             return  # not booked, or an earlier attempt on another replica (refused, then routed again)
         if self.shared_view:
             self._outbox.append(self.bookings.finished_event(changes.booking))
+            self._last_active = self.clock.now()  # the engine's KV events for it come after
         self._publish(changes)
 
     # -- the shared view (router/view_hub.py) ---------------------------------------------------
@@ -357,13 +363,17 @@ class FairwayRequestRouter(RequestRouter):
     def sync_wait_s(self, backoff: float) -> float:
         """How long the exchange loop waits before the next exchange: ``backoff`` (the sync
         period, longer after failures) while this router is busy, ``idle_sync_period_s`` while it
-        is idle: nothing booked, nothing to send and no decision for that long. An idle router
-        needs no news until its next decision, which has the loop exchange at once and routes
-        after that exchange (``_catch_up``). Why: each exchange is an actor call, about a
-        millisecond of CPU on each side, 20 a second at the 50 ms period, and an idle cluster
-        needs none. O(1)."""
+        is idle: nothing booked, nothing to send and no decision or completion for that long
+        (the replicas' KV events of a finished request come within a KV period). An idle router
+        needs no news until its next decision. While other routers have routed within
+        ``PEER_WINDOW_S`` that decision has the loop exchange at once and routes after it
+        (``_catch_up``); alone, nothing but its own requests changes the replicas' caches, so it
+        routes at once and the loop goes on at the busy period when its idle wait ends (an
+        exchange on the request's path cost it about a millisecond here). Why: each exchange is
+        an actor call, about a millisecond of CPU on each side, 20 a second at the 50 ms period,
+        and an idle cluster needs none. O(1)."""
         if (backoff > self.sync_period_s or self._outbox or len(self.bookings)
-                or self.clock.now() - self._last_decision < self.idle_sync_period_s):
+                or self.clock.now() - self._last_active < self.idle_sync_period_s):
             return backoff
         return self.idle_sync_period_s
 
@@ -402,6 +412,8 @@ class FairwayRequestRouter(RequestRouter):
         elif ex.gap and self.exact:  # KV events were lost: exact again after the next snapshot
             self._need_snapshot = True
         for event in ex.events:
+            if isinstance(event, (RequestRouted, RequestFinished)):
+                self._peer_at = self.clock.now()
             self._publish(self.bookings.apply_remote(event))
         self._synced = True
         self._use_exact(not self._need_snapshot)

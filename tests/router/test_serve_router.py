@@ -4,8 +4,10 @@ replicas' ``ReplicaRoutingStats``), so every expectation is exact."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -321,12 +323,11 @@ async def route(r: FairwayRequestRouter, reps: list, c: GenerateCall):
 
 @pytest.mark.asyncio
 async def test_an_idle_router_exchanges_at_the_idle_period_and_a_decision_wakes_it():
-    """Busy (a decision within the idle period, a booking, an event to send, or a failing hub's
-    backoff): the sync period. Idle: the idle period, and a decision made meanwhile has the loop
-    exchange at once and routes after that exchange. A real loop on the wall clock: 1 ms sync
-    period, 0.5 s idle period."""
-    import time
-
+    """Busy (a decision or a completion within the idle period, a booking, an event to send, or a
+    failing hub's backoff): the sync period. Idle: the idle period. With another router's event
+    seen, a decision made meanwhile has the loop exchange at once and routes after that exchange;
+    alone it routes at once and the loop keeps its idle wait. A real loop on the wall clock: 1 ms
+    sync period, 0.5 s idle period."""
     from router.view_hub import ViewHub
 
     hub, calls = ViewHub(), []
@@ -338,37 +339,48 @@ async def test_an_idle_router_exchanges_at_the_idle_period_and_a_decision_wakes_
     r = object.__new__(FairwayRequestRouter)
     r.initialize_state(policy="ray-prefix", metrics=False, shared_view=True, exchange=exchange,
                        sync_period_s=0.001, idle_sync_period_s=0.5)
-    assert r.sync_wait_s(0.001) == 0.5  # never decided, nothing booked: idle
+    assert r.sync_wait_s(0.001) == 0.5  # never active, nothing booked: idle
     assert r.sync_wait_s(0.004) == 0.004  # a failing hub's backoff is kept
     reps = [replica("replica-0"), replica("replica-1")]
     try:
-        await _idle_then_woken(r, reps, calls)
+        pick = await route(r, reps, call("a", 256))  # the bootstrap exchange, then the loop starts
+        assert r.sync_wait_s(0.001) == 0.001  # booked (and just decided): busy
+        await asyncio.sleep(0.6)  # the decision is older than the idle period; the booking keeps it busy
+        assert r.sync_wait_s(0.001) == 0.001
+        for peer_seen, rid in ((False, "b"), (True, "c")):
+            r.on_request_completed(pick.replica_id, "iid-" + ("a" if rid == "b" else "b"))
+            deadline = time.monotonic() + 5
+            while r._outbox and time.monotonic() < deadline:  # the completion's event goes out
+                await asyncio.sleep(0.001)
+            assert r.sync_wait_s(0.001) == 0.001  # nothing booked or to send, but just completed: busy
+            n, t_idle = await _until_idle(r, calls)
+            await asyncio.sleep(0.2)
+            assert len(calls) == n  # idle: no exchange within the idle period
+            if peer_seen:
+                r._peer_at = r.clock.now()
+            t_sent = time.monotonic()
+            pick = await route(r, reps, call(rid, 256))
+            # with a peer: the decision waited for the exchange; alone: it did not
+            assert len(calls) == n + (1 if peer_seen else 0), peer_seen
+            deadline = time.monotonic() + 5
+            while len(calls) == n and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+            if peer_seen:  # woken, not timed out
+                assert calls[n] - t_sent < 0.1 < 0.5 - (t_sent - t_idle)
+            else:  # the idle wait ran its course
+                assert calls[n] - t_idle > 0.4
     finally:
         if r._sync_task:
             r._sync_task.cancel()
 
 
-async def _idle_then_woken(r: FairwayRequestRouter, reps: list, calls: list[float]) -> None:
-    import asyncio
-    import time
-
-    pick = await route(r, reps, call("a", 256))  # the bootstrap exchange, then the loop starts
-    assert r.sync_wait_s(0.001) == 0.001  # booked (and just decided): busy
-    r.on_request_completed(pick.replica_id, "iid-a")
-    await r.sync_once()  # the completion's event sent: the outbox is empty again
-    assert len(r.bookings) == 0 and r.sync_wait_s(0.001) == 0.001  # decided within the idle period
-
+async def _until_idle(r: FairwayRequestRouter, calls: list[float]) -> tuple[int, float]:
+    """Wait (10 s at most) until the exchange loop waits at the idle period: (exchanges so far, when)."""
     deadline = time.monotonic() + 10
-    while not r._idle_wait and time.monotonic() < deadline:  # the loop goes idle 0.5 s after the decision
+    while not r._idle_wait and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     assert r._idle_wait
-    n, t_idle = len(calls), time.monotonic()
-    await asyncio.sleep(0.2)
-    assert len(calls) == n  # idle: no exchange for the idle period
-    t_sent = time.monotonic()
-    await route(r, reps, call("b", 256))
-    # woken, not timed out: the decision waited for the exchange and routed after it
-    assert len(calls) == n + 1 and calls[n] - t_sent < 0.1 < 0.5 - (t_sent - t_idle)
+    return len(calls), time.monotonic()
 
 
 @pytest.mark.asyncio
