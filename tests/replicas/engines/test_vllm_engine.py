@@ -807,15 +807,16 @@ def test_vllm_strict_tiers_an_interactive_prompt_is_not_prefilled_behind_a_runni
     assert r[1]["order"] == ["long", "short"]  # one tier: vLLM runs the running prefill first
 
 
-def _strict_scheduler(num_blocks: int):
-    """vLLM's own synchronous scheduler with the strict-tier rule, on the tiny model's config: 128-token
-    steps, ``num_blocks`` KV blocks of 128 tokens, no prefix caching (the rule does not read it)."""
+def _strict_scheduler(num_blocks: int, async_scheduling: bool = False):
+    """vLLM's own scheduler (the synchronous one, or the async one vLLM uses on GPU) with the
+    strict-tier rule, on the tiny model's config: 128-token steps, ``num_blocks`` KV blocks of 128
+    tokens, no prefix caching (the rule does not read it)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from replicas.engines.vllm_tiers import StrictTierScheduler
+    from replicas.engines.vllm_tiers import strict_tier_scheduler
 
     cfg = EngineArgs(model=str(TINY_MODEL), max_model_len=4096, max_num_batched_tokens=TIER_CHUNK, max_num_seqs=4,
                      enable_prefix_caching=False, scheduling_policy="priority", enforce_eager=True,
@@ -824,8 +825,9 @@ def _strict_scheduler(num_blocks: int):
     bs = cfg.cache_config.block_size
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=16, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return StrictTierScheduler(vllm_config=cfg, kv_cache_config=kv,
-                               structured_output_manager=StructuredOutputManager(cfg), block_size=bs)
+    cls = strict_tier_scheduler(async_scheduling)
+    outputs = StructuredOutputManager(cfg)
+    return cls(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=outputs, block_size=bs)
 
 
 def _request(rid: str, tokens: int, priority: int, arrival: float):
@@ -848,18 +850,33 @@ def _steps(sched, n: int, arrivals: dict[int, list]) -> list[dict[str, int]]:
 
 
 @needs_vllm
-@pytest.mark.parametrize("int_priority, want", [
+@pytest.mark.parametrize("int_priority, async_scheduling, want", [
     # tier 0 arrives while a tier-1 prompt is mid-prefill: the tier-1 chunks stop, and the tier-1
     # request waiting behind it is not admitted into the interactive prompt's last, short step
-    (0, [{"batch": 128}] * 2 + [{"int": 128}] * 2 + [{"int": 44}] + [{"batch": 128}] * 6 + [{"batch2": 128}]),
+    (0, False, [{"batch": 128}] * 2 + [{"int": 128}] * 2 + [{"int": 44}] + [{"batch": 128}] * 6 + [{"batch2": 128}]),
     # the control, everything in one tier: vLLM's order, the running prefill first
-    (1, [{"batch": 128}] * 8 + [{"int": 128}] * 2 + [{"int": 44, "batch2": 84}, {"batch2": 128}]),
-])
-def test_vllm_strict_tier_scheduler_orders_the_steps(int_priority, want):
-    sched = _strict_scheduler(num_blocks=40)
-    got = _steps(sched, 12, {0: [_request("batch", 1024, 1, 0.0)],
-                             2: [_request("int", 300, int_priority, 1.0), _request("batch2", 400, 1, 2.0)]})
-    assert got == want
+    (1, False, [{"batch": 128}] * 8 + [{"int": 128}] * 2 + [{"int": 44, "batch2": 84}, {"batch2": 128}]),
+    # vLLM's async scheduler (its default on GPU) decodes a computed prompt without waiting for the
+    # model (one token a step, not shown): the same prefill order, less those tokens of budget
+    (0, True, [{"batch": 128}] * 2 + [{"int": 128}] * 2 + [{"int": 44}] + [{"batch": 128}] * 6 + [{"batch2": 126}]),
+    (1, True, [{"batch": 128}] * 8 + [{"int": 127}] * 2 + [{"int": 46, "batch2": 81}, {"batch2": 126}]),
+], ids=["tiers-sync", "one-tier-sync", "tiers-async", "one-tier-async"])
+def test_vllm_strict_tier_scheduler_orders_the_prefill_steps(int_priority, async_scheduling, want):
+    sched = _strict_scheduler(num_blocks=40, async_scheduling=async_scheduling)
+    reqs = {0: [_request("batch", 1024, 1, 0.0)], 2: [_request("int", 300, int_priority, 1.0),
+                                                      _request("batch2", 400, 1, 2.0)]}
+    prompt = {r.request_id: r.num_prompt_tokens for rs in reqs.values() for r in rs}
+    done = dict.fromkeys(prompt, 0)
+    prefill = []  # each step's prompt tokens per request (decode tokens left out)
+    for step in _steps(sched, 12, reqs):
+        row = {}
+        for rid, n in step.items():
+            k = min(n, prompt[rid] - done[rid])
+            done[rid] += n
+            if k > 0:
+                row[rid] = k
+        prefill.append(row)
+    assert prefill == want
     assert sched.strict_steps == (3 if int_priority == 0 else 0)
 
 
