@@ -6,15 +6,21 @@ for the module (one replica: vLLM starts in ~30-60 s on 2 cores).
 
 The prefix-cache hit here is vLLM's own ``num_cached_tokens``, passed through the gate and the
 ingress as ``usage.prompt_tokens_details.cached_tokens``: whole vLLM CPU blocks (128 tokens).
+
+The cluster has two request classes (``interactive``, tier 0; ``batch``, tier 1, the default), so
+strict tiers are on (the default with two tiers) and every test here runs through vLLM's priority
+scheduling and the strict-tier scheduler class in vLLM's engine-core process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -34,6 +40,7 @@ PREFIX = 2100  # shared tokens: 16 whole vLLM blocks (2,048 tokens) can hit
 PORT = DEFAULT_PORT + 17
 # API keys on: two tenants, so the cache isolation between them is checked on vLLM's own cache
 KEYS_ENV = {"FAIRWAY_TEST_KEYS": "k-alice=alice,k-bob=bob"}
+CLASSES = [{"name": "interactive", "tier": 0, "objective_s": 5.0}, {"name": "batch", "tier": 1, "objective_s": 60.0}]
 ALICE, BOB = "k-alice", "k-bob"
 
 
@@ -67,7 +74,7 @@ def _wait_port_free(timeout_s: float = 600.0) -> None:
 def url():
     _wait_port_free()
     with running_cluster(CONFIG, timeout_s=420, port=PORT, api_key=ALICE, env=KEYS_ENV, max_model_len=MAX_MODEL_LEN,
-                         auth={"keys_env": "FAIRWAY_TEST_KEYS"}) as u:
+                         auth={"keys_env": "FAIRWAY_TEST_KEYS"}, classes=CLASSES) as u:
         with urllib.request.urlopen(_get(f"{u}/v1/models"), timeout=10) as r:
             served = json.loads(r.read())["data"][0]
         assert served["max_model_len"] == MAX_MODEL_LEN, f"another cluster answers on port {PORT}: {served}"
@@ -93,6 +100,20 @@ def test_served_by_vllm(url):
     assert body["usage"]["completion_tokens"] == 6  # ignore_eos: exactly max_tokens
     assert body["choices"][0]["finish_reason"] == "length"
     assert isinstance(body["choices"][0]["text"], str)
+
+
+def test_request_classes_reach_vllms_strict_tier_scheduler(url):
+    """Each class is served and labelled; an unknown one is a 400 naming the valid ones; the
+    engine-core process runs the strict-tier scheduler (vLLM names a custom scheduler class in
+    its log when it builds it)."""
+    for priority, klass in (("interactive", "interactive"), ("batch", "batch"), (0, "interactive"), (None, "batch")):
+        extra = {} if priority is None else {"priority": priority}
+        status, body, _ = complete(url, prompt_ids(7, 40), max_tokens=3, **extra)
+        assert status == 200 and body["fairway"]["class"] == klass, (priority, body)
+    status, body, _ = complete(url, prompt_ids(7, 40), max_tokens=3, priority="gold")
+    assert status == 400 and "valid: interactive, batch" in body["error"]["message"]
+    log = Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log"
+    assert "StrictTierScheduler" in log.read_text(errors="replace")
 
 
 def test_real_prefix_cache_hit_through_the_router(url):
