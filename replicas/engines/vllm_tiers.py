@@ -47,22 +47,17 @@ class _StrictTiers:
     _strict_stalled = False  # the last strict step scheduled no tier-0 prefill: skip the rule once
     strict_steps = 0  # steps that applied the rule (tests, logs)
 
-    def _tier0_prefill(self) -> tuple[list[Any], bool]:
-        """The running tier-0 requests with prefill left, and whether a tier-0 request waits."""
-        running = [r for r in self.running if r.priority <= 0 and r.is_prefill_chunk]
-        waits = any(q and q.peek_request().priority <= 0 for q in (self.waiting, self.kv_holding_waiting))
-        return running, waits
+    def _tier0_has_prefill(self) -> bool:
+        """Whether a tier-0 request is running with prefill left, or waits."""
+        return (any(r.priority <= 0 and r.is_prefill_chunk for r in self.running)
+                or any(q and q.peek_request().priority <= 0 for q in (self.waiting, self.kv_holding_waiting)))
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
-        running, waits = self._tier0_prefill()
-        strict = (bool(running) or waits) and not self._strict_stalled
-        if not strict:
+        if self._strict_stalled or not self._tier0_has_prefill():
             self._strict_stalled = False
             return super().schedule(throttle_prefills)
         skip = self.current_step + 2  # schedule() advances current_step, then skips steps below this
-        before = set()
         for r in self.running:
-            before.add(r.request_id)
             if r.priority > 0 and r.is_prefill_chunk and r.next_decode_eligible_step < skip:
                 r.next_decode_eligible_step = skip
         self._strict_now = True
@@ -71,11 +66,12 @@ class _StrictTiers:
         finally:
             self._strict_now = False
         self.strict_steps += 1
-        prefilled = {r.request_id for r in running}
+        # schedule() has advanced each scheduled request's computed tokens: a tier-0 request
+        # whose scheduled tokens started before the end of its prompt got prefill
         requests = self.requests
         self._strict_stalled = not any(
-            (rid in prefilled or rid not in before) and requests[rid].priority <= 0
-            for rid in out.num_scheduled_tokens)
+            r.priority <= 0 and r.num_computed_tokens - n < r.num_prompt_tokens
+            for r, n in ((requests[rid], n) for rid, n in out.num_scheduled_tokens.items()))
         return out
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
