@@ -154,18 +154,17 @@ class VllmEngine(Engine):
         self.seed = seed
         self.engine_args = dict(engine_args or {})
         _check_vllm_engine_args(self.engine_args)
-        self.tiers = tiers if tiers is not None and tiers.classes else None
-        if tiers is not None and self.tiers is None:
+        if tiers is not None and not tiers.classes:
             raise ValueError("tiers needs at least one request class")
-        self._priority: dict[str, int] = {}  # class name ("" = the default) -> vLLM priority
-        if self.tiers is not None:
+        self.tiers = tiers
+        self._priority: dict[str, int] = {}  # class name -> vLLM priority
+        if tiers is not None:
             for name in ("scheduler_cls", "scheduling_policy"):
                 if name in self.engine_args:
                     raise ValueError(f"vLLM's {name} is set by the replica with strict tiers (priority "
                                      "scheduling, replicas/engines/vllm_tiers.py): leave it out of engine_args")
-            top = min(c.tier for c in self.tiers.classes)
-            self._priority = {c.name: c.tier - top for c in self.tiers.classes}
-            self._priority[""] = self._priority[self.tiers.default_name]
+            top = min(c.tier for c in tiers.classes)
+            self._priority = {c.name: c.tier - top for c in tiers.classes}
         self.kv_events = kv_events
         self.kv_events_endpoint = f"ipc://{tempfile.gettempdir()}/fairway-kv-{os.getpid()}-{id(self):x}"
         self.kv_events_subscriber: Any = None
