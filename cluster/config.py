@@ -118,8 +118,7 @@ class ClusterArgs(ServedModel, ServedEngine):
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
-        validated_engine(self.engine, {**self.replica_engine_args(),  # with the tiers the replica passes
-                                       **({"tiers": classes} if r.strict_tiers else {})})
+        validated_engine(self.engine, self.replica_args().engine_options())  # as each replica builds it
         if self.router.policy != RAY_DEFAULT_ROUTER:  # checked once, with the options it will run with
             t = self.router
             t.policy, t.policy_options = resolve_spec(t.policy, t.policy_options)

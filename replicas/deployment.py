@@ -86,6 +86,11 @@ class ReplicaArgs(ReplicaOptions, ServedEngine):
     classes: ClassesConfig = Field(default_factory=ClassesConfig, description="request classes: the gate orders "
                                    "its queue by them (strict tiers, fair shares of prefill work)")
 
+    def engine_options(self) -> dict[str, Any]:
+        """The engine's keyword arguments: ``engine_args``, and with strict tiers the request
+        classes as ``tiers`` (the engine orders by them)."""
+        return {**self.engine_args, **({"tiers": self.classes} if self.strict_tiers else {})}
+
 
 def replica_name() -> str:
     """This replica's id in Ray Serve, or "replica" outside Serve."""
@@ -113,8 +118,7 @@ class FairwayReplica:
         a = args if isinstance(args, ReplicaArgs) else ReplicaArgs(**args)
         self.args = a
         self.name = replica_name()
-        # strict tiers: the engine orders by the classes' tiers (checked at the config: classes set)
-        self.engine = make_engine(a.engine, **a.engine_args, **({"tiers": a.classes} if a.strict_tiers else {}))
+        self.engine = make_engine(a.engine, **a.engine_options())
         self.engine.stream_interval_s = a.stream_interval_s
         # a stream's tokens are merged once: by an engine that coalesces, else by the replica
         self._coalesce_s = 0.0 if self.engine.coalesces else a.stream_interval_s
