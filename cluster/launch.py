@@ -133,6 +133,11 @@ _SIGINT_DEFAULT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, si
                         "os.execv(sys.argv[1], sys.argv[1:])")
 
 
+def serve_log_path() -> Path:
+    """Where ``running_cluster`` appends its ``serve run`` output: one file per calling process."""
+    return Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log"
+
+
 @contextlib.contextmanager
 def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.0, port: int | None = None,
                     api_key: str | None = None, env: dict[str, str] | None = None,
@@ -150,7 +155,7 @@ def running_cluster(config: str = "deploy/cluster.yaml", timeout_s: float = 180.
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, dir=tempfile.gettempdir()) as f:
         yaml.safe_dump(cfg, f)
         path = f.name
-    log = open(Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log", "ab")  # noqa: SIM115
+    log = open(serve_log_path(), "ab")  # noqa: SIM115
     serve = Path(sys.executable).with_name("serve")
     env = serve_env({**os.environ, **(env or {})})
     # SIGINT is how ``serve run`` is stopped (it shuts Serve and Ray down on KeyboardInterrupt), but

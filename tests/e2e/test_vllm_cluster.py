@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from cluster.launch import DEFAULT_PORT, REPO, post_json, running_cluster
+from cluster.launch import DEFAULT_PORT, REPO, post_json, running_cluster, serve_log_path
 from tests.factories import prompt_ids
 
 TINY_MODEL = REPO / "deploy" / "models" / "fairway-tiny-llama"
@@ -112,8 +110,7 @@ def test_request_classes_reach_vllms_strict_tier_scheduler(url):
         assert status == 200 and body["fairway"]["class"] == klass, (priority, body)
     status, body, _ = complete(url, prompt_ids(7, 40), max_tokens=3, priority="gold")
     assert status == 400 and "valid: interactive, batch" in body["error"]["message"]
-    log = Path(tempfile.gettempdir()) / f"fairway-serve-{os.getpid()}.log"
-    assert "StrictTierScheduler" in log.read_text(errors="replace")
+    assert "StrictTierScheduler" in serve_log_path().read_text(errors="replace")
 
 
 def test_real_prefix_cache_hit_through_the_router(url):
