@@ -254,8 +254,8 @@ class FairwayRequestRouter(RequestRouter):
                 by_idx = kept
         if self.shared_view:
             await self._ensure_synced()
-            self._last_active = self.clock.now()
-            if self._idle_wait and self.clock.now() - self._peer_at < PEER_WINDOW_S:
+            self._last_active = now = self.clock.now()
+            if self._idle_wait and now - self._peer_at < PEER_WINDOW_S:
                 await self._catch_up()  # other routers route: exchange now, and route after it
         n_hash = len(call.prompt_token_ids) // self.block_size
         iid = pending_request.metadata.internal_request_id
