@@ -7,18 +7,19 @@ hot-prefix replication seeds a non-holder (``replicate``); ``rule="affinity"`` k
 reference design's test instead; ``sticky_match`` (off by default) keeps a request on a replica
 that holds most of its prompt while that costs at most ``sticky_slack`` cold prefills of T.
 
-Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix);
-P_rj = cost.prefill_time(L_r - ĉ_rj, ĉ_rj); Q_j the prefill seconds routed to j and not yet
-started; R_j the prefill still to run of the requests j has started (``running_prefill``);
-W_rj the wait (``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit on j, A_rj the
-queued work no heavier than P_rj; R_j + Q_j with no free slot or ``wait_model="fcfs"``; cold:
-``overtaken_wait``); S_rj the first-token step with j's decodes (``decode_batch``); fullness_j
-per ``footprint``; reload_rj the host-tier hits' reload (``host_tier``); s_j the measured pace
-(``speed_aware``, else 1). With request classes (``class_view``): while some replica's T_rj meets the
-request's class's objective, nothing changes (the whole queue keeps the cluster balanced for
-every class); when none does, W_rj is priced on the queue its class sees (``class_wait``: Q_j and
-A_rj its class's, plus the other classes' work its gate serves first), so an interactive request
-behind a batch flood is placed by the interactive work ahead of it.
+Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix); P_rj =
+cost.prefill_time(L_r - ĉ_rj, ĉ_rj); Q_j the prefill seconds routed to j and not yet started;
+R_j the prefill still to run of the requests j has started (``running_prefill``); W_rj the wait
+(``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit on j, A_rj the queued work no
+heavier than P_rj, whether or not j has a free sequence slot; R_j + Q_j with
+``wait_model="fcfs"``; cold: ``overtaken_wait``); S_rj the first-token step with j's decodes
+(``decode_batch``); fullness_j per ``footprint``; reload_rj the host-tier hits' reload
+(``host_tier``); s_j the measured pace (``speed_aware``, else 1). With request classes
+(``class_view``): while some replica's T_rj meets the request's class's objective, nothing
+changes (the whole queue keeps the cluster balanced for every class); when none does, W_rj is
+priced on the queue its class sees (``class_wait``: Q_j and A_rj its class's, plus the other
+classes' work its gate serves first), so an interactive request behind a batch flood is placed
+by the interactive work ahead of it.
 
 Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
 id). The ``Ranking``'s reason: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is
@@ -73,6 +74,10 @@ class FairwayRouterConfig:
       least m of (a continuation) stays on the best-T such replica unless its T is more than
       sticky_slack times the request's cold prefill above the minimum T, so a conversation's
       context is not copied to a replica whose queue is only a little shorter.
+    - fcfs_when_full = False: True prices a replica whose sequence slots are all taken as FCFS
+      (W_rj = R_j + Q_j), the model before 2026-12-04. A full Fairway replica still admits in
+      its queue's order at each finish, so the queue model holds there too; pricing it as FCFS
+      sent cached requests off their replica in bursts (docs/design.md, Wait model).
     - class_view = True: with request classes, a request that no replica serves within its
       class's objective by the whole queue is placed by the queue its class sees
       (``class_wait``; module docstring).
@@ -105,6 +110,7 @@ class FairwayRouterConfig:
     sticky_match: float = 0.0
     sticky_slack: float = 3.0
     class_view: bool = True
+    fcfs_when_full: bool = False
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -135,7 +141,7 @@ class FairwayRouterConfig:
         for name in ("theta", "p_floor_s", "extra_work_weight", "footprint_weight", "fast_share", "sticky_match",
                      "sticky_slack"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("running_prefill", "decode_batch", "replicate", "overtaking"):
+        for name in ("running_prefill", "decode_batch", "replicate", "overtaking", "fcfs_when_full"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
 
@@ -185,9 +191,9 @@ class FairwayRouter(RouterPolicy):
         queue_model = cfg.wait_model == "queue"
         if queue_model and cached_tokens <= 0 and cfg.overtaking:
             return self.overtaken_wait(s, r + q, prefill_s, now)
-        slots_full = s.max_running and s.outstanding >= s.max_running
+        slots_full = cfg.fcfs_when_full and s.max_running and s.outstanding >= s.max_running
         if not queue_model or cached_tokens <= 0 or not qp or slots_full:
-            return r + q  # the whole queue ahead: FCFS replicas, a cold request, or no free slot
+            return r + q  # the whole queue ahead: FCFS replicas, a cold request, no listed queue
         ahead = sum(qp[: bisect.bisect_right(qp, prefill_s)])
         return r + min(q, ahead / cfg.fast_share)
 

@@ -187,13 +187,18 @@ def test_fairway_queue_wait_model_counts_only_the_work_ahead_in_the_fast_lane():
     assert last(f).scores == pytest.approx({0: 3.21, 1: 1.51, 2: 1.85})
     # The Fast lane's share: with the whole capacity (fast_share = 1), W_0 = 0.3.
     assert ranked(router("fairway", fast_share=1.0), req(1000), states) == [[0], [1], [2]]
-    # A replica with every sequence slot taken admits on a finish, not by prefill order: W = Q.
+    # A replica with every sequence slot taken still admits in its queue's order at each finish,
+    # so the cached request keeps its place ahead of the heavier work: W_0 = 0.75 as above.
     full = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), outstanding=8, running=4, cap=8)] + states[1:]
-    assert ranked(r, req(1000), full) == [[1], [2], [0]] and last(r).reason == "fair"
-    assert last(r).waits[0] == pytest.approx(3.0)
-    # one free slot: the queue order applies again
+    assert ranked(r, req(1000), full) == [[0], [1], [2]] and last(r).reason == "affinity"
+    assert last(r).waits[0] == pytest.approx(0.75)
+    # fcfs_when_full (the earlier model) prices the full replica as FCFS: W_0 = Q = 3.0, and the
+    # request leaves its cache; with one free slot the queue order applies again
+    old = router("fairway", fcfs_when_full=True)
+    assert ranked(old, req(1000), full) == [[1], [2], [0]] and last(old).reason == "fair"
+    assert last(old).waits[0] == pytest.approx(3.0)
     free = [st(0, matched=50, qp=(0.1, 0.2, 1.2, 1.5), outstanding=7, running=3, cap=8)] + states[1:]
-    assert choice(ranked(r, req(1000), free)) == 0
+    assert choice(ranked(old, req(1000), free)) == 0
     # a host that does not list the waiting requests (empty qp) gets W = Q
     assert router("fairway").expected_wait(st(0, q=2.0), 0.21, 800) == 2.0
     with pytest.raises(ValueError):
