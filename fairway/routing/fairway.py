@@ -2,9 +2,9 @@
 stated once, in docs/design.md, Fairway router.
 
 Rule: rank replica j for request r by T_rj = (W_rj + S_rj + footprint_weight * P_rj * fullness_j)
-/ s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) and pick the minimum, unless
-hot-prefix replication seeds a non-holder (``replicate``); ``rule="affinity"`` keeps the
-reference design's test instead; ``sticky_match`` (off by default) keeps a request on a replica
+/ s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) (+ delay_weight * D_rj) and pick
+the minimum, unless hot-prefix replication seeds a non-holder (``replicate``); ``rule="affinity"``
+keeps the reference design's test instead; ``sticky_match`` (off by default) keeps a request on a replica
 that holds most of its prompt while that costs at most ``sticky_slack`` cold prefills of T.
 
 Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix); P_rj =
@@ -47,6 +47,9 @@ from fairway.routing.popularity import PrefixShares
 
 #: The replica queue's default promotion threshold.
 DEFAULT_THETA = FairwayConfig().theta
+#: The load at which ``arrivals_delay`` stops growing: at or past it a replica's busy period
+#: does not end, and 1 / (1 - rho) would price every placement there without bound.
+MAX_DELAY_LOAD = 0.95
 #: The Fast lane's guaranteed share of prefill at a Fairway replica under contention.
 DEFAULT_FAST_SHARE = 1.0 - FairwayConfig().fair_share
 
@@ -68,6 +71,10 @@ class FairwayRouterConfig:
       fades when memory is idle).
     - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
       adds beyond the cheapest one).
+    - delay_weight = 0 (k > 0 adds k * D_rj, ``arrivals_delay``: the delay the placement's
+      prefill adds to the requests that reach j while j's backlog drains; it vanishes on an
+      idle cluster and grows in a burst, where a placement that recomputes a prefix delays
+      everyone queued behind it).
     - running_prefill, decode_batch, replicate, overtaking = True: the R_j term, the first-token
       step priced with j's running decodes, hot-prefix replication, the overtaken cold wait.
     - sticky_match = 0 (off), sticky_slack = 3: with m > 0, a request that some replica caches at
@@ -111,6 +118,7 @@ class FairwayRouterConfig:
     sticky_slack: float = 3.0
     class_view: bool = True
     fcfs_when_full: bool = False
+    delay_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -119,6 +127,8 @@ class FairwayRouterConfig:
             raise ValueError("p_floor_s must be >= 0")
         if not self.extra_work_weight >= 0:
             raise ValueError("extra_work_weight must be >= 0")
+        if not self.delay_weight >= 0:
+            raise ValueError("delay_weight must be >= 0")
         if not 0.0 <= self.sticky_match <= 1.0:
             raise ValueError("sticky_match must be in [0, 1]")
         if not self.sticky_slack >= 0:
@@ -138,8 +148,8 @@ class FairwayRouterConfig:
         for name in ("host_tier", "speed_aware", "class_view"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
-        for name in ("theta", "p_floor_s", "extra_work_weight", "footprint_weight", "fast_share", "sticky_match",
-                     "sticky_slack"):
+        for name in ("theta", "p_floor_s", "extra_work_weight", "delay_weight", "footprint_weight", "fast_share",
+                     "sticky_match", "sticky_slack"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("running_prefill", "decode_batch", "replicate", "overtaking", "fcfs_when_full"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -229,6 +239,26 @@ class FairwayRouter(RouterPolicy):
             now = self.clock.now()
         return sum(e - now for e in s.prefill_ends if e > now)
 
+    def arrivals_delay(self, s: ReplicaState, prefill_s: float, now: float | None = None) -> float:
+        """D_rj: the delay ``prefill_s`` seconds of prefill placed on ``s`` add to the requests
+        that reach ``s`` while its backlog drains (the module docstring's ``delay_weight``
+        term): each arrival of the remaining busy period waits ``prefill_s`` longer, and a busy
+        period started by work B + P lasts (B + P) / (1 - rho), so D = lambda * P * (B + P) /
+        (1 - rho), with lambda and rho the request rate and prefill load routed to ``s`` lately
+        (its routed window; rho capped at 0.95, where the busy period no longer ends) and B =
+        R_j + Q_j. 0 while there is no window. O(k + W)."""
+        ps = s.routed_prefills
+        if not ps:
+            return 0.0
+        if now is None:
+            now = self.clock.now()
+        span = now - s.routed_since
+        if span <= 0.0:
+            return 0.0
+        rho = min(sum(ps) / span, MAX_DELAY_LOAD)
+        backlog = s.queued_prefill_s + (self.running_prefill_s(s, now) if s.prefill_ends else 0.0)
+        return len(ps) / span * prefill_s * (backlog + prefill_s) / (1.0 - rho)
+
     def reload_s(self, req: RouteRequest, s: ReplicaState) -> float:
         """The host-tier reload before ``req``'s first step on ``s``: its host-hit tokens
         (``host_tokens``) at ``host_link_bytes_per_s``; 0 without host hits. The link's queue
@@ -279,7 +309,7 @@ class FairwayRouter(RouterPolicy):
             j = s.replica
             c, p = cached[j], prefill[j]
             w = wait[j] = expected_wait(s, p, c, None, now)
-            ttft[j] = t_of(req, s, c, p, w, fullness[j], least)
+            ttft[j] = t_of(req, s, c, p, w, fullness[j], least, now)
         if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
                 s.class_view is not None for s in ss):
             # no replica meets the class's objective by the whole queue: price the wait on the
@@ -287,7 +317,7 @@ class FairwayRouter(RouterPolicy):
             wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
                 s, prefill[s.replica], cached[s.replica]) for s in ss}
             ttft = {s.replica: t_of(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
-                                    fullness[s.replica], least) for s in ss}
+                                    fullness[s.replica], least, now) for s in ss}
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
         # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
         # cluster's memory), then the id
@@ -312,7 +342,7 @@ class FairwayRouter(RouterPolicy):
         return Ranking(ranks_of([pick], (r for r in order if r != pick)), reason, ttft, wait)
 
     def _t(self, req: RouteRequest, s: ReplicaState, cached: int, prefill: float, wait: float, fullness: float,
-           least: float) -> float:
+           least: float, now: float) -> float:
         """T_rj from its terms (the module docstring's rule). O(1)."""
         cfg = self.config
         t = self.expected_ttft(req, s, cached, prefill, wait, fullness)
@@ -321,6 +351,8 @@ class FairwayRouter(RouterPolicy):
             t = t / s.speed
         if cfg.extra_work_weight:
             t = t + cfg.extra_work_weight * (prefill - least)
+        if cfg.delay_weight and s.routed_prefills:
+            t = t + cfg.delay_weight * self.arrivals_delay(s, prefill, now)
         if self.host_tier and s.host_blocks:
             t = t + self.reload_s(req, s)
         return t

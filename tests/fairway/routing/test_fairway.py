@@ -248,6 +248,33 @@ def test_fairway_running_prefill_counts_the_started_work_still_to_run():
     assert last(off).waits == pytest.approx({0: 0.0, 1: 0.0})
 
 
+def test_fairway_delay_weight_charges_a_placement_the_delay_it_adds_to_the_burst_behind_it():
+    # At t = 10, replica 0 holds 800 of the 1000 tokens (P = 0.21) behind 1.4 s of started
+    # prefill: T_0 = 1.61. Replica 1 is idle (cold P = 1.01, T_1 = 1.01) but was routed eight
+    # 0.1 s requests in the last second: lambda = 8/s, rho = 0.8, backlog 0, so the 1.01 s placed
+    # there delays the burst's next arrivals by D_1 = 8 * 1.01 * (0 + 1.01) / 0.2 = 40.804 s.
+    burst = [st(0, matched=50, outstanding=2, ends=(10.5, 10.9)),
+             st(1, routed_since=9.0, routed=(0.1,) * 8)]
+    plain = router("fairway")
+    plain.clock.set(10.0)
+    assert ranked(plain, req(1000), burst) == [[1], [0]] and last(plain).reason == "fair"
+    r = router("fairway", delay_weight=0.1)
+    r.clock.set(10.0)
+    assert r.arrivals_delay(burst[1], 1.01) == pytest.approx(40.804)
+    assert r.arrivals_delay(burst[0], 0.21) == 0.0  # no routed window: nothing known to delay
+    assert ranked(r, req(1000), burst) == [[0], [1]] and last(r).reason == "affinity"
+    assert last(r).scores == pytest.approx({0: 1.61, 1: 1.01 + 4.0804})
+    # the backlog lengthens the busy period: 0.5 s queued there gives 8 * 1.01 * 1.51 / 0.2
+    assert r.arrivals_delay(st(1, qp=(0.5,), routed_since=9.0, routed=(0.1,) * 8), 1.01) == pytest.approx(61.004)
+    # the same eight requests over 100 s (rho = 0.008): the term fades and the request moves
+    quiet = [burst[0], st(1, routed_since=-90.0, routed=(0.1,) * 8)]
+    assert ranked(r, req(1000), quiet) == [[1], [0]] and last(r).reason == "fair"
+    # past saturation the load is capped at 0.95 (1 / (1 - rho) = 20)
+    assert r.arrivals_delay(st(1, routed_since=9.9, routed=(0.1,) * 8), 1.01) == pytest.approx(80 * 1.01 * 1.01 * 20)
+    with pytest.raises(ValueError):
+        router("fairway", delay_weight=-1.0)
+
+
 def test_fairway_decode_batch_prices_the_first_token_step_with_the_running_decodes():
     # LinearCost's step adds 0.005 s when the batch decodes. Replicas 0 and 1 both hold the whole
     # cacheable prompt (62 blocks: 8 new tokens of 1000, P = 0.018). Replica 0 is decoding two
