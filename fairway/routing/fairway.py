@@ -1,11 +1,12 @@
 """Fairway's replica choice: the minimum expected TTFT. The model, its reasons and options are
 stated once, in docs/design.md, Fairway router.
 
-Rule: rank replica j for request r by T_rj = (W_rj + S_rj + footprint_weight * P_rj * fullness_j)
-/ s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) (+ delay_weight * D_rj) and pick
-the minimum, unless hot-prefix replication seeds a non-holder (``replicate``); ``rule="affinity"``
-keeps the reference design's test instead; ``sticky_match`` (off by default) keeps a request on a replica
-that holds most of its prompt while that costs at most ``sticky_slack`` cold prefills of T.
+Rule: rank replica j for request r by T_rj = (W_rj + S_rj + footprint_weight * P_rj *
+fullness_j) / s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) (+ delay_weight *
+D_rj) and pick the minimum, unless hot-prefix replication seeds a non-holder (``replicate``);
+``rule="affinity"`` keeps the reference design's test instead; ``sticky_match`` (off by default)
+keeps a request on a replica that holds most of its prompt while that costs at most
+``sticky_slack`` cold prefills of T.
 
 Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix); P_rj =
 cost.prefill_time(L_r - ĉ_rj, ĉ_rj); Q_j the prefill seconds routed to j and not yet started;
