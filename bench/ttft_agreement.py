@@ -108,7 +108,7 @@ def bench_serve(args: argparse.Namespace, url: str, tmp: str) -> dict[str, Any]:
     cmd = [str(args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", "fairway-tiny", "--tokenizer", str(ROOT / "deploy/models/fairway-tiny"),
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts", str(args.num_prompts),
            "--request-rate", args.request_rate, "--seed", str(args.seed), "--save-result", "--save-detailed",
            "--result-dir", tmp, "--result-filename", "run.json", "--disable-tqdm"]
     if args.client_nice:

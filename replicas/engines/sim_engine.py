@@ -29,6 +29,17 @@ A request whose consumer stops reading (the client disconnected, so Serve cancel
 aborted in the model at once: it leaves the queue or the running batch and its KV blocks are freed,
 as vLLM's ``abort`` does.
 
+End of sequence (``eos_mean_tokens``, default 256): a model ends its answer when it samples its
+end-of-sequence token, not at ``max_tokens``. A text-less engine has no such token, so each
+request's natural length is drawn from its generator: geometric with mean ``eos_mean_tokens`` (a
+stop chance of 1 / mean at every token, the memoryless stop of a model whose EOS probability does
+not depend on the text). The request ends there with ``finish_reason`` "stop" when that comes
+before ``max_tokens``, else at ``max_tokens`` with "length"; ``ignore_eos`` (vLLM's, which the
+load generator and the benchmarks send) runs it to ``max_tokens``, and ``eos_mean_tokens=0`` does
+so for every request. The end-of-sequence token itself is not emitted. So a chat request without
+``max_tokens`` (whose bound is the rest of the context) answers in about 256 tokens, as a chat
+model's would, rather than streaming tens of thousands.
+
 Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
 standing for samples at any ``temperature`` / ``top_p``; a request with a ``seed`` gets ids drawn
 from that seed and its prompt, so the same seed and prompt give the same output (OpenAI's
@@ -99,6 +110,7 @@ class _Live:
 
     rid: int
     output_ids: list[int]
+    finish_reason: str = "length"  # "stop": its drawn end of sequence came before max_tokens
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0
     cached_sent: bool = False
@@ -127,12 +139,14 @@ class SimEngine(Engine, EngineListener):
         host_kv_blocks: int = 0,
         host_link_bytes_per_s: float = 50e9,
         tiers: ClassesConfig | None = None,
+        eos_mean_tokens: int = 256,
     ) -> None:
-        """``tiers`` (the replica passes its request classes with ``replica.strict_tiers``): the
-        engine serves its waiting queue by tier, then first-come-first-served (vLLM's priority
-        scheduling), and a step in which the strictest tier has prefill runs no lower tier's
-        prefill (``EngineConfig.strict_prefill_first``; module docstring). None: FCFS, as vLLM's
-        default."""
+        """``eos_mean_tokens``: the mean of a request's natural answer length (module docstring,
+        End of sequence); 0: every request runs to ``max_tokens``. ``tiers`` (the replica passes
+        its request classes with ``replica.strict_tiers``): the engine serves its waiting queue by
+        tier, then first-come-first-served (vLLM's priority scheduling), and a step in which the
+        strictest tier has prefill runs no lower tier's prefill (``EngineConfig.strict_prefill_first``;
+        module docstring). None: FCFS, as vLLM's default."""
         if speed <= 0:
             raise ValueError("speed must be > 0")
         if pacing not in ("deadline", "sleep"):
@@ -141,6 +155,8 @@ class SimEngine(Engine, EngineListener):
             raise ValueError("max_catchup_s must be >= 0")
         if vocab_size <= 16:
             raise ValueError("vocab_size must be > 16")
+        if isinstance(eos_mean_tokens, bool) or not isinstance(eos_mean_tokens, int) or eos_mean_tokens < 0:
+            raise ValueError("eos_mean_tokens must be an integer >= 0 (0: no end of sequence)")
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -148,6 +164,7 @@ class SimEngine(Engine, EngineListener):
         self.speed = speed
         self.vocab_size = vocab_size
         self.seed = seed
+        self.eos_mean_tokens = eos_mean_tokens
         self.clock = clock or MonotonicClock()
         self.cost = CostModel.from_profile(profile)
         self.tiers = tiers if tiers is not None and tiers.classes else None
@@ -303,7 +320,7 @@ class SimEngine(Engine, EngineListener):
         if not live.cached_sent:
             cached = max(0, r.cached_tokens)
             live.cached_sent = True
-        live.out.put_nowait(EngineOutput(new, finished=done, finish_reason="length" if done else None,
+        live.out.put_nowait(EngineOutput(new, finished=done, finish_reason=live.finish_reason if done else None,
                                          cached_tokens=cached))
 
     def set_fault(self, stall: bool = False, slowdown: float = 1.0) -> bool:
@@ -351,7 +368,7 @@ class SimEngine(Engine, EngineListener):
             rid=rid,
             arrival_s=self.clock.now(),
             prompt_tokens=len(call.prompt_token_ids),
-            output_tokens=call.max_tokens,
+            output_tokens=len(output_ids),
             block_hashes=tuple(hashes + tail.hashes),
             priority_class=self._class_of(call.priority_class),
         )
@@ -373,8 +390,14 @@ class SimEngine(Engine, EngineListener):
             prompt = np.asarray(call.prompt_token_ids, dtype=np.int64).tobytes()
             rng = np.random.default_rng([call.seed % 2**63, zlib.crc32(prompt), len(call.prompt_token_ids)])
         output_ids = rng.integers(16, self.vocab_size, size=call.max_tokens).tolist()
+        reason = "length"
+        if self.eos_mean_tokens and not call.ignore_eos:
+            # drawn after the ids, so a seeded answer is the same text up to where it stops
+            natural = int(rng.geometric(1.0 / self.eos_mean_tokens))
+            if natural < call.max_tokens:
+                output_ids, reason = output_ids[:natural], "stop"
         spec = self._spec(call, rid, output_ids)
-        live = _Live(rid, output_ids)
+        live = _Live(rid, output_ids, reason)
         self._live[rid] = live
         r = self.model.add(spec)
         if r.rejected:

@@ -37,7 +37,10 @@ def url():
 
 
 def complete(url: str, prompt, max_tokens: int = 4, **extra) -> tuple[int, dict, dict]:
-    return post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra})
+    """A completion of exactly ``max_tokens`` tokens: ``ignore_eos`` unless ``extra`` says otherwise
+    (the sim engine ends an answer at its drawn end of sequence, as a model does)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+    return post_json(f"{url}/v1/completions", body)
 
 
 def test_health_and_models(url):
@@ -87,18 +90,41 @@ def test_openai_client_streaming_and_not(url):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+    exact = {"ignore_eos": True}  # vLLM's parameter, through the client's extra_body
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, extra_body=exact)
     assert r.usage.completion_tokens == 5
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
-        stream_options={"include_usage": True}))
+        stream_options={"include_usage": True}, extra_body=exact))
     content = [c for c in chunks if c.choices]
     assert 2 <= len(content) <= 6  # the first token alone, the rest merged per stream_interval_s
     assert content[0].choices[0].delta.role == "assistant"
     assert content[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 6
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          extra_body=exact)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
+
+
+def test_an_answer_ends_at_its_end_of_sequence_unless_ignore_eos(url):
+    """The openai client's plainest call, a chat with no ``max_tokens`` (bounded by the rest of
+    the 32k context), ends at the sim engine's drawn end of sequence ("stop", a few hundred
+    tokens at most) rather than streaming the context's rest; a completion that does not set
+    ``ignore_eos`` may stop before ``max_tokens``, and always says why."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60)
+    chats = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}])
+             for i in range(2)]
+    assert [c.choices[0].finish_reason for c in chats] == ["stop"] * 2
+    assert all(1 <= c.usage.completion_tokens < 4096 for c in chats), [c.usage.completion_tokens for c in chats]
+    reasons = []
+    for i in range(4):
+        r = client.completions.create(model=MODEL, prompt=f"count {i}", max_tokens=1024)
+        n, reason = r.usage.completion_tokens, r.choices[0].finish_reason
+        assert (reason == "stop" and n < 1024) or (reason == "length" and n == 1024), (n, reason)
+        reasons.append(reason)
+    assert "stop" in reasons  # P(4 natural lengths of mean 256 all >= 1024) is about 1e-7
 
 
 def test_prefix_affinity_and_cached_tokens(url):
@@ -125,7 +151,7 @@ def test_cache_counters_are_current_without_another_request(url):
     name = "fairway_prompt_tokens_total"
     before = total(url, "router", name)
     status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt_ids(4242, 700),
-                                                           "max_tokens": 2})
+                                                           "max_tokens": 2, "ignore_eos": True})
     assert status == 200, body
     assert body["usage"]["prompt_tokens"] == 700
     poll(lambda: total(url, "router", name) >= before + 700, 10.0, "the router's prompt tokens to count the request",
@@ -178,7 +204,8 @@ def test_over_long_prompt(url):
 
 def test_streaming_sse_shape(url):
     body = json.dumps({"model": MODEL, "prompt": prompt_ids(5, 100), "max_tokens": 4, "stream": True,
-                       "stream_options": {"include_usage": True}, "return_token_ids": True}).encode()
+                       "ignore_eos": True, "stream_options": {"include_usage": True},
+                       "return_token_ids": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -215,7 +242,7 @@ def test_cold_burst_spreads_over_replicas(url):
     async def run() -> list[str]:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> str:
-                payload = {"model": MODEL, "prompt": prompt_ids(3000 + i, 3000), "max_tokens": 2}
+                payload = {"model": MODEL, "prompt": prompt_ids(3000 + i, 3000), "max_tokens": 2, "ignore_eos": True}
                 async with s.post(f"{url}/v1/completions", json=payload,
                                   timeout=aiohttp.ClientTimeout(total=120)) as r:
                     return (await r.json())["fairway"]["replica"]
@@ -271,7 +298,7 @@ def test_concurrent_requests_all_complete(url):
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> int:
                 payload = {"model": MODEL, "prompt": prompt_ids(i % 5, 1500) + prompt_ids(1000 + i, 50),
-                           "max_tokens": 8}
+                           "max_tokens": 8, "ignore_eos": True}
                 async with s.post(f"{url}/v1/completions", json=payload,
                                   timeout=aiohttp.ClientTimeout(total=120)) as r:
                     body = await r.json()
@@ -300,8 +327,8 @@ def test_the_openapi_schema_fuzzed_against_the_cluster_never_gets_a_5xx(url):
         def fuzz(case):
             if isinstance(case.body, dict) and case.body.get("max_tokens") is None \
                     and case.body.get("max_completion_tokens") is None:
-                # a chat without max_tokens may use the rest of the context (32k tokens), and the
-                # sim engine has no end-of-sequence token: minutes of valid work, not a hang
+                # a chat without max_tokens may use the rest of the context (32k tokens) where it
+                # sets ignore_eos: minutes of valid work, not a hang
                 case.body["max_tokens"] = MAX_FUZZ_TOKENS
             case.call_and_validate(checks=[not_a_server_error], timeout=15)
             if isinstance(case.body, dict):

@@ -51,7 +51,7 @@ def test_overflow_gets_429_at_once_and_accepted_requests_complete(slow):
     async def run() -> list[tuple[int, float, str | None, str]]:
         async with aiohttp.ClientSession() as s:
             async def one(i: int):
-                payload = {"model": MODEL, "prompt": prompt_ids(300 + i, 4000), "max_tokens": 2}
+                payload = {"model": MODEL, "prompt": prompt_ids(300 + i, 4000), "max_tokens": 2, "ignore_eos": True}
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
                 async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
@@ -88,7 +88,7 @@ def test_burst_promotes_to_fair_lane(slow):
         async with aiohttp.ClientSession() as s:
             async def one(i: int):
                 payload = {"model": MODEL, "prompt": prompt_ids(500 + i, 300 if i % 4 == 0 else 2000),
-                           "max_tokens": 2, "priority": "bulk"}
+                           "max_tokens": 2, "ignore_eos": True, "priority": "bulk"}
                 async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     return r.status, await r.json()
@@ -114,7 +114,8 @@ def test_an_interactive_request_goes_before_a_waiting_batch_backlog(slow):
         async with aiohttp.ClientSession() as s:
             async def one(i: int, klass: str, n: int, after: float):
                 await asyncio.sleep(after)
-                payload = {"model": MODEL, "prompt": prompt_ids(900 + i, n), "max_tokens": 2, "priority": klass}
+                payload = {"model": MODEL, "prompt": prompt_ids(900 + i, n), "max_tokens": 2, "ignore_eos": True,
+                           "priority": klass}
                 async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     return r.status, await r.json(), asyncio.get_running_loop().time()
@@ -143,7 +144,7 @@ def test_requests_every_gate_refused_are_held_and_served_once(slow):
     async def run():
         async with aiohttp.ClientSession() as s:
             async def one(i: int):
-                payload = {"model": MODEL, "prompt": prompt_ids(1300 + i, 2000), "max_tokens": 2}
+                payload = {"model": MODEL, "prompt": prompt_ids(1300 + i, 2000), "max_tokens": 2, "ignore_eos": True}
                 headers = dict(ALICE)
                 if i % 3 == 0:
                     payload["priority"] = "bulk"
@@ -181,7 +182,8 @@ def test_with_strict_tiers_an_interactive_prompt_is_not_computed_behind_a_runnin
                 await asyncio.sleep(after)
                 loop = asyncio.get_running_loop()
                 sent = loop.time()
-                payload = {"model": MODEL, "prompt": prompt_ids(1300 + i, n), "max_tokens": 2, "priority": klass}
+                payload = {"model": MODEL, "prompt": prompt_ids(1300 + i, n), "max_tokens": 2, "ignore_eos": True,
+                           "priority": klass}
                 async with s.post(f"{slow}/v1/completions", json=payload, headers=ALICE,
                                   timeout=aiohttp.ClientTimeout(total=300)) as r:
                     body = await r.json()

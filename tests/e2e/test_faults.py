@@ -58,7 +58,7 @@ def served(url: str, n: int = 4) -> list[str]:
     names = []
     for i in range(n):
         status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": [20 + i] * 40,
-                                                              "max_tokens": 2})
+                                                              "max_tokens": 2, "ignore_eos": True})
         assert status == 200, body
         names.append(body["fairway"]["replica"])
     return names

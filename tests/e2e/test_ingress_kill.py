@@ -34,7 +34,7 @@ async def burst_then_kill(url: str) -> tuple[list[StreamResult], float, str]:
     clock = MonotonicClock()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=[reuse_tracing()]) as s:
         async def one(k: int) -> StreamResult:
-            body = {"model": MODEL, "prompt": prompt_ids(k, 2000), "max_tokens": 5, "stream": True,
+            body = {"model": MODEL, "prompt": prompt_ids(k, 2000), "max_tokens": 5, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             return await stream_completion(s, url, body, clock=clock, timeout_s=240)
 

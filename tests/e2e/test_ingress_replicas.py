@@ -54,7 +54,8 @@ def url():
 
 
 def complete(url: str, prompt: list[int]) -> dict:
-    status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    status, body, _ = post_json(f"{url}/v1/completions",
+                                {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
     assert status == 200, body
     return body
 
@@ -118,7 +119,7 @@ def test_host_tier_blocks_reach_the_shared_view_and_a_host_hit_is_served_there(u
     async def burst(seeds: range) -> None:
         async with aiohttp.ClientSession() as s:
             async def one(k: int) -> None:
-                payload = {"model": MODEL, "prompt": prompt_ids(9000 + k, SHARED), "max_tokens": 2}
+                payload = {"model": MODEL, "prompt": prompt_ids(9000 + k, SHARED), "max_tokens": 2, "ignore_eos": True}
                 async with s.post(f"{url}/v1/completions", json=payload,
                                   timeout=aiohttp.ClientTimeout(total=60)) as r:
                     assert r.status == 200, await r.text()
@@ -144,7 +145,7 @@ def test_killing_one_ingress_replica_loses_no_request(url):
     holder = complete(url, shared + prompt_ids(5001, 24))["fairway"]["replica"]
 
     async def one(s: aiohttp.ClientSession, k: int) -> tuple[int, str]:
-        payload = {"model": MODEL, "prompt": shared + prompt_ids(6000 + k, 24), "max_tokens": 100}
+        payload = {"model": MODEL, "prompt": shared + prompt_ids(6000 + k, 24), "max_tokens": 100, "ignore_eos": True}
         async with s.post(f"{url}/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=60)) as r:
             return r.status, await r.text()
 

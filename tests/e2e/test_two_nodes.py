@@ -66,7 +66,7 @@ def test_replicas_on_both_nodes_and_affinity_holds(two_nodes):
             wait_routers_idle(two_nodes)  # the previous request no longer counts as queued
             status, body, _ = post_json(f"{two_nodes}/v1/completions",
                                         {"model": MODEL, "prompt": shared + prompt_ids(900 + 10 * family + k, 20),
-                                         "max_tokens": 2})
+                                         "max_tokens": 2, "ignore_eos": True})
             assert status == 200
             cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == (0 if k == 0 else 3000 // 16 * 16)
@@ -85,7 +85,7 @@ def test_dead_replica_loses_no_request_silently(two_nodes):
     import ray
 
     async def one(s: aiohttp.ClientSession, i: int) -> tuple[int, dict]:
-        payload = {"model": MODEL, "prompt": prompt_ids(700 + i, 1500), "max_tokens": 200}
+        payload = {"model": MODEL, "prompt": prompt_ids(700 + i, 1500), "max_tokens": 200, "ignore_eos": True}
         async with s.post(f"{two_nodes}/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=120)) as r:
             return r.status, await r.json()
 
@@ -109,5 +109,6 @@ def test_dead_replica_loses_no_request_silently(two_nodes):
     # the survivor (and the replacement Ray Serve starts) keep serving
     for k in range(3):
         status, body, _ = post_json(f"{two_nodes}/v1/completions",
-                                    {"model": MODEL, "prompt": prompt_ids(800 + k, 200), "max_tokens": 2})
+                                    {"model": MODEL, "prompt": prompt_ids(800 + k, 200), "max_tokens": 2,
+                                     "ignore_eos": True})
         assert status == 200, body

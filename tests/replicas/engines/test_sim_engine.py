@@ -166,6 +166,70 @@ async def test_a_seed_makes_the_output_a_function_of_the_seed_and_the_prompt(eng
     assert a == b and len({tuple(a), tuple(c), tuple(d)}) == 3 and e1 != e2
 
 
+async def answer(engine, c: GenerateCall) -> tuple[list[int], str | None]:
+    """The tokens of ``c`` and its finish reason."""
+    tokens: list[int] = []
+    reason = None
+    async for out in engine.generate(c):
+        tokens += out.token_ids
+        if out.finished:
+            reason = out.finish_reason
+    return tokens, reason
+
+
+def eos_call(rid: str, max_tokens: int, ignore_eos: bool = False, seed: int | None = None) -> GenerateCall:
+    c = call(rid, [7] * 20 + [int(rid[1:]) % 1000], max_tokens=max_tokens)
+    c.ignore_eos, c.seed = ignore_eos, seed
+    return c
+
+
+async def test_without_ignore_eos_each_answer_ends_at_its_drawn_end_of_sequence():
+    """A request that does not set ``ignore_eos`` stops at its drawn natural length ("stop") when
+    that comes before ``max_tokens``, else at ``max_tokens`` ("length"); the lengths have about
+    the configured mean; ``ignore_eos`` runs every request to ``max_tokens``."""
+    e = make_engine("sim", speed=1000.0, kv_blocks=512, max_model_len=2048, eos_mean_tokens=8)
+    await e.start()
+    try:
+        free = [await answer(e, eos_call(f"r{i}", 64)) for i in range(40)]
+        forced = [await answer(e, eos_call(f"f{i}", 64, ignore_eos=True)) for i in range(5)]
+    finally:
+        await e.shutdown()
+    lengths = [len(t) for t, _ in free]
+    assert all((r == "stop") == (n < 64) and n >= 1 for n, (_, r) in zip(lengths, free, strict=True))
+    assert sum(r == "stop" for _, r in free) >= 35  # P(natural >= 64) = (7/8)^63, about 2e-4
+    assert 4 <= sum(lengths) / len(lengths) <= 16
+    assert [(len(t), r) for t, r in forced] == [(64, "length")] * 5
+
+
+async def test_a_seeded_answer_stops_at_the_same_token_and_is_the_ignore_eos_answer_cut_there():
+    """OpenAI's ``seed`` covers the length too: the same seed and prompt end at the same token,
+    and the answer is the start of what ``ignore_eos`` gives for that seed (the length is drawn
+    after the tokens)."""
+    e = make_engine("sim", speed=1000.0, kv_blocks=512, max_model_len=2048, eos_mean_tokens=8)
+    await e.start()
+    try:
+        a, ra = await answer(e, eos_call("r1", 64, seed=11))
+        b, rb = await answer(e, eos_call("r1", 64, seed=11))
+        full, rf = await answer(e, eos_call("r1", 64, ignore_eos=True, seed=11))
+    finally:
+        await e.shutdown()
+    assert (a, ra) == (b, rb) and ra == "stop" and rf == "length"
+    assert len(a) < 64 and full[: len(a)] == a
+
+
+async def test_eos_mean_tokens_zero_runs_every_request_to_max_tokens_and_bad_values_are_refused():
+    e = make_engine("sim", speed=1000.0, kv_blocks=512, max_model_len=2048, eos_mean_tokens=0)
+    await e.start()
+    try:
+        got = [await answer(e, eos_call(f"r{i}", 20)) for i in range(5)]
+    finally:
+        await e.shutdown()
+    assert [(len(t), r) for t, r in got] == [(20, "length")] * 5
+    for bad in (-1, True, 2.5, "256"):
+        with pytest.raises(ValueError, match="eos_mean_tokens"):
+            make_engine("sim", eos_mean_tokens=bad)
+
+
 @pytest.mark.parametrize("field,value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0),
                                          ("repetition_penalty", 1.1), ("logit_bias", {42: 3.0})])
 async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine, field, value):
