@@ -129,6 +129,15 @@ class _Common(BaseModel):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # they shape a stream's last events, so without a stream they would do nothing: refused by
+        # name, as vLLM refuses them (an empty object sets nothing and passes, as there)
+        if v is not None and v.model_fields_set and not info.data.get("stream", False):
+            raise ValueError("stream_options can only be set when stream is true")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str] | None:

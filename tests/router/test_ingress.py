@@ -420,13 +420,15 @@ def _no_effect(server: Server, body: dict, chat: bool, stream: bool) -> None:
 
 
 REFUSE = "400"
+STREAM_ONLY = "stream only"  # 200 with stream=True, a 400 naming the field with stream=False
 #: Every field of the request models: (value to send, REFUSE or a check that it was honoured).
 #: Values that are the field's no-op default are accepted by both; the matrix sends a real use.
 COMMON: dict[str, tuple[Any, Any]] = {
     "model": (MODEL, _no_effect),
     "max_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail("max_tokens")),
     "stream": (True, lambda srv, b, c, s: None),  # the stream=True runs of every check
-    "stream_options": ({"include_usage": True}, lambda srv, b, c, s: None),  # test_include_usage_* below
+    # honoured on a stream (test_include_usage_* below), refused by name without one
+    "stream_options": ({"include_usage": True}, STREAM_ONLY),
     "temperature": (0.0, _call_has(temperature=0.0)),
     "top_p": (0.5, _call_has(top_p=0.5)),
     "n": (2, REFUSE),
@@ -487,6 +489,12 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
                 r = post(server, path, body)
                 assert_clear_error(r, 400, name)
                 assert r.json()["error"]["param"] == name
+                continue
+            if expect == STREAM_ONLY:
+                r = post(server, path, {**body, "stream": False})
+                assert_clear_error(r, 400, name)
+                assert r.json()["error"]["param"] == name
+                assert post(server, path, {**body, "stream": True}).status_code == 200
                 continue
             for stream in (False, True):
                 r = post(server, path, {**body, "stream": stream})
