@@ -22,6 +22,7 @@ stored completions, ``suffix``, ``n`` / ``best_of`` above 1 (``REFUSED`` has eac
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -46,6 +47,28 @@ MAX_STOPS = 16
 
 NO_TOOLS = "tool and function calling is not supported by this server (no tool-call parser)"
 NO_LOGPROBS = "log probabilities are not returned by this server"
+#: A UTF-16 surrogate code point: JSON's "\ud800" escape decodes to one, which is no Unicode text
+#: (no tokenizer, hash or UTF-8 encoder takes it).
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(v: Any) -> Any:
+    """``v`` (a field's value: a string, or lists and dicts of them) unchanged, or ValueError when a
+    string in it holds an unpaired surrogate, so the request gets a 400 naming the field instead
+    of failing in the tokenizer. Why: JSON lets a client escape half a surrogate pair. O(length of
+    its non-ASCII strings); an ASCII string and a list of token ids cost one check each."""
+    if isinstance(v, str):
+        if not v.isascii() and (m := SURROGATE.search(v)):
+            raise ValueError(f"contains an unpaired surrogate (U+{ord(m.group()):04X}) at character {m.start()}: "
+                             "not Unicode text; send UTF-8 text or token ids")
+    elif isinstance(v, list):
+        if v and not isinstance(v[0], int):
+            for x in v:
+                check_text(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            check_text(x)
+    return v
 #: Documented OpenAI parameters this server cannot honour: (accepted values, why not otherwise).
 #: A value outside the accepted ones is a 400 naming the parameter with the reason.
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -129,6 +152,11 @@ class _Common(BaseModel):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
 
+    @field_validator("*")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return check_text(v)
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
@@ -210,6 +238,11 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return check_text(v)
 
     @field_validator("content")
     @classmethod

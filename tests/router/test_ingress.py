@@ -611,6 +611,30 @@ def test_chat_content_parts_other_than_text_and_tool_calls_in_history_are_refuse
     assert post(server, "/v1/chat/completions", {**base, "messages": ok}).status_code == 200
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "ok \\ud800 x"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["\\udfff"]}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "cache_salt": "\\ud800"}', "cache_salt"),
+    ("/v1/completions", '{"prompt": "hi", "user": "a\\udc00"}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "name": "\\ud800"}]}',
+     "messages.0.name"),
+])
+def test_text_with_an_unpaired_surrogate_is_a_400_naming_the_field(server, path, body, param):
+    """JSON may escape half a UTF-16 surrogate pair ("\\ud800"), which decodes to no Unicode text:
+    the tokenizer and the hashes cannot take it (it was a 500). It is a 400 naming the field; a
+    whole pair (an emoji) is text and is served."""
+    raw = body[:-1] + f', "model": "{MODEL}", "max_tokens": 2}}'
+    r = post(server, path, raw)
+    assert_clear_error(r, 400, "unpaired surrogate")
+    assert r.json()["error"]["param"] == param
+    emoji = raw.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
+    if emoji != raw and "cache_salt" not in raw:
+        assert post(server, path, emoji).status_code == 200, emoji
+
+
 def test_what_the_openai_client_and_vllm_bench_send_by_default_is_accepted(server):
     """``vllm bench serve``'s completions payload (vllm/benchmarks/lib/endpoint_request_func.py:
     repetition_penalty 1.0, logprobs None, stream_options) and the openai client's chat call."""
@@ -739,17 +763,24 @@ def test_without_classes_only_priority_zero_is_accepted(server):
 
 # -- hostile input -----------------------------------------------------------------------------
 
+def texts(max_size: int) -> st.SearchStrategy[str]:
+    """Strings, half of them with unpaired UTF-16 surrogates mixed in (which ``st.text`` never
+    draws, and JSON can carry as "\\ud800" escapes)."""
+    odd = st.lists(st.characters() | st.integers(0xD800, 0xDFFF).map(chr), max_size=max_size).map("".join)
+    return st.text(max_size=max_size) | odd
+
+
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | texts(40),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(texts(12), inner, max_size=6),
     max_leaves=30,
 )
 fields = {
     "model": st.sampled_from([MODEL, "other", ""]) | json_values,
-    "prompt": st.text(max_size=200) | st.lists(st.integers(-5, 5000), max_size=50) | json_values,
+    "prompt": texts(200) | st.lists(st.integers(-5, 5000), max_size=50) | json_values,
     "messages": st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
-         "content": st.text(max_size=80) | json_values}), max_size=10) | json_values,
+         "content": texts(80) | json_values}), max_size=10) | json_values,
     "max_tokens": st.integers(-3, 5000) | json_values,
     "max_completion_tokens": st.integers(-3, 50) | json_values,
     "stream": st.booleans() | json_values,
@@ -758,8 +789,8 @@ fields = {
     "n": st.integers(-1, 3) | json_values,
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans() | json_values,
-    "cache_salt": st.text(max_size=20) | json_values,
-    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=20) | json_values,
+    "cache_salt": texts(20) | json_values,
+    "stop": texts(5) | st.lists(texts(5), max_size=20) | json_values,
     "stop_token_ids": st.lists(st.integers(-3, 10**6), max_size=20) | json_values,
     "seed": st.integers(-(2**70), 2**70) | json_values,
     "logit_bias": st.dictionaries(st.integers(-3, 10**5).map(str), st.floats(-200, 200), max_size=4) | json_values,
