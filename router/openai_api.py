@@ -330,7 +330,8 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     """OpenAI's error object (``code``: the status's usual code unless given, None for none)."""
     if code == BY_STATUS:
         code = CODES.get(status)
-    return {"error": {"message": message, "type": KINDS.get(status, "server_error"), "param": param, "code": code}}
+    kind = KINDS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 async def send_error(send: Any, status: int, message: str, headers: Sequence[tuple[bytes, bytes]] = (),

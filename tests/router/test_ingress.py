@@ -878,6 +878,7 @@ def test_bytes_that_are_not_json_and_unknown_paths_get_openai_shaped_errors(serv
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
     r = requests.get(server.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"  # the client's mistake, not the server's
 
 
 def test_an_oversized_header_block_is_refused_with_431(server):
