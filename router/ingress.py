@@ -279,10 +279,23 @@ class FairwayIngress:
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
+    def model_card(self) -> dict[str, Any]:
+        """The served model as OpenAI's model object (with vLLM's ``max_model_len``)."""
+        return {"id": self.args.model, "object": "model", "created": 0, "owned_by": "fairway",
+                "max_model_len": self.args.max_model_len}
+
     async def models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.args.model, "object": "model", "created": 0, "owned_by": "fairway",
-             "max_model_len": self.args.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, model: str) -> JSONResponse:
+        """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): the model object,
+        or the 404 an unknown model gets on the generation endpoints (not counted as a refused
+        request: nothing was asked to generate)."""
+        try:
+            self._check_model(model)
+        except HTTPError as e:
+            return e.response()
+        return JSONResponse(self.model_card())
 
     async def metrics_targets(self) -> JSONResponse:
         from observability.exporter import metrics_targets
@@ -910,6 +923,11 @@ async def health(ingress: Ingress) -> JSONResponse:
 @app.get("/v1/models")
 async def models(ingress: Ingress) -> JSONResponse:
     return await ingress.models()
+
+
+@app.get("/v1/models/{model:path}")
+async def model(model: str, ingress: Ingress) -> JSONResponse:
+    return await ingress.model(model)
 
 
 @app.get("/metrics/targets")

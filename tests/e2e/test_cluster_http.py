@@ -49,6 +49,8 @@ def test_health_and_models(url):
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
         body = json.loads(r.read())
     assert [m["id"] for m in body["data"]] == [MODEL]
+    with urllib.request.urlopen(f"{url}/v1/models/{MODEL}", timeout=10) as r:  # models.retrieve
+        assert json.loads(r.read())["id"] == MODEL
 
 
 def test_completion_text_and_usage(url):

@@ -870,6 +870,21 @@ def test_fuzzed_headers_do_not_change_the_answer(server, headers):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404_naming_it(server):
+    """``GET /v1/models/{id}``, what the openai client's ``models.retrieve`` sends."""
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    m = client.models.retrieve(MODEL)
+    listed = requests.get(server.url + "/v1/models", timeout=10).json()["data"]
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "fairway")
+    assert requests.get(server.url + f"/v1/models/{MODEL}", timeout=10).json() == listed[0]
+    with pytest.raises(NotFoundError, match="`gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
+    r = requests.get(server.url + "/v1/models/org/some-model", timeout=10)  # ids with a slash
+    assert_clear_error(r, 404, "`org/some-model` does not exist")
+
+
 def test_bytes_that_are_not_json_and_unknown_paths_get_openai_shaped_errors(server):
     r = requests.post(server.url + "/v1/completions", data=b"\x00\xff\xfe garbage", timeout=10,
                       headers={"Content-Type": "application/json"})
@@ -897,7 +912,8 @@ def test_the_openapi_schema_fuzzed_never_gets_a_5xx(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
     before = len(server.replicas.calls)
-    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/health", "/v1/models"}
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/health", "/v1/models",
+                                       "/v1/models/{model}"}
     for op in ops:
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None,
                   derandomize=True)  # the same examples every run: a CI failure reproduces
