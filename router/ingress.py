@@ -114,6 +114,10 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
         loc = ""
     else:
         detail = str(first.get("msg", "bad value")).removeprefix("Value error, ")
+        ctype = request.headers.get("content-type", "")
+        if not loc and "json" not in ctype.lower():
+            # FastAPI reads a body of another content type (curl -d sends a form's) as no JSON at all
+            detail = f"the body must be a JSON object sent as Content-Type: application/json (it came as {ctype!r})"
         msg = f"invalid request: {loc + ': ' if loc else ''}{detail}"
     return JSONResponse(error_body(msg, 400, loc or None), status_code=400)
 
