@@ -69,6 +69,8 @@ def check_text(v: Any) -> Any:
         for x in v.values():
             check_text(x)
     return v
+
+
 #: Documented OpenAI parameters this server cannot honour: (accepted values, why not otherwise).
 #: A value outside the accepted ones is a 400 naming the parameter with the reason.
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -116,8 +118,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Text(BaseModel):
+    """A request model: unknown fields refused, and every field's strings checked by ``check_text``
+    (what a tokenizer, a hash or a template will read)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return check_text(v)
+
+
+class _Common(_Text):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -151,11 +164,6 @@ class _Common(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
-
-    @field_validator("*")
-    @classmethod
-    def _text(cls, v: Any) -> Any:
-        return check_text(v)
 
     @field_validator("stream_options")
     @classmethod
@@ -224,12 +232,10 @@ class CompletionRequest(_Common):
         return v
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Text):
     """One chat message; text content only (a content part of another type is a 400), and tool
     calls refused as the request's ``tools`` are. ``name`` and ``tool_call_id`` go to the chat
     template, which renders them or not as the model's template does."""
-
-    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -238,11 +244,6 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
-
-    @field_validator("*")
-    @classmethod
-    def _text(cls, v: Any) -> Any:
-        return check_text(v)
 
     @field_validator("content")
     @classmethod
