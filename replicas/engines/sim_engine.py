@@ -389,13 +389,14 @@ class SimEngine(Engine, EngineListener):
         else:  # OpenAI's seed: the output is a function of the seed and the prompt
             prompt = np.asarray(call.prompt_token_ids, dtype=np.int64).tobytes()
             rng = np.random.default_rng([call.seed % 2**63, zlib.crc32(prompt), len(call.prompt_token_ids)])
-        output_ids = rng.integers(16, self.vocab_size, size=call.max_tokens).tolist()
-        reason = "length"
+        n, reason = call.max_tokens, "length"
         if self.eos_mean_tokens and not call.ignore_eos:
-            # drawn after the ids, so a seeded answer is the same text up to where it stops
-            natural = int(rng.geometric(1.0 / self.eos_mean_tokens))
-            if natural < call.max_tokens:
-                output_ids, reason = output_ids[:natural], "stop"
+            # the length from a child stream, which leaves the ids' stream as it is: a seeded answer
+            # is the same text up to where it stops, and only the tokens it keeps are drawn
+            natural = int(rng.spawn(1)[0].geometric(1.0 / self.eos_mean_tokens))
+            if natural < n:
+                n, reason = natural, "stop"
+        output_ids = rng.integers(16, self.vocab_size, size=n).tolist()
         spec = self._spec(call, rid, output_ids)
         live = _Live(rid, output_ids, reason)
         self._live[rid] = live
