@@ -115,8 +115,9 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
     else:
         detail = str(first.get("msg", "bad value")).removeprefix("Value error, ")
         ctype = request.headers.get("content-type", "")
-        if not loc and "json" not in ctype.lower():
-            # FastAPI reads a body of another content type (curl -d sends a form's) as no JSON at all
+        if not loc and ctype and "json" not in ctype.lower():
+            # FastAPI parses JSON only without a content type or with a JSON one: a body of another
+            # type (curl -d sends a form's) reaches validation as bytes
             detail = f"the body must be a JSON object sent as Content-Type: application/json (it came as {ctype!r})"
         msg = f"invalid request: {loc + ': ' if loc else ''}{detail}"
     return JSONResponse(error_body(msg, 400, loc or None), status_code=400)

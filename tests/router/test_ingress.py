@@ -893,6 +893,8 @@ def test_bytes_that_are_not_json_and_unknown_paths_get_openai_shaped_errors(serv
     for ctype in ("text/plain", "application/x-www-form-urlencoded"):  # the latter is what curl -d sends
         r = requests.post(server.url + "/v1/completions", data=body, headers={"Content-Type": ctype}, timeout=10)
         assert_clear_error(r, 400, "Content-Type: application/json")
+    r = requests.post(server.url + "/v1/completions", data="[1, 2]", timeout=10)  # no content type: parsed as JSON
+    assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"], r.text
     r = requests.get(server.url + "/v1/nothing", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
     r = requests.get(server.url + "/v1/completions", timeout=10)
