@@ -257,7 +257,7 @@ class FairwayRouter(RouterPolicy):
         if span <= 0.0:
             return 0.0
         rho = min(sum(ps) / span, MAX_DELAY_LOAD)
-        backlog = s.queued_prefill_s + (self.running_prefill_s(s, now) if s.prefill_ends else 0.0)
+        backlog = s.queued_prefill_s + self.running_prefill_s(s, now)
         return len(ps) / span * prefill_s * (backlog + prefill_s) / (1.0 - rho)
 
     def reload_s(self, req: RouteRequest, s: ReplicaState) -> float:
