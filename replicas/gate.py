@@ -57,12 +57,13 @@ import heapq
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.clock import Clock
+from fairway.memory_view import KVMemoryView
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.protocol import (
     Engine,
@@ -159,8 +160,23 @@ class AdmissionGate:
         self._bounds: list[tuple[float, int]] = []  # (wall deadline, rid) of waiting requests; heap, lazy
         self.past_bound = 0  # requests answered 429 because they waited past their class's bound
         self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
-        engine.set_cache_listener(self.policy.on_blocks_stored, self.policy.on_blocks_removed)
+        # a policy that reads the KV memory (Fairway's memory guard): the view counts what the
+        # engine does not say (fairway/memory_view.py) on top of its free-block count
+        self.memory: KVMemoryView | None = None
+        if self.policy.wants_memory_view():
+            self.memory = KVMemoryView(lambda: engine.stats().kv_blocks_free, clock, self.policy.memory_horizon_s())
+            self.policy.attach_memory(self.memory)
+        engine.set_cache_listener(self.policy.on_blocks_stored, self._on_blocks_removed)
         engine.on_step = self.pump
+
+    def _on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        """The engine's removed events: to the policy, and to the memory view when there is one."""
+        if self.memory is None:
+            self.policy.on_blocks_removed(hashes)
+            return
+        hs = list(hashes)
+        self.policy.on_blocks_removed(hs)
+        self.memory.on_blocks_removed(hs)
 
     async def start(self) -> None:
         await self.engine.start()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+from fairway.memory_view import KVMemoryView
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.policies.groups import QueueGroup
 
@@ -58,6 +59,8 @@ class TenantQueues(QueueGroup):
         self.vnow = 0.0  # the system's virtual time: the last admission's start
         self._tenant: dict[int, str] = {}  # rid -> tenant, while waiting
         self._contains: Callable[[int], bool] | None = None
+        self._memory: KVMemoryView | None = None  # the engine's memory view, for policies that read it
+        self._holding: dict[int, tuple[int, ...]] = {}  # with a memory view: rid in the engine -> its prompt's hashes
 
     # -- the policy calls ----------------------------------------------------------------------
 
@@ -69,6 +72,8 @@ class TenantQueues(QueueGroup):
             q = self.queues[tenant] = self.factory()
             if self._contains is not None:
                 q.attach_cache(self._contains)
+            if self._memory is not None:
+                q.attach_memory(self._memory)
             self.vtime[tenant] = self.vnow
         return q
 
@@ -103,6 +108,10 @@ class TenantQueues(QueueGroup):
 
     def admit(self, rid: int) -> Admission:
         tenant = self._tenant.pop(rid)
+        if self._memory is not None:  # its prompt's blocks are held from now until ``release``
+            hashes = tuple(self.queues[tenant].get(rid).block_hashes)
+            self._holding[rid] = hashes
+            self._memory.hold(hashes)
         adm = self.queues[tenant].admit(rid)
         self.vnow = max(self.vnow, self.vtime[tenant])
         self.vtime[tenant] += adm.prompt_tokens - adm.cached_tokens + self.block_size
@@ -115,6 +124,10 @@ class TenantQueues(QueueGroup):
         got = self._admitted.pop(rid, None)
         if got is not None:
             self.held[got[0]] -= got[1]
+        hashes = self._holding.pop(rid, None)
+        if hashes is not None:  # left the engine: its context is wanted a while by a next turn
+            self._memory.release(hashes)  # type: ignore[union-attr]
+            self._memory.finished(hashes)  # type: ignore[union-attr]
 
     def get(self, rid: int) -> QueuedRequest:
         """The waiting request ``rid``, whatever its tenant. O(1)."""
@@ -169,6 +182,19 @@ class TenantQueues(QueueGroup):
         self._contains = contains
         for q in self.queues.values():
             q.attach_cache(contains)
+
+    def wants_memory_view(self) -> bool:
+        return any(q.wants_memory_view() for q in self.queues.values())
+
+    def memory_horizon_s(self) -> float:
+        return max(q.memory_horizon_s() for q in self.queues.values())
+
+    def attach_memory(self, view: KVMemoryView) -> None:
+        """Share the engine's memory view with every tenant's policy (those created later too),
+        and hold each admitted request's prompt in it until ``release``. After ``attach_cache``."""
+        self._memory = view
+        for q in self.queues.values():
+            q.attach_memory(view)
 
 
 __all__ = ["TenantQueues"]

@@ -40,6 +40,7 @@ from fairway.admission import AdmissionConfig, Candidate, HeldQueue, SessionAdmi
 from fairway.clock import Clock
 from fairway.cost_model import CostModel, link_bandwidth, reload_s_per_token
 from fairway.engine.block_pool import QUEUE, RETENTIONS, SESSION, BlockPool
+from fairway.memory_view import KVMemoryView
 from fairway.policies.base import QueuedRequest, QueuePolicy
 from fairway.request import RequestSpec
 
@@ -120,6 +121,7 @@ class EngineRequest:
     queued: QueuedRequest | None = None  # the policy's record of this wait
     exempt: bool = False  # admission gate: held to its bound once already in this wait
     ready_s: float = 0.0  # running, but not schedulable before this (host-tier reload in flight)
+    held_hashes: Sequence[int] = ()  # running, with a memory view: the prompt hashes it holds there
 
     @property
     def rid(self) -> int:
@@ -187,9 +189,8 @@ class EngineModel:
         n_blocks = config.kv_blocks or cost.default_kv_blocks(bs)
         self.retention = config.retention or getattr(policy, "retention", "lru")
         self.gate = SessionAdmission(config.admission) if config.admission is not None else None
-        memory_view = policy.wants_memory_view()
         self.pool = BlockPool(n_blocks, bs, retention=self.retention, host_blocks=config.host_kv_blocks,
-                              track_demand=self.gate is not None or memory_view)
+                              track_demand=self.gate is not None)
         self._track = self.pool.tracking
         self.held: HeldQueue[Any] = HeldQueue()
         self._due: list[tuple[float, int, int]] = []  # (deadline, wait token, rid) of waiting requests
@@ -209,9 +210,13 @@ class EngineModel:
         # the policy's cache view: either tier with a host tier, else the GPU dict itself (no
         # second lookup per probe on the default path)
         policy.attach_cache(self.pool.__contains__ if config.host_kv_blocks else self.pool.cached.__contains__)
-        if memory_view:
+        # the memory view a live gate has (fairway/memory_view.py), fed the same way: the pool's
+        # free count, the running requests' prompts, the policy's tracked hits
+        self.memory: KVMemoryView | None = None
+        if policy.wants_memory_view():
             pool = self.pool
-            policy.attach_memory(lambda: pool.num_free - pool.n_free_wanted, pool.free_cached)
+            self.memory = KVMemoryView(lambda: len(pool.free), clock, policy.memory_horizon_s())
+            policy.attach_memory(self.memory)
         self.reqs: dict[int, EngineRequest] = {}  # waiting + running
         self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []
@@ -410,6 +415,8 @@ class EngineModel:
             for r in done:
                 pool.release(r.blocks)
                 r.blocks = []
+                if r.held_hashes:
+                    self._unhold(r, finished=True)
                 del self.reqs[r.rid]
                 if self._track and r.spec.session >= 0 and self.sessions.horizon_s > 0:
                     ctx = r.spec.block_hashes[: r.n_hashed]
@@ -445,6 +452,8 @@ class EngineModel:
         self._batch = [(x, n) for x, n in self._batch if x is not r]
         self.pool.release(r.blocks)
         r.blocks = []
+        if r.held_hashes:
+            self._unhold(r, finished=True)
         self._flush_events()
         if self.listener is not None:
             self.listener.on_finished(self.replica, r)
@@ -615,6 +624,9 @@ class EngineModel:
         pool = self.pool
         bs = self.config.block_size
         adm = self.policy.admit(q.rid)
+        if self.memory is not None:
+            r.held_hashes = q.block_hashes
+            self.memory.hold(q.block_hashes)
         pool.touch(hit)
         n_hit = len(hit)
         reload: tuple[int, ...] = ()
@@ -662,6 +674,8 @@ class EngineModel:
         self.running.remove(r)
         self.pool.release(r.blocks)
         r.blocks = []
+        if r.held_hashes:
+            self._unhold(r)
         r.num_computed = 0
         r.n_hashed = 0
         r.preemptions += 1
@@ -669,6 +683,14 @@ class EngineModel:
         self._enqueue(r)
         if self.listener is not None:
             self.listener.on_preempted(self.replica, r)
+
+    def _unhold(self, r: EngineRequest, finished: bool = False) -> None:
+        """``r`` no longer runs: its prompt leaves the memory view's running set (and, when it
+        finished or was aborted, is wanted a while by a next turn, as the gate counts it)."""
+        self.memory.release(r.held_hashes)  # type: ignore[union-attr]
+        if finished:
+            self.memory.finished(r.held_hashes)  # type: ignore[union-attr]
+        r.held_hashes = ()
 
     def _flush_events(self) -> None:
         pool = self.pool
@@ -697,3 +719,5 @@ class EngineModel:
             self.policy.on_blocks_stored(hashes)
         else:
             self.policy.on_blocks_removed(hashes)
+            if self.memory is not None:
+                self.memory.on_blocks_removed(hashes)

@@ -32,6 +32,7 @@ import numpy as np
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
+from fairway.memory_view import KVMemoryView
 from fairway.policies.hits import HitTracker, each_step
 
 FAST = "fast"
@@ -101,7 +102,8 @@ class QueuePolicy(ABC):
         self._slot_of: dict[int, int] = {}
         self._items: dict[int, QueuedRequest] = {}
         self._tracker: HitTracker | None = None
-        self._spare_blocks: Callable[[], int] | None = None  # the host's memory view, if any
+        self._memory: KVMemoryView | None = None  # the host's memory view, if any
+        self._spare_blocks: Callable[[], int] | None = None  # its spare_blocks
         self._free_cached: Callable[[Sequence[int]], int] = len
         self.processed_tokens = 0  # prefill tokens the engine has run (token clock)
         self.steps = 0
@@ -115,18 +117,47 @@ class QueuePolicy(ABC):
         self._tracker = HitTracker(contains, self._on_hit_change, self._on_hit_cut)
 
     def wants_memory_view(self) -> bool:
-        """Whether this policy reads ``attach_memory``'s view (the host then tracks which free
-        blocks waiting requests need, which costs it a little per request)."""
+        """Whether this policy reads ``attach_memory``'s view (the host then counts the blocks
+        its running requests hold, and the policy the blocks its waiting requests' hits need,
+        which costs a little per request and per cache event)."""
         return False
 
-    def attach_memory(self, spare_blocks: Callable[[], int], free_cached: Callable[[Sequence[int]], int]) -> None:
-        """Give the policy a read-only view of the KV pool: ``spare_blocks()`` is how many free
-        blocks no waiting request (or waiting session) needs, so that a new allocation up to that
-        size evicts nobody's cached context; ``free_cached(hashes)`` is how many of those cached
-        blocks no running request holds (the ones that waiting can lose). Optional: hosts without
-        it leave it unset."""
-        self._spare_blocks = spare_blocks
-        self._free_cached = free_cached
+    def memory_horizon_s(self) -> float:
+        """How long the memory view should count a finished request's prompt as wanted (by the
+        turn that may continue it): ``KVMemoryView``'s ``horizon_s``."""
+        return 0.0
+
+    def attach_memory(self, view: KVMemoryView) -> None:
+        """Share the host's KV memory view (``fairway/memory_view.py``): from now on this queue
+        declares its waiting requests' hits to it (on arrival, as cache events move them, on
+        leaving), and reads ``view.spare_blocks()`` (free blocks no waiting request needs) and
+        ``view.free_cached(hashes)`` (hit blocks no running request holds, which waiting can
+        lose). Call after ``attach_cache``, on an empty queue. Hosts without a view leave it
+        unset."""
+        if self._items:
+            raise RuntimeError("attach_memory must be called on an empty queue")
+        if self._tracker is None:
+            raise RuntimeError("attach_memory needs attach_cache first (the view follows the tracked hits)")
+        self._memory = view
+        self._spare_blocks = view.spare_blocks
+        self._free_cached = view.free_cached
+        self._tracker.set_listeners(self._hit_changed_with_memory, self._hit_cut_with_memory)
+
+    def _hit_changed_with_memory(self, rid: int, old: int, new: int) -> None:
+        self._want_delta(rid, old, new)
+        self._on_hit_change(rid, old, new)
+
+    def _hit_cut_with_memory(self, rid: int, old: int, path: list[int]) -> None:
+        self._want_delta(rid, old, path[-1])
+        self._on_hit_cut(rid, old, path)
+
+    def _want_delta(self, rid: int, old: int, new: int) -> None:
+        """Declare ``rid``'s hit moving from ``old`` to ``new`` blocks to the memory view."""
+        hashes = self._items[rid].block_hashes
+        if new > old:
+            self._memory.want(hashes[old:new])  # type: ignore[union-attr]
+        elif new < old:
+            self._memory.unwant(hashes[new:old])  # type: ignore[union-attr]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -152,6 +183,8 @@ class QueuePolicy(ABC):
         hit = 0
         if self._tracker is not None:
             hit = self._tracker.add(req.rid, self._cacheable(req))
+            if self._memory is not None and hit:
+                self._memory.want(req.block_hashes[:hit])
         self._set_cached(slot, hit)
         self._on_add(slot, req)
 
@@ -160,6 +193,8 @@ class QueuePolicy(ABC):
         slot = self._slot_of.pop(rid)
         req = self._items.pop(rid)
         if self._tracker is not None:
+            if self._memory is not None:
+                self._memory.unwant(req.block_hashes[: self._tracker.hit(rid)])
             self._tracker.remove(rid)
         self.active[slot] = False
         self._rid[slot] = -1

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
+from fairway.memory_view import KVMemoryView
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.policies.groups import QueueGroup
 
@@ -308,9 +309,12 @@ class ClassQueues(QueueGroup, QueuePolicy):
     def wants_memory_view(self) -> bool:
         return any(q.wants_memory_view() for q in self.queues.values())
 
-    def attach_memory(self, spare_blocks: Callable[[], int], free_cached: Callable[[Sequence[int]], int]) -> None:
+    def memory_horizon_s(self) -> float:
+        return max(q.memory_horizon_s() for q in self.queues.values())
+
+    def attach_memory(self, view: KVMemoryView) -> None:
         for q in self.queues.values():
-            q.attach_memory(spare_blocks, free_cached)
+            q.attach_memory(view)
 
     def on_step(self, prefill_tokens: int) -> None:
         super().on_step(prefill_tokens)

@@ -17,7 +17,8 @@
   everything.
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
-- ``memory_guard`` (off by default; needs the host's memory view, ``attach_memory``): when an
+- ``memory_guard`` (off by default; reads the host's memory view, ``fairway/memory_view.py``,
+  which the engine model and the replica gate both keep): when an
   admission would evict more of waiting requests' cached context than it saves of its own, the
   Fast lane orders by longest cached prefix instead of least work, and a Fair-lane pick that would
   do so yields to a Fast pick that would not. Why: in a memory-bound closed loop (agentic,
@@ -57,7 +58,8 @@ class FairwayConfig:
     sticky_due: the deadline arrival + theta * max(P, floor) only ever moves earlier (a hit that
         grows while waiting pulls it in; an eviction does not push it out). Off: recomputed from
         the current P at every change.
-    memory_guard: with the host's memory view (``attach_memory``): a Fair-lane pick whose
+    memory_guard: with the host's memory view (``attach_memory``; the simulator's engine model
+        and the replica gate keep one for a policy that asks): a Fair-lane pick whose
         admission would evict more cached context of waiting requests than it saves of its own
         (new blocks beyond the free blocks nobody waiting needs > its hit blocks that no running
         request holds, which its waiting puts at risk) yields the decision to the Fast lane's
@@ -65,6 +67,9 @@ class FairwayConfig:
     guard_overdue: with memory_guard, the guard acts only while at least this share of the
         waiting requests are promoted (overdue: a sustained overload rather than a spike);
         0 = whenever memory binds (docs/history/2026-12-03-agentic-guard-trigger.md).
+    guard_horizon_s: with memory_guard, a finished request's prompt counts as needed (by the
+        turn that may continue it) for this long after it finished (seconds, >= 0): between two
+        turns of a conversation or an agent's loop nobody waits for the context yet.
     """
 
     theta: float = 12.0
@@ -76,6 +81,7 @@ class FairwayConfig:
     fast_scope: str = "all"
     memory_guard: bool = False
     guard_overdue: float = 0.0
+    guard_horizon_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -84,6 +90,8 @@ class FairwayConfig:
             raise ValueError("p_floor_s must be >= 0")
         if not 0.0 < self.fair_share < 1.0:
             raise ValueError("fair_share must be in (0, 1)")
+        if self.guard_horizon_s < 0:
+            raise ValueError("guard_horizon_s must be >= 0")
         if not 0.0 <= self.guard_overdue <= 1.0:
             raise ValueError("guard_overdue must be in [0, 1]")
         if self.fast_order not in ("least-work", "most-cached"):
@@ -225,6 +233,9 @@ class Fairway(QueuePolicy):
 
     def wants_memory_view(self) -> bool:
         return self.config.memory_guard
+
+    def memory_horizon_s(self) -> float:
+        return self.config.guard_horizon_s if self.config.memory_guard else 0.0
 
     def _choose(self, now: float) -> int:
         self.refresh_lanes()

@@ -59,6 +59,14 @@ class HitTracker:
         # int per block instead of one set per block keeps a long prompt's index cheap)
         self._members: dict[int, int | set[int]] = {}
         self._frontier: dict[int, set[int]] = {}
+        self.set_listeners(on_change, on_cut)
+
+    def set_listeners(
+        self,
+        on_change: Callable[[int, int, int], None] | None,
+        on_cut: Callable[[int, int, list[int]], None] | None = None,
+    ) -> None:
+        """Replace the callbacks (as the constructor takes them)."""
         self._on_change = on_change
         if on_cut is None and on_change is not None:
             on_cut = partial(each_step, on_change)

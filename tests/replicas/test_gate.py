@@ -745,3 +745,45 @@ async def test_with_an_engine_that_serves_the_strict_tier_first_rule_2_counts_on
         await settle()
     await asyncio.gather(*tasks)
     assert engine.started == ["b0", "i0", "i1"] and gate.admitted == 3
+
+
+@pytest.mark.parametrize(("free", "order"), [(50, ["w1", "w2", "c0"]), (200, ["c0", "w1", "w2"])])
+async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_its_own_counts(free, order):
+    """Fairway's memory guard on the live path: the gate keeps the memory view (which prompts
+    its admitted requests hold, which cached blocks its waiting ones need) over the engine's
+    free-block count. A cold promoted head (100 new blocks) and two warm requests (20 cached
+    blocks each, held by no running request): with 50 free blocks, 40 of them the warm ones'
+    contexts, the cold head would evict them, so the warm ones pass it; with 200 free it evicts
+    nobody and the lanes decide as without the guard. The finished prompts stay wanted for
+    ``guard_horizon_s``, then every count is back to zero."""
+    clock = ManualClock()
+    warm = set(chain("w1", 20)) | set(chain("w2", 20))
+    engine = ScriptedEngine(set(warm))
+    engine.stats = lambda: EngineStats(running=0, prefilling=0, pending_prefill_tokens=0,  # type: ignore[method-assign]
+                                       kv_blocks_total=400, kv_blocks_free=free)
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, memory_guard=True)
+    cfg = GateConfig(max_queue_wait_s=None, prefill_budget_tokens=10_000)
+    gate = AdmissionGate(engine, pol, clock, cfg, replica="r0")
+    view = gate.memory
+    assert view is not None and make_gate("fairway")[0].memory is None  # only a policy that reads it
+    engine.fits = False  # everyone waits for memory until the test lets them in
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call("c0", 1600, chain("cold", 100)), out))]
+    await settle()
+    clock.advance(25.0)
+    for rid in ("w1", "w2"):
+        tasks.append(asyncio.create_task(consume(gate, call(rid, 336, chain(rid, 21)), out)))
+    await settle()
+    assert (view.n_wanted, view.n_free_wanted, view.spare_blocks()) == (40, 40, free - 40)
+    clock.advance(5.0)  # all three promoted; the Fair lane's head (EDF) is the cold c0
+    engine.fits = True
+    gate.pump()
+    await settle()
+    assert engine.started == order
+    assert view.n_held == 100 + 21 + 21 and view.n_wanted == 0
+    for rid in order:
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert (view.n_held, view.n_wanted, view.n_free_wanted) == (0, 142, 142)  # wanted by a next turn
+    clock.advance(10.0)  # guard_horizon_s: then nobody's
+    assert (view.n_held, view.n_wanted, view.n_free_wanted) == (0, 0, 0)

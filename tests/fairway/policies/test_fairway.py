@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fairway.memory_view import KVMemoryView
 from fairway.policies import FAIR, FAST, FairwayConfig
 from tests.factories import chain, policy_with_cache, queued
 
@@ -150,10 +151,13 @@ def test_config_bounds():
 
 
 def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):
-    """Defaults plus the memory guard, with a hand-set memory view: ``spare[0]`` free blocks
-    that no waiting request needs; the cached blocks in ``held`` are held by running requests."""
+    """Defaults plus the memory guard, with a memory view whose host reports as many free
+    blocks as keep ``spare[0]`` of them needed by no waiting request; the cached blocks in
+    ``held`` are held by running requests."""
     p, clock = policy_with_cache("fairway", cached, memory_guard=True, **options)
-    p.attach_memory(lambda: spare[0], lambda hs: sum(1 for h in hs if h not in held))
+    view = KVMemoryView(lambda: spare[0] + view.n_free_wanted, clock)
+    p.attach_memory(view)
+    view.hold(held)
     return p, clock
 
 

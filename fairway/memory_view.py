@@ -1,0 +1,171 @@
+"""What a replica's host knows of its KV memory without the engine's block table.
+
+The memory guard (``fairway/policies/fairway.py``) asks the KV pool two questions: how many free
+blocks no waiting request needs (an allocation up to that size evicts nobody's cached context),
+and how many of a waiting request's hit blocks no running request holds (what its waiting can
+lose to eviction). vLLM answers neither; it reports how many blocks are free (its
+``kv_cache_usage`` counts a cached block that nobody references as free). The rest any host can
+count itself: the waiting requests' hits are the queue policies' (``HitTracker``), the running
+requests' prompts are the host's (it admitted them). A cached block is free exactly when no
+running request holds it, so
+
+    spare = free - |{h : wanted, and no running request's prompt holds h}|
+
+where h is wanted while a waiting request's hit holds it, or, while it stays cached, for
+``horizon_s`` after a request whose prompt holds it finished: in a multi-turn conversation or an
+agent's loop the next turn continues the last one's context, and between the two turns nobody
+waits for it yet (the engine model's session-aware admission keeps the same horizon per session;
+a host without session ids keeps it per finished prompt). The host passes the cache's removed
+events (``on_blocks_removed``), so an evicted block stops counting at once; a waiting request's
+hit stops counting through its policy's hit tracking.
+
+The simulator's engine model feeds this view as the replica gate does, so what the simulator
+measures of the guard is what the product runs. Approximations, both the same on either host: a
+running request holds its whole prompt's blocks from admission (those beyond its hit are not
+cached yet, so no waiting hit names them), and its output blocks are not counted (no waiting
+request's prompt continues a running request's output).
+
+Complexity: ``hold`` / ``release`` / ``finished`` O(prompt blocks); ``want`` / ``unwant``
+O(blocks passed); ``spare_blocks`` O(1) amortised (each finished prompt expires once) plus the
+host's free count; ``free_cached`` O(blocks asked).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import filterfalse
+
+from fairway.clock import Clock
+
+
+class KVMemoryView:
+    """Reference counts of the block hashes that running requests hold and that waiting
+    requests' hits (or recently finished prompts) want, and the count of hashes wanted and held
+    by nobody (cached, free, wanted).
+
+    ``free_blocks()``: the engine's free KV blocks (cached-but-unreferenced ones included);
+    ``clock``: the host's clock (finished prompts expire ``horizon_s`` after they finished; 0: at
+    once)."""
+
+    __slots__ = ("_free_blocks", "_clock", "horizon_s", "_held", "_wanted", "_recent", "_recent_n",
+                 "n_free_wanted")
+
+    def __init__(self, free_blocks: Callable[[], int], clock: Clock, horizon_s: float = 0.0) -> None:
+        if horizon_s < 0:
+            raise ValueError("horizon_s must be >= 0")
+        self._free_blocks = free_blocks
+        self._clock = clock
+        self.horizon_s = horizon_s
+        self._held: dict[int, int] = {}  # hash -> running requests whose prompt holds it
+        self._wanted: dict[int, int] = {}  # hash -> waiting hits and recent prompts that hold it
+        self._recent: deque[tuple[float, Sequence[int]]] = deque()  # (expiry, prompt) in finish order
+        self._recent_n: dict[int, int] = {}  # hash -> recent prompts holding it (of those in _wanted)
+        self.n_free_wanted = 0  # hashes wanted and held by no running request
+
+    def hold(self, hashes: Iterable[int]) -> None:
+        """A request was admitted: its prompt's blocks are referenced until ``release``."""
+        held, wanted = self._held, self._wanted
+        for h in hashes:
+            n = held.get(h, 0)
+            held[h] = n + 1
+            if not n and h in wanted:
+                self.n_free_wanted -= 1
+
+    def release(self, hashes: Iterable[int]) -> None:
+        """A running request left the engine (finished, aborted, preempted): the same hashes
+        ``hold`` took."""
+        held, wanted = self._held, self._wanted
+        for h in hashes:
+            n = held[h] - 1
+            if n:
+                held[h] = n
+            else:
+                del held[h]
+                if h in wanted:
+                    self.n_free_wanted += 1
+
+    def finished(self, hashes: Sequence[int]) -> None:
+        """A request whose prompt held ``hashes`` finished (after ``release``): its context is
+        wanted for ``horizon_s`` more, by the turn that may continue it."""
+        if self.horizon_s > 0 and hashes:
+            self.want(hashes)
+            counts = self._recent_n
+            for h in hashes:
+                counts[h] = counts.get(h, 0) + 1
+            self._recent.append((self._clock.now() + self.horizon_s, hashes))
+
+    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        """The engine evicted these blocks: the recent prompts stop wanting them (a waiting
+        request's hit stops through its policy's hit tracking). O(hashes)."""
+        counts = self._recent_n
+        if not counts:
+            return
+        for h in hashes:
+            k = counts.pop(h, 0)
+            if k:
+                self.unwant([h] * k)
+
+    def _expire(self) -> None:
+        """Drop the recent prompts whose horizon ended. A block evicted meanwhile was dropped
+        then (and one cached again and wanted by a later prompt loses that want early)."""
+        recent = self._recent
+        if recent:
+            now = self._clock.now()
+            counts = self._recent_n
+            while recent and recent[0][0] <= now:
+                gone = []
+                for h in recent.popleft()[1]:
+                    k = counts.get(h, 0)
+                    if k:
+                        gone.append(h)
+                        if k == 1:
+                            del counts[h]
+                        else:
+                            counts[h] = k - 1
+                self.unwant(gone)
+
+    def want(self, hashes: Iterable[int]) -> None:
+        """Blocks joined a waiting request's cached prefix."""
+        held, wanted = self._held, self._wanted
+        for h in hashes:
+            n = wanted.get(h, 0)
+            wanted[h] = n + 1
+            if not n and h not in held:
+                self.n_free_wanted += 1
+
+    def unwant(self, hashes: Iterable[int]) -> None:
+        """Blocks left a waiting request's cached prefix (evicted, or the request left the queue)."""
+        held, wanted = self._held, self._wanted
+        for h in hashes:
+            n = wanted[h] - 1
+            if n:
+                wanted[h] = n
+            else:
+                del wanted[h]
+                if h not in held:
+                    self.n_free_wanted -= 1
+
+    def spare_blocks(self) -> int:
+        """Free blocks that no waiting request's hit needs (negative when the host's free count
+        lags behind its hits)."""
+        self._expire()
+        return self._free_blocks() - self.n_free_wanted
+
+    def free_cached(self, hashes: Iterable[int]) -> int:
+        """How many of ``hashes`` (cached blocks) no running request holds."""
+        return sum(1 for _ in filterfalse(self._held.__contains__, hashes))
+
+    @property
+    def n_held(self) -> int:
+        """Distinct hashes some running request holds."""
+        return len(self._held)
+
+    @property
+    def n_wanted(self) -> int:
+        """Distinct hashes some waiting request's hit (or a recent prompt) holds."""
+        self._expire()
+        return len(self._wanted)
+
+
+__all__ = ["KVMemoryView"]
