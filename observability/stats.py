@@ -94,6 +94,7 @@ class Histogram:
 _COUNTERS = (
     "requests",  # (lane, status, replica)
     "promotions",  # (replica,)
+    "guard_yields",  # (replica,): Fairway's memory guard, Fair-lane picks that yielded to the Fast lane
     "estimated_cached_tokens",  # (replica,)
     "actual_cached_tokens",  # (replica,)
     "prompt_tokens",  # (replica,)
@@ -133,6 +134,7 @@ _HISTOGRAMS = {
 LABELS: dict[str, tuple[str, ...]] = {
     "requests": ("lane", "status", "replica"),
     "promotions": ("replica",),
+    "guard_yields": ("replica",),
     "estimated_cached_tokens": ("replica",),
     "actual_cached_tokens": ("replica",),
     "prompt_tokens": ("replica",),
@@ -262,6 +264,11 @@ class FairwayStats:
     def inc_promotions(self, n: int = 1, replica: str = "") -> None:
         """Requests promoted from the fast lane to the fair lane (deadline reached)."""
         self._inc("promotions", (self._replica(replica),), n)
+
+    def inc_guard_yields(self, n: int = 1, replica: str = "") -> None:
+        """Fair-lane picks that Fairway's memory guard gave to the Fast lane's (they would have
+        evicted more waiting context than they keep)."""
+        self._inc("guard_yields", (self._replica(replica),), n)
 
     def set_queue_depth(self, lane: str, n: int, replica: str = "") -> None:
         """Requests waiting in ``lane`` now."""

@@ -140,6 +140,7 @@ class AdmissionGate:
         self._request_ids: dict[int, str] = {}
         self._seq = 0
         self._promotions_seen = 0
+        self._yields_seen = 0
         self.recent_cached: OrderedDict[str, int] = OrderedDict()
         self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
         self._pending_tier: dict[int, int] = {}  # with tier_of: those tokens by tier
@@ -521,6 +522,10 @@ class AdmissionGate:
         if total > self._promotions_seen and self.stats is not None:
             self.stats.inc_promotions(total - self._promotions_seen, replica=self.replica)
         self._promotions_seen = total
+        yields = getattr(self.policy, "yields", 0)
+        if yields > self._yields_seen and self.stats is not None:
+            self.stats.inc_guard_yields(yields - self._yields_seen, replica=self.replica)
+        self._yields_seen = yields
 
     def _publish(self) -> None:
         if self.stats is None:

@@ -133,7 +133,8 @@ class Fairway(QueuePolicy):
         self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
-        self.yields = 0  # Fair-lane picks that yielded to the Fast lane (memory_guard)
+        self.yields = 0  # admissions the memory guard gave to the Fast lane instead of the Fair lane's pick
+        self._yielded = -1  # slot of the last select() when it was such a yield
         self._n_fair = 0
         self._chosen = (-1, FAST)  # (slot, lane) of the last select()
 
@@ -241,8 +242,11 @@ class Fairway(QueuePolicy):
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
+        self._yielded = -1
         if lane == FAIR and self._guarding():
             slot, lane = self._guard(slot, now)
+            if lane == FAST:
+                self._yielded = slot
         self._chosen = (slot, lane)
         return slot
 
@@ -272,7 +276,6 @@ class Fairway(QueuePolicy):
         alt = self._choose_in(FAST, now)
         if alt == slot or self._destroys(alt):
             return slot, FAIR
-        self.yields += 1
         return alt, FAST
 
     def _choose_in(self, lane: str, now: float) -> int:
@@ -294,5 +297,8 @@ class Fairway(QueuePolicy):
 
     def _on_admit(self, slot: int, adm: Admission) -> None:
         self._chosen = (-1, FAST)
+        if slot == self._yielded:
+            self.yields += 1
+            self._yielded = -1
         lane = adm.lane
         self.passes[lane] += adm.est_prefill_s / self.shares[lane]

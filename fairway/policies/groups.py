@@ -39,6 +39,10 @@ class QueueGroup:
     def promotions(self) -> int:
         return sum(getattr(q, "promotions", 0) for q in self.queues.values())
 
+    @property
+    def yields(self) -> int:
+        return sum(getattr(q, "yields", 0) for q in self.queues.values())
+
     def queued_prefill_s(self) -> float:
         return sum(q.queued_prefill_s() for q in self.queues.values())
 

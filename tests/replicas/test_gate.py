@@ -780,6 +780,7 @@ async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_it
     gate.pump()
     await settle()
     assert engine.started == order
+    assert gate.policy.yields == (2 if free == 50 else 0)  # fairway_memory_guard_yields_total's source
     assert view.n_held == 100 + 21 + 21 and view.n_wanted == 0
     for rid in order:
         engine.release(rid)
