@@ -596,6 +596,18 @@ async def _scenario() -> dict:
                 res[name] = None
             except Exception as e:  # noqa: BLE001 - the test inspects the type
                 res[name] = e
+        # Fairway's memory guard at a gate over vLLM: the view follows vLLM's free blocks and the
+        # gate's own admissions (its prompt held while it runs, wanted for the horizon after)
+        guard = AdmissionGate(eng, make_policy("fairway", clock=clock, cost=CostModel.from_profile(),
+                                               memory_guard=True), clock)
+        view = guard.memory
+        h_ids = prefix + [rng.randrange(5, 4096) for _ in range(40)]
+        held_while_running = []
+        async for _ in guard.submit(_call("h", h_ids, 3)):
+            held_while_running.append(view.n_held)
+        res["guard"] = {"held_while_running": held_while_running, "held_after": view.n_held,
+                        "wanted_after": view.n_wanted, "blocks": len(block_hashes(h_ids)),
+                        "spare": view.spare_blocks(), "free": eng.stats().kv_blocks_free}
     finally:
         await eng.shutdown()
     return res
@@ -649,6 +661,14 @@ def test_vllm_stats_and_cancellation(scenario):
     end = scenario["after_cancel_stats"]
     assert end.running == 0 and end.prefilling == 0 and end.kv_blocks_free == end.kv_blocks_total
     assert scenario["can_fit_small"] is True
+
+
+@needs_vllm
+def test_vllm_memory_guard_view_follows_the_engine(scenario):
+    g = scenario["guard"]
+    assert g["held_while_running"] and set(g["held_while_running"]) == {g["blocks"]}
+    assert g["held_after"] == 0 and g["wanted_after"] == g["blocks"]  # a next turn may continue it
+    assert g["spare"] == g["free"] - g["blocks"] and g["free"] > g["blocks"]
 
 
 @needs_vllm
