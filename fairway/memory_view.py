@@ -20,10 +20,12 @@ events (``on_blocks_removed``), so an evicted block stops counting at once; a wa
 hit stops counting through its policy's hit tracking.
 
 The simulator's engine model feeds this view as the replica gate does, so what the simulator
-measures of the guard is what the product runs. Approximations, both the same on either host: a
+measures of the guard is what the product runs. Approximations, the same on either host: a
 running request holds its whole prompt's blocks from admission (those beyond its hit are not
 cached yet, so no waiting hit names them), and its output blocks are not counted (no waiting
-request's prompt continues a running request's output).
+request's prompt continues a running request's output). One on the live path only: a request
+vLLM preempts stays held at its gate (vLLM does not say), so its blocks count as held until it
+finishes.
 
 Complexity: ``hold`` / ``release`` / ``finished`` O(prompt blocks); ``want`` / ``unwant``
 O(blocks passed); ``spare_blocks`` O(1) amortised (each finished prompt expires once) plus the
