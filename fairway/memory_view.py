@@ -79,13 +79,8 @@ class KVMemoryView:
         ``hold`` took."""
         held, wanted = self._held, self._wanted
         for h in hashes:
-            n = held[h] - 1
-            if n:
-                held[h] = n
-            else:
-                del held[h]
-                if h in wanted:
-                    self.n_free_wanted += 1
+            if _drop_one(held, h) and h in wanted:
+                self.n_free_wanted += 1
 
     def finished(self, hashes: Sequence[int]) -> None:
         """A request whose prompt held ``hashes`` finished (after ``release``): its context is
@@ -116,15 +111,9 @@ class KVMemoryView:
             now = self._clock.now()
             counts = self._recent_n
             while recent and recent[0][0] <= now:
-                gone = []
-                for h in recent.popleft()[1]:
-                    k = counts.get(h, 0)
-                    if k:
-                        gone.append(h)
-                        if k == 1:
-                            del counts[h]
-                        else:
-                            counts[h] = k - 1
+                gone = [h for h in recent.popleft()[1] if h in counts]
+                for h in gone:
+                    _drop_one(counts, h)
                 self.unwant(gone)
 
     def want(self, hashes: Iterable[int]) -> None:
@@ -140,13 +129,8 @@ class KVMemoryView:
         """Blocks left a waiting request's cached prefix (evicted, or the request left the queue)."""
         held, wanted = self._held, self._wanted
         for h in hashes:
-            n = wanted[h] - 1
-            if n:
-                wanted[h] = n
-            else:
-                del wanted[h]
-                if h not in held:
-                    self.n_free_wanted -= 1
+            if _drop_one(wanted, h) and h not in held:
+                self.n_free_wanted -= 1
 
     def spare_blocks(self) -> int:
         """Free blocks that no waiting request's hit needs (negative when the host's free count
@@ -168,6 +152,16 @@ class KVMemoryView:
         """Distinct hashes some waiting request's hit (or a recent prompt) holds."""
         self._expire()
         return len(self._wanted)
+
+
+def _drop_one(counts: dict[int, int], h: int) -> bool:
+    """Take one off ``h``'s count; True when none is left (the key is gone then)."""
+    n = counts[h] - 1
+    if n:
+        counts[h] = n
+        return False
+    del counts[h]
+    return True
 
 
 __all__ = ["KVMemoryView"]
