@@ -41,6 +41,9 @@ from fairway.cost_model import CostModel
 from fairway.policies.base import FAIR, FAST, Admission, QueuedRequest, QueuePolicy, grow_column
 
 
+LOSS_DECAY = 0.99  # guard_loss: each admission's weight in the decayed shares decays by this per admission
+
+
 @dataclass(frozen=True, slots=True)
 class FairwayConfig:
     """Fairway's knobs. The defaults are fixed across workloads (no per-workload tuning).
@@ -70,6 +73,10 @@ class FairwayConfig:
     guard_horizon_s: with memory_guard, a finished request's prompt counts as needed (by the
         turn that may continue it) for this long after it finished (seconds, >= 0): between two
         turns of a conversation or an agent's loop nobody waits for the context yet.
+    guard_loss: with memory_guard, the guard acts only while at least this share of the recently
+        admitted prefill is recompute of context the requests had cached while they waited and
+        lost before admission (the queue order destroying what the guard protects; decayed over
+        about the last 100 admissions); 0 = whenever memory binds.
     """
 
     theta: float = 12.0
@@ -82,6 +89,7 @@ class FairwayConfig:
     memory_guard: bool = False
     guard_overdue: float = 0.0
     guard_horizon_s: float = 10.0
+    guard_loss: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -90,6 +98,8 @@ class FairwayConfig:
             raise ValueError("p_floor_s must be >= 0")
         if not 0.0 < self.fair_share < 1.0:
             raise ValueError("fair_share must be in (0, 1)")
+        if not 0.0 <= self.guard_loss <= 1.0:
+            raise ValueError("guard_loss must be in [0, 1]")
         if self.guard_horizon_s < 0:
             raise ValueError("guard_horizon_s must be >= 0")
         if not 0.0 <= self.guard_overdue <= 1.0:
@@ -129,6 +139,9 @@ class Fairway(QueuePolicy):
         self.promoted = np.zeros(len(self.active), dtype=bool)
         self.promoted_at = np.zeros(len(self.active))
         self.due = np.zeros(len(self.active))  # arrival + theta * max(P, floor), never later
+        self.peak = np.zeros(len(self.active), dtype=np.int64)  # most cached tokens seen while waiting
+        self._lost = 0.0  # recent admissions: cached tokens lost while waiting, decayed (guard_loss)
+        self._prefilled = 0.0  # and their uncached prompt tokens, decayed alike
         self.passes = {FAST: 0.0, FAIR: 0.0}
         self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
         self._nonempty = {FAST: False, FAIR: False}
@@ -144,6 +157,7 @@ class Fairway(QueuePolicy):
         self.promoted = grow_column(self.promoted, n)
         self.promoted_at = grow_column(self.promoted_at, n)
         self.due = grow_column(self.due, n)
+        self.peak = grow_column(self.peak, n)
 
     def _due_now(self, slot: int) -> float:
         return self._due_for(slot, float(self.prefill_s[slot]))
@@ -155,10 +169,13 @@ class Fairway(QueuePolicy):
     def _on_add(self, slot: int, req: QueuedRequest) -> None:
         self.promoted[slot] = False
         self.due[slot] = self._due_now(slot)
+        self.peak[slot] = self.cached[slot]
 
     def _on_hit_change(self, rid: int, old: int, new: int) -> None:
         super()._on_hit_change(rid, old, new)
         slot = self._slot_of[rid]
+        if self.cached[slot] > self.peak[slot]:
+            self.peak[slot] = self.cached[slot]
         if self.config.sticky_due:
             # the deadline only moves earlier: eviction while waiting is not the request's doing
             self.due[slot] = min(float(self.due[slot]), self._due_now(slot))
@@ -255,7 +272,8 @@ class Fairway(QueuePolicy):
         least ``guard_overdue`` of the waiting requests promoted (sustained overload). O(1)."""
         cfg = self.config
         return (self._spare_blocks is not None and cfg.memory_guard
-                and self._n_fair >= cfg.guard_overdue * len(self))
+                and self._n_fair >= cfg.guard_overdue * len(self)
+                and self._lost >= cfg.guard_loss * self._prefilled)
 
     def _destroys(self, slot: int) -> bool:
         """Whether admitting ``slot`` now evicts more cached context of waiting requests (its new
@@ -302,3 +320,6 @@ class Fairway(QueuePolicy):
             self._yielded = -1
         lane = adm.lane
         self.passes[lane] += adm.est_prefill_s / self.shares[lane]
+        if self.config.memory_guard:  # guard_loss's decayed shares (about the last 100 admissions)
+            self._lost = LOSS_DECAY * self._lost + int(self.peak[slot]) - adm.cached_tokens
+            self._prefilled = LOSS_DECAY * self._prefilled + adm.prompt_tokens - adm.cached_tokens

@@ -260,3 +260,23 @@ def test_a_folded_eviction_cut_leaves_the_columns_of_one_change_per_step(sticky)
         QueuePolicy._on_hit_cut(stepped, rid, old, path)
     for col in ("cached", "prefill_s", "due"):
         assert getattr(folded, col).tolist() == getattr(stepped, col).tolist()
+
+
+def test_memory_guard_with_guard_loss_acts_only_while_waiting_requests_lose_their_cached_context():
+    """guard_loss 0.5: the guard acts while at least half of the recently admitted prefill is
+    context the requests had cached while waiting and lost before admission. A first admission
+    that lost nothing turns it off (the cold head goes first, as without the guard); one whose
+    20 cached blocks were evicted while it waited turns it on (the warm requests pass)."""
+    warm = set(chain("w1", 20)) | set(chain("w2", 20))
+    orders = {}
+    for lost in (False, True):
+        cache = set(warm) | set(chain("x", 20))
+        p, clock = _guarded([0], cache, guard_loss=0.5)
+        p.add(queued(9, 0.0, 336, chain("x", 21)))  # 20 blocks cached at arrival
+        if lost:
+            cache -= set(chain("x", 20))
+            p.on_blocks_removed(chain("x", 20)[::-1])  # evicted tail first while it waits
+        assert p.admit(p.select().rid).rid == 9
+        _cold_head_and_two_warm(p, clock)
+        orders[lost] = [p.admit(p.select().rid).rid for _ in range(3)]
+    assert orders == {False: [0, 1, 2], True: [1, 2, 0]}
