@@ -40,7 +40,6 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.policies.base import FAIR, FAST, Admission, QueuedRequest, QueuePolicy, grow_column
 
-
 LOSS_DECAY = 0.99  # guard_loss: each admission's weight in the decayed shares decays by this per admission
 
 
