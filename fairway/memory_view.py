@@ -67,20 +67,12 @@ class KVMemoryView:
 
     def hold(self, hashes: Iterable[int]) -> None:
         """A request was admitted: its prompt's blocks are referenced until ``release``."""
-        held, wanted = self._held, self._wanted
-        for h in hashes:
-            n = held.get(h, 0)
-            held[h] = n + 1
-            if not n and h in wanted:
-                self.n_free_wanted -= 1
+        self.n_free_wanted -= _add_all(self._held, hashes, self._wanted, True)
 
     def release(self, hashes: Iterable[int]) -> None:
         """A running request left the engine (finished, aborted, preempted): the same hashes
         ``hold`` took."""
-        held, wanted = self._held, self._wanted
-        for h in hashes:
-            if _drop_one(held, h) and h in wanted:
-                self.n_free_wanted += 1
+        self.n_free_wanted += _drop_all(self._held, hashes, self._wanted, True)
 
     def finished(self, hashes: Sequence[int]) -> None:
         """A request whose prompt held ``hashes`` finished (after ``release``): its context is
@@ -98,10 +90,13 @@ class KVMemoryView:
         counts = self._recent_n
         if not counts:
             return
+        gone: list[int] = []
         for h in hashes:
             k = counts.pop(h, 0)
             if k:
-                self.unwant([h] * k)
+                gone.extend([h] * k)
+        if gone:
+            self.unwant(gone)
 
     def _expire(self) -> None:
         """Drop the recent prompts whose horizon ended. A block evicted meanwhile was dropped
@@ -112,25 +107,16 @@ class KVMemoryView:
             counts = self._recent_n
             while recent and recent[0][0] <= now:
                 gone = [h for h in recent.popleft()[1] if h in counts]
-                for h in gone:
-                    _drop_one(counts, h)
+                _drop_all(counts, gone, {}, True)  # (how many left is not needed here)
                 self.unwant(gone)
 
     def want(self, hashes: Iterable[int]) -> None:
         """Blocks joined a waiting request's cached prefix."""
-        held, wanted = self._held, self._wanted
-        for h in hashes:
-            n = wanted.get(h, 0)
-            wanted[h] = n + 1
-            if not n and h not in held:
-                self.n_free_wanted += 1
+        self.n_free_wanted += _add_all(self._wanted, hashes, self._held, False)
 
     def unwant(self, hashes: Iterable[int]) -> None:
         """Blocks left a waiting request's cached prefix (evicted, or the request left the queue)."""
-        held, wanted = self._held, self._wanted
-        for h in hashes:
-            if _drop_one(wanted, h) and h not in held:
-                self.n_free_wanted -= 1
+        self.n_free_wanted -= _drop_all(self._wanted, hashes, self._held, False)
 
     def spare_blocks(self) -> int:
         """Free blocks that no waiting request's hit needs (negative when the host's free count
@@ -154,14 +140,31 @@ class KVMemoryView:
         return len(self._wanted)
 
 
-def _drop_one(counts: dict[int, int], h: int) -> bool:
-    """Take one off ``h``'s count; True when none is left (the key is gone then)."""
-    n = counts[h] - 1
-    if n:
-        counts[h] = n
-        return False
-    del counts[h]
-    return True
+def _add_all(counts: dict[int, int], hashes: Iterable[int], other: dict[int, int], in_other: bool) -> int:
+    """Add one to each hash's count; return how many hashes entered ``counts`` that are in
+    ``other`` (``in_other``) or not in it. One interpreted loop, no call per hash."""
+    entered = 0
+    for h in hashes:
+        n = counts.get(h, 0)
+        counts[h] = n + 1
+        if not n and (h in other) is in_other:
+            entered += 1
+    return entered
+
+
+def _drop_all(counts: dict[int, int], hashes: Iterable[int], other: dict[int, int], in_other: bool) -> int:
+    """Take one off each hash's count (a key leaves at 0); return how many left ``counts`` that
+    are in ``other`` (``in_other``) or not in it."""
+    left = 0
+    for h in hashes:
+        n = counts[h]
+        if n > 1:
+            counts[h] = n - 1
+        else:
+            del counts[h]
+            if (h in other) is in_other:
+                left += 1
+    return left
 
 
 __all__ = ["KVMemoryView"]
