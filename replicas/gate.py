@@ -406,7 +406,7 @@ class AdmissionGate:
                 self._release(fut.result(), prefilled=False)  # admitted, then cancelled
             raise
         self.admitted += 1
-        self._count_promotions()
+        self._count_policy_events()
         if self.stats is not None:
             self.stats.observe_queue_wait(adm.lane, adm.waited_s, replica=self.replica)
         status = "error"
@@ -517,7 +517,8 @@ class AdmissionGate:
         if self.stats is not None:
             self.stats.inc_reject(reason, replica=self.replica)
 
-    def _count_promotions(self) -> None:
+    def _count_policy_events(self) -> None:
+        """The policy's promotions and memory-guard yields since the last call, to their counters."""
         total = getattr(self.policy, "promotions", 0)
         if total > self._promotions_seen and self.stats is not None:
             self.stats.inc_promotions(total - self._promotions_seen, replica=self.replica)
@@ -530,7 +531,7 @@ class AdmissionGate:
     def _publish(self) -> None:
         if self.stats is None:
             return
-        self._count_promotions()
+        self._count_policy_events()
         lanes = self.policy.lane_sizes() or {"": len(self.policy)}
         for lane, k in lanes.items():
             self.stats.set_queue_depth(lane, k, replica=self.replica)

@@ -33,7 +33,7 @@ Complexity: ``select`` is O(T) over the T backlogged tenants plus the chosen pol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from fairway.memory_view import KVMemoryView
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
@@ -53,14 +53,14 @@ class TenantQueues(QueueGroup):
         self.recent_s = recent_s
         self.seen: dict[str, tuple[float, int]] = {}  # tenant -> (last arrival, largest prompt since recent_s)
         self.held: dict[str, int] = {}  # tenant -> prompt tokens of its requests in the engine
-        self._admitted: dict[int, tuple[str, int]] = {}  # rid in the engine -> (tenant, prompt tokens)
+        # rid in the engine -> (tenant, prompt tokens, its prompt's hashes: held in the memory view)
+        self._admitted: dict[int, tuple[str, int, Sequence[int]]] = {}
         self.queues: dict[str, QueuePolicy] = {"": first}
         self.vtime: dict[str, float] = {"": 0.0}
         self.vnow = 0.0  # the system's virtual time: the last admission's start
         self._tenant: dict[int, str] = {}  # rid -> tenant, while waiting
         self._contains: Callable[[int], bool] | None = None
         self._memory: KVMemoryView | None = None  # the engine's memory view, for policies that read it
-        self._holding: dict[int, tuple[int, ...]] = {}  # with a memory view: rid in the engine -> its prompt's hashes
 
     # -- the policy calls ----------------------------------------------------------------------
 
@@ -108,26 +108,27 @@ class TenantQueues(QueueGroup):
 
     def admit(self, rid: int) -> Admission:
         tenant = self._tenant.pop(rid)
+        hashes: Sequence[int] = ()
         if self._memory is not None:  # its prompt's blocks are held from now until ``release``
-            hashes = tuple(self.queues[tenant].get(rid).block_hashes)
-            self._holding[rid] = hashes
+            hashes = self.queues[tenant].get(rid).block_hashes
             self._memory.hold(hashes)
         adm = self.queues[tenant].admit(rid)
         self.vnow = max(self.vnow, self.vtime[tenant])
         self.vtime[tenant] += adm.prompt_tokens - adm.cached_tokens + self.block_size
-        self._admitted[rid] = (tenant, adm.prompt_tokens)
+        self._admitted[rid] = (tenant, adm.prompt_tokens, hashes)
         self.held[tenant] = self.held.get(tenant, 0) + adm.prompt_tokens
         return adm
 
     def release(self, rid: int) -> None:
         """An admitted request left the engine (finished, failed or cancelled). O(1)."""
         got = self._admitted.pop(rid, None)
-        if got is not None:
-            self.held[got[0]] -= got[1]
-        hashes = self._holding.pop(rid, None)
-        if hashes is not None:  # left the engine: its context is wanted a while by a next turn
-            self._memory.release(hashes)  # type: ignore[union-attr]
-            self._memory.finished(hashes)  # type: ignore[union-attr]
+        if got is None:
+            return
+        tenant, tokens, hashes = got
+        self.held[tenant] -= tokens
+        if self._memory is not None:  # left the engine: its context is wanted a while by a next turn
+            self._memory.release(hashes)
+            self._memory.finished(hashes)
 
     def get(self, rid: int) -> QueuedRequest:
         """The waiting request ``rid``, whatever its tenant. O(1)."""
@@ -183,18 +184,11 @@ class TenantQueues(QueueGroup):
         for q in self.queues.values():
             q.attach_cache(contains)
 
-    def wants_memory_view(self) -> bool:
-        return any(q.wants_memory_view() for q in self.queues.values())
-
-    def memory_horizon_s(self) -> float:
-        return max(q.memory_horizon_s() for q in self.queues.values())
-
     def attach_memory(self, view: KVMemoryView) -> None:
         """Share the engine's memory view with every tenant's policy (those created later too),
         and hold each admitted request's prompt in it until ``release``. After ``attach_cache``."""
         self._memory = view
-        for q in self.queues.values():
-            q.attach_memory(view)
+        super().attach_memory(view)
 
 
 __all__ = ["TenantQueues"]

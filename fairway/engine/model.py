@@ -121,7 +121,6 @@ class EngineRequest:
     queued: QueuedRequest | None = None  # the policy's record of this wait
     exempt: bool = False  # admission gate: held to its bound once already in this wait
     ready_s: float = 0.0  # running, but not schedulable before this (host-tier reload in flight)
-    held_hashes: Sequence[int] = ()  # running, with a memory view: the prompt hashes it holds there
 
     @property
     def rid(self) -> int:
@@ -415,7 +414,7 @@ class EngineModel:
             for r in done:
                 pool.release(r.blocks)
                 r.blocks = []
-                if r.held_hashes:
+                if self.memory is not None:
                     self._unhold(r, finished=True)
                 del self.reqs[r.rid]
                 if self._track and r.spec.session >= 0 and self.sessions.horizon_s > 0:
@@ -440,7 +439,8 @@ class EngineModel:
             return False
         r.aborted = True
         running = [x for x in self.running if x is not r]
-        if len(running) < len(self.running):
+        was_running = len(running) < len(self.running)
+        if was_running:
             self.running = running
         elif rid in self.held:
             self.held.remove(rid)
@@ -452,7 +452,7 @@ class EngineModel:
         self._batch = [(x, n) for x, n in self._batch if x is not r]
         self.pool.release(r.blocks)
         r.blocks = []
-        if r.held_hashes:
+        if was_running and self.memory is not None:
             self._unhold(r, finished=True)
         self._flush_events()
         if self.listener is not None:
@@ -624,8 +624,7 @@ class EngineModel:
         pool = self.pool
         bs = self.config.block_size
         adm = self.policy.admit(q.rid)
-        if self.memory is not None:
-            r.held_hashes = q.block_hashes
+        if self.memory is not None:  # its prompt (``r.queued``, the record of this wait) until _unhold
             self.memory.hold(q.block_hashes)
         pool.touch(hit)
         n_hit = len(hit)
@@ -674,7 +673,7 @@ class EngineModel:
         self.running.remove(r)
         self.pool.release(r.blocks)
         r.blocks = []
-        if r.held_hashes:
+        if self.memory is not None:
             self._unhold(r)
         r.num_computed = 0
         r.n_hashed = 0
@@ -685,12 +684,13 @@ class EngineModel:
             self.listener.on_preempted(self.replica, r)
 
     def _unhold(self, r: EngineRequest, finished: bool = False) -> None:
-        """``r`` no longer runs: its prompt leaves the memory view's running set (and, when it
-        finished or was aborted, is wanted a while by a next turn, as the gate counts it)."""
-        self.memory.release(r.held_hashes)  # type: ignore[union-attr]
+        """Running ``r`` stops: the prompt ``_admit`` held (its wait's record, ``r.queued``, which
+        only a re-queueing replaces) leaves the memory view's running set, and, when it finished
+        or was aborted, is wanted a while by a next turn, as the gate counts it."""
+        hashes = r.queued.block_hashes  # type: ignore[union-attr]
+        self.memory.release(hashes)  # type: ignore[union-attr]
         if finished:
-            self.memory.finished(r.held_hashes)  # type: ignore[union-attr]
-        r.held_hashes = ()
+            self.memory.finished(hashes)  # type: ignore[union-attr]
 
     def _flush_events(self) -> None:
         pool = self.pool

@@ -103,8 +103,6 @@ class QueuePolicy(ABC):
         self._items: dict[int, QueuedRequest] = {}
         self._tracker: HitTracker | None = None
         self._memory: KVMemoryView | None = None  # the host's memory view, if any
-        self._spare_blocks: Callable[[], int] | None = None  # its spare_blocks
-        self._free_cached: Callable[[Sequence[int]], int] = len
         self.processed_tokens = 0  # prefill tokens the engine has run (token clock)
         self.steps = 0
 
@@ -139,8 +137,6 @@ class QueuePolicy(ABC):
         if self._tracker is None:
             raise RuntimeError("attach_memory needs attach_cache first (the view follows the tracked hits)")
         self._memory = view
-        self._spare_blocks = view.spare_blocks
-        self._free_cached = view.free_cached
         self._tracker.set_listeners(self._hit_changed_with_memory, self._hit_cut_with_memory)
 
     def _hit_changed_with_memory(self, rid: int, old: int, new: int) -> None:
@@ -315,7 +311,9 @@ class QueuePolicy(ABC):
         """Blocks of ``slot``'s cache hit that no running request holds (all of the hit without a
         memory view). O(hit blocks)."""
         n = int(self.cached[slot]) // self.block_size
-        return self._free_cached(self._items[int(self._rid[slot])].block_hashes[:n]) if n else 0
+        if not n or self._memory is None:
+            return n
+        return self._memory.free_cached(self._items[int(self._rid[slot])].block_hashes[:n])
 
     def _new_blocks(self, slot: int) -> int:
         """KV blocks ``slot``'s admission allocates beyond its cache hit (as the engine plans it)."""

@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
-from fairway.memory_view import KVMemoryView
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.policies.groups import QueueGroup
 
@@ -305,16 +304,6 @@ class ClassQueues(QueueGroup, QueuePolicy):
             raise RuntimeError("attach_cache must be called on an empty queue")
         for q in self.queues.values():
             q.attach_cache(contains)
-
-    def wants_memory_view(self) -> bool:
-        return any(q.wants_memory_view() for q in self.queues.values())
-
-    def memory_horizon_s(self) -> float:
-        return max(q.memory_horizon_s() for q in self.queues.values())
-
-    def attach_memory(self, view: KVMemoryView) -> None:
-        for q in self.queues.values():
-            q.attach_memory(view)
 
     def on_step(self, prefill_tokens: int) -> None:
         super().on_step(prefill_tokens)

@@ -146,9 +146,8 @@ class Fairway(QueuePolicy):
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
         self.yields = 0  # admissions the memory guard gave to the Fast lane instead of the Fair lane's pick
-        self._yielded = -1  # slot of the last select() when it was such a yield
         self._n_fair = 0
-        self._chosen = (-1, FAST)  # (slot, lane) of the last select()
+        self._chosen = (-1, FAST, False)  # (slot, lane, whether the guard yielded) of the last select()
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -207,7 +206,7 @@ class Fairway(QueuePolicy):
         """The lane that admits ``slot``: the one whose pick it was (a promoted request can be
         the Fast lane's pick when ``fast_scope="all"``), else its own lane."""
         p = bool(self.promoted[slot])
-        chosen, lane = self._chosen
+        chosen, lane, _ = self._chosen
         if chosen == slot:
             return lane, p
         return (FAIR if p else FAST), p
@@ -258,19 +257,18 @@ class Fairway(QueuePolicy):
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
-        self._yielded = -1
+        yielded = False
         if lane == FAIR and self._guarding():
             slot, lane = self._guard(slot, now)
-            if lane == FAST:
-                self._yielded = slot
-        self._chosen = (slot, lane)
+            yielded = lane == FAST
+        self._chosen = (slot, lane, yielded)
         return slot
 
     def _guarding(self) -> bool:
         """Whether the memory guard is on now: configured, with the host's memory view, and at
         least ``guard_overdue`` of the waiting requests promoted (sustained overload). O(1)."""
         cfg = self.config
-        return (self._spare_blocks is not None and cfg.memory_guard
+        return (self._memory is not None and cfg.memory_guard
                 and self._n_fair >= cfg.guard_overdue * len(self)
                 and self._lost >= cfg.guard_loss * self._prefilled)
 
@@ -278,7 +276,7 @@ class Fairway(QueuePolicy):
         """Whether admitting ``slot`` now evicts more cached context of waiting requests (its new
         blocks beyond the spare ones) than it saves of its own (hit blocks no running request
         holds, which its waiting puts at risk). Needs the memory view. O(hit blocks)."""
-        over = self._new_blocks(slot) - self._spare_blocks()  # type: ignore[misc]
+        over = self._new_blocks(slot) - self._memory.spare_blocks()  # type: ignore[union-attr]
         return over > 0 and over > self._at_risk(slot)
 
     def _guard(self, slot: int, now: float) -> tuple[int, str]:
@@ -313,10 +311,9 @@ class Fairway(QueuePolicy):
         return self._argmin(self.due[:hi], mask)
 
     def _on_admit(self, slot: int, adm: Admission) -> None:
-        self._chosen = (-1, FAST)
-        if slot == self._yielded:
-            self.yields += 1
-            self._yielded = -1
+        chosen, _, yielded = self._chosen
+        self.yields += yielded and chosen == slot
+        self._chosen = (-1, FAST, False)
         lane = adm.lane
         self.passes[lane] += adm.est_prefill_s / self.shares[lane]
         if self.config.memory_guard:  # guard_loss's decayed shares (about the last 100 admissions)

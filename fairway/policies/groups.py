@@ -1,6 +1,7 @@
 """``QueueGroup``: what a queue policy made of one inner queue policy per group (per tenant at a
 replica's gate, ``replicas/tenants.py``; per request class, ``classes.py``) passes to every inner
-queue or sums over them: the engine's cache events, the lanes, the promotions and the queued work.
+queue or sums over them: the engine's cache events and memory view, the lanes, the promotions and
+the memory guard's yields, and the queued work.
 
 Why one piece: the groupings differ in how they pick the next group, not in this fan-out.
 Complexity: O(G) per call for G groups (cache events: O(G * hashes)).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fairway.memory_view import KVMemoryView
 from fairway.policies.base import QueuePolicy
 
 
@@ -27,6 +29,16 @@ class QueueGroup:
         hs = hashes if len(self.queues) == 1 else list(hashes)
         for q in self.queues.values():
             q.on_blocks_removed(hs)
+
+    def wants_memory_view(self) -> bool:
+        return any(q.wants_memory_view() for q in self.queues.values())
+
+    def memory_horizon_s(self) -> float:
+        return max(q.memory_horizon_s() for q in self.queues.values())
+
+    def attach_memory(self, view: KVMemoryView) -> None:
+        for q in self.queues.values():
+            q.attach_memory(view)
 
     def lane_sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}

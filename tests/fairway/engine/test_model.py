@@ -143,8 +143,8 @@ def test_memory_view_is_free_blocks_that_no_waiting_request_needs():
     eng, clock = engine(policy="fairway", memory_guard=True)
     plain, _ = engine(policy="fairway")
     assert eng.memory is not None and plain.memory is None  # only a policy that reads it pays for it
-    view = eng.policy._spare_blocks
-    assert view is not None and plain.policy._spare_blocks is None
+    view = eng.memory.spare_blocks
+    assert eng.policy._memory is eng.memory and plain.policy._memory is None
     run(eng, clock, [spec(0, 0.0, 160, 1, chain("a", 10))])  # leaves 10 cached free blocks
     assert eng.pool.num_free == 100 and view() == 100 - 10  # a next turn may want them (10 s)
     clock.advance(10.0)
