@@ -27,9 +27,21 @@ request's prompt continues a running request's output). One on the live path onl
 vLLM preempts stays held at its gate (vLLM does not say), so its blocks count as held until it
 finishes.
 
-Complexity: ``hold`` / ``release`` / ``finished`` O(prompt blocks); ``want`` / ``unwant``
-O(blocks passed); ``spare_blocks`` O(1) amortised (each finished prompt expires once) plus the
-host's free count; ``free_cached`` O(blocks asked).
+On demand (``on_demand=True``, what the hosts build): the counts cost one interpreted step per
+prompt block at each admission and finish and per block a waiting hit gains or loses, which is most
+of a simulated replica's work on long prompts; a reader that asks only in some states (the guard
+only while context is being lost, ``guard_loss``) says when it needs them (``need``). Until then
+the view keeps only its records (the running prompts and the recent ones, O(1) each); when a
+reader first needs it, it counts them anew, and the queues that feed it (``attach_feeder``)
+declare their waiting hits; when nobody needs it, the counts are dropped and the queues stop
+declaring. Counting anew from the records gives the counts the incremental path keeps, but for
+one case: a recent prompt's block evicted and cached again since counts as wanted (it is, by
+the definition above); incrementally it stays dropped.
+
+Complexity: ``hold`` / ``release`` / ``finished`` O(prompt blocks) while counting, O(1) else;
+``want`` / ``unwant`` O(blocks passed); ``spare_blocks`` O(1) amortised (each finished prompt
+expires once) plus the host's free count; ``free_cached`` O(blocks asked); a first ``need``
+O(running and recent prompts' blocks + waiting hits).
 """
 
 from __future__ import annotations
@@ -37,8 +49,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse
+from typing import Protocol
 
 from fairway.clock import Clock
+
+
+class MemoryFeeder(Protocol):
+    """A queue that declares its waiting requests' hits to a view (``want`` / ``unwant``)."""
+
+    def feed_memory(self, on: bool) -> None:
+        """From now on declare (``on``: the current hits first) or stop declaring."""
 
 
 class KVMemoryView:
@@ -51,37 +71,108 @@ class KVMemoryView:
     once)."""
 
     __slots__ = ("_free_blocks", "_clock", "horizon_s", "_held", "_wanted", "_recent", "_recent_n",
-                 "n_free_wanted")
+                 "n_free_wanted", "_cached", "_running", "_feeders", "_needed", "_on_demand", "counting")
 
-    def __init__(self, free_blocks: Callable[[], int], clock: Clock, horizon_s: float = 0.0) -> None:
+    def __init__(self, free_blocks: Callable[[], int], clock: Clock, horizon_s: float = 0.0,
+                 cached: Callable[[int], bool] | None = None, on_demand: bool = False) -> None:
         if horizon_s < 0:
             raise ValueError("horizon_s must be >= 0")
+        if on_demand and cached is None:
+            raise ValueError("an on-demand view needs the host's cached(h) to count recent prompts anew")
         self._free_blocks = free_blocks
         self._clock = clock
         self.horizon_s = horizon_s
+        self._cached = cached
         self._held: dict[int, int] = {}  # hash -> running requests whose prompt holds it
         self._wanted: dict[int, int] = {}  # hash -> waiting hits and recent prompts that hold it
         self._recent: deque[tuple[float, Sequence[int]]] = deque()  # (expiry, prompt) in finish order
         self._recent_n: dict[int, int] = {}  # hash -> recent prompts holding it (of those in _wanted)
         self.n_free_wanted = 0  # hashes wanted and held by no running request
+        self._running: dict[tuple[int, ...], int] = {}  # running prompt -> times held: the records
+        self._feeders: list[MemoryFeeder] = []  # the queues that declare their waiting hits
+        self._needed: set[int] = set()  # the readers that need the counts now (on demand)
+        self._on_demand = on_demand
+        self.counting = not on_demand  # whether the counts are kept now
 
-    def hold(self, hashes: Iterable[int]) -> None:
+    # -- on demand -------------------------------------------------------------------------
+
+    def attach_feeder(self, feeder: MemoryFeeder) -> None:
+        """A queue whose waiting requests' hits this view counts: it is told to declare them
+        (``feeder.feed_memory(True)``: its current hits, then each change) while the view counts,
+        and to stop when it does not."""
+        self._feeders.append(feeder)
+        if self.counting:
+            feeder.feed_memory(True)
+
+    def need(self, reader: object, on: bool) -> None:
+        """``reader`` needs the counts from now on (``on``) or no longer. An on-demand view counts
+        while some reader needs it; O(1) but for the change (counting anew, or dropping)."""
+        key = id(reader)
+        if on:
+            self._needed.add(key)
+        else:
+            self._needed.discard(key)
+        if self._on_demand and bool(self._needed) != self.counting:
+            self._recount() if self._needed else self._drop_counts()
+
+    def _recount(self) -> None:
+        """Count the records anew: the running prompts, the recent prompts' cached blocks, and
+        (from the feeders) the waiting hits."""
+        self.counting = True
+        for prompt, n in self._running.items():
+            for _ in range(n):
+                self.n_free_wanted -= _add_all(self._held, prompt, self._wanted, True)
+        self._expire()
+        counts, cached = self._recent_n, self._cached
+        for _, prompt in self._recent:
+            kept = [h for h in prompt if cached(h)]  # type: ignore[misc]
+            self.want(kept)
+            for h in kept:
+                counts[h] = counts.get(h, 0) + 1
+        for f in self._feeders:
+            f.feed_memory(True)
+
+    def _drop_counts(self) -> None:
+        self.counting = False
+        for f in self._feeders:
+            f.feed_memory(False)
+        self._held.clear()
+        self._wanted.clear()
+        self._recent_n.clear()
+        self.n_free_wanted = 0
+
+    # -- the host's records ----------------------------------------------------------------
+
+    def hold(self, hashes: Sequence[int]) -> None:
         """A request was admitted: its prompt's blocks are referenced until ``release``."""
-        self.n_free_wanted -= _add_all(self._held, hashes, self._wanted, True)
+        key = tuple(hashes)
+        self._running[key] = self._running.get(key, 0) + 1
+        if self.counting:
+            self.n_free_wanted -= _add_all(self._held, hashes, self._wanted, True)
 
-    def release(self, hashes: Iterable[int]) -> None:
-        """A running request left the engine (finished, aborted, preempted): the same hashes
+    def release(self, hashes: Sequence[int]) -> None:
+        """A running request left the engine (finished, aborted, preempted): the hashes
         ``hold`` took."""
-        self.n_free_wanted += _drop_all(self._held, hashes, self._wanted, True)
+        key = tuple(hashes)
+        n = self._running[key]
+        if n > 1:
+            self._running[key] = n - 1
+        else:
+            del self._running[key]
+        if self.counting:
+            self.n_free_wanted += _drop_all(self._held, hashes, self._wanted, True)
 
     def finished(self, hashes: Sequence[int]) -> None:
         """A request whose prompt held ``hashes`` finished (after ``release``): its context is
         wanted for ``horizon_s`` more, by the turn that may continue it."""
         if self.horizon_s > 0 and hashes:
-            self.want(hashes)
-            counts = self._recent_n
-            for h in hashes:
-                counts[h] = counts.get(h, 0) + 1
+            if self.counting:
+                self.want(hashes)
+                counts = self._recent_n
+                for h in hashes:
+                    counts[h] = counts.get(h, 0) + 1
+            else:
+                self._expire()
             self._recent.append((self._clock.now() + self.horizon_s, hashes))
 
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
@@ -106,7 +197,10 @@ class KVMemoryView:
             now = self._clock.now()
             counts = self._recent_n
             while recent and recent[0][0] <= now:
-                gone = [h for h in recent.popleft()[1] if h in counts]
+                prompt = recent.popleft()[1]
+                if not self.counting:
+                    continue
+                gone = [h for h in prompt if h in counts]
                 _drop_all(counts, gone, {}, True)  # (how many left is not needed here)
                 self.unwant(gone)
 
@@ -167,4 +261,4 @@ def _drop_all(counts: dict[int, int], hashes: Iterable[int], other: dict[int, in
     return left
 
 
-__all__ = ["KVMemoryView"]
+__all__ = ["KVMemoryView", "MemoryFeeder"]

@@ -160,12 +160,17 @@ class AdmissionGate:
         self.wait_bound_s = wait_bound_s  # a request's class -> its wait bound (None: none); with classes
         self._bounds: list[tuple[float, int]] = []  # (wall deadline, rid) of waiting requests; heap, lazy
         self.past_bound = 0  # requests answered 429 because they waited past their class's bound
-        self.policy.attach_cache(lambda h: engine.cached_prefix_blocks((h,)) == 1)
+        def cached(h: int) -> bool:
+            return engine.cached_prefix_blocks((h,)) == 1
+
+        self.policy.attach_cache(cached)
         # a policy that reads the KV memory (Fairway's memory guard): the view counts what the
-        # engine does not say (fairway/memory_view.py) on top of its free-block count
+        # engine does not say (fairway/memory_view.py) on top of its free-block count, while the
+        # policy needs it
         self.memory: KVMemoryView | None = None
         if self.policy.wants_memory_view():
-            self.memory = KVMemoryView(lambda: engine.stats().kv_blocks_free, clock, self.policy.memory_horizon_s())
+            self.memory = KVMemoryView(lambda: engine.stats().kv_blocks_free, clock, self.policy.memory_horizon_s(),
+                                       cached=cached, on_demand=True)
             self.policy.attach_memory(self.memory)
         engine.set_cache_listener(self.policy.on_blocks_stored, self._on_blocks_removed)
         engine.on_step = self.pump

@@ -210,11 +210,13 @@ class EngineModel:
         # second lookup per probe on the default path)
         policy.attach_cache(self.pool.__contains__ if config.host_kv_blocks else self.pool.cached.__contains__)
         # the memory view a live gate has (fairway/memory_view.py), fed the same way: the pool's
-        # free count, the running requests' prompts, the policy's tracked hits
+        # free count, the running requests' prompts, the policy's tracked hits (counted only
+        # while the policy needs them)
         self.memory: KVMemoryView | None = None
         if policy.wants_memory_view():
             pool = self.pool
-            self.memory = KVMemoryView(lambda: len(pool.free), clock, policy.memory_horizon_s())
+            self.memory = KVMemoryView(lambda: len(pool.free), clock, policy.memory_horizon_s(),
+                                       cached=pool.cached.__contains__, on_demand=True)
             policy.attach_memory(self.memory)
         self.reqs: dict[int, EngineRequest] = {}  # waiting + running
         self.running: list[EngineRequest] = []

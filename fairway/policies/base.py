@@ -103,6 +103,7 @@ class QueuePolicy(ABC):
         self._items: dict[int, QueuedRequest] = {}
         self._tracker: HitTracker | None = None
         self._memory: KVMemoryView | None = None  # the host's memory view, if any
+        self._feeding = False  # whether this queue declares its waiting hits to the view now
         self.processed_tokens = 0  # prefill tokens the engine has run (token clock)
         self.steps = 0
 
@@ -127,17 +128,32 @@ class QueuePolicy(ABC):
 
     def attach_memory(self, view: KVMemoryView) -> None:
         """Share the host's KV memory view (``fairway/memory_view.py``): from now on this queue
-        declares its waiting requests' hits to it (on arrival, as cache events move them, on
-        leaving), and reads ``view.spare_blocks()`` (free blocks no waiting request needs) and
-        ``view.free_cached(hashes)`` (hit blocks no running request holds, which waiting can
-        lose). Call after ``attach_cache``, on an empty queue. Hosts without a view leave it
-        unset."""
+        declares its waiting requests' hits to it while the view counts (``feed_memory``: on
+        arrival, as cache events move them, on leaving), and reads ``view.spare_blocks()``
+        (free blocks no waiting request needs) and ``view.free_cached(hashes)`` (hit blocks no
+        running request holds, which waiting can lose). Call after ``attach_cache``, on an
+        empty queue. Hosts without a view leave it unset."""
         if self._items:
             raise RuntimeError("attach_memory must be called on an empty queue")
         if self._tracker is None:
             raise RuntimeError("attach_memory needs attach_cache first (the view follows the tracked hits)")
         self._memory = view
-        self._tracker.set_listeners(self._hit_changed_with_memory, self._hit_cut_with_memory)
+        view.attach_feeder(self)
+
+    def feed_memory(self, on: bool) -> None:
+        """Declare the waiting requests' hits to the memory view from now on (``on``: the current
+        ones first, then each change) or stop: the view asks while it counts. O(waiting hits)."""
+        tracker, view = self._tracker, self._memory
+        assert tracker is not None and view is not None
+        self._feeding = on
+        if not on:
+            tracker.set_listeners(self._on_hit_change, self._on_hit_cut)
+            return
+        tracker.set_listeners(self._hit_changed_with_memory, self._hit_cut_with_memory)
+        for rid, req in self._items.items():
+            hit = tracker.hit(rid)
+            if hit:
+                view.want(req.block_hashes[:hit])
 
     def _hit_changed_with_memory(self, rid: int, old: int, new: int) -> None:
         self._want_delta(rid, old, new)
@@ -179,8 +195,8 @@ class QueuePolicy(ABC):
         hit = 0
         if self._tracker is not None:
             hit = self._tracker.add(req.rid, self._cacheable(req))
-            if self._memory is not None and hit:
-                self._memory.want(req.block_hashes[:hit])
+            if self._feeding and hit:
+                self._memory.want(req.block_hashes[:hit])  # type: ignore[union-attr]
         self._set_cached(slot, hit)
         self._on_add(slot, req)
 
@@ -189,8 +205,8 @@ class QueuePolicy(ABC):
         slot = self._slot_of.pop(rid)
         req = self._items.pop(rid)
         if self._tracker is not None:
-            if self._memory is not None:
-                self._memory.unwant(req.block_hashes[: self._tracker.hit(rid)])
+            if self._feeding:
+                self._memory.unwant(req.block_hashes[: self._tracker.hit(rid)])  # type: ignore[union-attr]
             self._tracker.remove(rid)
         self.active[slot] = False
         self._rid[slot] = -1

@@ -38,6 +38,7 @@ import numpy as np
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel
+from fairway.memory_view import KVMemoryView
 from fairway.policies.base import FAIR, FAST, Admission, QueuedRequest, QueuePolicy, grow_column
 
 LOSS_DECAY = 0.99  # guard_loss: each admission's weight in the decayed shares decays by this per admission
@@ -253,6 +254,23 @@ class Fairway(QueuePolicy):
     def memory_horizon_s(self) -> float:
         return self.config.guard_horizon_s if self.config.memory_guard else 0.0
 
+    def attach_memory(self, view: KVMemoryView) -> None:
+        super().attach_memory(view)
+        self._need_memory()
+
+    def _need_memory(self) -> None:
+        """Tell the memory view whether the guard may act: its counts are needed from the moment
+        ``guard_loss``'s share reaches its threshold (always with 0) and dropped once the share
+        falls below half of it (so a share hovering at the threshold does not recount each
+        time). O(1) but for the change."""
+        cfg, view = self.config, self._memory
+        if view is None or not cfg.memory_guard:
+            return
+        if self._lost >= cfg.guard_loss * self._prefilled:
+            view.need(self, True)
+        elif self._lost < 0.5 * cfg.guard_loss * self._prefilled:
+            view.need(self, False)
+
     def _choose(self, now: float) -> int:
         self.refresh_lanes()
         lane = self._pick_lane()
@@ -319,3 +337,4 @@ class Fairway(QueuePolicy):
         if self.config.memory_guard:  # guard_loss's decayed shares (about the last 100 admissions)
             self._lost = LOSS_DECAY * self._lost + int(self.peak[slot]) - adm.cached_tokens
             self._prefilled = LOSS_DECAY * self._prefilled + adm.prompt_tokens - adm.cached_tokens
+            self._need_memory()

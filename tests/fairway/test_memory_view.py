@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from fairway.clock import ManualClock
 from fairway.engine.model import EngineConfig, EngineModel
 from fairway.memory_view import KVMemoryView
@@ -70,21 +72,81 @@ def test_an_evicted_block_of_a_finished_prompt_stops_counting_at_once():
     assert v.spare_blocks() == 90 and v.n_wanted == 10
 
 
-def test_the_view_fed_by_its_host_follows_the_engine_on_a_memory_bound_run():
+class _Feeder:
+    """A queue's side of the view: its waiting hits, declared while the view counts."""
+
+    def __init__(self, view: KVMemoryView, hits: list[list[int]]) -> None:
+        self.view, self.hits, self.feeding = view, hits, False
+
+    def feed_memory(self, on: bool) -> None:
+        self.feeding = on
+        if on:
+            for hit in self.hits:
+                self.view.want(hit)
+
+
+def test_an_on_demand_view_keeps_records_only_and_counts_them_anew_when_needed():
+    """Until a reader needs it, the view keeps its records (running and recent prompts) and no
+    counts; when one does, the counts are those the view would have kept all along, the recent
+    prompts counted for their blocks still cached; when nobody does, they are dropped."""
+    clock = ManualClock()
+    cached = set(range(100))
+    v = KVMemoryView(lambda: 50, clock, horizon_s=10.0, cached=cached.__contains__, on_demand=True)
+    queue = _Feeder(v, [[1, 2, 3]])
+    v.attach_feeder(queue)
+    v.hold([2, 3, 4])
+    v.hold([10, 11])
+    v.release([10, 11])
+    v.finished([10, 11])  # recent: wanted for 10 s while cached
+    v.finished([20, 21, 22])
+    cached.discard(22)  # evicted while nobody counted
+    assert (v.counting, queue.feeding, v.n_free_wanted, v.n_held, v.spare_blocks()) == (False, False, 0, 0, 50)
+    reader = object()
+    v.need(reader, True)
+    assert (v.counting, queue.feeding) == (True, True)
+    assert v.n_held == 3 and v.n_wanted == 7  # {1, 2, 3} + {10, 11} + {20, 21}
+    assert v.n_free_wanted == 5 and v.spare_blocks() == 45  # 2 and 3 are held
+    v.need(object(), True)
+    v.need(reader, False)  # another reader still needs it
+    assert v.counting
+    clock.advance(10.0)  # the recent prompts expire
+    assert (v.n_wanted, v.n_free_wanted) == (3, 1)
+    v.release([2, 3, 4])
+    assert v.n_free_wanted == 3
+
+
+def test_the_view_needs_a_way_to_recount_before_it_can_be_on_demand():
+    with pytest.raises(ValueError, match="cached"):
+        KVMemoryView(lambda: 1, ManualClock(), on_demand=True)
+
+
+def test_a_release_must_name_a_held_prompt():
+    v = KVMemoryView(lambda: 1, ManualClock())
+    v.hold([1, 2])
+    with pytest.raises(KeyError):
+        v.release([1, 3])
+
+
+@pytest.mark.parametrize("toggle", [False, True], ids=["always", "on-and-off"])
+def test_the_view_fed_by_its_host_follows_the_engine_on_a_memory_bound_run(toggle: bool):
     """Sessions on a shared system prompt whose contexts grow turn by turn, in a KV pool that
     holds a few of them: waiting contexts are evicted, requests preempted. At every step the
     view's counts equal its definition computed afresh (each waiting request's hit by a walk of
     the block table; held: the running requests' prompts), and never exceed what the block
     table's reference counts say is free: a block computed twice (two requests prefilling the
     same prefix at once) leaves the table's copy free while a running request holds the same
-    content, which the view counts as held (vLLM keeps both copies under one hash)."""
+    content, which the view counts as held (vLLM keeps both copies under one hash). On and off
+    (``toggle``: the guard never needs it, a reader needs it now and then): while it counts, the
+    same; while it does not, nothing."""
     rng = random.Random(3)
     clock = ManualClock()
     cost = LinearCost()
-    pol = make_policy("fairway", clock=clock, cost=cost, memory_guard=True, guard_horizon_s=0.0)
+    pol = make_policy("fairway", clock=clock, cost=cost, memory_guard=True, guard_horizon_s=0.0,
+                      guard_loss=1.0 if toggle else 0.0)
     eng = EngineModel(EngineConfig(kv_blocks=300, max_num_batched_tokens=512), cost, pol, clock)
     view = eng.memory
     assert view is not None
+    reader, switches, counted = object(), 0, 0
     system = chain("sys", 20)
     context = {s: 0 for s in range(12)}  # session -> context blocks after the system prompt
     rid = checked = 0
@@ -99,6 +161,15 @@ def test_the_view_fed_by_its_host_follows_the_engine_on_a_memory_bound_run():
         if dt is not None:
             clock.advance(dt)
             eng.finish_step()
+        if toggle and rng.random() < 0.1:
+            before = view.counting
+            view.need(reader, not before)
+            switches += view.counting != before
+        if not view.counting:
+            assert (view.n_free_wanted, view.n_held, view.n_wanted) == (0, 0, 0)
+            checked += 1
+            continue
+        counted += 1
         pool = eng.pool
         held = {h for r in eng.running for h in r.spec.block_hashes}  # prompt blocks only: output is unhashed here
         wanted_free: set[int] = set()
@@ -116,4 +187,10 @@ def test_the_view_fed_by_its_host_follows_the_engine_on_a_memory_bound_run():
         assert view.spare_blocks() == pool.num_free - len(wanted_free)
         checked += 1
     assert eng.preemptions > 0 and pool.evictions > 0  # the run was memory-bound
-    assert checked == 400 and view.n_held == len({h for r in eng.running for h in r.spec.block_hashes})
+    assert checked == 400
+    if view.counting:
+        assert view.n_held == len({h for r in eng.running for h in r.spec.block_hashes})
+    if toggle:  # it counted part of the run, and was switched on and off many times
+        assert switches >= 20 and 100 <= counted < 400
+    else:
+        assert counted == 400
