@@ -130,12 +130,14 @@ class Run:
     view: str
     seed: int
     replicas: int = 8
+    policy: str = FAIRWAY  # the replicas' queue policy, under every router
 
     def config(self) -> RunConfig:
         p = self.point
         router, options = parse_spec(self.router)
+        policy, policy_options = parse_spec(self.policy)
         return RunConfig(
-            workload=p.workload, policy="fairway", rate=1.0 if p.scale else p.load,
+            workload=p.workload, policy=policy, policy_options=policy_options, rate=1.0 if p.scale else p.load,
             time_scale=p.load if p.scale else 1.0, duration_s=p.duration_s if p.duration_s else 1e9,
             replicas=self.replicas, router=router, router_options=options,
             index_mode=self.view, seed=self.seed,
@@ -162,6 +164,7 @@ def run_one(r: Run) -> dict[str, Any]:
         "ttft_s": {k: res["ttft_s"][k] for k in KEPT},
         "hit": res["cache_hit_ratio"], "hit_bound": res.get("hit_bound_infinite", 0.0),
         "n_finished": res["n_finished"], "n_requests": res["n_requests"], "sim_wall_s": res["sim_wall_s"],
+        "guard_acts": res.get("guard_acts", 0),
     }
 
 
@@ -328,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--anchors", default=",".join(ANCHORS), help="anchor specs (default: every faithful anchor)")
     ap.add_argument("--fairway", default=FAIRWAY,
                     help="the router spec judged as Fairway (a candidate, e.g. 'fairway[sticky_match=0.95]')")
+    ap.add_argument("--policy", default=FAIRWAY, help="the replicas' queue policy under every router, e.g. "
+                                                      "'fairway[memory_guard=false]' (default: fairway)")
     ap.add_argument("--ablations", action="store_true", help="also run ABLATIONS (shown, never the best anchor)")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--out", default="out/yardstick", help="cache of the runs' summaries")
@@ -345,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.points != "all":
         want = split_specs(args.points)
         points = [p for p in points if any(p.label.startswith(w) for w in want)]
-    runs = [Run(p, r, v, s) for v in split_specs(args.views) for p in points for r in routers
+    runs = [Run(p, r, v, s, policy=args.policy) for v in split_specs(args.views) for p in points for r in routers
             for s in (int(x) for x in split_specs(args.seeds))]
     cache = Path(args.out)
     cache.mkdir(parents=True, exist_ok=True)

@@ -224,6 +224,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "preemptions": res.preemptions,
         "evictions": res.evictions,
         "promotions": sum(getattr(p, "promotions", 0) for p in policies),
+        # decisions Fairway's memory guard changed (0: the run is the one without the guard)
+        "guard_acts": sum(getattr(p, "guard_acts", 0) for p in policies),
         "busy_fraction": [b / res.end_s if res.end_s else 0.0 for b in res.busy_s],
         "sim_end_s": res.end_s,
         "sim_wall_s": res.wall_s,

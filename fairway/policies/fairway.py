@@ -147,6 +147,7 @@ class Fairway(QueuePolicy):
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
         self.yields = 0  # admissions the memory guard gave to the Fast lane instead of the Fair lane's pick
+        self.guard_acts = 0  # decisions the guard changed (yields, Fast-lane picks by cache kept), counted at select
         self._n_fair = 0
         self._chosen = (-1, FAST, False)  # (slot, lane, whether the guard yielded) of the last select()
 
@@ -279,6 +280,7 @@ class Fairway(QueuePolicy):
         if lane == FAIR and self._guarding():
             slot, lane = self._guard(slot, now)
             yielded = lane == FAST
+            self.guard_acts += yielded
         self._chosen = (slot, lane, yielded)
         return slot
 
@@ -322,6 +324,9 @@ class Fairway(QueuePolicy):
                 if not self._guarding() or not self._destroys(slot):
                     return slot
                 # memory binds: reuse is the cache a choice keeps, not the work it leaves
+                kept = self._argmin(-self.cached[:hi].astype(float), mask)
+                self.guard_acts += kept != slot
+                return kept
             return self._argmin(-self.cached[:hi].astype(float), mask)
         mask = live & self.promoted[:hi]
         if cfg.fair_order == "ratio":

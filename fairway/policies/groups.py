@@ -1,7 +1,7 @@
 """``QueueGroup``: what a queue policy made of one inner queue policy per group (per tenant at a
 replica's gate, ``replicas/tenants.py``; per request class, ``classes.py``) passes to every inner
 queue or sums over them: the engine's cache events and memory view, the lanes, the promotions and
-the memory guard's yields, and the queued work.
+the memory guard's yields and acts, and the queued work.
 
 Why one piece: the groupings differ in how they pick the next group, not in this fan-out.
 Complexity: O(G) per call for G groups (cache events: O(G * hashes)).
@@ -54,6 +54,10 @@ class QueueGroup:
     @property
     def yields(self) -> int:
         return sum(getattr(q, "yields", 0) for q in self.queues.values())
+
+    @property
+    def guard_acts(self) -> int:
+        return sum(getattr(q, "guard_acts", 0) for q in self.queues.values())
 
     def queued_prefill_s(self) -> float:
         return sum(q.queued_prefill_s() for q in self.queues.values())

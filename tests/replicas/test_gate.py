@@ -761,11 +761,14 @@ async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_it
     engine = ScriptedEngine(set(warm))
     engine.stats = lambda: EngineStats(running=0, prefilling=0, pending_prefill_tokens=0,  # type: ignore[method-assign]
                                        kv_blocks_total=400, kv_blocks_free=free)
-    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, memory_guard=True)
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, memory_guard=True,
+                      guard_loss=0.0)
     cfg = GateConfig(max_queue_wait_s=None, prefill_budget_tokens=10_000)
     gate = AdmissionGate(engine, pol, clock, cfg, replica="r0")
     view = gate.memory
-    assert view is not None and make_gate("fairway")[0].memory is None  # only a policy that reads it
+    unguarded = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, memory_guard=False)
+    assert view is not None and AdmissionGate(ScriptedEngine(), unguarded, clock).memory is None
+    assert make_gate("fcfs")[0].memory is None
     engine.fits = False  # everyone waits for memory until the test lets them in
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call("c0", 1600, chain("cold", 100)), out))]

@@ -151,9 +151,10 @@ def test_config_bounds():
 
 
 def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):
-    """Defaults plus the memory guard, with a memory view whose host reports as many free
+    """Defaults plus the memory guard acting whenever memory binds, with a memory view whose host reports as many free
     blocks as keep ``spare[0]`` of them needed by no waiting request; the cached blocks in
     ``held`` are held by running requests."""
+    options.setdefault("guard_loss", 0.0)  # whenever memory binds, unless a test says otherwise
     p, clock = policy_with_cache("fairway", cached, memory_guard=True, **options)
     view = KVMemoryView(lambda: spare[0] + view.n_free_wanted, clock)
     p.attach_memory(view)
@@ -170,11 +171,13 @@ def _cold_head_and_two_warm(p, clock):
 
 def test_memory_guard_lets_warm_requests_pass_a_cold_fair_head_only_when_memory_binds():
     warm = set(chain("w1", 20)) | set(chain("w2", 20))
-    order = {}
+    order, acts = {}, {}
     for spare in (0, 99, 100):
         p, clock = _guarded([spare], set(warm))
         _cold_head_and_two_warm(p, clock)
         order[spare] = [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(3))]
+        acts[spare] = p.guard_acts
+    assert acts == {0: 2, 99: 2, 100: 0}  # the decisions it changed: the two yields
     # spare 0 or 99: r0 would evict 100 - spare > 0 blocks of others and keeps none of its own;
     # each warm pick keeps 20 and needs 1: they go first, on the Fast lane's account
     assert order[0] == order[99] == [(1, FAST), (2, FAST), (0, FAIR)]
@@ -232,6 +235,7 @@ def test_memory_guard_orders_the_fast_lane_by_cache_kept_when_memory_binds():
         p.add(queued(0, 0.0, 336, shared + chain("new", 1)))  # 1 new block, saves nothing
         p.add(queued(1, 0.0, 640, warm + chain("w-new", 10)))  # 30 own blocks at risk, 10 new
         order[spare] = [(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(2))]
+        assert p.guard_acts == (1 if spare == 0 else 0)  # one Fast-lane pick changed, no yield
     assert order[0] == [(1, FAST), (0, FAST)]
     assert order[10] == [(0, FAST), (1, FAST)]  # r0 fits in the spare blocks: least work first
 

@@ -599,7 +599,7 @@ async def _scenario() -> dict:
         # Fairway's memory guard at a gate over vLLM: the view follows vLLM's free blocks and the
         # gate's own admissions (its prompt held while it runs, wanted for the horizon after)
         guard = AdmissionGate(eng, make_policy("fairway", clock=clock, cost=CostModel.from_profile(),
-                                               memory_guard=True), clock)
+                                               memory_guard=True, guard_loss=0.0), clock)
         view = guard.memory
         h_ids = prefix + [rng.randrange(5, 4096) for _ in range(40)]
         held_while_running = []
