@@ -36,6 +36,8 @@ SCENARIOS: list[tuple[str, dict[str, Any]]] = [
     ("agentic@0.2", {"workload": "agentic", "rate": 0.2}),
     ("agentic-spike@0.1", {"workload": "agentic-spike", "rate": 0.1}),
     ("agentic-c100", {"workload": "agentic", "rate": 0.5, "concurrency": 100}),
+    # the same closed loop at the workload's own rate: memory-bound sustained overload
+    ("agentic-c100@4", {"workload": "agentic", "rate": 4, "concurrency": 100}),
     ("mooncake@1.0", {"workload": f"trace:{TRACE}", "time_scale": 1.0, "duration_s": 1e9}),
 ]
 

@@ -84,7 +84,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("requests", "counter", "fairway_requests_total", "Finished requests by lane and status."),
     MetricSpec("promotions", "counter", "fairway_lane_promotions_total", "Requests promoted to the fair lane."),
     MetricSpec("guard_yields", "counter", "fairway_memory_guard_yields_total",
-               "Fair-lane picks the memory guard gave to the fast lane (memory_guard on)."),
+               "Fair-lane picks Fairway's memory guard gave to the fast lane."),
     MetricSpec("queue_depth", "gauge", "fairway_queue_depth", "Requests waiting in the replica gate, per lane."),
     MetricSpec(
         "queued_prefill", "gauge", "fairway_queued_prefill_seconds",

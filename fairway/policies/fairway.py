@@ -17,14 +17,15 @@
   everything.
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
-- ``memory_guard`` (off by default; reads the host's memory view, ``fairway/memory_view.py``,
-  which the engine model and the replica gate both keep): when an
+- ``memory_guard`` (on by default; reads the host's memory view, ``fairway/memory_view.py``,
+  which the engine model and the replica gate both keep, and acts only while ``guard_loss`` of
+  the recently admitted prefill recomputes context that requests lost while they waited): when an
   admission would evict more of waiting requests' cached context than it saves of its own, the
   Fast lane orders by longest cached prefix instead of least work, and a Fair-lane pick that would
   do so yields to a Fast pick that would not. Why: in a memory-bound closed loop (agentic,
-  ``--concurrency 100`` at 4 sessions/s) the Fair lane's cold admissions and the Fast lane's
+  ``--concurrency 100`` at 1-4 sessions/s) the Fair lane's cold admissions and the Fast lane's
   new-session first turns evict the contexts of sessions whose next turn is waiting, and the
-  recompute halves throughput (docs/history/2026-12-02-agentic-memory-guard.md).
+  recompute halves throughput (docs/design.md, Memory guard).
 
 Complexity: ``select`` is O(n) vectorised over the live slots (a few numpy passes); promotion is
 found in the same pass; ``admit`` is O(1) plus the base class's removal.
@@ -76,7 +77,8 @@ class FairwayConfig:
     guard_loss: with memory_guard, the guard acts only while at least this share of the recently
         admitted prefill is recompute of context the requests had cached while they waited and
         lost before admission (the queue order destroying what the guard protects; decayed over
-        about the last 100 admissions); 0 = whenever memory binds.
+        about the last 100 admissions); 0 = whenever memory binds. Until then the host's memory
+        view keeps no counts (``KVMemoryView.need``).
     """
 
     theta: float = 12.0
@@ -86,10 +88,10 @@ class FairwayConfig:
     fair_order: str = "edf"
     sticky_due: bool = True
     fast_scope: str = "all"
-    memory_guard: bool = False
+    memory_guard: bool = True
     guard_overdue: float = 0.0
     guard_horizon_s: float = 10.0
-    guard_loss: float = 0.0
+    guard_loss: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.theta > 0:

@@ -140,8 +140,8 @@ def test_abort_keeps_the_computed_prefix_cached():
 
 
 def test_memory_view_is_free_blocks_that_no_waiting_request_needs():
-    eng, clock = engine(policy="fairway", memory_guard=True)
-    plain, _ = engine(policy="fairway")
+    eng, clock = engine(policy="fairway", guard_loss=0.0)  # the default guard, acting whenever memory binds
+    plain, _ = engine(policy="fairway", memory_guard=False)
     assert eng.memory is not None and plain.memory is None  # only a policy that reads it pays for it
     view = eng.memory.spare_blocks
     assert eng.policy._memory is eng.memory and plain.policy._memory is None
@@ -151,3 +151,15 @@ def test_memory_view_is_free_blocks_that_no_waiting_request_needs():
     assert view() == 100  # nobody does
     eng.add(spec(1, clock.now(), 320, 1, chain("a", 20)))  # waits, its first 10 blocks cached
     assert view() == 100 - 10
+
+
+def test_the_default_guard_keeps_no_counts_while_no_waiting_request_loses_context():
+    """The default Fairway (memory guard on, ``guard_loss`` 0.1): a host keeps the view, but it
+    counts only while a tenth of the admitted prefill is context lost while waiting. Cold
+    prompts in a large pool lose nothing: after the first admission the view keeps its records
+    only, and the guard never yields."""
+    eng, clock = engine(policy="fairway")
+    view = eng.memory
+    assert view is not None and view.counting  # nothing admitted yet: 0 lost of 0
+    run(eng, clock, [spec(i, 0.01 * i, 160, 1, chain(f"a{i}", 10)) for i in range(6)])
+    assert not view.counting and (view.n_held, view.n_wanted) == (0, 0) and eng.policy.yields == 0
