@@ -23,7 +23,7 @@
   admission would evict more of waiting requests' cached context than it saves of its own, the
   Fast lane orders by longest cached prefix instead of least work, and a Fair-lane pick that would
   do so yields to a Fast pick that would not. Why: in a memory-bound closed loop (agentic,
-  ``--concurrency 100`` at 1-4 sessions/s) the Fair lane's cold admissions and the Fast lane's
+  ``--concurrency 100``, ``--rate`` 1-4) the Fair lane's cold admissions and the Fast lane's
   new-session first turns evict the contexts of sessions whose next turn is waiting, and the
   recompute halves throughput (docs/design.md, Memory guard).
 
