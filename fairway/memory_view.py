@@ -31,12 +31,12 @@ On demand (``on_demand=True``, what the hosts build): the counts cost one interp
 prompt block at each admission and finish and per block a waiting hit gains or loses, which is most
 of a simulated replica's work on long prompts; a reader that asks only in some states (the guard
 only while context is being lost, ``guard_loss``) says when it needs them (``need``). Until then
-the view keeps only its records (the running prompts and the recent ones, O(1) each); when a
-reader first needs it, it counts them anew, and the queues that feed it (``attach_feeder``)
-declare their waiting hits; when nobody needs it, the counts are dropped and the queues stop
-declaring. Counting anew from the records gives the counts the incremental path keeps, but for
-one case: a recent prompt's block evicted and cached again since counts as wanted (it is, by
-the definition above); incrementally it stays dropped.
+the view keeps only the recent prompts (O(1) each; the running ones are the host's, which it
+lists on demand: ``running()``); when a reader first needs it, it counts them anew, and the
+queues that feed it (``attach_feeder``) declare their waiting hits; when nobody needs it, the
+counts are dropped and the queues stop declaring. Counting anew gives the counts the
+incremental path keeps, but for one case: a recent prompt's block evicted and cached again
+since counts as wanted (it is, by the definition above); incrementally it stays dropped.
 
 Complexity: ``hold`` / ``release`` / ``finished`` O(prompt blocks) while counting, O(1) else;
 ``want`` / ``unwant`` O(blocks passed); ``spare_blocks`` O(1) amortised (each finished prompt
@@ -68,17 +68,19 @@ class KVMemoryView:
 
     ``free_blocks()``: the engine's free KV blocks (cached-but-unreferenced ones included);
     ``clock``: the host's clock (finished prompts expire ``horizon_s`` after they finished; 0: at
-    once)."""
+    once); on demand, ``cached(h)`` (whether a block is in the engine's cache) and ``running()``
+    (the prompt of each request ``hold`` took and ``release`` has not given back)."""
 
     __slots__ = ("_free_blocks", "_clock", "horizon_s", "_held", "_wanted", "_recent", "_recent_n",
                  "n_free_wanted", "_cached", "_running", "_feeders", "_needed", "_on_demand", "counting")
 
     def __init__(self, free_blocks: Callable[[], int], clock: Clock, horizon_s: float = 0.0,
-                 cached: Callable[[int], bool] | None = None, on_demand: bool = False) -> None:
+                 cached: Callable[[int], bool] | None = None,
+                 running: Callable[[], Iterable[Sequence[int]]] | None = None, on_demand: bool = False) -> None:
         if horizon_s < 0:
             raise ValueError("horizon_s must be >= 0")
-        if on_demand and cached is None:
-            raise ValueError("an on-demand view needs the host's cached(h) to count recent prompts anew")
+        if on_demand and (cached is None or running is None):
+            raise ValueError("an on-demand view needs the host's cached(h) and running() to count anew")
         self._free_blocks = free_blocks
         self._clock = clock
         self.horizon_s = horizon_s
@@ -88,7 +90,7 @@ class KVMemoryView:
         self._recent: deque[tuple[float, Sequence[int]]] = deque()  # (expiry, prompt) in finish order
         self._recent_n: dict[int, int] = {}  # hash -> recent prompts holding it (of those in _wanted)
         self.n_free_wanted = 0  # hashes wanted and held by no running request
-        self._running: dict[tuple[int, ...], int] = {}  # running prompt -> times held: the records
+        self._running = running  # the host's running prompts, one per running request (on demand)
         self._feeders: list[MemoryFeeder] = []  # the queues that declare their waiting hits
         self._needed: set[int] = set()  # the readers that need the counts now (on demand)
         self._on_demand = on_demand
@@ -119,16 +121,12 @@ class KVMemoryView:
         """Count the records anew: the running prompts, the recent prompts' cached blocks, and
         (from the feeders) the waiting hits."""
         self.counting = True
-        for prompt, n in self._running.items():
-            for _ in range(n):
-                self.n_free_wanted -= _add_all(self._held, prompt, self._wanted, True)
+        for prompt in self._running():  # type: ignore[misc]
+            self.n_free_wanted -= _add_all(self._held, prompt, self._wanted, True)
         self._expire()
-        counts, cached = self._recent_n, self._cached
+        cached = self._cached
         for _, prompt in self._recent:
-            kept = [h for h in prompt if cached(h)]  # type: ignore[misc]
-            self.want(kept)
-            for h in kept:
-                counts[h] = counts.get(h, 0) + 1
+            self._want_recent([h for h in prompt if cached(h)])  # type: ignore[misc]
         for f in self._feeders:
             f.feed_memory(True)
 
@@ -141,24 +139,17 @@ class KVMemoryView:
         self._recent_n.clear()
         self.n_free_wanted = 0
 
-    # -- the host's records ----------------------------------------------------------------
+    # -- the host's events -----------------------------------------------------------------
 
-    def hold(self, hashes: Sequence[int]) -> None:
-        """A request was admitted: its prompt's blocks are referenced until ``release``."""
-        key = tuple(hashes)
-        self._running[key] = self._running.get(key, 0) + 1
+    def hold(self, hashes: Iterable[int]) -> None:
+        """A request was admitted: its prompt's blocks are referenced until ``release`` (an
+        on-demand host lists it in ``running()`` from then on)."""
         if self.counting:
             self.n_free_wanted -= _add_all(self._held, hashes, self._wanted, True)
 
-    def release(self, hashes: Sequence[int]) -> None:
+    def release(self, hashes: Iterable[int]) -> None:
         """A running request left the engine (finished, aborted, preempted): the hashes
         ``hold`` took."""
-        key = tuple(hashes)
-        n = self._running[key]
-        if n > 1:
-            self._running[key] = n - 1
-        else:
-            del self._running[key]
         if self.counting:
             self.n_free_wanted += _drop_all(self._held, hashes, self._wanted, True)
 
@@ -167,13 +158,18 @@ class KVMemoryView:
         wanted for ``horizon_s`` more, by the turn that may continue it."""
         if self.horizon_s > 0 and hashes:
             if self.counting:
-                self.want(hashes)
-                counts = self._recent_n
-                for h in hashes:
-                    counts[h] = counts.get(h, 0) + 1
+                self._want_recent(hashes)
             else:
                 self._expire()
             self._recent.append((self._clock.now() + self.horizon_s, hashes))
+
+    def _want_recent(self, hashes: Sequence[int]) -> None:
+        """A recent prompt's (cached) blocks are wanted, and counted as a recent prompt's, which
+        an eviction drops at once."""
+        self.want(hashes)
+        counts = self._recent_n
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
 
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
         """The engine evicted these blocks: the recent prompts stop wanting them (a waiting

@@ -170,14 +170,14 @@ class AdmissionGate:
         self.memory: KVMemoryView | None = None
         if self.policy.wants_memory_view():
             self.memory = KVMemoryView(lambda: engine.stats().kv_blocks_free, clock, self.policy.memory_horizon_s(),
-                                       cached=cached, on_demand=True)
+                                       cached=cached, running=self.policy.held_prompts, on_demand=True)
             self.policy.attach_memory(self.memory)
         engine.set_cache_listener(self.policy.on_blocks_stored, self._on_blocks_removed)
         engine.on_step = self.pump
 
     def _on_blocks_removed(self, hashes: Iterable[int]) -> None:
-        """The engine's removed events: to the policy, and to the memory view when there is one."""
-        if self.memory is None:
+        """The engine's removed events: to the policy, and to the memory view while it counts."""
+        if self.memory is None or not self.memory.counting:
             self.policy.on_blocks_removed(hashes)
             return
         hs = list(hashes)

@@ -108,16 +108,21 @@ class TenantQueues(QueueGroup):
 
     def admit(self, rid: int) -> Admission:
         tenant = self._tenant.pop(rid)
-        hashes: Sequence[int] = ()
-        if self._memory is not None:  # its prompt's blocks are held from now until ``release``
-            hashes = self.queues[tenant].get(rid).block_hashes
-            self._memory.hold(hashes)
-        adm = self.queues[tenant].admit(rid)
+        q = self.queues[tenant]
+        hashes = q.get(rid).block_hashes if self._memory is not None else ()
+        adm = q.admit(rid)  # (may start the memory view's counting, which lists held_prompts)
         self.vnow = max(self.vnow, self.vtime[tenant])
         self.vtime[tenant] += adm.prompt_tokens - adm.cached_tokens + self.block_size
         self._admitted[rid] = (tenant, adm.prompt_tokens, hashes)
         self.held[tenant] = self.held.get(tenant, 0) + adm.prompt_tokens
+        if self._memory is not None:  # its prompt's blocks are held from now until ``release``
+            self._memory.hold(hashes)
         return adm
+
+    def held_prompts(self) -> list[Sequence[int]]:
+        """The prompts of the admitted requests still in the engine (what the memory view holds).
+        O(admitted)."""
+        return [hashes for _, _, hashes in self._admitted.values()]
 
     def release(self, rid: int) -> None:
         """An admitted request left the engine (finished, failed or cancelled). O(1)."""

@@ -209,6 +209,8 @@ class EngineModel:
         # the policy's cache view: either tier with a host tier, else the GPU dict itself (no
         # second lookup per probe on the default path)
         policy.attach_cache(self.pool.__contains__ if config.host_kv_blocks else self.pool.cached.__contains__)
+        self.reqs: dict[int, EngineRequest] = {}  # waiting + running
+        self.running: list[EngineRequest] = []
         # the memory view a live gate has (fairway/memory_view.py), fed the same way: the pool's
         # free count, the running requests' prompts, the policy's tracked hits (counted only
         # while the policy needs them)
@@ -216,10 +218,8 @@ class EngineModel:
         if policy.wants_memory_view():
             pool = self.pool
             self.memory = KVMemoryView(lambda: len(pool.free), clock, policy.memory_horizon_s(),
-                                       cached=pool.cached.__contains__, on_demand=True)
+                                       cached=pool.cached.__contains__, running=self._held_prompts, on_demand=True)
             policy.attach_memory(self.memory)
-        self.reqs: dict[int, EngineRequest] = {}  # waiting + running
-        self.running: list[EngineRequest] = []
         self._batch: list[tuple[EngineRequest, int]] = []
         self._seq = 0
         # optional lifecycle observer (the cluster router host, the sim engine)
@@ -684,6 +684,11 @@ class EngineModel:
         self._enqueue(r)
         if self.listener is not None:
             self.listener.on_preempted(self.replica, r)
+
+    def _held_prompts(self) -> list[Sequence[int]]:
+        """The prompts the memory view holds: each running request's (``_admit`` holds it after the
+        policy's admit and before the request joins ``running``). O(running)."""
+        return [r.queued.block_hashes for r in self.running]  # type: ignore[union-attr]
 
     def _unhold(self, r: EngineRequest, finished: bool = False) -> None:
         """Running ``r`` stops: the prompt ``_admit`` held (its wait's record, ``r.queued``, which

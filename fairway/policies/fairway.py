@@ -269,10 +269,15 @@ class Fairway(QueuePolicy):
         cfg, view = self.config, self._memory
         if view is None or not cfg.memory_guard:
             return
-        if self._lost >= cfg.guard_loss * self._prefilled:
+        if self._losing():
             view.need(self, True)
         elif self._lost < 0.5 * cfg.guard_loss * self._prefilled:
             view.need(self, False)
+
+    def _losing(self) -> bool:
+        """Whether at least ``guard_loss`` of the recently admitted prefill was context lost while
+        waiting (always with 0). O(1)."""
+        return self._lost >= self.config.guard_loss * self._prefilled
 
     def _choose(self, now: float) -> int:
         self.refresh_lanes()
@@ -291,8 +296,7 @@ class Fairway(QueuePolicy):
         least ``guard_overdue`` of the waiting requests promoted (sustained overload). O(1)."""
         cfg = self.config
         return (self._memory is not None and cfg.memory_guard
-                and self._n_fair >= cfg.guard_overdue * len(self)
-                and self._lost >= cfg.guard_loss * self._prefilled)
+                and self._n_fair >= cfg.guard_overdue * len(self) and self._losing())
 
     def _destroys(self, slot: int) -> bool:
         """Whether admitting ``slot`` now evicts more cached context of waiting requests (its new

@@ -86,17 +86,29 @@ class _Feeder:
 
 
 def test_an_on_demand_view_keeps_records_only_and_counts_them_anew_when_needed():
-    """Until a reader needs it, the view keeps its records (running and recent prompts) and no
-    counts; when one does, the counts are those the view would have kept all along, the recent
-    prompts counted for their blocks still cached; when nobody does, they are dropped."""
+    """Until a reader needs it, the view keeps the recent prompts (the running ones are the
+    host's) and no counts; when one does, the counts are those the view would have kept all
+    along, the recent prompts counted for their blocks still cached; when nobody does, they are
+    dropped."""
     clock = ManualClock()
     cached = set(range(100))
-    v = KVMemoryView(lambda: 50, clock, horizon_s=10.0, cached=cached.__contains__, on_demand=True)
+    running: list[list[int]] = []  # the host's running prompts
+
+    def hold(prompt: list[int]) -> None:
+        running.append(prompt)
+        v.hold(prompt)
+
+    def release(prompt: list[int]) -> None:
+        running.remove(prompt)
+        v.release(prompt)
+
+    v = KVMemoryView(lambda: 50, clock, horizon_s=10.0, cached=cached.__contains__, running=lambda: running,
+                     on_demand=True)
     queue = _Feeder(v, [[1, 2, 3]])
     v.attach_feeder(queue)
-    v.hold([2, 3, 4])
-    v.hold([10, 11])
-    v.release([10, 11])
+    hold([2, 3, 4])
+    hold([10, 11])
+    release([10, 11])
     v.finished([10, 11])  # recent: wanted for 10 s while cached
     v.finished([20, 21, 22])
     cached.discard(22)  # evicted while nobody counted
@@ -111,13 +123,15 @@ def test_an_on_demand_view_keeps_records_only_and_counts_them_anew_when_needed()
     assert v.counting
     clock.advance(10.0)  # the recent prompts expire
     assert (v.n_wanted, v.n_free_wanted) == (3, 1)
-    v.release([2, 3, 4])
+    release([2, 3, 4])
     assert v.n_free_wanted == 3
 
 
 def test_the_view_needs_a_way_to_recount_before_it_can_be_on_demand():
     with pytest.raises(ValueError, match="cached"):
         KVMemoryView(lambda: 1, ManualClock(), on_demand=True)
+    with pytest.raises(ValueError, match="running"):
+        KVMemoryView(lambda: 1, ManualClock(), cached=lambda h: True, on_demand=True)
 
 
 def test_a_release_must_name_a_held_prompt():

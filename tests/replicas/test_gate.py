@@ -791,3 +791,27 @@ async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_it
     assert (view.n_held, view.n_wanted, view.n_free_wanted) == (0, 142, 142)  # wanted by a next turn
     clock.advance(10.0)  # guard_horizon_s: then nobody's
     assert (view.n_held, view.n_wanted, view.n_free_wanted) == (0, 0, 0)
+
+
+async def test_the_default_guard_at_the_gate_counts_the_admitted_prompts_once_a_reader_needs_them():
+    """The default Fairway keeps its memory view's counts off while no context is lost waiting;
+    the running prompts it counts when a reader needs them are the ones the gate admitted and
+    the engine has not released (``TenantQueues.held_prompts``)."""
+    clock = ManualClock()
+    engine = ScriptedEngine(set())
+    gate = AdmissionGate(engine, make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16), clock,
+                         GateConfig(max_queue_wait_s=None, prefill_budget_tokens=10_000), replica="r0")
+    view = gate.memory
+    assert view is not None
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(rid, 336, chain(rid, 21)), out)) for rid in ("a", "b")]
+    await settle()
+    assert engine.started == ["a", "b"] and not view.counting and view.n_held == 0
+    view.need(tasks, True)
+    assert view.n_held == 42
+    engine.release("a")
+    await settle()
+    assert view.n_held == 21
+    engine.release("b")
+    await asyncio.gather(*tasks)
+    assert view.n_held == 0
