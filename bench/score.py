@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import BASELINES
+from fairway.cost_model import DEFAULT_PROFILE
 from fairway.spec import parse_spec, split_specs
 from sim.runner import RunConfig, run
 
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cache", default=None, help="JSON file reusing results of identical runs")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE,
+                    help="the engine model's cost profile (python -m bench.calibrate show NAME)")
     args = ap.parse_args()
     variants = split_specs(args.variants)
     wanted = set(split_specs(args.scenarios)) if args.scenarios else None
@@ -67,7 +70,7 @@ def main() -> None:
     for label, fields in scen:
         for spec in (*BASELINES, *variants):
             name, opts = parse_spec(spec)
-            base = {"duration_s": args.duration, "seed": args.seed, **fields}
+            base = {"duration_s": args.duration, "seed": args.seed, "profile": args.profile, **fields}
             cfg = RunConfig(policy=name, policy_options=opts, **base)
             jobs.append((label, spec, cfg.model_dump_json()))
     cache: dict[str, dict[str, Any]] = {}

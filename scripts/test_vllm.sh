@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-vLLM (CPU) tests in one command: set up .venv-vllm and the tiny Llama
 # (scripts/vllm_cpu_setup.sh, idempotent), then run the engine adapter tests and the end-to-end
-# cluster test (serve run deploy/cluster-vllm-cpu.yaml) with .venv-vllm's python.
+# cluster test (serve run deploy/cluster-vllm-cpu.yaml) with .venv-vllm's python, and the GPU-step
+# decoder's tests (bench/gpu_steps.py on the CPU; they need the torch that .venv-vllm has).
 #
 #   scripts/test_vllm.sh                 # ~6 min from nothing (3 min install), ~1.7 min warm (2 cores)
 #   scripts/test_vllm.sh -k prefix       # extra arguments go to pytest
@@ -18,7 +19,7 @@ t1=$(date +%s)
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 set +e
-HF_HUB_OFFLINE=1 nice -n 10 .venv-vllm/bin/python -m pytest tests/replicas/engines/test_vllm_engine.py tests/e2e/test_vllm_cluster.py \
+HF_HUB_OFFLINE=1 nice -n 10 .venv-vllm/bin/python -m pytest tests/replicas/engines/test_vllm_engine.py tests/e2e/test_vllm_cluster.py tests/bench/test_gpu_steps_torch.py \
   -q -p no:cacheprovider "$@" | tee "$report"
 rc=${PIPESTATUS[0]}
 set -e

@@ -25,7 +25,8 @@ needs_calibration = pytest.mark.skipif(
     reason=f"calibration data not found at {CALIBRATION} (the shared/ folder beside the repo)",
 )
 
-ALL = ["h200-14b", "h200-14b-eager", "h200-llama3-8b", "h200-llama3-8b-eager"]
+ALL = ["h200-14b", "h200-14b-eager", "h200-14b-graphs", "h200-llama3-8b", "h200-llama3-8b-eager",
+       "h200-llama3-8b-graphs"]
 DEFAULTS = ["h200-llama3-8b", "h200-14b"]
 MODEL_OF = {"llama-3.1-8b": "h200-llama3-8b", "qwen2.5-14b-like": "h200-14b"}
 
@@ -68,7 +69,8 @@ def test_unknown_profile_error_text() -> None:
         CostModel.from_profile("a100-nope")
     assert str(exc.value) == (
         "unknown cost profile 'a100-nope'; known: "
-        "h200-14b, h200-14b-eager, h200-llama3-8b, h200-llama3-8b-eager"
+        "h200-14b, h200-14b-eager, h200-14b-graphs, h200-llama3-8b, h200-llama3-8b-eager, "
+        "h200-llama3-8b-graphs"
     )
 
 
