@@ -7,7 +7,8 @@ times them the way a CUDA-graph engine runs them: each step is captured once in 
 replayed, so no per-kernel launch cost is left, only GPU time.
 
 The decoder has the shape's real weights (random bf16, one set per layer), RMSNorm, rotary
-embedding, fused QKV and gate/up GEMMs, and a last-token LM head. Attention is PyTorch SDPA with
+embedding, fused QKV and gate/up GEMMs, and a last-token LM head; ``--fuse`` compiles the
+elementwise work between them with torch.compile, as vLLM does. Attention is PyTorch SDPA with
 the FlashAttention backend forced on CUDA:
 - a prefill chunk of N new tokens on C cached ones attends to its cache without a mask and to its
   own N tokens causally (two kernels whose FLOPs equal one causal-offset kernel that skips the
@@ -21,8 +22,9 @@ What it does not measure: vLLM's host work per step (scheduling, input preparati
 output processing), which the profile's ``step_overhead_s`` stands for. The comparison therefore
 subtracts that overhead from the model.
 
-    python bench/gpu_steps.py measure --out steps.jsonl    # on the GPU machine: needs torch only
-    python -m bench.gpu_steps compare --steps bench/data/h200_steps.jsonl
+    python bench/gpu_steps.py measure --fuse --out steps.jsonl    # on the GPU machine: torch only
+    python -m bench.gpu_steps compare --steps bench/data/h200_steps_fused.jsonl
+    python -m bench.gpu_steps fit        # the '-graphs' profiles from the shipped fused steps
 
 Results and method: docs/cost-model.md, "Whole steps on an H200".
 """
@@ -127,10 +129,21 @@ class Decoder:
     ``2 * kv_heads * head_dim`` values for every cached token of the step.
     """
 
-    def __init__(self, shape: Shape, device: str, seed: int = 0) -> None:
+    def __init__(self, shape: Shape, device: str, seed: int = 0, fuse: bool = False,
+                 compile_backend: str = "inductor") -> None:
         import torch
 
         self.torch = torch
+        self.fuse = fuse
+        # The elementwise work between the GEMMs and the attention, in three functions. With
+        # ``fuse`` each is compiled by torch.compile (Inductor, dynamic shapes) into a few fused
+        # kernels, as vLLM compiles its model; without, each op is its own kernel.
+        self._add_rms, self._norm, self._qkv_rope, self._silu_mul = (
+            self._add_rms_eager, self._rms, self._qkv_rope_eager, self._silu_mul_eager)
+        if fuse:
+            self._add_rms, self._norm, self._qkv_rope, self._silu_mul = (
+                torch.compile(f, dynamic=True, fullgraph=True, backend=compile_backend)
+                for f in (self._add_rms_eager, self._rms, self._qkv_rope_eager, self._silu_mul_eager))
         self.shape = shape
         self.device = device
         self.dtype = torch.bfloat16
@@ -160,6 +173,22 @@ class Decoder:
     def _rms(self, x: Any, weight: Any) -> Any:
         xf = x.float()
         return (xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * weight
+
+    def _add_rms_eager(self, x: Any, delta: Any, weight: Any) -> tuple[Any, Any]:
+        y = x + delta
+        return y, self._rms(y, weight)
+
+    def _qkv_rope_eager(self, qkv: Any, cos: Any, sin: Any) -> tuple[Any, Any, Any]:
+        sh = self.shape
+        nh, kvh, hd, t = sh.heads, sh.kv_heads, sh.head_dim, qkv.shape[0]
+        q = qkv[:, : nh * hd].view(t, nh, hd)
+        k = qkv[:, nh * hd: (nh + kvh) * hd].view(t, kvh, hd)
+        v = qkv[:, (nh + kvh) * hd:].view(t, kvh, hd)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _silu_mul_eager(self, gu: Any) -> Any:
+        gate, up = gu.chunk(2, dim=-1)
+        return self.torch.nn.functional.silu(gate) * up
 
     def _rope(self, x: Any, cos: Any, sin: Any) -> Any:
         # x [T, heads, hd]; cos/sin [T, 1, hd/2]
@@ -238,13 +267,9 @@ class Decoder:
 
         def forward() -> Any:
             x = self.embed[ids]
-            for layer, cl in zip(self.layers, caches, strict=True):
-                h = self._rms(x, layer["n1"])
-                qkv = lin(h, layer["qkv"])
-                q = qkv[:, : nh * hd].view(tokens, nh, hd)
-                k = qkv[:, nh * hd: (nh + kvh) * hd].view(tokens, kvh, hd)
-                v = qkv[:, (nh + kvh) * hd:].view(tokens, kvh, hd)
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            h = self._norm(x, self.layers[0]["n1"])
+            for i, (layer, cl) in enumerate(zip(self.layers, caches, strict=True)):
+                q, k, v = self._qkv_rope(lin(h, layer["qkv"]), cos, sin)
                 outs = []
                 o0 = 0
                 for (n, c), kv_c in zip(spec.chunks, cl["chunks"], strict=True):
@@ -260,11 +285,13 @@ class Decoder:
                     vd[:, :, spec.decode_ctx] = v[o0:]
                     outs.append(self.attention_cached(q[o0:], kd, vd))
                 att = torch.cat(outs) if len(outs) > 1 else outs[0]
-                x = x + lin(att.reshape(tokens, nh * hd), layer["o"])
-                h = self._rms(x, layer["n2"])
-                gate, up = lin(h, layer["gu"]).chunk(2, dim=-1)
-                x = x + lin(torch.nn.functional.silu(gate) * up, layer["down"])
-            return lin(self._rms(x[last_idx], self.norm), self.lm_head)
+                x, h = self._add_rms(x, lin(att.reshape(tokens, nh * hd), layer["o"]), layer["n2"])
+                y = lin(self._silu_mul(lin(h, layer["gu"])), layer["down"])
+                if i + 1 < len(self.layers):
+                    x, h = self._add_rms(x, y, self.layers[i + 1]["n1"])
+                else:
+                    x = x + y
+            return lin(self._norm(x[last_idx], self.norm), self.lm_head)
 
         return forward
 
@@ -333,7 +360,7 @@ def _copy_gbps(torch: Any, device: str, gib: int = 4) -> float:
 
 
 def measure(shape_name: str, out: Path, device: str, reps: int, grid: Iterable[StepSpec],
-            eager_kinds: Sequence[str] = ("prefill",)) -> int:
+            eager_kinds: Sequence[str] = ("prefill",), fuse: bool = False) -> int:
     """Measure ``grid`` and append one JSON line per point to ``out`` (a header line first).
 
     Each point is timed with CUDA graphs; points whose kind is in ``eager_kinds`` are also timed
@@ -343,10 +370,10 @@ def measure(shape_name: str, out: Path, device: str, reps: int, grid: Iterable[S
     import torch
 
     shape = SHAPES[shape_name]
-    dec = Decoder(shape, device)
+    dec = Decoder(shape, device, fuse=fuse)
     header: dict[str, Any] = {
         "header": True, "shape_name": shape_name, "shape": asdict(shape), "device": device,
-        "torch": torch.__version__, "reps": reps,
+        "torch": torch.__version__, "reps": reps, "fused": fuse,
     }
     if device != "cpu":
         header["gpu"] = torch.cuda.get_device_name()
@@ -425,11 +452,14 @@ def read_steps(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def compare(points: Sequence[dict[str, Any]], profile: str = "h200-llama3-8b",
             graphs: bool = True) -> list[Comparison]:
-    """The measured points (CUDA-graph ones by default) against ``profile``'s GPU time."""
+    """The measured points (CUDA-graph ones by default) against ``profile``'s GPU time: its step
+    time less the host overhead per step that every shipped profile adds (2 ms; a GPU trace does not
+    see it)."""
+    from bench.calibrate import DEFAULT_STEP_OVERHEAD_S
     from fairway.cost_model import CostModel
 
     m = CostModel.from_profile(profile)
-    oh = m.profile.step_overhead_s
+    oh = DEFAULT_STEP_OVERHEAD_S
 
     def gpu(chunks: Sequence[Sequence[int]], d: int, ctx: int) -> float:
         n = sum(c[0] for c in chunks)
@@ -491,11 +521,14 @@ def _aggregates(p: dict[str, Any]) -> tuple[float, float, float, float, float]:
     return n + d, n, sum(a * b for a, b in chunks), sum(a * a for a, _ in chunks), d * ctx
 
 
-def fit_profile(points: Sequence[dict[str, Any]], base: Any) -> tuple[Any, dict[str, float]]:
+def fit_profile(points: Sequence[dict[str, Any]], base: Any,
+                host_s: float | None = None) -> tuple[Any, dict[str, float]]:
     """``base`` (a ``CostProfile``) with ``FIT_TERMS`` refitted to whole measured steps.
 
-    The model is ``CostModel.step_time`` itself: ``K + max(b*T, W) + max(c*S1 + d*S2, e*S1/P)
-    + e*X`` with the launch floor at 0 and ``W`` (the weight read) kept from ``base``. Each
+    The GPU time is modelled by ``CostModel.step_time`` itself: ``K + max(b*T, W) + max(c*S1 +
+    d*S2, e*S1/P) + e*X`` with the launch floor at 0 and ``W`` (the weight read) kept from
+    ``base``; the profile's ``step_overhead_s`` is then ``K`` plus ``host_s``, the host work per
+    step that a GPU measurement cannot see (default: the shipped profiles' 2 ms). Each
     point's regimes (weight- or GEMM-bound; attention by FLOPs or by the cached-KV read) are
     fixed from the current terms, the five terms are solved by least squares of the relative
     error, and this repeats until the regimes stop changing (at most 20 rounds). The ``gemms``
@@ -535,9 +568,13 @@ def fit_profile(points: Sequence[dict[str, Any]], base: Any) -> tuple[Any, dict[
         terms = np.maximum(sol, 0.0)
     from dataclasses import replace
 
-    fitted = replace(base, name=base.name + GRAPHS_SUFFIX, launch_floor_s=0.0,
-                     **{f: float(v) for f, v in zip(FIT_TERMS, terms, strict=True)})
-    m = CostModel(fitted)
+    from bench.calibrate import DEFAULT_STEP_OVERHEAD_S
+
+    host = DEFAULT_STEP_OVERHEAD_S if host_s is None else host_s
+    gpu_only = replace(base, name=base.name + GRAPHS_SUFFIX, launch_floor_s=0.0,
+                       **{f: float(v) for f, v in zip(FIT_TERMS, terms, strict=True)})
+    fitted = replace(gpu_only, step_overhead_s=gpu_only.step_overhead_s + host)
+    m = CostModel(gpu_only)
     pred = np.array([m.step_time(int(p_), int(a), int(b), int(r["decodes"]), int(xx))
                      for (_, p_, a, b, xx), r in zip(agg, rows, strict=True)])
     err = np.abs(pred / t - 1.0)
@@ -563,7 +600,10 @@ def write_graphs_profile(steps: Path, out_dir: Path) -> tuple[Path, dict[str, fl
             "device": header.get("gpu", header.get("device")),
             "torch": header.get("torch"),
             "base_profile": base_name,
-            "method": "bench/gpu_steps.py fit: whole steps in CUDA graphs, unfused PyTorch kernels",
+            "method": "bench/gpu_steps.py fit: whole steps in CUDA graphs"
+                      + (", elementwise work fused by torch.compile" if header.get("fused") else
+                         ", unfused PyTorch kernels")
+                      + "; step_overhead_s = fitted GPU constant + 2 ms host overhead",
         },
         "fit_error": err,
     }
@@ -585,12 +625,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     mp.add_argument("--reps", type=int, default=7)
     mp.add_argument("--kinds", default="gemms,decode,prefill,mixed,multi",
                     help="comma-separated kinds of the grid to measure")
+    mp.add_argument("--fuse", action="store_true",
+                    help="compile the elementwise work with torch.compile (fused kernels, as vLLM)")
+    mp.add_argument("--no-eager", action="store_true", help="time CUDA-graph steps only")
     fp = sub.add_parser("fit", help="fit a '-graphs' profile to a measured steps file")
     fp.add_argument("--steps", type=Path, nargs="+",
-                    default=[_DATA / "h200_steps.jsonl", _DATA / "h200_14b_steps.jsonl"])
+                    default=[_DATA / "h200_steps_fused.jsonl", _DATA / "h200_14b_steps_fused.jsonl"])
     fp.add_argument("--out", type=Path, default=None, help="folder (default fairway/profiles)")
     cp = sub.add_parser("compare", help="print measured steps against a cost profile")
-    cp.add_argument("--steps", type=Path, default=_DATA / "h200_steps.jsonl")
+    cp.add_argument("--steps", type=Path, default=_DATA / "h200_steps_fused.jsonl")
     cp.add_argument("--profile", default=None,
                     help="cost profile to compare with (default: the measured shape's own)")
     cp.add_argument("--eager", action="store_true", help="compare the eager points instead")
@@ -603,7 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shape == "tiny":
             grid = [StepSpec(s.kind, tuple((max(1, n // 64), c // 64) for n, c in s.chunks),
                              s.decodes, s.decode_ctx // 64) for s in grid]
-        n = measure(args.shape, args.out, args.device, args.reps, grid)
+        n = measure(args.shape, args.out, args.device, args.reps, grid,
+                    eager_kinds=() if args.no_eager else ("prefill",), fuse=args.fuse)
         print(f"measured {n} points into {args.out}")
         return 0
     if args.cmd == "fit":

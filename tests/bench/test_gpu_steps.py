@@ -63,34 +63,40 @@ def test_fit_recovers_the_terms_of_steps_the_model_priced() -> None:
     m = CostModel(truth)
     points = [_point(s, _priced(m, s)) for s in default_grid()]
     points.append(_point(StepSpec("gemms", decodes=512), 1.0))  # not a whole step: ignored
-    fitted, err = fit_profile(points, base)
+    fitted, err = fit_profile(points, base, host_s=0.5e-3)
     assert fitted.name == "h200-llama3-8b-graphs" and fitted.launch_floor_s == 0.0
-    for f in FIT_TERMS:
+    for f in FIT_TERMS[1:]:
         assert getattr(fitted, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
+    # the host overhead a GPU trace cannot see is added to the fitted GPU constant
+    assert fitted.step_overhead_s == pytest.approx(3.1e-3 + 0.5e-3, rel=1e-6)
     assert err["points"] == sum(s.kind != "gemms" for s in default_grid()) and err["max"] < 1e-6
 
 
-@pytest.mark.parametrize("steps, name", [("h200_steps.jsonl", "h200-llama3-8b-graphs"),
-                                         ("h200_14b_steps.jsonl", "h200-14b-graphs")])
+@pytest.mark.parametrize("steps, name", [("h200_steps_fused.jsonl", "h200-llama3-8b-graphs"),
+                                         ("h200_14b_steps_fused.jsonl", "h200-14b-graphs")])
 def test_shipped_graphs_profiles_are_the_fit_of_the_shipped_steps(tmp_path: Path, steps: str,
                                                                    name: str) -> None:
     path, err = write_graphs_profile(DATA / steps, tmp_path)
     assert path.name == f"{name}.json"
     assert json.loads(path.read_text()) == json.loads((profiles_dir() / path.name).read_text())
-    assert err["max"] < 0.25  # stated in docs/cost-model.md
+    assert err["max"] < 0.30  # stated in docs/cost-model.md
 
 
 def test_shipped_measurements_show_what_docs_state() -> None:
-    """The figures docs/cost-model.md quotes from the shipped 8B measurement."""
-    header, points = read_steps(DATA / "h200_steps.jsonl")
-    assert header["gpu"] == "NVIDIA H200" and header["shape_name"] == "llama-3.1-8b"
-    rows = {(r.kind, r.chunks, r.decodes, r.decode_ctx): r for r in compare(points)}
-    # GEMM-bound prefill within 3% of the default profile; long cached context overpriced ~1.24x
-    assert rows[("prefill", ((8192, 0),), 0, 0)].ratio == pytest.approx(1.0, abs=0.03)
-    assert rows[("prefill", ((8192, 32768),), 0, 0)].ratio == pytest.approx(1.24, abs=0.03)
+    """The figures docs/cost-model.md quotes from the shipped 8B measurements."""
+    header, fused = read_steps(DATA / "h200_steps_fused.jsonl")
+    assert header["gpu"] == "NVIDIA H200" and header["shape_name"] == "llama-3.1-8b" and header["fused"]
+    rows = {(r.kind, r.chunks, r.decodes, r.decode_ctx): r for r in compare(fused)}
+    # GEMM-bound prefill a little high; long cached context overpriced ~1.29x
+    assert rows[("prefill", ((8192, 0),), 0, 0)].ratio == pytest.approx(1.08, abs=0.03)
+    assert rows[("prefill", ((8192, 32768),), 0, 0)].ratio == pytest.approx(1.29, abs=0.03)
     # adding 128 decodes to a 2048-token chunk costs more than the max rule allows
     mixed = rows[("mixed", ((2048, 0),), 128, 2048)]
     alone = rows[("prefill", ((2048, 0),), 0, 0)]
     assert mixed.measured_s - alone.measured_s > 0.015 and mixed.max_rule_s < mixed.measured_s
-    # one weight read: single-token GEMMs within 5% of the profile's W/BW
-    assert rows[("gemms", (), 1, 0)].ratio == pytest.approx(1.0, abs=0.05)
+    # decode with a large KV read: the model's GPU part is optimistic
+    assert rows[("decode", (), 256, 2048)].ratio < 0.75
+    # one weight read: single-token GEMMs (unfused file) within 5% of the profile's W/BW
+    _, unfused = read_steps(DATA / "h200_steps.jsonl")
+    gemm = next(r for r in compare(unfused) if r.kind == "gemms" and r.decodes == 1)
+    assert gemm.ratio == pytest.approx(1.0, abs=0.05)

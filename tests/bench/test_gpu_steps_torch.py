@@ -83,3 +83,16 @@ def test_a_step_returns_logits_for_each_chunk_end_and_decode(dec: Decoder) -> No
         logits = dec.step(StepSpec("mixed", chunks=((4, 0), (2, 8)), decodes=3, decode_ctx=8))()
     assert tuple(logits.shape) == (2 + 3, TINY.vocab)
     assert torch.isfinite(logits.float()).all()
+
+
+def test_the_fused_decoder_computes_what_the_unfused_one_does() -> None:
+    """The compiled elementwise functions are traced whole (fullgraph, dynamic shapes) and give the
+    same logits; the cheap 'aot_eager' backend traces as Inductor does without generating code."""
+    spec = StepSpec("mixed", chunks=((4, 0), (3, 8)), decodes=2, decode_ctx=8)
+    outs = []
+    for fuse in (False, True):
+        d = Decoder(TINY, "cpu", seed=5, fuse=fuse, compile_backend="aot_eager")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outs.append(d.step(spec)())
+    torch.testing.assert_close(outs[1], outs[0])
