@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fairway.cost_model import DEFAULT_PROFILE
 from fairway.request import WorkloadError
 from fairway.spec import parse_spec, split_specs
 from sim.runner import RunConfig, run
@@ -131,6 +132,7 @@ class Run:
     seed: int
     replicas: int = 8
     policy: str = FAIRWAY  # the replicas' queue policy, under every router
+    profile: str = DEFAULT_PROFILE  # the engine model's cost profile
 
     def config(self) -> RunConfig:
         p = self.point
@@ -140,7 +142,7 @@ class Run:
             workload=p.workload, policy=policy, policy_options=policy_options, rate=1.0 if p.scale else p.load,
             time_scale=p.load if p.scale else 1.0, duration_s=p.duration_s if p.duration_s else 1e9,
             replicas=self.replicas, router=router, router_options=options,
-            index_mode=self.view, seed=self.seed,
+            index_mode=self.view, seed=self.seed, profile=self.profile,
         )
 
     @property
@@ -333,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the router spec judged as Fairway (a candidate, e.g. 'fairway[sticky_match=0.95]')")
     ap.add_argument("--policy", default=FAIRWAY, help="the replicas' queue policy under every router, e.g. "
                                                       "'fairway[memory_guard=false]' (default: fairway)")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE,
+                    help="the engine model's cost profile (e.g. h200-llama3-8b-graphs, measured steps)")
     ap.add_argument("--ablations", action="store_true", help="also run ABLATIONS (shown, never the best anchor)")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--out", default="out/yardstick", help="cache of the runs' summaries")
@@ -350,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.points != "all":
         want = split_specs(args.points)
         points = [p for p in points if any(p.label.startswith(w) for w in want)]
-    runs = [Run(p, r, v, s, policy=args.policy) for v in split_specs(args.views) for p in points for r in routers
+    runs = [Run(p, r, v, s, policy=args.policy, profile=args.profile)
+            for v in split_specs(args.views) for p in points for r in routers
             for s in (int(x) for x in split_specs(args.seeds))]
     cache = Path(args.out)
     cache.mkdir(parents=True, exist_ok=True)
