@@ -32,14 +32,20 @@ Results and method: docs/cost-model.md, "Whole steps on an H200".
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+# torch is imported where the decoder is built, and fairway/bench.calibrate where a profile is
+# priced or fitted: ``measure`` runs on a GPU machine's image with torch and numpy alone.
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +144,10 @@ class Decoder:
         # The elementwise work between the GEMMs and the attention, in three functions. With
         # ``fuse`` each is compiled by torch.compile (Inductor, dynamic shapes) into a few fused
         # kernels, as vLLM compiles its model; without, each op is its own kernel.
-        self._add_rms, self._norm, self._qkv_rope, self._silu_mul = (
-            self._add_rms_eager, self._rms, self._qkv_rope_eager, self._silu_mul_eager)
+        fns = (self._add_rms_eager, self._rms, self._qkv_rope_eager, self._silu_mul_eager)
         if fuse:
-            self._add_rms, self._norm, self._qkv_rope, self._silu_mul = (
-                torch.compile(f, dynamic=True, fullgraph=True, backend=compile_backend)
-                for f in (self._add_rms_eager, self._rms, self._qkv_rope_eager, self._silu_mul_eager))
+            fns = tuple(torch.compile(f, dynamic=True, fullgraph=True, backend=compile_backend) for f in fns)
+        self._add_rms, self._norm, self._qkv_rope, self._silu_mul = fns
         self.shape = shape
         self.device = device
         self.dtype = torch.bfloat16
@@ -428,7 +432,6 @@ class Comparison:
     measured_s: float
     model_s: float
     max_rule_s: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -459,13 +462,9 @@ def compare(points: Sequence[dict[str, Any]], profile: str = "h200-llama3-8b",
     from fairway.cost_model import CostModel
 
     m = CostModel.from_profile(profile)
-    oh = DEFAULT_STEP_OVERHEAD_S
 
     def gpu(chunks: Sequence[Sequence[int]], d: int, ctx: int) -> float:
-        n = sum(c[0] for c in chunks)
-        nc = sum(c[0] * c[1] for c in chunks)
-        nsq = sum(c[0] * c[0] for c in chunks)
-        return m.step_time(n, nc, nsq, d, d * ctx) - oh
+        return price(m, chunks, d, ctx) - DEFAULT_STEP_OVERHEAD_S
 
     out = []
     for p in points:
@@ -513,12 +512,19 @@ FIT_TERMS = ("step_overhead_s", "linear_s_per_token", "attn_s_per_token_ctx",
 GRAPHS_SUFFIX = "-graphs"
 
 
-def _aggregates(p: dict[str, Any]) -> tuple[float, float, float, float, float]:
-    """(tokens, prefill tokens, sum n*c, sum n^2, decode context) of one measured step."""
-    chunks = [(float(a), float(b)) for a, b in p["chunks"]]
-    d, ctx = float(p["decodes"]), float(p["decode_ctx"])
-    n = sum(a for a, _ in chunks)
-    return n + d, n, sum(a * b for a, b in chunks), sum(a * a for a, _ in chunks), d * ctx
+def _aggregates(chunks: Sequence[Sequence[int]], decodes: int, decode_ctx: int) -> tuple[int, int, int, int, int]:
+    """(tokens, prefill tokens, sum n*c, sum n^2, decode context) of a step: what
+    ``CostModel.step_time`` takes."""
+    n = sum(int(a) for a, _ in chunks)
+    return (n + decodes, n, sum(int(a) * int(b) for a, b in chunks), sum(int(a) ** 2 for a, _ in chunks),
+            decodes * decode_ctx)
+
+
+def price(m: Any, chunks: Sequence[Sequence[int]], decodes: int, decode_ctx: int) -> float:
+    """``m.step_time`` (a ``CostModel``) of a step of prefill ``chunks`` ``(N, C)`` and ``decodes``
+    sequences on ``decode_ctx`` tokens each."""
+    _, n, s1, s2, x = _aggregates(chunks, decodes, decode_ctx)
+    return m.step_time(n, s1, s2, decodes, x)
 
 
 def fit_profile(points: Sequence[dict[str, Any]], base: Any,
@@ -535,21 +541,22 @@ def fit_profile(points: Sequence[dict[str, Any]], base: Any,
     points are left out (they are not whole steps). Returns the profile and its error on the fitted
     points (``points``, ``mean``, ``max`` of |model/measured - 1|). O(points) per round.
     """
-    import numpy as np
-
+    from bench.calibrate import DEFAULT_STEP_OVERHEAD_S, ErrorStats
     from fairway.cost_model import CostModel
 
     rows = [p for p in points if p.get("s") is not None and p["graphs"] and p["kind"] != "gemms"]
-    agg = np.array([_aggregates(p) for p in rows], dtype=np.float64)
+    agg = np.array([_aggregates(p["chunks"], int(p["decodes"]), int(p["decode_ctx"])) for p in rows],
+                   dtype=np.float64)
     t = np.array([float(p["s"]) for p in rows], dtype=np.float64)
     tok, pre, s1, s2, x = agg.T
+    cbar = np.divide(s1, pre, out=np.zeros_like(s1), where=pre > 0)  # mean cached context of the chunks
     w = base.weight_read_s
     terms = np.array([getattr(base, f) for f in FIT_TERMS], dtype=np.float64)
     prev = None
     for _ in range(20):
         k_, b_, c_, d_, e_ = terms
         gemm = b_ * tok > w
-        flops = (c_ * s1 + d_ * s2) >= e_ * np.divide(s1, pre, out=np.zeros_like(s1), where=pre > 0)
+        flops = (c_ * s1 + d_ * s2) >= e_ * cbar
         state = (gemm.tobytes(), flops.tobytes())
         if state == prev:
             break
@@ -560,32 +567,23 @@ def fit_profile(points: Sequence[dict[str, Any]], base: Any,
             np.where(gemm, tok, 0.0),
             np.where(flops & (pre > 0), s1, 0.0),
             np.where(flops & (pre > 0), s2, 0.0),
-            np.where(~flops & (pre > 0), np.divide(s1, pre, out=np.zeros_like(s1), where=pre > 0), 0.0)
-            + x,
+            np.where(~flops & (pre > 0), cbar, 0.0) + x,
         ], axis=1)
         rhs = t - np.where(gemm, 0.0, w)
         sol, *_ = np.linalg.lstsq(cols / t[:, None], rhs / t, rcond=None)
         terms = np.maximum(sol, 0.0)
-    from dataclasses import replace
-
-    from bench.calibrate import DEFAULT_STEP_OVERHEAD_S
-
     host = DEFAULT_STEP_OVERHEAD_S if host_s is None else host_s
     gpu_only = replace(base, name=base.name + GRAPHS_SUFFIX, launch_floor_s=0.0,
                        **{f: float(v) for f, v in zip(FIT_TERMS, terms, strict=True)})
     fitted = replace(gpu_only, step_overhead_s=gpu_only.step_overhead_s + host)
     m = CostModel(gpu_only)
-    pred = np.array([m.step_time(int(p_), int(a), int(b), int(r["decodes"]), int(xx))
-                     for (_, p_, a, b, xx), r in zip(agg, rows, strict=True)])
-    err = np.abs(pred / t - 1.0)
-    return fitted, {"points": int(err.size), "mean": float(err.mean()), "max": float(err.max())}
+    pred = np.array([price(m, r["chunks"], int(r["decodes"]), int(r["decode_ctx"])) for r in rows])
+    return fitted, asdict(ErrorStats.of(pred, t))
 
 
 def write_graphs_profile(steps: Path, out_dir: Path) -> tuple[Path, dict[str, float]]:
     """Fit ``steps`` (a ``measure`` file) onto its shape's shipped profile and write
     ``<profile>-graphs.json`` into ``out_dir``. Deterministic output (no timestamps)."""
-    import hashlib
-
     from fairway.cost_model import load_profile
 
     header, points = read_steps(steps)

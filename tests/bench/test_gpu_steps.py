@@ -16,6 +16,7 @@ from bench.gpu_steps import (
     compare,
     default_grid,
     fit_profile,
+    price,
     read_steps,
     summary,
     write_graphs_profile,
@@ -31,9 +32,7 @@ def _point(spec: StepSpec, s: float, graphs: bool = True) -> dict:
 
 
 def _priced(m: CostModel, spec: StepSpec) -> float:
-    n = sum(a for a, _ in spec.chunks)
-    return m.step_time(n, sum(a * b for a, b in spec.chunks), sum(a * a for a, _ in spec.chunks),
-                       spec.decodes, spec.decodes * spec.decode_ctx)
+    return price(m, spec.chunks, spec.decodes, spec.decode_ctx)
 
 
 def test_compare_prices_the_gpu_part_and_the_max_rule() -> None:
