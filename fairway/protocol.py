@@ -186,7 +186,7 @@ class Engine(ABC):
 
     Required: the four sizes and the abstract methods. Optional members have their defaults here,
     and an engine overrides those it has: ``healthy`` (True), ``preemptions`` (0), ``on_step``
-    (None; an engine that can calls it after every step), ``timing()`` (None), ``set_fault()``
+    (None; an engine that can calls it after every step), ``time_scale`` (1.0), ``timing()`` (None), ``set_fault()``
     (applies none), and for engines with a host KV tier (``sim`` with ``host_kv_blocks``; ``vllm``
     with ``kv_events`` and CPU offloading) ``set_tier_listener(on_tier)`` (``on_tier`` gets
     ``(host_only, hash)`` transitions, after the stored / removed events of the same step) and
@@ -207,6 +207,10 @@ class Engine(ABC):
     #: per interval instead of once per step, and the replica does not merge them again
     stream_interval_s: float = 0.0
     coalesces: bool = False
+    #: wall seconds per second of the hardware the engine stands for: 1 for a real engine, ``1 /
+    #: speed`` for the sim engine slowed by its ``speed`` option; the gate's stall bound is in the
+    #: hardware's seconds and scales by it, so a slowed engine's long steps are not taken for a stall
+    time_scale: float = 1.0
 
     @abstractmethod
     async def start(self) -> None: ...

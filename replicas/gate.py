@@ -40,7 +40,9 @@ Each request's length is checked here, once (an empty prompt, ``max_tokens < 1``
 not check it again.
 
 A stalled engine (requests in it, no output from any of them for ``stall_timeout_s`` on the
-injected clock) is detected by the gate's ticker: the requests it holds end at once with ``EngineStalled`` (HTTP
+injected clock, times the engine's ``time_scale``: a sim engine slowed to ``speed`` 0.1 takes ten
+times as long over every step, so its bound is ten times as long; a faster one keeps the bound)
+is detected by the gate's ticker: the requests it holds end at once with ``EngineStalled`` (HTTP
 504), new ones are refused with 503 while it lasts, ``stalled`` is set (the replica's health
 check then fails, so Serve replaces it), and the first output after it clears the state.
 
@@ -96,7 +98,9 @@ class GateConfig(BaseModel):
     prefill_budget_tokens: int | None = Field(None, ge=1, description="admitted-but-unprefilled tokens allowed "
                                               "in the engine; null: the engine's max_num_batched_tokens")
     stall_timeout_s: float = Field(15.0, gt=0, description="no engine output for this long with requests in "
-                                                           "it: fail them with 504, report unhealthy")
+                                                           "it: fail them with 504, report unhealthy (in the "
+                                                           "engine's time: a sim engine with speed < 1 "
+                                                           "waits 1 / speed times as long)")
     max_queue_wait_s: float | None = Field(5.0, gt=0, description="estimated wait of the queue (wall seconds: "
                                            "its prefill work over the rate the engine works it off) beyond "
                                            "which new requests get 429; null: no bound")
@@ -131,6 +135,11 @@ class AdmissionGate:
         self.tier_of = tier_of
         # the tenants' queues, each ordered by ``policy``'s kind (``policy`` serves requests without a key)
         self.config = config or GateConfig()
+        if not engine.time_scale > 0:
+            raise ValueError(f"the engine's time_scale must be > 0, got {engine.time_scale!r}")
+        #: the watchdog's bound on the injected clock: ``stall_timeout_s`` in the engine's time,
+        #: never below it (a faster-than-real sim engine's host work and event loop do not speed up)
+        self.stall_bound_s = self.config.stall_timeout_s * max(1.0, engine.time_scale)
         self.policy = TenantQueues(policy, policy_factory, block_size=engine.block_size,
                                    recent_s=self.config.tenant_recent_s)
         self.clock = clock
@@ -151,7 +160,7 @@ class AdmissionGate:
         self.finished = 0
         self.rejected = 0
         self.cancelled = 0  # requests whose consumer left before they finished
-        self.stalled = False  # the engine holds requests and produced nothing for stall_timeout_s
+        self.stalled = False  # the engine holds requests and produced nothing for stall_bound_s
         self.stalls = 0
         self._progress_at = clock.now()  # the engine's last output (or its last idle moment)
         self._deadlines: dict[int, Any] = {}  # admitted rid -> its asyncio.Timeout (fired on a stall)
@@ -213,7 +222,7 @@ class AdmissionGate:
         if not self._admitted:
             self._progress_at = now
             return
-        if self.stalled or now - self._progress_at < self.config.stall_timeout_s:
+        if self.stalled or now - self._progress_at < self.stall_bound_s:
             return
         self.stalled = True
         self.stalls += 1
@@ -468,7 +477,7 @@ class AdmissionGate:
                     yield chunk
         except TimeoutError:
             raise EngineStalled(f"replica {self.replica}: the engine made no progress for "
-                                f"{self.config.stall_timeout_s:g} s; the request was stopped, retry it") from None
+                                f"{self.stall_bound_s:g} s; the request was stopped, retry it") from None
         finally:
             await gen.aclose()
 

@@ -162,6 +162,7 @@ class SimEngine(Engine, EngineListener):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.speed = speed
+        self.time_scale = 1.0 / speed  # the gate's stall bound stretches with the slowed model
         self.vocab_size = vocab_size
         self.seed = seed
         self.eos_mean_tokens = eos_mean_tokens

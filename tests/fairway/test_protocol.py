@@ -45,7 +45,7 @@ class NotAnEngine:
 
 def test_the_optional_members_have_their_defaults_in_the_base():
     e = MinimalEngine()
-    assert e.healthy is True and e.preemptions == 0 and e.on_step is None
+    assert e.healthy is True and e.preemptions == 0 and e.on_step is None and e.time_scale == 1.0
     assert e.timing() is None
     assert e.set_fault(stall=True, slowdown=2.0) is False  # applies none
     assert e.host_only_hashes() == []

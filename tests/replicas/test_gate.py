@@ -439,6 +439,37 @@ async def test_a_stalled_engine_fails_its_requests_with_504_refuses_new_ones_and
         await gate.shutdown()
 
 
+async def test_the_stall_bound_scales_with_the_engine_time_scale():
+    """An engine standing for hardware four times slower (the sim engine at ``speed`` 0.25) takes
+    four times as long over every step: the watchdog waits ``stall_timeout_s`` times its
+    ``time_scale`` (60 s here), not 15 s, before it fails the engine's requests; a faster one keeps 15 s."""
+    from fairway.protocol import EngineStalled
+
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    engine.time_scale = 4.0
+    gate = AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock,
+                         GateConfig(stall_timeout_s=15.0), replica="r0")
+    assert gate.stall_bound_s == 60.0
+    task = asyncio.create_task(consume(gate, call("a", 64), []))
+    await settle()
+    assert engine.started == ["a"]
+    clock.advance(59.0)
+    gate._watch()
+    assert not gate.stalled  # 15 s would have failed it here
+    clock.advance(1.0)
+    gate._watch()
+    assert gate.stalled
+    with pytest.raises(EngineStalled, match="no progress for 60 s"):
+        await asyncio.wait_for(task, 5)
+    engine.time_scale = 0.001  # a sim engine at 1000x speed: the bound is never tightened
+    assert AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock,
+                         GateConfig(stall_timeout_s=15.0)).stall_bound_s == 15.0
+    engine.time_scale = 0.0
+    with pytest.raises(ValueError, match="time_scale must be > 0"):
+        AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock)
+
+
 class MemoryEngine(ScriptedEngine):
     """A scripted engine with ``capacity`` prompt tokens of KV: a request holds its prompt's tokens
     from admission until it finishes."""

@@ -290,3 +290,9 @@ async def test_tiers_need_a_class():
 
     with pytest.raises(Exception, match="tiers needs at least one request class"):
         make_engine("sim", tiers=ClassesConfig.parse(""))
+
+
+def test_a_slowed_engine_reports_its_time_scale():
+    """The gate's stall bound stretches by the engine's ``time_scale``: 1 / speed for the sim engine."""
+    assert make_engine("sim", speed=0.25, kv_blocks=64, max_model_len=2048).time_scale == 4.0
+    assert make_engine("sim", kv_blocks=64, max_model_len=2048).time_scale == 1.0
