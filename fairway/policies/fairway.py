@@ -25,7 +25,11 @@
   do so yields to a Fast pick that would not. Why: in a memory-bound closed loop (agentic,
   ``--concurrency 100``, ``--rate`` 1-4) the Fair lane's cold admissions and the Fast lane's
   new-session first turns evict the contexts of sessions whose next turn is waiting, and the
-  recompute halves throughput (docs/design.md, Memory guard).
+  recompute halves throughput (docs/design.md, Memory guard). With ``guard_aging`` > 0 (an
+  option) a pick that still evicts gives way instead to the longest cached prefix of the whole
+  queue, a request past its deadline gaining ``guard_aging`` tokens for every second it is late
+  (LPM with aging, from the deadline on), so an overdue request is not passed over for as long as
+  memory binds.
 
 Complexity: ``select`` is O(n) vectorised over the live slots (a few numpy passes); promotion is
 found in the same pass; ``admit`` is O(1) plus the base class's removal.
@@ -79,6 +83,14 @@ class FairwayConfig:
         lost before admission (the queue order destroying what the guard protects; decayed over
         about the last 100 admissions); 0 = whenever memory binds. Until then the host's memory
         view keeps no counts (``KVMemoryView.need``).
+    guard_aging: with memory_guard, tokens per second (>= 0). 0 (default): a Fair-lane pick
+        that evicts yields to a Fast-lane pick that does not, however late it is. > 0: while the
+        guard acts, a pick that evicts more of waiting requests' context than it keeps of its
+        own gives way to the request with the largest cached tokens + guard_aging x seconds past
+        its deadline (arrival + theta * max(P, floor)), whatever it evicts. 50 is SGLang's
+        LPM-with-aging rate (25 tokens per scheduling pass) at a full 8,192-token step of the
+        default profile (0.3-0.6 s). Not the default: it wins on the closed agentic loops and
+        loses on the open-loop memory-bound spikes (docs/history/2026-12-04-guard-aging.md).
     """
 
     theta: float = 12.0
@@ -92,6 +104,7 @@ class FairwayConfig:
     guard_overdue: float = 0.0
     guard_horizon_s: float = 10.0
     guard_loss: float = 0.1
+    guard_aging: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -106,6 +119,8 @@ class FairwayConfig:
             raise ValueError("guard_horizon_s must be >= 0")
         if not 0.0 <= self.guard_overdue <= 1.0:
             raise ValueError("guard_overdue must be in [0, 1]")
+        if not self.guard_aging >= 0:
+            raise ValueError("guard_aging must be >= 0")
         if self.fast_order not in ("least-work", "most-cached"):
             raise ValueError(f"unknown fast_order {self.fast_order!r}")
         if self.fast_scope not in ("unpromoted", "all"):
@@ -148,8 +163,8 @@ class Fairway(QueuePolicy):
         self.shares = {FAST: 1.0 - base.fair_share, FAIR: base.fair_share}
         self._nonempty = {FAST: False, FAIR: False}
         self.promotions = 0
-        self.yields = 0  # admissions the memory guard gave to the Fast lane instead of the Fair lane's pick
-        self.guard_acts = 0  # decisions the guard changed (yields, Fast-lane picks by cache kept), counted at select
+        self.yields = 0  # admissions the memory guard made in place of the lanes' pick (the aged pick; a yield)
+        self.guard_acts = 0  # decisions the guard changed (yields, Fast picks by cache kept, aged picks), at select
         self._n_fair = 0
         self._chosen = (-1, FAST, False)  # (slot, lane, whether the guard yielded) of the last select()
 
@@ -284,12 +299,27 @@ class Fairway(QueuePolicy):
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
         yielded = False
-        if lane == FAIR and self._guarding():
+        if self.config.guard_aging > 0:
+            if self._guarding() and self._destroys(slot):
+                alt = self._aged_pick(now)
+                yielded = alt != slot
+                self.guard_acts += yielded
+                slot, lane = alt, (FAIR if self.promoted[alt] else FAST)
+        elif lane == FAIR and self._guarding():
             slot, lane = self._guard(slot, now)
             yielded = lane == FAST
             self.guard_acts += yielded
         self._chosen = (slot, lane, yielded)
         return slot
+
+    def _aged_pick(self, now: float) -> int:
+        """The memory guard's pick with ``guard_aging``: the most cached tokens plus
+        ``guard_aging`` per second past the deadline, over the whole queue. Why: longest prefix
+        first keeps the sessions in memory, and the aging bounds how long an overdue request
+        whose admission evicts can be passed over. O(n) vectorised."""
+        hi = self._hi
+        late = np.maximum(0.0, now - self.due[:hi])
+        return self._argmin(-(self.cached[:hi] + self.config.guard_aging * late), self.active[:hi])
 
     def _guarding(self) -> bool:
         """Whether the memory guard is on now: configured, with the host's memory view, and at
@@ -306,7 +336,7 @@ class Fairway(QueuePolicy):
         return over > 0 and over > self._at_risk(slot)
 
     def _guard(self, slot: int, now: float) -> tuple[int, str]:
-        """The memory guard (``memory_guard``): the Fair lane's pick ``slot``, or the Fast lane's
+        """The memory guard (``guard_aging=0``): the Fair lane's pick ``slot``, or the Fast lane's
         pick when ``slot`` would evict more cached context of waiting requests than it saves of
         its own (hit blocks no running request holds) and the Fast pick would not. O(n) only
         when ``slot`` destroys more than it saves."""

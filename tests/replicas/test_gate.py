@@ -778,22 +778,25 @@ async def test_with_an_engine_that_serves_the_strict_tier_first_rule_2_counts_on
     assert engine.started == ["b0", "i0", "i1"] and gate.admitted == 3
 
 
-@pytest.mark.parametrize(("free", "order"), [(50, ["w1", "w2", "c0"]), (200, ["c0", "w1", "w2"])])
-async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_its_own_counts(free, order):
+@pytest.mark.parametrize(("free", "aging", "order"), [(50, 0.0, ["w1", "w2", "c0"]), (200, 0.0, ["c0", "w1", "w2"]),
+                                                    (50, 50.0, ["c0", "w1", "w2"])])
+async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_its_own_counts(free, aging, order):
     """Fairway's memory guard on the live path: the gate keeps the memory view (which prompts
     its admitted requests hold, which cached blocks its waiting ones need) over the engine's
     free-block count. A cold promoted head (100 new blocks) and two warm requests (20 cached
     blocks each, held by no running request): with 50 free blocks, 40 of them the warm ones'
     contexts, the cold head would evict them, so the warm ones pass it; with 200 free it evicts
-    nobody and the lanes decide as without the guard. The finished prompts stay wanted for
-    ``guard_horizon_s``, then every count is back to zero."""
+    nobody and the lanes decide as without the guard. With ``guard_aging`` 50 (tokens a second
+    late) the cold head, due 19.32 against the warm ones' 26.2, leads them by 6.88 s x 50 = 344
+    tokens of aging, more than their 320 cached: it goes first. The finished prompts stay wanted
+    for ``guard_horizon_s``, then every count is back to zero."""
     clock = ManualClock()
     warm = set(chain("w1", 20)) | set(chain("w2", 20))
     engine = ScriptedEngine(set(warm))
     engine.stats = lambda: EngineStats(running=0, prefilling=0, pending_prefill_tokens=0,  # type: ignore[method-assign]
                                        kv_blocks_total=400, kv_blocks_free=free)
     pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, memory_guard=True,
-                      guard_loss=0.0)
+                      guard_loss=0.0, guard_aging=aging)
     cfg = GateConfig(max_queue_wait_s=None, prefill_budget_tokens=10_000)
     gate = AdmissionGate(engine, pol, clock, cfg, replica="r0")
     view = gate.memory
@@ -814,7 +817,7 @@ async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_it
     gate.pump()
     await settle()
     assert engine.started == order
-    assert gate.policy.yields == (2 if free == 50 else 0)  # fairway_memory_guard_yields_total's source
+    assert gate.policy.yields == (2 if order[0] != "c0" else 0)  # fairway_memory_guard_yields_total's source
     assert view.n_held == 100 + 21 + 21 and view.n_wanted == 0
     for rid in order:
         engine.release(rid)

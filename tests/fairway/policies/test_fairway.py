@@ -148,6 +148,8 @@ def test_config_bounds():
         FairwayConfig(fair_share=1.0)
     with pytest.raises(ValueError):
         FairwayConfig(fair_order="oldest")
+    with pytest.raises(ValueError, match="guard_aging"):
+        FairwayConfig(guard_aging=-1.0)
 
 
 def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):
@@ -238,6 +240,32 @@ def test_memory_guard_orders_the_fast_lane_by_cache_kept_when_memory_binds():
         assert p.guard_acts == (1 if spare == 0 else 0)  # one Fast-lane pick changed, no yield
     assert order[0] == [(1, FAST), (0, FAST)]
     assert order[10] == [(0, FAST), (1, FAST)]  # r0 fits in the spare blocks: least work first
+
+
+def test_memory_guard_with_aging_lets_an_overdue_head_through_once_it_is_late_enough():
+    """A cold head r0 (due 19.32, 100 new blocks, no spare block: it evicts) and two warm
+    requests (20 of 21 blocks cached, 320 tokens) that arrived 0.5 s before ``at``, not yet due.
+    With ``guard_aging`` 50 the evicting pick gives way to the most cached tokens + 50 per
+    second late: at 24 r0 is 4.68 s late (234 < 320), so the warm requests go first; at 29 it is
+    9.68 s late (484 > 320) and goes first. The yielding guard (``guard_aging=0``) holds r0
+    back at 29 too, however late it is; with 100 spare blocks r0 evicts nothing and the lanes
+    decide."""
+    warm = set(chain("w1", 20)) | set(chain("w2", 20))
+    runs = {}
+    for aging, spare, at in ((50.0, 0, 24.0), (50.0, 0, 29.0), (0.0, 0, 29.0), (50.0, 100, 24.0)):
+        p, clock = _guarded([spare], set(warm), guard_aging=aging)
+        p.add(queued(0, 0.0, 1600, chain("cold", 100)))
+        p.add(queued(1, at - 0.5, 336, chain("w1", 21)))
+        p.add(queued(2, at - 0.5, 336, chain("w2", 21)))
+        clock.set(at)
+        runs[aging, spare, at] = ([(a.rid, a.lane) for a in (p.admit(p.select().rid) for _ in range(3))],
+                                  p.guard_acts, p.yields)
+    assert runs == {
+        (50.0, 0, 24.0): ([(1, FAST), (2, FAST), (0, FAIR)], 2, 2),  # two evicting picks of r0 replaced
+        (50.0, 0, 29.0): ([(0, FAIR), (1, FAST), (2, FAST)], 0, 0),  # r0 is its own aged pick
+        (0.0, 0, 29.0): ([(1, FAST), (2, FAST), (0, FAIR)], 2, 2),  # two yields
+        (50.0, 100, 24.0): ([(0, FAIR), (1, FAST), (2, FAST)], 0, 0),  # nothing evicted: the lanes' order
+    }
 
 
 @pytest.mark.parametrize("sticky", [True, False])
