@@ -89,8 +89,9 @@ class FairwayConfig:
         own gives way to the request with the largest cached tokens + guard_aging x seconds past
         its deadline (arrival + theta * max(P, floor)), whatever it evicts. 50 is SGLang's
         LPM-with-aging rate (25 tokens per scheduling pass) at a full 8,192-token step of the
-        default profile (0.3-0.6 s). Not the default: it wins on the closed agentic loops and
-        loses on the open-loop memory-bound spikes (docs/history/2026-12-04-guard-aging.md).
+        default profile (0.3-0.6 s). Not the default: it wins on the closed agentic loops under
+        the default step costs (not under the measured ones) and loses on the open-loop
+        memory-bound spikes (docs/history/2026-12-04-guard-aging.md).
     """
 
     theta: float = 12.0
