@@ -299,19 +299,10 @@ class Fairway(QueuePolicy):
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
-        yielded = False
-        if self.config.guard_aging > 0:
-            if self._guarding() and self._destroys(slot):
-                alt = self._aged_pick(now)
-                yielded = alt != slot
-                self.guard_acts += yielded
-                slot, lane = alt, (FAIR if self.promoted[alt] else FAST)
-        elif lane == FAIR and self._guarding():
-            slot, lane = self._guard(slot, now)
-            yielded = lane == FAST
-            self.guard_acts += yielded
-        self._chosen = (slot, lane, yielded)
-        return slot
+        pick, lane = self._guard(slot, lane, now) if self._guarding() else (slot, lane)
+        self.guard_acts += pick != slot
+        self._chosen = (pick, lane, pick != slot)
+        return pick
 
     def _aged_pick(self, now: float) -> int:
         """The memory guard's pick with ``guard_aging``: the most cached tokens plus
@@ -336,13 +327,19 @@ class Fairway(QueuePolicy):
         over = self._new_blocks(slot) - self._memory.spare_blocks()  # type: ignore[union-attr]
         return over > 0 and over > self._at_risk(slot)
 
-    def _guard(self, slot: int, now: float) -> tuple[int, str]:
-        """The memory guard (``guard_aging=0``): the Fair lane's pick ``slot``, or the Fast lane's
-        pick when ``slot`` would evict more cached context of waiting requests than it saves of
-        its own (hit blocks no running request holds) and the Fast pick would not. O(n) only
-        when ``slot`` destroys more than it saves."""
-        if not self._destroys(slot):
-            return slot, FAIR
+    def _guard(self, slot: int, lane: str, now: float) -> tuple[int, str]:
+        """The memory guard, while it acts, on the lanes' pick ``slot`` (of ``lane``): the pick
+        and its lane, unchanged unless admitting it would evict more cached context of waiting
+        requests than it saves of its own (``_destroys``). Then, with ``guard_aging``, the aged
+        pick (``_aged_pick``), on the account of its own lane; without, a Fair-lane pick yields
+        to the Fast lane's pick when that one does not evict. O(n) only when ``slot`` evicts."""
+        if self.config.guard_aging > 0:
+            if not self._destroys(slot):
+                return slot, lane
+            alt = self._aged_pick(now)
+            return alt, (FAIR if self.promoted[alt] else FAST)
+        if lane != FAIR or not self._destroys(slot):
+            return slot, lane
         if self.config.fast_scope != "all" and len(self) == self._n_fair:
             return slot, FAIR
         alt = self._choose_in(FAST, now)

@@ -47,8 +47,6 @@ async def burst_then_kill(url: str) -> tuple[list[StreamResult], float, str]:
         return list(await asyncio.gather(*tasks)), killed_by, victim
 
 
-
-
 def test_requests_a_killed_ingress_replica_held_unanswered_are_served_by_another():
     with running_cluster(num_replicas=2, ingress_replicas=2, engine_args={"kv_blocks": 4000, "speed": 0.03}) as url:
         results, killed_by, victim = asyncio.run(burst_then_kill(url))

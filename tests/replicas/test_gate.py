@@ -447,9 +447,13 @@ async def test_the_stall_bound_scales_with_the_engine_time_scale():
 
     clock = ManualClock()
     engine = ScriptedEngine()
-    engine.time_scale = 4.0
-    gate = AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock,
-                         GateConfig(stall_timeout_s=15.0), replica="r0")
+
+    def gate_at(time_scale: float) -> AdmissionGate:
+        engine.time_scale = time_scale
+        return AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock,
+                             GateConfig(stall_timeout_s=15.0), replica="r0")
+
+    gate = gate_at(4.0)
     assert gate.stall_bound_s == 60.0
     task = asyncio.create_task(consume(gate, call("a", 64), []))
     await settle()
@@ -462,12 +466,9 @@ async def test_the_stall_bound_scales_with_the_engine_time_scale():
     assert gate.stalled
     with pytest.raises(EngineStalled, match="no progress for 60 s"):
         await asyncio.wait_for(task, 5)
-    engine.time_scale = 0.001  # a sim engine at 1000x speed: the bound is never tightened
-    assert AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock,
-                         GateConfig(stall_timeout_s=15.0)).stall_bound_s == 15.0
-    engine.time_scale = 0.0
+    assert gate_at(0.001).stall_bound_s == 15.0  # a sim engine at 1000x speed: the bound is never tightened
     with pytest.raises(ValueError, match="time_scale must be > 0"):
-        AdmissionGate(engine, make_policy("fcfs", clock=clock, cost=LinearCost(), block_size=16), clock)
+        gate_at(0.0)
 
 
 class MemoryEngine(ScriptedEngine):
