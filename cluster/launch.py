@@ -226,12 +226,45 @@ app answers: a stopped cluster's configuration stays behind, and only a newer on
         time.sleep(0.5)
 
 
+def check_config(path: str) -> list[str]:
+    """What ``serve run`` would refuse in the YAML at ``path``, checked here in seconds: Ray
+    Serve's own schema, then each Fairway application's ``args`` as ``cluster.app:build_app``
+    parses them (``ClusterArgs``) and its tokenizer as the ingress loads it. One line per problem;
+    empty when the config is valid. (``serve run`` logs such an error and keeps running, so a
+    script waiting for the API would wait its whole timeout.)"""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.config import ClusterArgs
+    from router.tokenizer import Tokenizer
+
+    try:
+        cfg = yaml.safe_load(Path(path).read_text())
+        ServeDeploySchema.model_validate(cfg)
+    except (OSError, yaml.YAMLError, ValidationError) as e:
+        return [f"{path}: {e}"]
+    problems = []
+    for app in cfg.get("applications", []):
+        if app.get("import_path") != "cluster.app:build_app":
+            continue
+        try:
+            Tokenizer(ClusterArgs(**(app.get("args") or {})).tokenizer)
+        except (ValidationError, ValueError, OSError) as e:
+            problems.append(f"{path}, application {app.get('name')!r}: {e}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
-    """For ``scripts/run.sh``: ``env`` prints the ``serve_env`` settings the environment leaves
+    """For ``scripts/run.sh``: ``check CONFIG`` prints what ``check_config`` finds (exit 1 if
+    anything); ``env`` prints the ``serve_env`` settings the environment leaves
     unset (``KEY=VALUE`` lines, the value quoted for a shell's ``eval``); ``stop-haproxy PORT`` runs
     ``stop_stray_haproxy``; ``wait-haproxy PORT`` waits (up to 60 s) until the HAProxy on ``PORT``
     routes to an ingress replica itself (``direct_ingress_url``) and prints where."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "check":
+        problems = check_config(args[1])
+        print("\n".join(problems), file=sys.stderr)
+        return 1 if problems else 0
     if args == ["env"]:
         for k, v in serve_env(dict(os.environ)).items():
             if k not in os.environ:
@@ -245,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HAProxy routes to the ingress replica at {url}" if url else
               "HAProxy does not route to an ingress replica itself (off, or not yet)")
         return 0
-    print("usage: python -m cluster.launch env | stop-haproxy PORT | wait-haproxy PORT", file=sys.stderr)
+    print("usage: python -m cluster.launch check CONFIG | env | stop-haproxy PORT | wait-haproxy PORT", file=sys.stderr)
     return 2
 
 

@@ -78,6 +78,11 @@ cfg = yaml.safe_load(open(sys.argv[1]))
 cfg.setdefault("http_options", {})["port"] = int(sys.argv[2])
 yaml.safe_dump(cfg, open(sys.argv[3], "w"))
 PY
+  # `serve run` logs an invalid config and keeps running, so it is checked here first
+  if ! python -m cluster.launch check "$CONFIG"; then
+    echo "invalid config $CONFIG: not started" >&2
+    exit 1
+  fi
   start=$(date +%s)
   # the settings the tests start clusters with (cluster/launch.py serve_env: a private local Ray
   # unless RAY_ADDRESS points at a cluster, Ray Serve's throughput-optimized mode, HAProxy as the

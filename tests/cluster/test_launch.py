@@ -8,7 +8,16 @@ import shlex
 import subprocess
 import time
 
-from cluster.launch import HAPROXY_BUFSIZE, HAPROXY_RETRY_ON, INGRESS_DRAIN_S, direct_ingress_url, main, serve_env
+from cluster.launch import (
+    HAPROXY_BUFSIZE,
+    HAPROXY_RETRY_ON,
+    INGRESS_DRAIN_S,
+    REPO,
+    check_config,
+    direct_ingress_url,
+    main,
+    serve_env,
+)
 
 
 def test_the_defaults_fill_only_what_the_environment_leaves_unset():
@@ -65,3 +74,29 @@ def test_the_direct_ingress_is_the_replica_the_newest_config_for_the_port_lists(
     assert direct_ingress_url(9000, timeout_s=0) == "http://127.0.0.1:30002"
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # Serve's own proxy is the HTTP ingress
     assert direct_ingress_url(8000, timeout_s=0) is None
+
+
+def _config(tmp_path, **replace: str):
+    """deploy/cluster.yaml with each ``old=new`` text replacement made, written under ``tmp_path``."""
+    text = (REPO / "deploy/cluster.yaml").read_text()
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_check_passes_the_shipped_configs_and_names_what_serve_run_would_refuse(tmp_path, capsys):
+    """scripts/run.sh checks the config before ``serve run``, which logs such errors and keeps running."""
+    assert check_config(str(REPO / "deploy/cluster.yaml")) == []
+    assert check_config(str(REPO / "deploy/cluster-vllm-cpu.yaml")) == []
+    bad_option = _config(tmp_path, **{"policy: fairway          #": 'policy: "fairway[guard_aging=-1]" #'})
+    [problem] = check_config(bad_option)
+    assert "application 'fairway'" in problem and "guard_aging must be >= 0" in problem
+    assert main(["check", bad_option]) == 1 and "guard_aging must be >= 0" in capsys.readouterr().err
+    typo = _config(tmp_path, **{"max_queue: 512": "max_queeu: 512"})
+    assert "max_queeu" in check_config(typo)[0]
+    no_tokenizer = _config(tmp_path, **{"tokenizer: deploy/models/fairway-tiny": "tokenizer: deploy/models/nope"})
+    assert "deploy/models/nope" in check_config(no_tokenizer)[0]  # the ingress would fail to load it
+    assert "No such file" in check_config(str(tmp_path / "missing.yaml"))[0]
