@@ -103,6 +103,12 @@ def count_reject(reason: str) -> None:
         stats.inc_requests("", "rejected")
 
 
+#: FastAPI's message for a body it could not decode at all (not UTF-8, e.g. compressed)
+BODY_PARSE_ERROR = "There was an error parsing the body"
+#: What an unknown path's 404 lists
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
+
+
 @app.exception_handler(RequestValidationError)
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
@@ -126,8 +132,20 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """FastAPI's own errors (a body it cannot parse, an unknown path or method) in OpenAI's
-    error shape, like every other answer of this API."""
-    return JSONResponse(error_body(str(exc.detail), exc.status_code, code=None),  # not a model or queue error
+    error shape, like every other answer of this API, with a message that names the problem."""
+    msg = str(exc.detail)
+    if exc.status_code == 400 and msg == BODY_PARSE_ERROR:  # bytes that are not UTF-8 JSON at all
+        encoding = request.headers.get("content-encoding", "")
+        msg = (f"invalid request: the body is sent with Content-Encoding {encoding!r}, which this server does not "
+               "decode; send it uncompressed" if encoding else
+               "invalid JSON body: the body is not UTF-8 text; send a JSON object encoded as UTF-8")
+        count_reject("invalid_json")
+    elif exc.status_code == 404:
+        msg = f"invalid URL ({request.method} {request.url.path}): this server serves {ROUTES}"
+    elif exc.status_code == 405:
+        allowed = {k.lower(): v for k, v in (getattr(exc, "headers", None) or {}).items()}.get("allow", "?")
+        msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    return JSONResponse(error_body(msg, exc.status_code, code=None),  # not a model or queue error
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 

@@ -7,6 +7,7 @@ hang, always a JSON error that says what is wrong.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -676,6 +677,7 @@ def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeyp
         ({"model": MODEL, "prompt": ["a", "b"]}, "bad_request"),
         ({"model": MODEL, "prompt": [1], "max_tokens": 0}, "bad_request"),
         (b"{not json", "invalid_json"),
+        (b"\x1f\x8b\x08\x00 compressed", "invalid_json"),  # not UTF-8: FastAPI's own 400
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "unknown_field"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "unsupported_parameter"),
         ({"model": "other", "prompt": "hi"}, "unknown_model"),
@@ -888,17 +890,21 @@ def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404_naming_it(server
 def test_bytes_that_are_not_json_and_unknown_paths_get_openai_shaped_errors(server):
     r = requests.post(server.url + "/v1/completions", data=b"\x00\xff\xfe garbage", timeout=10,
                       headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert_clear_error(r, 400, "not UTF-8 text")
+    gz = gzip.compress(json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode())
+    r = requests.post(server.url + "/v1/completions", data=gz, timeout=10,
+                      headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert_clear_error(r, 400, "Content-Encoding 'gzip', which this server does not decode")
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
     for ctype in ("text/plain", "application/x-www-form-urlencoded"):  # the latter is what curl -d sends
         r = requests.post(server.url + "/v1/completions", data=body, headers={"Content-Type": ctype}, timeout=10)
         assert_clear_error(r, 400, "Content-Type: application/json")
     r = requests.post(server.url + "/v1/completions", data="[1, 2]", timeout=10)  # no content type: parsed as JSON
     assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"], r.text
-    r = requests.get(server.url + "/v1/nothing", timeout=10)
-    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    r = requests.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=10)
+    assert_clear_error(r, 404, "invalid URL (POST /v1/responses): this server serves POST /v1/completions")
     r = requests.get(server.url + "/v1/completions", timeout=10)
-    assert r.status_code == 405 and r.json()["error"]["message"]
+    assert_clear_error(r, 405, "method GET is not allowed on /v1/completions (allowed: POST)")
     assert r.json()["error"]["type"] == "invalid_request_error"  # the client's mistake, not the server's
 
 
