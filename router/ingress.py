@@ -35,6 +35,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -61,6 +62,7 @@ from router.openai_api import (
     REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
+    documented_errors,
     error_body,
     new_id,
     now_s,
@@ -938,31 +940,68 @@ app.add_middleware(ReceivedAt)  # outermost: the client's wait starts before any
 Ingress = Annotated[FairwayIngress, Depends(ingress_dependency)]
 
 
-@app.get("/health")
+#: The error statuses each kind of route may answer (the OpenAPI schema lists them; FastAPI's own
+#: 422 is never sent: a body that fails validation gets 400, as OpenAI's API answers)
+OPEN_ERRORS = documented_errors(431)  # no key checked, no body read
+KEYED_ERRORS = documented_errors(401, 403, 431)
+GENERATION_ERRORS = documented_errors(400, 401, 403, 404, 408, 413, 429, 431, 500, 503, 504)
+#: A generation's 200: the completion as JSON, or with ``stream: true`` its server-sent events
+GENERATION_ANSWERS = {200: {"description": "the completion; with stream: true, server-sent events (data: chunk "
+                                           "JSON lines, then data: [DONE])",
+                            "content": {"text/event-stream": {"schema": {  # one event
+                                "type": "object", "required": ["data"],
+                                "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}},
+                      **GENERATION_ERRORS}
+
+
+@app.get("/health", responses=OPEN_ERRORS)
 async def health(ingress: Ingress) -> JSONResponse:
     return await ingress.health()
 
 
-@app.get("/v1/models")
+@app.get("/v1/models", responses=KEYED_ERRORS)
 async def models(ingress: Ingress) -> JSONResponse:
     return await ingress.models()
 
 
-@app.get("/v1/models/{model:path}")
+@app.get("/v1/models/{model:path}", responses={**KEYED_ERRORS, **documented_errors(404)})
 async def model(model: str, ingress: Ingress) -> JSONResponse:
     return await ingress.model(model)
 
 
-@app.get("/metrics/targets")
+@app.get("/metrics/targets", responses=OPEN_ERRORS)
 async def metrics_targets(ingress: Ingress) -> JSONResponse:
     return await ingress.metrics_targets()
 
 
-@app.post("/v1/completions")
+@app.post("/v1/completions", responses=GENERATION_ANSWERS)
 async def completions(body: CompletionRequest, ingress: Ingress, request: Request) -> Any:
     return await ingress.completions(body, request)
 
 
-@app.post("/v1/chat/completions")
+@app.post("/v1/chat/completions", responses=GENERATION_ANSWERS)
 async def chat_completions(body: ChatCompletionRequest, ingress: Ingress, request: Request) -> Any:
     return await ingress.chat_completions(body, request)
+
+
+def openapi_schema() -> dict[str, Any]:
+    """FastAPI's schema of this app without its 422 responses (and their validation-error
+    models): this API answers a body that fails validation with 400 and OpenAI's error object,
+    listed per route by ``documented_errors``. Built once."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        models = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            models.pop(name, None)
+        for model in models.values():  # a refused parameter says which values it takes (400 for others)
+            for name, prop in model.get("properties", {}).items():
+                if name in REFUSED:
+                    prop["description"] = f"accepted only with no effect; otherwise 400: {REFUSED[name][1]}"
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = openapi_schema  # type: ignore[method-assign]

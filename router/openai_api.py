@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -35,6 +35,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -207,11 +208,22 @@ class _Common(_Text):
         return self.stop or []  # type: ignore[return-value]  # ``_stops`` made it a list
 
 
+#: ``CompletionRequest.prompt`` as ``_one_prompt`` accepts it: non-empty text or token ids (>= 0),
+#: or a batch of exactly one of either. (Token ids inside the vocabulary, and a prompt plus
+#: ``max_tokens`` within the context, are checked against the model: 400.)
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "title": "Prompt",
+    "description": "one prompt: text or token ids, or a batch of exactly one of either",
+    "anyOf": [{"type": "string", "minLength": 1}, _IDS,
+              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}],
+}
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (a one-element
     list of either is accepted too, as OpenAI's batch form with one prompt)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     echo: bool = Field(False, description="the prompt's text before the completion's")
     suffix: str | None = None
 
@@ -288,7 +300,7 @@ class ChatMessage(_Text):
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; the tokenizer's chat template renders ``messages``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, description="at least one message with text")
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
@@ -316,6 +328,52 @@ class ChatCompletionRequest(_Common):
         if not any(m.text() for m in v):
             raise ValueError("messages must contain some text")
         return v
+
+
+class ErrorObject(BaseModel):
+    """OpenAI's error object, as ``error_body`` writes it."""
+
+    message: str = Field(description="what is wrong, naming the parameter or limit")
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, rate_limit_error, ...")
+    param: str | None = Field(None, description="the request field at fault, when there is one")
+    code: str | None = Field(None, description="model_not_found, queue_full, invalid_api_key, or none")
+
+
+class ErrorResponse(BaseModel):
+    """Every answer but a 200 (the body of each status ``documented_errors`` lists)."""
+
+    error: ErrorObject
+
+
+#: What each error status means on this API (the OpenAPI schema's descriptions).
+ERROR_MEANINGS = {
+    400: "invalid request: a bad or missing field, a refused parameter, a prompt over the context",
+    401: "no API key, or an unknown one (only when API keys are configured)",
+    403: "the key's tenant may not use this (only when API keys are configured)",
+    404: "the model is not the one this server serves",
+    408: "the body did not arrive in time (limits.body_timeout_s)",
+    413: "the body is over limits.max_body_bytes",
+    429: "the replicas' queues are full, or the request's class waited past its bound: retry after Retry-After",
+    431: "the header block is over limits.max_header_bytes",
+    500: "an internal error (a bug: the message names it)",
+    503: "no replica can take the request now (overloaded, stalled or restarting): retry after Retry-After",
+    504: "the engine stalled or the request timed out in the cluster: retry",
+}
+#: The statuses that carry a Retry-After header (seconds).
+RETRY_AFTER_STATUSES = (429, 503)
+
+
+def documented_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` for a route that answers ``statuses`` besides 200: OpenAI's error
+    body, the status's meaning, and Retry-After where it is sent."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        doc: dict[str, Any] = {"model": ErrorResponse, "description": ERROR_MEANINGS[status]}
+        if status in RETRY_AFTER_STATUSES:
+            doc["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                              "schema": {"type": "integer", "minimum": 1}}}
+        out[status] = doc
+    return out
 
 
 #: ``error_body``'s default: the code that goes with the status (``CODES``).
