@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -51,6 +52,9 @@ class GenerateCall:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # The output constrained to JSON, in vLLM's ``StructuredOutputsParams`` names: {"json_object":
+    # True}, or {"json": <JSON schema>} (OpenAI's response_format); None for free text
+    structured_output: dict[str, Any] | None = None
 
     @property
     def waited_from(self) -> float:

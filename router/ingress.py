@@ -388,6 +388,7 @@ class FairwayIngress:
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
+            structured_output=body.structured_output() if isinstance(body, ChatCompletionRequest) else None,
         )
 
     def _watch_loop(self) -> None:

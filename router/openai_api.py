@@ -15,7 +15,9 @@ penalties and ``logit_bias`` by the engine (vLLM natively; the text-less sim eng
 deterministic and refuses the others unless they are their no-op values); ``user`` and
 ``prompt_cache_key`` are the session key; ``priority`` is the request class (a class name or an
 integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` and ``parallel_tool_calls``
-change no output and are accepted. Refused: log probabilities, structured output, tools, audio,
+change no output and are accepted; ``response_format`` (JSON object or schema) becomes the call's
+``structured_output``, which vLLM honours and the sim engine refuses. Refused: log probabilities,
+tools, audio,
 stored completions, ``suffix``, ``n`` / ``best_of`` above 1 (``REFUSED`` has each reason).
 """
 
@@ -79,8 +81,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "insertion after a suffix is not supported"),
     "logprobs": (lambda v: v is None or v is False, NO_LOGPROBS),
     "top_logprobs": (lambda v: not v, NO_LOGPROBS),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "structured output (JSON object / JSON schema) is not supported; only {\"type\": \"text\"}"),
     "tools": (lambda v: not v, NO_TOOLS),
     "functions": (lambda v: not v, NO_TOOLS),
     "tool_choice": (lambda v: v in (None, "none"), NO_TOOLS),
@@ -297,13 +297,39 @@ class ChatMessage(_Text):
         return out
 
 
+def structured_output(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as an output constraint, in the names of vLLM's
+    ``StructuredOutputsParams`` (as vLLM's own server maps it): None for none or ``text``,
+    ``{"json_object": True}``, or ``{"json": <the JSON schema>}`` for ``json_schema``. A
+    ``ValueError`` names what is malformed."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ValueError("response_format json_schema needs a json_schema object with a name")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema.schema must be a JSON Schema object")
+        return {"json": schema}
+    raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
+
+
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; the tokenizer's chat template renders ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="at least one message with text")
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"text\"} (the default), "
+                                                   "\"json_object\", or \"json_schema\" with json_schema.name and "
+                                                   ".schema: the output constrained to JSON (engines that sample "
+                                                   "from logits, as vLLM; the sim engine refuses it)")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -321,6 +347,16 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        structured_output(v)  # raises naming what is wrong
+        return v
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """``response_format`` as the engine's output constraint (``GenerateCall.structured_output``)."""
+        return structured_output(self.response_format)
 
     @field_validator("messages")
     @classmethod

@@ -43,8 +43,9 @@ model's would, rather than streaming tens of thousands.
 Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
 standing for samples at any ``temperature`` / ``top_p``; a request with a ``seed`` gets ids drawn
 from that seed and its prompt, so the same seed and prompt give the same output (OpenAI's
-``seed``). The penalties and ``logit_bias`` need a distribution to change, which a text-less engine
-has not: a request that sets one to other than its no-op value is refused
+``seed``). The penalties, ``logit_bias`` and a JSON ``structured_output`` need a distribution to
+change or constrain, which a text-less engine has not: a request that sets one to other than its
+no-op value is refused
 (``UnsupportedParameter``, HTTP 400 naming it). The output's blocks are hashed into the prefix
 cache like any other, so a follow-up turn that sends the previous output back hits it. Complexity
 per step: O(batch) plus the engine model's own.
@@ -102,6 +103,10 @@ def check_sim_params(call: GenerateCall) -> None:
     if call.logit_bias:
         raise UnsupportedParameter("logit_bias is not supported by the sim engine (its tokens are not sampled "
                                    "from logits); omit it", param="logit_bias")
+    if call.structured_output:
+        raise UnsupportedParameter("response_format json_object / json_schema is not supported by the sim engine "
+                                   "(its tokens are not sampled from logits a grammar could constrain); use "
+                                   "{\"type\": \"text\"} or a vLLM engine", param="response_format")
 
 
 @dataclass(slots=True)

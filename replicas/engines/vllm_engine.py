@@ -8,7 +8,8 @@ What the adapter measures and what it estimates (``fairway.protocol.Engine``):
 - ``generate``: the call's token ids go to vLLM as ``{"prompt_token_ids": ...}`` (no tokenizing
   here; the call's ``cache_salt``, when set, goes along, so vLLM separates tenants as our salted
   hashes do), with ``SamplingParams(max_tokens, temperature, ignore_eos, output_kind=DELTA)`` and the
-  call's ``seed``, ``top_p``, penalties and ``logit_bias`` (vLLM honours each natively). Each
+  call's ``seed``, ``top_p``, penalties, ``logit_bias`` and ``structured_output`` (as vLLM's
+  ``StructuredOutputsParams``) (vLLM honours each natively). Each
   vLLM output becomes an ``EngineOutput`` of the new token ids; ``cached_tokens`` is vLLM's own
   ``num_cached_tokens`` (measured), set from the first output on. Cancelling or closing the
   generator aborts the request in vLLM. A request that needs more KV blocks than the engine has
@@ -175,6 +176,7 @@ class VllmEngine(Engine):
         self._recent_feedback = recent_feedback
         self._llm: Any = None
         self._sampling: Any = None  # (SamplingParams, RequestOutputKind.DELTA or None)
+        self._structured: Any = None  # vLLM's StructuredOutputsParams (once started)
         self._client_errors: tuple[type[BaseException], ...] = ()
         self._inflight: dict[str, _InFlight] = {}
         self.aborted = 0  # requests whose consumer left before they finished
@@ -241,6 +243,12 @@ class VllmEngine(Engine):
         except ImportError:  # pragma: no cover - older vLLM
             delta = None
         self._sampling = (SamplingParams, delta)
+        try:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            self._structured = StructuredOutputsParams
+        except ImportError:  # pragma: no cover - older vLLM: a constrained request is refused by name
+            self._structured = None
         self._client_errors = (VLLMClientError,)
         kwargs = self.build_engine_args(current_platform.is_cpu())
         if isinstance(kwargs.get("kv_events_config"), dict):
@@ -367,9 +375,15 @@ class VllmEngine(Engine):
         if delta is not None:
             kw["output_kind"] = delta
         try:
+            if call.structured_output:
+                if self._structured is None:
+                    raise ValueError("this vLLM has no structured outputs (structured_outputs)")
+                kw["structured_outputs"] = self._structured(**call.structured_output)
             params = sampling_params_cls(**kw)
-        except (ValueError, TypeError) as e:  # vLLM's own check of the values (e.g. a bias out of range)
-            raise UnsupportedParameter(f"vLLM refused the sampling parameters: {e}") from e
+        except (ValueError, TypeError, *self._client_errors) as e:  # vLLM's own check of the values (a bias
+            # out of range, two output constraints)
+            raise UnsupportedParameter(f"vLLM refused the sampling parameters: {e}",
+                                       param="response_format" if "structured" in str(e) else None) from e
         n = len(call.prompt_token_ids)
         rid = f"{call.request_id}#{next(self._ids)}"  # unique in vLLM even when a caller retries an id
         st = _InFlight(n, call.block_hashes, est.predicted_hit_blocks(call.block_hashes, n) * self.block_size)

@@ -142,6 +142,20 @@ def test_streaming(url):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_response_format_json_schema_constrains_the_answer(url):
+    """OpenAI's structured output through the cluster: vLLM's grammar keeps even the tiny model's
+    random weights to the schema's values, and the answer ends there."""
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+            "max_tokens": 24,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "yn", "schema": schema}}}
+    status, out, _ = post_json(f"{url}/v1/chat/completions", body, timeout=180,
+                               headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    assert json.loads(out["choices"][0]["message"]["content"]) in ("yes", "no")
+    assert out["choices"][0]["finish_reason"] == "stop"
+
+
 def test_too_long_prompt_is_400(url):
     status, body, _ = complete(url, prompt_ids(9, MAX_MODEL_LEN - 4), max_tokens=8)
     assert status == 400

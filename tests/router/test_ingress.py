@@ -428,6 +428,7 @@ def _no_effect(server: Server, body: dict, chat: bool, stream: bool) -> None:
 
 
 REFUSE = "400"
+YES_NO = {"type": "string", "enum": ["yes", "no"]}
 STREAM_ONLY = "stream only"  # 200 with stream=True, a 400 naming the field with stream=False
 #: Every field of the request models: (value to send, REFUSE or a check that it was honoured).
 #: Values that are the field's no-op default are accepted by both; the matrix sends a real use.
@@ -460,7 +461,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
 COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE)}
 CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect), "logprobs": (True, REFUSE),
         "max_completion_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail()),
-        "top_logprobs": (2, REFUSE), "response_format": ({"type": "json_object"}, REFUSE),
+        "top_logprobs": (2, REFUSE),
+        "response_format": ({"type": "json_schema", "json_schema": {"name": "yn", "schema": YES_NO}},
+                            _call_has(structured_output={"json": YES_NO})),
         "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE), "tool_choice": ("auto", REFUSE),
         "functions": ([{"name": "f"}], REFUSE), "function_call": ("auto", REFUSE),
         "parallel_tool_calls": (False, _no_effect), "audio": ({"voice": "alloy", "format": "wav"}, REFUSE),
@@ -469,6 +472,25 @@ CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
         "reasoning_effort": ("high", REFUSE), "verbosity": ("low", REFUSE), "store": (True, REFUSE),
         "metadata": ({"k": "v"}, REFUSE), "service_tier": ("flex", REFUSE), "prompt_cache_retention": ("24h", REFUSE),
         "prompt_cache_options": ({"mode": "explicit"}, REFUSE)}
+
+
+def test_response_format_becomes_the_calls_output_constraint_or_a_400_naming_what_is_wrong(server):
+    """OpenAI's response_format as vLLM's own server maps it (text: none; json_object; json_schema:
+    its schema); a malformed one is a 400 naming response_format and what is wrong."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for rf, want in (({"type": "text"}, None), ({"type": "json_object"}, {"json_object": True}),
+                     ({"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}},
+                      {"json": {"type": "object"}}),
+                     ({"type": "json_schema", "json_schema": {"name": "o"}}, {"json": {}})):
+        assert post(server, "/v1/chat/completions", {**chat, "response_format": rf}).status_code == 200
+        assert server.replicas.calls[-1].structured_output == want, rf
+    for rf, why in (({"type": "xml"}, "type 'xml' is not supported; use text, json_object or json_schema"),
+                    ({"type": "json_schema"}, "needs a json_schema object with a name"),
+                    ({"type": "json_schema", "json_schema": {"schema": {}}}, "needs a json_schema object with a name"),
+                    ({"type": "json_schema", "json_schema": {"name": "o", "schema": [1]}}, "must be a JSON Schema")):
+        r = post(server, "/v1/chat/completions", {**chat, "response_format": rf})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"] == "response_format"
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -564,8 +586,9 @@ class _SimGen:
 
 def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
     """The same parameters through the real replica (sim engine + gate): ``seed`` repeats the
-    output, ``stop_token_ids`` ends it at the stop (finish "stop"), and the penalties and
-    ``logit_bias``, which a text-less engine cannot honour, are a 400 naming them."""
+    output, ``stop_token_ids`` ends it at the stop (finish "stop"), and the penalties,
+    ``logit_bias`` and a JSON ``response_format``, which a text-less engine cannot honour, are a
+    400 naming them."""
     srv = Server(RequestLimits())
     srv.replicas = srv.ingress.handle = SimReplicas()
     with srv:
@@ -585,6 +608,10 @@ def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
             r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, name: value})
             assert_clear_error(r, 400, f"{name} is not supported by the sim engine")
             assert r.json()["error"]["param"] == name
+        r = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 2, "response_format": {"type": "json_object"}})
+        assert_clear_error(r, 400, "json_object / json_schema is not supported by the sim engine")
+        assert r.json()["error"]["param"] == "response_format"
         assert tokens(top_p=0.5, temperature=0.0)["finish_reason"] == "length"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import random
 import sys
@@ -435,6 +436,14 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     call.top_p = 0.0
     with pytest.raises(UnsupportedParameter, match="vLLM refused the sampling parameters: top_p"):
         asyncio.run(run(call))
+    # an output constraint (response_format) goes as vLLM's StructuredOutputsParams
+    call.top_p, call.structured_output = 1.0, {"json": {"type": "object"}}
+    with pytest.raises(UnsupportedParameter, match="no structured outputs") as refused:
+        asyncio.run(run(call))  # a vLLM without them: refused by name
+    assert refused.value.param == "response_format"
+    eng._structured = lambda **kw: ("structured", kw)
+    assert asyncio.run(run(call)) == [7, 8]
+    assert seen[-1]["structured_outputs"] == ("structured", {"json": {"type": "object"}})
 
 
 def test_with_tiers_each_call_goes_with_its_class_tier_as_vllms_priority():
@@ -583,6 +592,15 @@ async def _scenario() -> dict:
         except Exception as e:  # noqa: BLE001 - the test inspects the type
             res["bad_token"] = e
         res["ok_after_errors"] = await _collect(eng, _call("g", [9] * 40, 3))
+        # Output constrained to a JSON schema (OpenAI's response_format, vLLM's structured outputs):
+        # the tiny model's random weights still answer only what the schema allows, then stop
+        for name, schema in (("json", {"type": "string", "enum": ["yes", "no"]}), ("bad_schema", {"type": "bogus"})):
+            call = _call(name, [rng.randrange(5, 4096) for _ in range(30)], 24)
+            call.ignore_eos, call.structured_output = False, {"json": schema}
+            try:
+                res[name] = await _collect(eng, call)
+            except Exception as e:  # noqa: BLE001 - the test inspects the type
+                res[name] = e
         res["can_fit_small"] = eng.can_fit(100, [])
         res["end_stats"] = eng.stats()
         # Too long for the context: the gate in front refuses it before vLLM sees it.
@@ -669,6 +687,20 @@ def test_vllm_memory_guard_view_follows_the_engine(scenario):
     assert g["held_while_running"] and set(g["held_while_running"]) == {g["blocks"]}
     assert g["held_after"] == 0 and g["wanted_after"] == g["blocks"]  # a next turn may continue it
     assert g["spare"] == g["free"] - g["blocks"] and g["free"] > g["blocks"]
+
+
+@needs_vllm
+def test_vllm_constrains_the_output_to_a_json_schema(scenario):
+    """A call's ``structured_output`` reaches vLLM's structured outputs: the answer is one of the
+    schema's values and ends there ("stop"); a schema vLLM cannot compile is a 400."""
+    from transformers import AutoTokenizer
+
+    r = scenario["json"]
+    ids = [t for o in r["outs"] for t in o.token_ids]
+    assert json.loads(AutoTokenizer.from_pretrained(TINY_MODEL).decode(ids, skip_special_tokens=True)) in ("yes", "no")
+    assert r["last"].finish_reason == "stop"
+    assert getattr(scenario["bad_schema"], "status", None) == 400, repr(scenario["bad_schema"])
+    assert "bogus" in str(scenario["bad_schema"])
 
 
 @needs_vllm
