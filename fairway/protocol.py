@@ -55,6 +55,9 @@ class GenerateCall:
     # The output constrained to JSON, in vLLM's ``StructuredOutputsParams`` names: {"json_object":
     # True}, or {"json": <JSON schema>} (OpenAI's response_format); None for free text
     structured_output: dict[str, Any] | None = None
+    # Each output token's log probability and this many top alternatives (OpenAI's logprobs /
+    # top_logprobs); None: none
+    logprobs: int | None = None
 
     @property
     def waited_from(self) -> float:
@@ -84,6 +87,12 @@ class TokenChunk:
     ttft_s: float = 0.0  # ingress arrival -> first token, measured at the replica
     replica: str = ""
     accepted: bool = False  # no tokens: the gate has queued the request (asked for by ``GenerateCall.ack``)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
+
+
+#: One output token's log probability and its top alternatives, most likely first:
+#: (logprob, ((token id, logprob), ...)); the alternatives are the call's ``logprobs`` most likely.
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(slots=True)
@@ -94,6 +103,7 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None
     cached_tokens: int | None = None  # known once prefill has been scheduled
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
 
 
 @dataclass(slots=True)

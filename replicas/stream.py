@@ -29,10 +29,14 @@ DEFAULT_STREAM_INTERVAL_S = 0.05  # 20 updates/s per stream: smooth to a reader,
 
 
 def merge(held: list[TokenChunk]) -> TokenChunk:
-    """One chunk for ``held`` (in order): all their tokens, the last one's fields."""
+    """One chunk for ``held`` (in order): all their tokens (and their log probabilities, when the
+    call asked for them), the last one's fields."""
     if len(held) == 1:
         return held[0]
-    return replace(held[-1], token_ids=[t for c in held for t in c.token_ids])
+    if all(c.logprobs is None for c in held):
+        return replace(held[-1], token_ids=[t for c in held for t in c.token_ids])
+    return replace(held[-1], token_ids=[t for c in held for t in c.token_ids],
+                   logprobs=[x for c in held for x in c.logprobs or ()])
 
 
 async def coalesce(chunks: AsyncIterator[TokenChunk], interval_s: float, clock: Clock) -> AsyncIterator[TokenChunk]:

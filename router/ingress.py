@@ -50,6 +50,7 @@ from fairway.protocol import (
     PastWaitBound,
     ReplicaError,
     TokenChunk,
+    TokenLogprob,
     UnsupportedParameter,
 )
 from fairway.routing.held import HeldQueue
@@ -389,6 +390,7 @@ class FairwayIngress:
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
             structured_output=body.structured_output() if isinstance(body, ChatCompletionRequest) else None,
+            logprobs=body.logprob_count(),
         )
 
     def _watch_loop(self) -> None:
@@ -609,15 +611,45 @@ class FairwayIngress:
             return ""
         return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(call.prompt_token_ids)
 
+    def _text_logprobs(self, ids: list[int], lps: list[TokenLogprob], start: int) -> dict[str, Any]:
+        """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
+        token's text, log probability, top alternatives (None when none were asked for) and
+        character offset from ``start``, the offsets adding up the tokens' own texts. O(tokens x top)."""
+        text_of = self.tokenizer.token_text
+        lps = aligned(ids, lps)
+        tokens = [text_of(t) for t in ids]
+        offsets, at = [], start
+        for tok in tokens:
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{text_of(t): v for t, v in top} or None for _, top in lps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any]:
+        """A chat answer's ``logprobs`` for ``ids``: OpenAI's ``content`` list, each token with its
+        text, UTF-8 bytes, log probability and top alternatives. O(tokens x top)."""
+        text_of = self.tokenizer.token_text
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            tok = text_of(t)
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                            for t, (lp, top) in zip(ids, aligned(ids, lps), strict=True)]}
+
     def _full(self, call: GenerateCall, body: Any, chat: bool, text: str, first: TokenChunk, last: TokenChunk,
               out: _Output, stream: _Stream) -> dict:
         reason = out.finish_reason(last)
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                       "finish_reason": reason}
+            if call.logprobs is not None:
+                choice["logprobs"] = self._chat_logprobs(out.ids, out.lps)
         else:
-            choice = {"index": 0, "text": self._echo(call, body, chat) + text, "logprobs": None,
-                      "finish_reason": reason}
+            echo = self._echo(call, body, chat)
+            choice = {"index": 0, "text": echo + text, "finish_reason": reason,
+                      "logprobs": None if call.logprobs is None else self._text_logprobs(out.ids, out.lps, len(echo))}
         if body.return_token_ids:
             choice["token_ids"] = out.ids
             choice["prompt_token_ids"] = call.prompt_token_ids
@@ -642,6 +674,8 @@ class FairwayIngress:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
+        offset = [0]  # a completion's text so far, for its tokens' text_offset
+
         def choice(c: TokenChunk, prefix: str = "", role: bool = False) -> dict[str, Any]:
             seen = len(out.ids)
             text = prefix + out.push(c)
@@ -651,8 +685,14 @@ class FairwayIngress:
                 if role:
                     delta["role"] = "assistant"
                 ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+                if call.logprobs is not None:
+                    ch["logprobs"] = self._chat_logprobs(out.ids[seen:], out.lps[seen:])
             else:
-                ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                lps = None
+                if call.logprobs is not None:
+                    lps = self._text_logprobs(out.ids[seen:], out.lps[seen:], offset[0] + len(prefix))
+                offset[0] += len(text)
+                ch = {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason}
             if body.return_token_ids:
                 ch["token_ids"] = out.ids[seen:]
             return ch
@@ -681,6 +721,16 @@ class FairwayIngress:
         yield "data: [DONE]\n\n"
 
 
+#: A token the engine sent no log probability for (it cannot happen with the shipped engines,
+#: which send one per token when asked): listed with this floor value and no alternatives.
+NO_LOGPROB: TokenLogprob = (-9999.0, ())
+
+
+def aligned(ids: list[int], lps: list[TokenLogprob]) -> list[TokenLogprob]:
+    """``lps`` with one entry per id (``NO_LOGPROB`` for any missing). O(1) when they match."""
+    return lps if len(lps) == len(ids) else (lps + [NO_LOGPROB] * (len(ids) - len(lps)))[: len(ids)]
+
+
 class _Output:
     """One answer's output as the client gets it, on any engine: the tokens detokenized
     incrementally, ended at the first stop token id (its text left out) or before the first
@@ -691,6 +741,7 @@ class _Output:
         self.filter = StopFilter(stops)
         self.stop_ids = frozenset(stop_ids or ())
         self.ids: list[int] = []  # the output's token ids, to the stop token (included) when one ended it
+        self.lps: list[TokenLogprob] = []  # their log probabilities, one per id, when the call asked
         self.stopped = False
 
     def push(self, c: TokenChunk) -> str:
@@ -702,11 +753,17 @@ class _Output:
             at = next((j for j, t in enumerate(ids) if t in self.stop_ids), -1)
             if at >= 0:
                 self.ids.extend(ids[: at + 1])
+                if c.logprobs is not None:
+                    self.lps.extend(c.logprobs[: at + 1])
                 ids, final, self.stopped = ids[:at], True, True
             else:
                 self.ids.extend(ids)
+                if c.logprobs is not None:
+                    self.lps.extend(c.logprobs)
         else:
             self.ids.extend(ids)
+            if c.logprobs is not None:
+                self.lps.extend(c.logprobs)
         text = self.detok.push(ids)
         if final:
             text += self.detok.finish()

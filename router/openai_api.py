@@ -16,9 +16,10 @@ deterministic and refuses the others unless they are their no-op values); ``user
 ``prompt_cache_key`` are the session key; ``priority`` is the request class (a class name or an
 integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` and ``parallel_tool_calls``
 change no output and are accepted; ``response_format`` (JSON object or schema) becomes the call's
-``structured_output``, which vLLM honours and the sim engine refuses. Refused: log probabilities,
-tools, audio,
-stored completions, ``suffix``, ``n`` / ``best_of`` above 1 (``REFUSED`` has each reason).
+``structured_output``, and ``logprobs`` / ``top_logprobs`` its ``logprobs`` (the top alternatives
+per output token), which vLLM honours and the sim engine refuses. Refused: the prompt's log
+probabilities (``echo`` with ``logprobs``), tools, audio, stored completions, ``suffix``, ``n`` /
+``best_of`` above 1 (``REFUSED`` has each reason).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the r
 MAX_STOPS = 16
 
 NO_TOOLS = "tool and function calling is not supported by this server (no tool-call parser)"
-NO_LOGPROBS = "log probabilities are not returned by this server"
+#: The most top alternatives per token a request may ask for (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
 #: A UTF-16 surrogate code point: JSON's "\ud800" escape decodes to one, which is no Unicode text
 #: (no tokenizer, hash or UTF-8 encoder takes it).
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -79,8 +81,6 @@ def check_text(v: Any) -> Any:
 REFUSED: dict[str, tuple[Any, str]] = {
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: not v, "insertion after a suffix is not supported"),
-    "logprobs": (lambda v: v is None or v is False, NO_LOGPROBS),
-    "top_logprobs": (lambda v: not v, NO_LOGPROBS),
     "tools": (lambda v: not v, NO_TOOLS),
     "functions": (lambda v: not v, NO_TOOLS),
     "tool_choice": (lambda v: v in (None, "none"), NO_TOOLS),
@@ -219,6 +219,8 @@ PROMPT_SCHEMA = {
               {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
               {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}],
 }
+
+
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (a one-element
     list of either is accepted too, as OpenAI's batch form with one prompt)."""
@@ -226,6 +228,27 @@ class CompletionRequest(_Common):
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     echo: bool = Field(False, description="the prompt's text before the completion's")
     suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> int | None:
+        if v is None or v is False:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs is the number of top alternatives per token, 0 to {MAX_TOP_LOGPROBS}")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs asks for the prompt's log probabilities, which this server does not "
+                             "return; use one or the other")
+        return v
+
+    def logprob_count(self) -> int | None:
+        """The top alternatives per output token the answer lists (None: no logprobs)."""
+        return self.logprobs  # type: ignore[no-any-return]  # ``_logprobs`` made it an int or None
 
     @field_validator("prompt")
     @classmethod
@@ -325,7 +348,8 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1, description="at least one message with text")
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many most "
+                                     "likely tokens at each position")
     response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"text\"} (the default), "
                                                    "\"json_object\", or \"json_schema\" with json_schema.name and "
                                                    ".schema: the output constrained to JSON (engines that sample "
@@ -347,6 +371,26 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> bool:
+        if v is None:
+            return False
+        if not isinstance(v, bool):
+            raise ValueError("logprobs is true or false (top_logprobs says how many alternatives)")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def logprob_count(self) -> int | None:
+        """The top alternatives per output token the answer lists (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("response_format")
     @classmethod

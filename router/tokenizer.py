@@ -101,6 +101,7 @@ class Tokenizer:
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
         self.max_token_bytes = self._max_token_bytes()
+        self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         # a stream's every frame decodes twice (router/detokenize.py): call the Rust tokenizer
         # itself where the Python wrapper would only pass the ids through (1.3 against 4.7 us
         # for 8 ids); a wrapper that cleans up spaces keeps its own decode
@@ -118,6 +119,14 @@ class Tokenizer:
         if factor is None:
             return None
         return factor * max(4, max(len(s.encode()) for s in self.tok.get_vocab()))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (a log probability's ``token``, as vLLM's
+        server writes it). Cached per id: O(1) after the first."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tok.decode([token_id])
+        return text
 
     def max_text_bytes(self, max_model_len: int) -> int | None:
         """The most UTF-8 bytes a text of ``max_model_len`` tokens can have (None: no bound)."""

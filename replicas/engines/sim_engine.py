@@ -103,6 +103,9 @@ def check_sim_params(call: GenerateCall) -> None:
     if call.logit_bias:
         raise UnsupportedParameter("logit_bias is not supported by the sim engine (its tokens are not sampled "
                                    "from logits); omit it", param="logit_bias")
+    if call.logprobs is not None:
+        raise UnsupportedParameter("logprobs is not supported by the sim engine (its tokens are not sampled "
+                                   "from a distribution that has log probabilities); omit it", param="logprobs")
     if call.structured_output:
         raise UnsupportedParameter("response_format json_object / json_schema is not supported by the sim engine "
                                    "(its tokens are not sampled from logits a grammar could constrain); use "

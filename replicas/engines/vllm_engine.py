@@ -8,9 +8,10 @@ What the adapter measures and what it estimates (``fairway.protocol.Engine``):
 - ``generate``: the call's token ids go to vLLM as ``{"prompt_token_ids": ...}`` (no tokenizing
   here; the call's ``cache_salt``, when set, goes along, so vLLM separates tenants as our salted
   hashes do), with ``SamplingParams(max_tokens, temperature, ignore_eos, output_kind=DELTA)`` and the
-  call's ``seed``, ``top_p``, penalties, ``logit_bias`` and ``structured_output`` (as vLLM's
-  ``StructuredOutputsParams``) (vLLM honours each natively). Each
-  vLLM output becomes an ``EngineOutput`` of the new token ids; ``cached_tokens`` is vLLM's own
+  call's ``seed``, ``top_p``, penalties, ``logit_bias``, ``structured_output`` (as vLLM's
+  ``StructuredOutputsParams``) and ``logprobs`` (vLLM honours each natively). Each
+  vLLM output becomes an ``EngineOutput`` of the new token ids (with their log probabilities,
+  ``token_logprob``, when the call asked); ``cached_tokens`` is vLLM's own
   ``num_cached_tokens`` (measured), set from the first output on. Cancelling or closing the
   generator aborts the request in vLLM. A request that needs more KV blocks than the engine has
   raises ``RequestTooLarge`` before vLLM sees it (the gate has checked its length against
@@ -57,7 +58,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,7 @@ from fairway.protocol import (
     EngineStats,
     GenerateCall,
     RequestTooLarge,
+    TokenLogprob,
     UnsupportedParameter,
 )
 from replicas.engines.cache_estimate import CacheEstimate
@@ -99,6 +101,27 @@ class Feedback:
     predicted_cached: int
     reported_cached: int | None
     ttft_s: float
+
+
+#: The lowest log probability reported (vLLM's OpenAI server clamps alike): -inf is not JSON.
+MIN_LOGPROB = -9999.0
+
+
+def token_logprob(token: int, step: Mapping[int, Any], top: int) -> TokenLogprob:
+    """One output token's entry from vLLM's per-step logprobs (token id -> ``Logprob`` with its
+    ``logprob`` and ``rank``, 1 = most likely; vLLM lists the sampled token and the top ``top``):
+    the sampled token's log probability and the ``top`` most likely, by rank. O(top log top)."""
+    sampled = step.get(token)
+    lp = max(sampled.logprob, MIN_LOGPROB) if sampled is not None else MIN_LOGPROB
+    ranked = sorted((e.rank, t, max(e.logprob, MIN_LOGPROB)) for t, e in step.items()
+                    if e.rank is not None and e.rank <= top)
+    return lp, tuple((t, v) for _, t, v in ranked[:top])
+
+
+def step_logprobs(ids: Sequence[int], steps: Sequence[Mapping[int, Any] | None], top: int) -> list[TokenLogprob]:
+    """``token_logprob`` for each new token; a token vLLM gave no entry for gets the floor value
+    and no alternatives, so the list stays one per token. O(tokens x top log top)."""
+    return [token_logprob(t, steps[i] or {}, top) if i < len(steps) else (MIN_LOGPROB, ()) for i, t in enumerate(ids)]
 
 
 class VllmEngine(Engine):
@@ -372,6 +395,8 @@ class VllmEngine(Engine):
                               "repetition_penalty": call.repetition_penalty}
         if call.logit_bias:
             kw["logit_bias"] = dict(call.logit_bias)
+        if call.logprobs is not None:
+            kw["logprobs"] = call.logprobs
         if delta is not None:
             kw["output_kind"] = delta
         try:
@@ -403,8 +428,9 @@ class VllmEngine(Engine):
             async for out in stream:
                 comp = out.outputs[0] if out.outputs else None
                 ids = list(comp.token_ids) if comp is not None else []
+                lps = (comp.logprobs or []) if comp is not None and call.logprobs is not None else None
                 if delta is None:
-                    ids, seen = ids[seen:], len(ids)
+                    ids, lps, seen = ids[seen:], (lps[seen:] if lps is not None else None), len(ids)
                 if st.first_s is None and (ids or out.finished):
                     st.first_s = time.perf_counter() - t0
                     self._on_prefilled(rid, st, getattr(out, "num_cached_tokens", None))
@@ -415,6 +441,7 @@ class VllmEngine(Engine):
                     finished=bool(out.finished),
                     finish_reason=(reason or "abort") if out.finished else None,
                     cached_tokens=st.cached_tokens,
+                    logprobs=None if lps is None else step_logprobs(ids, lps, call.logprobs or 0),
                 )
                 if out.finished:
                     done = True

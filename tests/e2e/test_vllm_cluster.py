@@ -156,6 +156,21 @@ def test_response_format_json_schema_constrains_the_answer(url):
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
+def test_logprobs_through_the_cluster(url):
+    """Chat logprobs from vLLM through the replica's coalesced stream: one entry per counted token,
+    each with the asked alternatives, greedy picks first."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 6,
+            "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    status, out, _ = post_json(f"{url}/v1/chat/completions", body, timeout=180,
+                               headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] == 6
+    for e in content:
+        assert len(e["top_logprobs"]) == 3 and e["logprob"] <= 0
+        assert (e["top_logprobs"][0]["token"], e["top_logprobs"][0]["logprob"]) == (e["token"], e["logprob"])
+
+
 def test_too_long_prompt_is_400(url):
     status, body, _ = complete(url, prompt_ids(9, MAX_MODEL_LEN - 4), max_tokens=8)
     assert status == 400

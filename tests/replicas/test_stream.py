@@ -71,3 +71,19 @@ async def test_the_gates_acknowledgement_passes_at_once_and_does_not_delay_the_f
 
     out = await collect(coalesce(acked(), 0.05, clock))
     assert [(c.accepted, c.token_ids) for c in out] == [(True, []), (False, [1]), (False, [2])]
+
+
+async def test_log_probabilities_merge_with_their_tokens():
+    """With logprobs asked for, a merged chunk keeps one entry per token, in order (a finishing
+    chunk with no token brings none)."""
+    clock = ManualClock()
+
+    async def lp_source():
+        for t, ids, done in ((0.0, [1], False), (0.01, [2, 3], False), (0.02, [4], False), (0.03, [], True)):
+            clock.set(t)
+            yield TokenChunk(token_ids=ids, finished=done, logprobs=[(-0.5 * i, ((i, -0.5 * i),)) for i in ids])
+
+    out = await collect(coalesce(lp_source(), 1.0, clock))
+    assert [c.token_ids for c in out] == [[1], [2, 3, 4]]
+    assert [[x[0] for x in c.logprobs] for c in out] == [[-0.5], [-1.0, -1.5, -2.0]]
+    assert out[1].logprobs[2][1] == ((4, -2.0),)

@@ -68,6 +68,13 @@ class ScriptedReplicas:
         return gen
 
 
+def scripted_logprob(token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The scripted replicas' log probability of ``token`` and its ``top`` alternatives (the
+    token itself first, then the next ids, each 1 less likely)."""
+    lp = -0.25 * (token % 4)
+    return lp, tuple((token + j, lp - j) for j in range(top))
+
+
 class _Gen:
     def __init__(self, owner: ScriptedReplicas, call: Any, refused: bool = False) -> None:
         self.owner = owner
@@ -76,6 +83,7 @@ class _Gen:
         self.i = 0
         self.ack = call.ack  # a held request's send: the gate says "queued" first
         self.prompt = len(call.prompt_token_ids)
+        self.top = call.logprobs  # asked for log probabilities: scripted_logprob's, with this many alternatives
 
     def __aiter__(self) -> _Gen:
         return self
@@ -97,7 +105,8 @@ class _Gen:
         script = self.owner.script
         tok = script[(self.i - 1) % len(script)] if script else 100 + self.i
         return TokenChunk(token_ids=[tok], finished=done, finish_reason="length" if done else None,
-                          prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0")
+                          prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0",
+                          logprobs=None if self.top is None else [scripted_logprob(tok, self.top)])
 
     def cancel(self) -> None:
         self.owner.cancelled += 1
@@ -417,6 +426,35 @@ def _echoes(server: Server, body: dict, chat: bool, stream: bool) -> None:
     assert text == "hi" + WORDS
 
 
+def _logprob_entries(r: requests.Response, chat: bool, stream: bool) -> list[tuple[str, float, list]]:
+    """(token, logprob, top alternatives as (token, logprob)) per output token, from a whole
+    answer's or a stream's ``logprobs``."""
+    chunks = [r.json()["choices"][0]["logprobs"]] if not stream else [
+        ch["logprobs"] for ln in r.text.split("\n") if ln.startswith("data: {")
+        for ch in json.loads(ln[6:])["choices"]]
+    out = []
+    for lp in chunks:
+        if chat:
+            out += [(e["token"], e["logprob"], [(a["token"], a["logprob"]) for a in e["top_logprobs"]])
+                    for e in lp["content"]]
+        else:
+            out += [(t, v, list((top or {}).items())) for t, v, top in
+                    zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)]
+    return out
+
+
+def _has_logprobs(server: Server, body: dict, chat: bool, stream: bool, top: int) -> None:
+    """The call asked the engine for ``top`` alternatives, and the answer lists each output
+    token's log probability as the engine sent it, in the API's own shape."""
+    r = post(server, "/v1/chat/completions" if chat else "/v1/completions", {**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert server.replicas.calls[-1].logprobs == top
+    text_of = server.ingress.tokenizer.token_text
+    want = [(text_of(t), scripted_logprob(t, top)[0],
+             [(text_of(a), v) for a, v in scripted_logprob(t, top)[1]]) for t in server.ingress.tokenizer.encode(WORDS)]
+    assert _logprob_entries(r, chat, stream) == want
+
+
 def _session(key: str) -> Callable[[Server, dict, bool, bool], None]:
     return _call_has(session=key)
 
@@ -456,12 +494,13 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "prompt_cache_key": ("pk", _session("pk")),
     "priority": (1, REFUSE),  # no classes configured on this server: only 0; the classes test below honours it
     "best_of": (2, REFUSE),
-    "logprobs": (1, REFUSE),
+    "logprobs": (1, lambda srv, b, c, s: _has_logprobs(srv, b, c, s, 1)),
 }
 COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE)}
-CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect), "logprobs": (True, REFUSE),
+CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
+        "logprobs": (True, lambda srv, b, c, s: _has_logprobs(srv, b, c, s, 0)),
         "max_completion_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail()),
-        "top_logprobs": (2, REFUSE),
+        "top_logprobs": (2, REFUSE),  # alone: it needs logprobs: true (test_logprobs_* below)
         "response_format": ({"type": "json_schema", "json_schema": {"name": "yn", "schema": YES_NO}},
                             _call_has(structured_output={"json": YES_NO})),
         "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE), "tool_choice": ("auto", REFUSE),
@@ -472,6 +511,45 @@ CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
         "reasoning_effort": ("high", REFUSE), "verbosity": ("low", REFUSE), "store": (True, REFUSE),
         "metadata": ({"k": "v"}, REFUSE), "service_tier": ("flex", REFUSE), "prompt_cache_retention": ("24h", REFUSE),
         "prompt_cache_options": ({"mode": "explicit"}, REFUSE)}
+
+
+def test_logprobs_list_one_entry_per_counted_token_with_the_asked_alternatives_or_a_400(server):
+    """Chat's logprobs / top_logprobs and a completion's logprobs reach the call as the number of
+    alternatives; the answer lists one entry per output token the usage counts (a stop token id
+    included, as in ``token_ids``), with the text offsets adding up the tokens' texts; what the
+    API does not allow is a 400 naming the field."""
+    tok = server.ingress.tokenizer
+    ids = tok.encode(WORDS)
+    server.replicas.script = ids
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": len(ids)}
+    try:
+        r = post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2})
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert server.replicas.calls[-1].logprobs == 2 and len(content) == len(ids)
+        assert all(len(e["top_logprobs"]) == 2 and bytes(e["bytes"]) == e["token"].encode() for e in content)
+        assert "logprobs" not in post(server, "/v1/chat/completions", chat).json()["choices"][0]
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": len(ids), "logprobs": 3, "stop_token_ids": [ids[5]]}
+        r = post(server, "/v1/completions", body)
+        lp, usage = r.json()["choices"][0]["logprobs"], r.json()["usage"]
+        assert len(lp["tokens"]) == usage["completion_tokens"] == 6 and lp["tokens"][-1] == tok.token_text(ids[5])
+        assert all(len(top) == 3 for top in lp["top_logprobs"])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+        r = post(server, "/v1/completions", {**body, "logprobs": 0, "stream": True})
+        assert [e[2] for e in _logprob_entries(r, False, True)] == [[]] * 6  # no alternatives asked for
+        assert post(server, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+    finally:
+        server.replicas.script = []
+    for path, extra, param, why in (
+            ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+            ("/v1/chat/completions", {"logprobs": 2}, "logprobs", "logprobs is true or false"),
+            ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "or equal to 20"),
+            ("/v1/completions", {"logprobs": 21}, "logprobs", "0 to 20"),
+            ("/v1/completions", {"logprobs": True}, "logprobs", "0 to 20"),
+            ("/v1/completions", {"logprobs": 1, "echo": True}, "echo", "the prompt's log probabilities")):
+        base = chat if "chat" in path else {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        r = post(server, path, {**base, **extra})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"] == param
 
 
 def test_response_format_becomes_the_calls_output_constraint_or_a_400_naming_what_is_wrong(server):
@@ -608,10 +686,13 @@ def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
             r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, name: value})
             assert_clear_error(r, 400, f"{name} is not supported by the sim engine")
             assert r.json()["error"]["param"] == name
-        r = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                               "max_tokens": 2, "response_format": {"type": "json_object"}})
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = post(srv, "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
         assert_clear_error(r, 400, "json_object / json_schema is not supported by the sim engine")
         assert r.json()["error"]["param"] == "response_format"
+        r = post(srv, "/v1/chat/completions", {**chat, "logprobs": True})
+        assert_clear_error(r, 400, "logprobs is not supported by the sim engine")
+        assert r.json()["error"]["param"] == "logprobs"
         assert tokens(top_p=0.5, temperature=0.0)["finish_reason"] == "length"
 
 
@@ -713,7 +794,7 @@ def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeyp
         (b"{not json", "invalid_json"),
         (b"\x1f\x8b\x08\x00 compressed", "invalid_json"),  # not UTF-8: FastAPI's own 400
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "unknown_field"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "unsupported_parameter"),
+        ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "unsupported_parameter"),
         ({"model": "other", "prompt": "hi"}, "unknown_model"),
         ({"model": MODEL, "prompt": [5] * 10, "max_tokens": 10**6}, "too_long"),
         ({"model": MODEL, "prompt": "x " * 40_000}, "body_too_large"),

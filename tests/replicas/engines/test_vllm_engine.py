@@ -446,6 +446,24 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     assert seen[-1]["structured_outputs"] == ("structured", {"json": {"type": "object"}})
 
 
+def test_vllms_per_step_logprobs_become_each_tokens_logprob_and_its_top_alternatives_by_rank():
+    """vLLM lists the sampled token and the top k, each with its rank; the entry is the sampled
+    token's log probability and the k most likely by rank (the sampled one among them only when
+    it ranks there); -inf is floored, and a token vLLM gave nothing for is listed at the floor."""
+    from replicas.engines.vllm_engine import MIN_LOGPROB, step_logprobs, token_logprob
+
+    @dataclass
+    class Lp:
+        logprob: float
+        rank: int | None
+
+    step = {7: Lp(-2.5, 3), 4: Lp(-0.1, 1), 9: Lp(-1.0, 2)}
+    assert token_logprob(7, step, 2) == (-2.5, ((4, -0.1), (9, -1.0)))
+    assert token_logprob(4, step, 0) == (-0.1, ())
+    assert token_logprob(5, {5: Lp(float("-inf"), 1)}, 1) == (MIN_LOGPROB, ((5, MIN_LOGPROB),))
+    assert step_logprobs([7, 4, 8], [step, None], 1) == [(-2.5, ((4, -0.1),)), (MIN_LOGPROB, ()), (MIN_LOGPROB, ())]
+
+
 def test_with_tiers_each_call_goes_with_its_class_tier_as_vllms_priority():
     """The strictest configured tier is vLLM's priority 0 (the scheduler's strict tier), the others
     count up from it; a call without a class is the default class's. vLLM itself is faked."""
@@ -592,6 +610,10 @@ async def _scenario() -> dict:
         except Exception as e:  # noqa: BLE001 - the test inspects the type
             res["bad_token"] = e
         res["ok_after_errors"] = await _collect(eng, _call("g", [9] * 40, 3))
+        # Log probabilities, greedy: the sampled token is each step's most likely
+        call = _call("lp", [rng.randrange(5, 4096) for _ in range(30)], 5)
+        call.logprobs = 2
+        res["logprobs"] = await _collect(eng, call)
         # Output constrained to a JSON schema (OpenAI's response_format, vLLM's structured outputs):
         # the tiny model's random weights still answer only what the schema allows, then stop
         for name, schema in (("json", {"type": "string", "enum": ["yes", "no"]}), ("bad_schema", {"type": "bogus"})):
@@ -687,6 +709,16 @@ def test_vllm_memory_guard_view_follows_the_engine(scenario):
     assert g["held_while_running"] and set(g["held_while_running"]) == {g["blocks"]}
     assert g["held_after"] == 0 and g["wanted_after"] == g["blocks"]  # a next turn may continue it
     assert g["spare"] == g["free"] - g["blocks"] and g["free"] > g["blocks"]
+
+
+@needs_vllm
+def test_vllm_log_probabilities_one_per_token_the_greedy_pick_first(scenario):
+    r = scenario["logprobs"]
+    ids = [t for o in r["outs"] for t in o.token_ids]
+    lps = [x for o in r["outs"] for x in o.logprobs]
+    assert len(ids) == len(lps) == 5
+    for t, (lp, top) in zip(ids, lps, strict=True):
+        assert len(top) == 2 and top[0] == (t, lp) and lp <= 0 and top[1][1] <= lp  # temperature 0: the argmax
 
 
 @needs_vllm
