@@ -45,6 +45,8 @@ HAPROXY_RETRY_ON = "conn-failure empty-response"
 #: cluster stop: with 30 s, ``scripts/run.sh stop`` and each test cluster took 30-36 s to stop.
 INGRESS_DRAIN_S = "3"
 DEFAULT_PORT = int(os.environ.get("FAIRWAY_TEST_PORT", "8000"))
+#: The environment with vLLM (``scripts/vllm_cpu_setup.sh``), where a vLLM cluster runs from
+VLLM_VENV = ".venv-vllm"
 #: Ray Serve's HAProxy configuration (its setting, its default); Ray writes one per node, in a
 #: folder named for the node beside this path
 HAPROXY_CONFIG_FILE_LOC = "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/haproxy-serve/haproxy.cfg"
@@ -247,20 +249,32 @@ def check_config(path: str) -> list[str]:
     for app in cfg.get("applications", []):
         if app.get("import_path") != "cluster.app:build_app":
             continue
+        where = f"{path}, application {app.get('name')!r}"
         try:
-            Tokenizer(ClusterArgs(**(app.get("args") or {})).tokenizer)
+            args = ClusterArgs(**(app.get("args") or {}))
+            Tokenizer(args.tokenizer)
         except (ValidationError, ValueError, OSError) as e:
-            problems.append(f"{path}, application {app.get('name')!r}: {e}")
+            problems.append(f"{where}: {e}")
+            continue
+        if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            problems.append(f"{where}: engine vllm, but this Python ({sys.executable}) has no vLLM; run the cluster "
+                            f"from the vLLM environment ({VLLM_VENV}/bin/serve run, or scripts/run.sh, which picks "
+                            "it; scripts/vllm_cpu_setup.sh makes it on a CPU machine)")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     """For ``scripts/run.sh``: ``check CONFIG`` prints what ``check_config`` finds (exit 1 if
-    anything); ``env`` prints the ``serve_env`` settings the environment leaves
-    unset (``KEY=VALUE`` lines, the value quoted for a shell's ``eval``); ``stop-haproxy PORT`` runs
+    anything); ``engines CONFIG`` prints the engines its applications name; ``env`` prints the
+    ``serve_env`` settings the environment leaves unset (``KEY=VALUE`` lines, the value quoted
+    for a shell's ``eval``); ``stop-haproxy PORT`` runs
     ``stop_stray_haproxy``; ``wait-haproxy PORT`` waits (up to 60 s) until the HAProxy on ``PORT``
     routes to an ingress replica itself (``direct_ingress_url``) and prints where."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "engines":
+        cfg = yaml.safe_load(Path(args[1]).read_text())
+        print(" ".join(sorted({str((a.get("args") or {}).get("engine", "sim")) for a in cfg.get("applications", [])})))
+        return 0
     if len(args) == 2 and args[0] == "check":
         problems = check_config(args[1])
         print("\n".join(problems), file=sys.stderr)
@@ -278,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HAProxy routes to the ingress replica at {url}" if url else
               "HAProxy does not route to an ingress replica itself (off, or not yet)")
         return 0
-    print("usage: python -m cluster.launch check CONFIG | env | stop-haproxy PORT | wait-haproxy PORT", file=sys.stderr)
+    print("usage: python -m cluster.launch check CONFIG | engines CONFIG | env | stop-haproxy PORT | "
+          "wait-haproxy PORT", file=sys.stderr)
     return 2
 
 

@@ -15,6 +15,10 @@
 # config's auth.keys_file or auth.keys_env).
 source "$(dirname "$0")/_venv.sh"
 CONFIG="${FAIRWAY_CONFIG:-deploy/cluster.yaml}"
+# a vLLM deployment runs from the environment that has vLLM (scripts/vllm_cpu_setup.sh makes it)
+if [ -x .venv-vllm/bin/serve ] && [[ " $(python -m cluster.launch engines "$CONFIG" 2>/dev/null) " == *" vllm "* ]]; then
+  export PATH="$PWD/.venv-vllm/bin:$PATH"
+fi
 PORT="${FAIRWAY_PORT:-8000}"
 URL="http://127.0.0.1:$PORT"
 OUT=out/cluster

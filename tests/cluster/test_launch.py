@@ -3,6 +3,7 @@ one place ``scripts/run.sh`` and the tests take them from."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -90,7 +91,8 @@ def _config(tmp_path, **replace: str):
 def test_check_passes_the_shipped_configs_and_names_what_serve_run_would_refuse(tmp_path, capsys):
     """scripts/run.sh checks the config before ``serve run``, which logs such errors and keeps running."""
     assert check_config(str(REPO / "deploy/cluster.yaml")) == []
-    assert check_config(str(REPO / "deploy/cluster-vllm-cpu.yaml")) == []
+    vllm_problems = check_config(str(REPO / "deploy/cluster-vllm-cpu.yaml"))  # valid; the Python decides
+    assert vllm_problems == [] if importlib.util.find_spec("vllm") else "has no vLLM" in vllm_problems[0]
     bad_option = _config(tmp_path, **{"policy: fairway          #": 'policy: "fairway[guard_aging=-1]" #'})
     [problem] = check_config(bad_option)
     assert "application 'fairway'" in problem and "guard_aging must be >= 0" in problem
@@ -100,3 +102,15 @@ def test_check_passes_the_shipped_configs_and_names_what_serve_run_would_refuse(
     no_tokenizer = _config(tmp_path, **{"tokenizer: deploy/models/fairway-tiny": "tokenizer: deploy/models/nope"})
     assert "deploy/models/nope" in check_config(no_tokenizer)[0]  # the ingress would fail to load it
     assert "No such file" in check_config(str(tmp_path / "missing.yaml"))[0]
+
+
+def test_check_refuses_a_vllm_config_in_a_python_without_vllm(monkeypatch, capsys):
+    """The vLLM deployment started from the main environment (no vLLM there) is named with where
+    to run it, not left to a replica that cannot import its engine; ``engines`` tells run.sh."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    [problem] = check_config(str(REPO / "deploy/cluster-vllm-cpu.yaml"))
+    assert "engine vllm, but this Python" in problem and ".venv-vllm/bin/serve run" in problem
+    assert main(["engines", str(REPO / "deploy/cluster-vllm-cpu.yaml")]) == 0
+    assert main(["engines", str(REPO / "deploy/cluster.yaml")]) == 0
+    assert capsys.readouterr().out.split("\n")[:2] == ["vllm", "sim"]

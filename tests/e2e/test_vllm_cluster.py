@@ -158,7 +158,8 @@ def test_response_format_json_schema_constrains_the_answer(url):
 
 def test_logprobs_through_the_cluster(url):
     """Chat logprobs from vLLM through the replica's coalesced stream: one entry per counted token,
-    each with the asked alternatives, greedy picks first."""
+    each with the asked alternatives, most likely first, the greedy pick as likely as the first
+    (the tiny model's near-uniform weights often tie it with another token)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 6,
             "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 3}
     status, out, _ = post_json(f"{url}/v1/chat/completions", body, timeout=180,
@@ -167,8 +168,8 @@ def test_logprobs_through_the_cluster(url):
     content = out["choices"][0]["logprobs"]["content"]
     assert len(content) == out["usage"]["completion_tokens"] == 6
     for e in content:
-        assert len(e["top_logprobs"]) == 3 and e["logprob"] <= 0
-        assert (e["top_logprobs"][0]["token"], e["top_logprobs"][0]["logprob"]) == (e["token"], e["logprob"])
+        values = [a["logprob"] for a in e["top_logprobs"]]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and e["logprob"] == values[0] <= 0
 
 
 def test_too_long_prompt_is_400(url):

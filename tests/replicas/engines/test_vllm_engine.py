@@ -717,8 +717,8 @@ def test_vllm_log_probabilities_one_per_token_the_greedy_pick_first(scenario):
     ids = [t for o in r["outs"] for t in o.token_ids]
     lps = [x for o in r["outs"] for x in o.logprobs]
     assert len(ids) == len(lps) == 5
-    for t, (lp, top) in zip(ids, lps, strict=True):
-        assert len(top) == 2 and top[0] == (t, lp) and lp <= 0 and top[1][1] <= lp  # temperature 0: the argmax
+    for lp, top in lps:  # temperature 0: a most likely token (the tiny model's near-uniform weights tie often)
+        assert len(top) == 2 and lp <= 0 and top[0][1] == lp >= top[1][1]
 
 
 @needs_vllm
