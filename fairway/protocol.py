@@ -58,6 +58,9 @@ class GenerateCall:
     # Each output token's log probability and this many top alternatives (OpenAI's logprobs /
     # top_logprobs); None: none
     logprobs: int | None = None
+    # The prompt tokens' log probabilities too, with this many alternatives (a completion's echo
+    # with logprobs: scoring a text); None: none. The engine then computes the whole prompt
+    prompt_logprobs: int | None = None
 
     @property
     def waited_from(self) -> float:
@@ -88,6 +91,8 @@ class TokenChunk:
     replica: str = ""
     accepted: bool = False  # no tokens: the gate has queued the request (asked for by ``GenerateCall.ack``)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
+    # the prompt's, on the first output, when the call asked: None for its first token, which has no context
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 #: One output token's log probability and its top alternatives, most likely first:
@@ -104,6 +109,8 @@ class EngineOutput:
     finish_reason: str | None = None
     cached_tokens: int | None = None  # known once prefill has been scheduled
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
+    # the prompt's, on the first output, when the call asked: None for its first token, which has no context
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

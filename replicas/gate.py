@@ -494,7 +494,8 @@ class AdmissionGate:
             if out.cached_tokens is not None:
                 cached = out.cached_tokens
             chunk = TokenChunk(token_ids=list(out.token_ids), finished=out.finished,
-                               finish_reason=out.finish_reason, completion_tokens=produced, logprobs=out.logprobs)
+                               finish_reason=out.finish_reason, completion_tokens=produced, logprobs=out.logprobs,
+                               prompt_logprobs=out.prompt_logprobs)
             if first and out.token_ids:
                 first = False
                 ttft = max(0.0, time.time() - call.arrival_s)

@@ -36,7 +36,8 @@ def merge(held: list[TokenChunk]) -> TokenChunk:
     if all(c.logprobs is None for c in held):
         return replace(held[-1], token_ids=[t for c in held for t in c.token_ids])
     return replace(held[-1], token_ids=[t for c in held for t in c.token_ids],
-                   logprobs=[x for c in held for x in c.logprobs or ()])
+                   logprobs=[x for c in held for x in c.logprobs or ()],
+                   prompt_logprobs=next((c.prompt_logprobs for c in held if c.prompt_logprobs is not None), None))
 
 
 async def coalesce(chunks: AsyncIterator[TokenChunk], interval_s: float, clock: Clock) -> AsyncIterator[TokenChunk]:

@@ -391,6 +391,7 @@ class FairwayIngress:
             logit_bias=body.logit_bias,
             structured_output=body.structured_output() if isinstance(body, ChatCompletionRequest) else None,
             logprobs=body.logprob_count(),
+            prompt_logprobs=body.prompt_logprob_count() if isinstance(body, CompletionRequest) else None,
         )
 
     def _watch_loop(self) -> None:
@@ -611,19 +612,32 @@ class FairwayIngress:
             return ""
         return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(call.prompt_token_ids)
 
-    def _text_logprobs(self, ids: list[int], lps: list[TokenLogprob], start: int) -> dict[str, Any]:
+    def _text_logprobs(self, ids: list[int], lps: list[TokenLogprob], start: int,
+                       prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict[str, Any]:
         """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
         token's text, log probability, top alternatives (None when none were asked for) and
-        character offset from ``start``, the offsets adding up the tokens' own texts. O(tokens x top)."""
+        character offset from ``start``, the offsets adding up the tokens' own texts. ``prompt``
+        (echo with logprobs): the prompt's ids and entries first, offsets from 0, its first
+        token's log probability None (it has no context). O(tokens x top)."""
         text_of = self.tokenizer.token_text
-        lps = aligned(ids, lps)
+
+        def offsets_of(tokens: list[str], at: int) -> list[int]:
+            out = []
+            for tok in tokens:
+                out.append(at)
+                at += len(tok)
+            return out
+
+        entries: list[TokenLogprob | None] = list(aligned(ids, lps))
         tokens = [text_of(t) for t in ids]
-        offsets, at = [], start
-        for tok in tokens:
-            offsets.append(at)
-            at += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [{text_of(t): v for t, v in top} or None for _, top in lps],
+        offsets = offsets_of(tokens, start)
+        if prompt is not None:
+            p_ids, p_entries = prompt
+            p_tokens = [text_of(t) for t in p_ids]
+            tokens, offsets = p_tokens + tokens, offsets_of(p_tokens, 0) + offsets
+            entries = (list(p_entries) + [None] * len(p_ids))[: len(p_ids)] + entries
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
+                "top_logprobs": [None if e is None else ({text_of(t): v for t, v in e[1]} or None) for e in entries],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -648,8 +662,10 @@ class FairwayIngress:
                 choice["logprobs"] = self._chat_logprobs(out.ids, out.lps)
         else:
             echo = self._echo(call, body, chat)
+            prompt = None if first.prompt_logprobs is None else (call.prompt_token_ids, first.prompt_logprobs)
             choice = {"index": 0, "text": echo + text, "finish_reason": reason,
-                      "logprobs": None if call.logprobs is None else self._text_logprobs(out.ids, out.lps, len(echo))}
+                      "logprobs": None if call.logprobs is None else self._text_logprobs(out.ids, out.lps, len(echo),
+                                                                                         prompt)}
         if body.return_token_ids:
             choice["token_ids"] = out.ids
             choice["prompt_token_ids"] = call.prompt_token_ids
@@ -690,7 +706,8 @@ class FairwayIngress:
             else:
                 lps = None
                 if call.logprobs is not None:
-                    lps = self._text_logprobs(out.ids[seen:], out.lps[seen:], offset[0] + len(prefix))
+                    prompt = None if c.prompt_logprobs is None else (call.prompt_token_ids, c.prompt_logprobs)
+                    lps = self._text_logprobs(out.ids[seen:], out.lps[seen:], offset[0] + len(prefix), prompt)
                 offset[0] += len(text)
                 ch = {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason}
             if body.return_token_ids:

@@ -17,9 +17,9 @@ deterministic and refuses the others unless they are their no-op values); ``user
 integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` and ``parallel_tool_calls``
 change no output and are accepted; ``response_format`` (JSON object or schema) becomes the call's
 ``structured_output``, and ``logprobs`` / ``top_logprobs`` its ``logprobs`` (the top alternatives
-per output token), which vLLM honours and the sim engine refuses. Refused: the prompt's log
-probabilities (``echo`` with ``logprobs``), tools, audio, stored completions, ``suffix``, ``n`` /
-``best_of`` above 1 (``REFUSED`` has each reason).
+per output token; with ``echo``, the prompt's too), which vLLM honours and the sim engine
+refuses. Refused: tools, audio, stored completions, ``suffix``, ``n`` / ``best_of`` above 1
+(``REFUSED`` has each reason).
 """
 
 from __future__ import annotations
@@ -238,17 +238,14 @@ class CompletionRequest(_Common):
             raise ValueError(f"logprobs is the number of top alternatives per token, 0 to {MAX_TOP_LOGPROBS}")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_prompt_logprobs(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs asks for the prompt's log probabilities, which this server does not "
-                             "return; use one or the other")
-        return v
-
     def logprob_count(self) -> int | None:
         """The top alternatives per output token the answer lists (None: no logprobs)."""
         return self.logprobs  # type: ignore[no-any-return]  # ``_logprobs`` made it an int or None
+
+    def prompt_logprob_count(self) -> int | None:
+        """With ``echo``: the prompt tokens' log probabilities too, with this many alternatives
+        (scoring a text, as evaluation harnesses do); None otherwise."""
+        return self.logprobs if self.echo else None  # type: ignore[no-any-return]
 
     @field_validator("prompt")
     @classmethod

@@ -397,6 +397,8 @@ class VllmEngine(Engine):
             kw["logit_bias"] = dict(call.logit_bias)
         if call.logprobs is not None:
             kw["logprobs"] = call.logprobs
+        if call.prompt_logprobs is not None:  # vLLM then computes the whole prompt (reads no cached block)
+            kw["prompt_logprobs"] = call.prompt_logprobs
         if delta is not None:
             kw["output_kind"] = delta
         try:
@@ -433,7 +435,13 @@ class VllmEngine(Engine):
                     ids, lps, seen = ids[seen:], (lps[seen:] if lps is not None else None), len(ids)
                 if st.first_s is None and (ids or out.finished):
                     st.first_s = time.perf_counter() - t0
-                    self._on_prefilled(rid, st, getattr(out, "num_cached_tokens", None))
+                    self._on_prefilled(rid, st, getattr(out, "num_cached_tokens", None),
+                                       read_cache=call.prompt_logprobs is None)
+                    prompt_lps = None if call.prompt_logprobs is None else [
+                        None if d is None else token_logprob(t, d, call.prompt_logprobs)
+                        for t, d in zip(call.prompt_token_ids, out.prompt_logprobs or (), strict=False)]
+                else:
+                    prompt_lps = None
                 st.generated += len(ids)
                 reason = comp.finish_reason if (comp is not None and out.finished) else None
                 yield EngineOutput(
@@ -442,6 +450,7 @@ class VllmEngine(Engine):
                     finish_reason=(reason or "abort") if out.finished else None,
                     cached_tokens=st.cached_tokens,
                     logprobs=None if lps is None else step_logprobs(ids, lps, call.logprobs or 0),
+                    prompt_logprobs=prompt_lps,
                 )
                 if out.finished:
                     done = True
@@ -464,10 +473,12 @@ class VllmEngine(Engine):
             if st.first_s is not None and self._estimate is not None:
                 self._estimate.touch(st.hashes[: est.stored_blocks(n)])
 
-    def _on_prefilled(self, rid: str, st: _InFlight, cached: int | None) -> None:
+    def _on_prefilled(self, rid: str, st: _InFlight, cached: int | None, read_cache: bool = True) -> None:
+        """``read_cache`` False: vLLM computed the whole prompt by request (prompt logprobs), so
+        its report of 0 cached tokens says nothing about the cache, and the estimate hears none."""
         st.cached_tokens = int(cached) if cached is not None else None
         if self._estimate is not None:
-            self._estimate.observe(st.hashes, st.prompt_tokens, st.cached_tokens)
+            self._estimate.observe(st.hashes, st.prompt_tokens, st.cached_tokens if read_cache else None)
         self.feedback.append(Feedback(rid, st.prompt_tokens, st.predicted_cached, st.cached_tokens, st.first_s or 0.0))
         if len(self.feedback) > self._recent_feedback:
             del self.feedback[: len(self.feedback) - self._recent_feedback]

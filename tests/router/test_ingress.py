@@ -84,6 +84,9 @@ class _Gen:
         self.ack = call.ack  # a held request's send: the gate says "queued" first
         self.prompt = len(call.prompt_token_ids)
         self.top = call.logprobs  # asked for log probabilities: scripted_logprob's, with this many alternatives
+        # and the prompt's (echo with logprobs), on the first chunk: None for its first token
+        self.prompt_lps = None if call.prompt_logprobs is None else [None] + [
+            scripted_logprob(t, call.prompt_logprobs) for t in call.prompt_token_ids[1:]]
 
     def __aiter__(self) -> _Gen:
         return self
@@ -106,7 +109,8 @@ class _Gen:
         tok = script[(self.i - 1) % len(script)] if script else 100 + self.i
         return TokenChunk(token_ids=[tok], finished=done, finish_reason="length" if done else None,
                           prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0",
-                          logprobs=None if self.top is None else [scripted_logprob(tok, self.top)])
+                          logprobs=None if self.top is None else [scripted_logprob(tok, self.top)],
+                          prompt_logprobs=self.prompt_lps if self.i == 1 else None)
 
     def cancel(self) -> None:
         self.owner.cancelled += 1
@@ -516,8 +520,8 @@ CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
 def test_logprobs_list_one_entry_per_counted_token_with_the_asked_alternatives_or_a_400(server):
     """Chat's logprobs / top_logprobs and a completion's logprobs reach the call as the number of
     alternatives; the answer lists one entry per output token the usage counts (a stop token id
-    included, as in ``token_ids``), with the text offsets adding up the tokens' texts; what the
-    API does not allow is a 400 naming the field."""
+    included, as in ``token_ids``), with the text offsets adding up the tokens' texts; with echo,
+    the prompt's tokens first; what the API does not allow is a 400 naming the field."""
     tok = server.ingress.tokenizer
     ids = tok.encode(WORDS)
     server.replicas.script = ids
@@ -537,6 +541,21 @@ def test_logprobs_list_one_entry_per_counted_token_with_the_asked_alternatives_o
         r = post(server, "/v1/completions", {**body, "logprobs": 0, "stream": True})
         assert [e[2] for e in _logprob_entries(r, False, True)] == [[]] * 6  # no alternatives asked for
         assert post(server, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+        # echo with logprobs (scoring, as evaluation harnesses ask): the prompt's tokens first, the
+        # first without a log probability, then the output's; whole and streamed alike
+        prompt = tok.encode("hi there")
+        score = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True}
+        want = ([tok.token_text(t) for t in prompt + ids[:1]],
+                [None] + [scripted_logprob(t, 1)[0] for t in prompt[1:] + ids[:1]])
+        for stream in (False, True):
+            r = post(server, "/v1/completions", {**score, "stream": stream})
+            assert server.replicas.calls[-1].prompt_logprobs == 1
+            lp = r.json()["choices"][0]["logprobs"] if not stream else json.loads(
+                r.text.split("\n")[0][6:])["choices"][0]["logprobs"]
+            assert (lp["tokens"], lp["token_logprobs"]) == want and lp["top_logprobs"][0] is None
+            assert lp["text_offset"][: len(prompt)] == [sum(len(t) for t in want[0][:i]) for i in range(len(prompt))]
+        assert post(server, "/v1/completions", body).status_code == 200
+        assert server.replicas.calls[-1].prompt_logprobs is None  # without echo: the output's only
     finally:
         server.replicas.script = []
     for path, extra, param, why in (
@@ -544,8 +563,7 @@ def test_logprobs_list_one_entry_per_counted_token_with_the_asked_alternatives_o
             ("/v1/chat/completions", {"logprobs": 2}, "logprobs", "logprobs is true or false"),
             ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "or equal to 20"),
             ("/v1/completions", {"logprobs": 21}, "logprobs", "0 to 20"),
-            ("/v1/completions", {"logprobs": True}, "logprobs", "0 to 20"),
-            ("/v1/completions", {"logprobs": 1, "echo": True}, "echo", "the prompt's log probabilities")):
+            ("/v1/completions", {"logprobs": True}, "logprobs", "0 to 20")):
         base = chat if "chat" in path else {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         r = post(server, path, {**base, **extra})
         assert_clear_error(r, 400, why)

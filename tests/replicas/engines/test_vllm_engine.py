@@ -614,6 +614,14 @@ async def _scenario() -> dict:
         call = _call("lp", [rng.randrange(5, 4096) for _ in range(30)], 5)
         call.logprobs = 2
         res["logprobs"] = await _collect(eng, call)
+        # The prompt's log probabilities (echo with logprobs): vLLM computes the whole prompt, so
+        # its report of 0 cached tokens must not make the estimate forget the cached prefix
+        p_ids = prefix + [rng.randrange(5, 4096) for _ in range(20)]
+        before = eng.cache_estimate.predicted_hit_blocks(block_hashes(p_ids), len(p_ids))
+        call = _call("plp", p_ids, 1)
+        call.logprobs, call.prompt_logprobs = 1, 1
+        res["prompt_logprobs"] = {"out": await _collect(eng, call), "n": len(p_ids), "before": before,
+                                  "after": eng.cache_estimate.predicted_hit_blocks(block_hashes(p_ids), len(p_ids))}
         # Output constrained to a JSON schema (OpenAI's response_format, vLLM's structured outputs):
         # the tiny model's random weights still answer only what the schema allows, then stop
         for name, schema in (("json", {"type": "string", "enum": ["yes", "no"]}), ("bad_schema", {"type": "bogus"})):
@@ -719,6 +727,17 @@ def test_vllm_log_probabilities_one_per_token_the_greedy_pick_first(scenario):
     assert len(ids) == len(lps) == 5
     for lp, top in lps:  # temperature 0: a most likely token (the tiny model's near-uniform weights tie often)
         assert len(top) == 2 and lp <= 0 and top[0][1] == lp >= top[1][1]
+
+
+@needs_vllm
+def test_vllm_prompt_log_probabilities_on_the_first_output_and_the_estimate_kept(scenario):
+    r = scenario["prompt_logprobs"]
+    first = r["out"]["outs"][0]
+    plp = first.prompt_logprobs
+    assert len(plp) == r["n"] and plp[0] is None and all(e[0] <= 0 and len(e[1]) == 1 for e in plp[1:])
+    assert all(o.prompt_logprobs is None for o in r["out"]["outs"][1:])
+    assert first.cached_tokens == 0  # vLLM read no cached block for it
+    assert r["before"] > 0 and r["after"] >= r["before"]  # the prefix is still predicted cached
 
 
 @needs_vllm
