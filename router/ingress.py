@@ -766,21 +766,13 @@ class _Output:
         if self.stopped:
             return ""
         ids, final = c.token_ids, c.finished
-        if self.stop_ids:
-            at = next((j for j, t in enumerate(ids) if t in self.stop_ids), -1)
-            if at >= 0:
-                self.ids.extend(ids[: at + 1])
-                if c.logprobs is not None:
-                    self.lps.extend(c.logprobs[: at + 1])
-                ids, final, self.stopped = ids[:at], True, True
-            else:
-                self.ids.extend(ids)
-                if c.logprobs is not None:
-                    self.lps.extend(c.logprobs)
-        else:
-            self.ids.extend(ids)
-            if c.logprobs is not None:
-                self.lps.extend(c.logprobs)
+        at = next((j for j, t in enumerate(ids) if t in self.stop_ids), -1) if self.stop_ids else -1
+        counted = ids if at < 0 else ids[: at + 1]  # a stop token counts, its text is left out
+        self.ids.extend(counted)
+        if c.logprobs is not None:
+            self.lps.extend(c.logprobs[: len(counted)])
+        if at >= 0:
+            ids, final, self.stopped = ids[:at], True, True
         text = self.detok.push(ids)
         if final:
             text += self.detok.finish()
