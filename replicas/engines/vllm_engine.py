@@ -103,6 +103,13 @@ class Feedback:
     ttft_s: float
 
 
+def could_be_hub_name(name: str) -> bool:
+    """Whether ``name`` has a Hugging Face hub id's shape, ``name`` or ``namespace/name``: no
+    leading ``/``, ``.`` or ``~``, at most one ``/``. A name that has not, and is not on disk,
+    is a wrong path (checked at the config's edge, not after vLLM's start fails). O(len)."""
+    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1
+
+
 #: The lowest log probability reported (vLLM's OpenAI server clamps alike): -inf is not JSON.
 MIN_LOGPROB = -9999.0
 
@@ -178,6 +185,10 @@ class VllmEngine(Engine):
         self.seed = seed
         self.engine_args = dict(engine_args or {})
         _check_vllm_engine_args(self.engine_args)
+        for name, value in (("model", model), ("tokenizer", tokenizer)):
+            if value and not os.path.exists(value) and not could_be_hub_name(value):
+                raise ValueError(f"{name} {value!r} is not a local path (none there) and cannot be a hub model name "
+                                 "(namespace/name)")
         if tiers is not None and not tiers.classes:
             raise ValueError("tiers needs at least one request class")
         self.tiers = tiers

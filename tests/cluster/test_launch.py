@@ -102,6 +102,11 @@ def test_check_passes_the_shipped_configs_and_names_what_serve_run_would_refuse(
     no_tokenizer = _config(tmp_path, **{"tokenizer: deploy/models/fairway-tiny": "tokenizer: deploy/models/nope"})
     assert "deploy/models/nope" in check_config(no_tokenizer)[0]  # the ingress would fail to load it
     assert "No such file" in check_config(str(tmp_path / "missing.yaml"))[0]
+    vllm_cfg = (REPO / "deploy/cluster-vllm-cpu.yaml").read_text()
+    assert "model: deploy/models/fairway-tiny-llama" in vllm_cfg
+    (tmp_path / "vllm.yaml").write_text(vllm_cfg.replace("model: deploy/models/fairway-tiny-llama",
+                                                          "model: deploy/models/nope-llama"))
+    assert "'deploy/models/nope-llama' is not a local path" in check_config(str(tmp_path / "vllm.yaml"))[0]
 
 
 def test_check_refuses_a_vllm_config_in_a_python_without_vllm(monkeypatch, capsys):

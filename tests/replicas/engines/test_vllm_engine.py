@@ -352,6 +352,18 @@ def test_registry_resolves_lazily():
         engine_class("replicas.engines.nothing_here:Engine")
 
 
+def test_a_model_path_that_is_not_there_is_refused_where_the_config_is_checked(tmp_path):
+    """A model or tokenizer that is neither on disk nor shaped like a hub id (namespace/name) is
+    a wrong path: refused when the engine is built (the config's edge), not after vLLM starts."""
+    for name in ("meta-llama/Llama-3.1-8B-Instruct", "gpt2", str(tmp_path)):
+        make_engine("vllm", model=name, tokenizer=name)
+    for bad in ("deploy/models/nope", str(tmp_path / "missing"), "./nope"):
+        with pytest.raises(ValueError, match="is not a local path"):
+            make_engine("vllm", model=bad)
+        with pytest.raises(ValueError, match="tokenizer .* is not a local path"):
+            make_engine("vllm", model="m", tokenizer=bad)
+
+
 def test_engine_args_and_checks_before_start():
     eng = make_engine(
         "vllm", model="m", tokenizer="t", max_model_len=1000, kv_cache_space_gb=0.5, engine_args={"max_num_seqs": 3}
