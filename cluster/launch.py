@@ -228,6 +228,35 @@ app answers: a stopped cluster's configuration stays behind, and only a newer on
         time.sleep(0.5)
 
 
+#: Where Ray keeps its sessions' logs (its default temp dir; ``RAY_TMPDIR`` moves it)
+RAY_TMP = os.environ.get("RAY_TMPDIR", "/tmp/ray")
+_REPLICA_FAILED = re.compile(r"^ERROR (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ controller .*Exception in "
+                             r"Replica\(id='[^']*', deployment='([^']*)'")
+
+
+def replica_failures(since_s: float, session: str | None = None) -> list[str]:
+    """The replicas that failed to start since ``since_s`` (epoch seconds), as the newest Ray
+    session's Serve controller logged them: one line each, the deployment and the last line of
+    its traceback (the error itself). ``serve run`` prints none of them and keeps retrying, so a
+    script waiting for the API would wait its whole timeout. O(log size)."""
+    folder = Path(session or Path(RAY_TMP) / "session_latest") / "logs" / "serve"
+    out: list[str] = []
+    for log in sorted(folder.glob("controller_*.log")):
+        current: str | None = None
+        last = ""
+        for line in log.read_text(errors="replace").splitlines() + ["ERROR end"]:
+            if line.startswith(("ERROR ", "INFO ", "WARNING ", "DEBUG ")):
+                if current is not None:
+                    out.append(f"{current}: {last}")
+                    current = None
+                m = _REPLICA_FAILED.match(line)
+                if m and time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) >= since_s:
+                    current, last = m.group(2), ""
+            elif current is not None and line and not line[0].isspace() and "Traceback" not in line:
+                last = line.strip()
+    return out
+
+
 def check_config(path: str) -> list[str]:
     """What ``serve run`` would refuse in the YAML at ``path``, checked here in seconds: Ray
     Serve's own schema, then each Fairway application's ``args`` as ``cluster.app:build_app``
@@ -265,12 +294,16 @@ def check_config(path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """For ``scripts/run.sh``: ``check CONFIG`` prints what ``check_config`` finds (exit 1 if
-    anything); ``engines CONFIG`` prints the engines its applications name; ``env`` prints the
+    anything); ``engines CONFIG`` prints the engines its applications name; ``replica-failures
+    SINCE`` prints ``replica_failures`` since that epoch second; ``env`` prints the
     ``serve_env`` settings the environment leaves unset (``KEY=VALUE`` lines, the value quoted
     for a shell's ``eval``); ``stop-haproxy PORT`` runs
     ``stop_stray_haproxy``; ``wait-haproxy PORT`` waits (up to 60 s) until the HAProxy on ``PORT``
     routes to an ingress replica itself (``direct_ingress_url``) and prints where."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "replica-failures":
+        print("\n".join(replica_failures(float(args[1]))))
+        return 0
     if len(args) == 2 and args[0] == "engines":
         cfg = yaml.safe_load(Path(args[1]).read_text())
         print(" ".join(sorted({str((a.get("args") or {}).get("engine", "sim")) for a in cfg.get("applications", [])})))
@@ -292,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HAProxy routes to the ingress replica at {url}" if url else
               "HAProxy does not route to an ingress replica itself (off, or not yet)")
         return 0
-    print("usage: python -m cluster.launch check CONFIG | engines CONFIG | env | stop-haproxy PORT | "
+    print("usage: python -m cluster.launch check CONFIG | engines CONFIG | replica-failures SINCE | env | "
+          "stop-haproxy PORT | "
           "wait-haproxy PORT", file=sys.stderr)
     return 2
 

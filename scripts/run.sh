@@ -108,6 +108,17 @@ PY
       tail -20 "$OUT/serve.log" >&2
       exit 1
     fi
+    # replicas that fail to start: serve run only retries them, so say so once one failed twice
+    if [ $(( $(date +%s) - start )) -ge 10 ] && [ $(( $(date +%s) % 5 )) -eq 0 ]; then
+      fails="$(python -m cluster.launch replica-failures "$start" 2>/dev/null)"
+      if [ "$(printf '%s\n' "$fails" | grep -c .)" -ge 2 ]; then
+        echo "replicas fail to start (Ray Serve keeps retrying them):" >&2
+        printf '%s\n' "$fails" | sort | uniq -c >&2
+        echo "their logs: ${RAY_TMPDIR:-/tmp/ray}/session_latest/logs/serve/; stopping the cluster" >&2
+        stop >&2
+        exit 1
+      fi
+    fi
     sleep 1
   done
   echo "cluster not ready after 180 s; see $OUT/serve.log" >&2

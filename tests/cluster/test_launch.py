@@ -17,6 +17,7 @@ from cluster.launch import (
     check_config,
     direct_ingress_url,
     main,
+    replica_failures,
     serve_env,
 )
 
@@ -119,3 +120,27 @@ def test_check_refuses_a_vllm_config_in_a_python_without_vllm(monkeypatch, capsy
     assert main(["engines", str(REPO / "deploy/cluster-vllm-cpu.yaml")]) == 0
     assert main(["engines", str(REPO / "deploy/cluster.yaml")]) == 0
     assert capsys.readouterr().out.split("\n")[:2] == ["vllm", "sim"]
+
+
+def test_replica_failures_reads_each_failed_start_from_the_controller_log(tmp_path):
+    """run.sh stops waiting once a replica failed to start twice: the controller's log names the
+    deployment and the traceback's last line; failures before ``since`` and other errors do not count."""
+    serve = tmp_path / "logs" / "serve"
+    serve.mkdir(parents=True)
+    t = time.localtime(time.time() - 60)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", t)
+    old = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() - 3600))
+    (serve / "controller_1.log").write_text("\n".join([
+        f"ERROR {old},1 controller 1 -- Exception in Replica(id='a', deployment='FairwayReplica', app='f'), stopped.",
+        "Traceback (most recent call last):", "  File x", "OldError: before the start",
+        f"INFO {stamp},2 controller 1 -- Deploying.",
+        f"ERROR {stamp},3 controller 1 -- Exception in Replica(id='b', deployment='FairwayReplica', app='f'), stopped.",
+        "Traceback (most recent call last):", '  File "x", line 1', "    raise E", "RuntimeError: Traceback:",
+        "fairway.protocol.EngineFailed: vLLM failed to start",
+        f"ERROR {stamp},4 controller 1 -- Failed to update the deployments ['FairwayReplica'].",
+        f"ERROR {stamp},5 controller 1 -- Exception in Replica(id='c', deployment='FairwayIngress', app='f'), stopped.",
+        "OSError: no tokenizer"]))
+    got = replica_failures(time.time() - 120, session=str(tmp_path))
+    assert got == ["FairwayReplica: fairway.protocol.EngineFailed: vLLM failed to start",
+                   "FairwayIngress: OSError: no tokenizer"]
+    assert replica_failures(time.time(), session=str(tmp_path)) == []
