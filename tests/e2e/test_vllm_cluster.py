@@ -172,6 +172,26 @@ def test_logprobs_through_the_cluster(url):
         assert len(values) == 3 and values == sorted(values, reverse=True) and e["logprob"] == values[0] <= 0
 
 
+def test_scoring_a_text_echo_with_logprobs_and_a_streamed_answers_logprobs(url):
+    """How evaluation harnesses score a text (echo, logprobs, one token): the prompt's tokens
+    first, the first without a log probability, each other with its alternative; and a stream's
+    log probabilities arrive one per token through the replica's coalescing."""
+    prompt = prompt_ids(13, 40)
+    status, out, _ = complete(url, prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    body = json.dumps({"model": MODEL, "prompt": prompt_ids(5, 300), "max_tokens": 12, "stream": True,
+                       "logprobs": 2, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json",
+                                                                             "authorization": f"Bearer {ALICE}"})
+    with urllib.request.urlopen(req, timeout=180) as r:
+        events = [json.loads(ln.decode()[6:]) for ln in r if ln.startswith(b"data: {")]
+    entries = [v for e in events if e["choices"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert len(entries) == events[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_too_long_prompt_is_400(url):
     status, body, _ = complete(url, prompt_ids(9, MAX_MODEL_LEN - 4), max_tokens=8)
     assert status == 400
