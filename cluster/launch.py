@@ -326,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
               "HAProxy does not route to an ingress replica itself (off, or not yet)")
         return 0
     print("usage: python -m cluster.launch check CONFIG | engines CONFIG | replica-failures SINCE | env | "
-          "stop-haproxy PORT | "
-          "wait-haproxy PORT", file=sys.stderr)
+          "stop-haproxy PORT | wait-haproxy PORT", file=sys.stderr)
     return 2
 
 

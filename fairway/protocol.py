@@ -95,6 +95,9 @@ class TokenChunk:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+#: The lowest log probability an engine reports (vLLM's OpenAI server clamps alike: -inf is not
+#: JSON); also the value of a token the engine sent none for.
+MIN_LOGPROB = -9999.0
 #: One output token's log probability and its top alternatives, most likely first:
 #: (logprob, ((token id, logprob), ...)); the alternatives are the call's ``logprobs`` most likely.
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]

@@ -45,6 +45,7 @@ from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.hashing import block_hashes
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import (
+    MIN_LOGPROB,
     GenerateCall,
     Overloaded,
     PastWaitBound,
@@ -389,9 +390,9 @@ class FairwayIngress:
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
-            structured_output=body.structured_output() if isinstance(body, ChatCompletionRequest) else None,
+            structured_output=body.structured_output(),
             logprobs=body.logprob_count(),
-            prompt_logprobs=body.prompt_logprob_count() if isinstance(body, CompletionRequest) else None,
+            prompt_logprobs=body.prompt_logprob_count(),
         )
 
     def _watch_loop(self) -> None:
@@ -613,12 +614,13 @@ class FairwayIngress:
         return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(call.prompt_token_ids)
 
     def _text_logprobs(self, ids: list[int], lps: list[TokenLogprob], start: int,
-                       prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict[str, Any]:
+                       prompt: tuple[list[int], list[TokenLogprob | None] | None]) -> dict[str, Any]:
         """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
         token's text, log probability, top alternatives (None when none were asked for) and
-        character offset from ``start``, the offsets adding up the tokens' own texts. ``prompt``
-        (echo with logprobs): the prompt's ids and entries first, offsets from 0, its first
-        token's log probability None (it has no context). O(tokens x top)."""
+        character offset from ``start``, the offsets adding up the tokens' own texts. ``prompt``:
+        the prompt's ids and the chunk's prompt entries; when the chunk has them (echo with
+        logprobs, on the first chunk) they come first, offsets from 0, the first token's log
+        probability None (it has no context). O(tokens x top)."""
         text_of = self.tokenizer.token_text
 
         def offsets_of(tokens: list[str], at: int) -> list[int]:
@@ -631,8 +633,8 @@ class FairwayIngress:
         entries: list[TokenLogprob | None] = list(aligned(ids, lps))
         tokens = [text_of(t) for t in ids]
         offsets = offsets_of(tokens, start)
-        if prompt is not None:
-            p_ids, p_entries = prompt
+        p_ids, p_entries = prompt
+        if p_entries is not None:
             p_tokens = [text_of(t) for t in p_ids]
             tokens, offsets = p_tokens + tokens, offsets_of(p_tokens, 0) + offsets
             entries = (list(p_entries) + [None] * len(p_ids))[: len(p_ids)] + entries
@@ -662,10 +664,9 @@ class FairwayIngress:
                 choice["logprobs"] = self._chat_logprobs(out.ids, out.lps)
         else:
             echo = self._echo(call, body, chat)
-            prompt = None if first.prompt_logprobs is None else (call.prompt_token_ids, first.prompt_logprobs)
             choice = {"index": 0, "text": echo + text, "finish_reason": reason,
-                      "logprobs": None if call.logprobs is None else self._text_logprobs(out.ids, out.lps, len(echo),
-                                                                                         prompt)}
+                      "logprobs": None if call.logprobs is None else self._text_logprobs(
+                          out.ids, out.lps, len(echo), (call.prompt_token_ids, first.prompt_logprobs))}
         if body.return_token_ids:
             choice["token_ids"] = out.ids
             choice["prompt_token_ids"] = call.prompt_token_ids
@@ -706,8 +707,8 @@ class FairwayIngress:
             else:
                 lps = None
                 if call.logprobs is not None:
-                    prompt = None if c.prompt_logprobs is None else (call.prompt_token_ids, c.prompt_logprobs)
-                    lps = self._text_logprobs(out.ids[seen:], out.lps[seen:], offset[0] + len(prefix), prompt)
+                    lps = self._text_logprobs(out.ids[seen:], out.lps[seen:], offset[0] + len(prefix),
+                                              (call.prompt_token_ids, c.prompt_logprobs))
                 offset[0] += len(text)
                 ch = {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason}
             if body.return_token_ids:
@@ -739,8 +740,8 @@ class FairwayIngress:
 
 
 #: A token the engine sent no log probability for (it cannot happen with the shipped engines,
-#: which send one per token when asked): listed with this floor value and no alternatives.
-NO_LOGPROB: TokenLogprob = (-9999.0, ())
+#: which send one per token when asked): listed with the floor value and no alternatives.
+NO_LOGPROB: TokenLogprob = (MIN_LOGPROB, ())
 
 
 def aligned(ids: list[int], lps: list[TokenLogprob]) -> list[TokenLogprob]:

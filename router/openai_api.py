@@ -207,6 +207,19 @@ class _Common(_Text):
     def stop_strings(self) -> list[str]:
         return self.stop or []  # type: ignore[return-value]  # ``_stops`` made it a list
 
+    # What the engine is asked for beyond sampling (``GenerateCall``); each request kind says its own
+    def logprob_count(self) -> int | None:
+        """The top alternatives per output token the answer lists (None: no logprobs)."""
+        return None
+
+    def prompt_logprob_count(self) -> int | None:
+        """The prompt tokens' log probabilities, with this many alternatives (None: none)."""
+        return None
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The output's constraint (``GenerateCall.structured_output``; None: free text)."""
+        return None
+
 
 #: ``CompletionRequest.prompt`` as ``_one_prompt`` accepts it: non-empty text or token ids (>= 0),
 #: or a batch of exactly one of either. (Token ids inside the vocabulary, and a prompt plus
@@ -243,8 +256,8 @@ class CompletionRequest(_Common):
         return self.logprobs  # type: ignore[no-any-return]  # ``_logprobs`` made it an int or None
 
     def prompt_logprob_count(self) -> int | None:
-        """With ``echo``: the prompt tokens' log probabilities too, with this many alternatives
-        (scoring a text, as evaluation harnesses do); None otherwise."""
+        """With ``echo``: the prompt's log probabilities too (scoring a text, as evaluation
+        harnesses do); None otherwise."""
         return self.logprobs if self.echo else None  # type: ignore[no-any-return]
 
     @field_validator("prompt")
@@ -408,7 +421,8 @@ class ChatCompletionRequest(_Common):
 
 
 class ErrorObject(BaseModel):
-    """OpenAI's error object, as ``error_body`` writes it."""
+    """OpenAI's error object: ``error_body`` builds every one from it, and the OpenAPI schema
+    documents it."""
 
     message: str = Field(description="what is wrong, naming the parameter or limit")
     type: str = Field(description="invalid_request_error, authentication_error, not_found_error, rate_limit_error, ...")
@@ -467,7 +481,7 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     if code == BY_STATUS:
         code = CODES.get(status)
     kind = KINDS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorObject(message=message, type=kind, param=param, code=code)).model_dump()
 
 
 async def send_error(send: Any, status: int, message: str, headers: Sequence[tuple[bytes, bytes]] = (),

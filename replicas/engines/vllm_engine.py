@@ -64,6 +64,7 @@ from typing import Any
 
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import (
+    MIN_LOGPROB,
     Engine,
     EngineFailed,
     EngineOutput,
@@ -108,10 +109,6 @@ def could_be_hub_name(name: str) -> bool:
     leading ``/``, ``.`` or ``~``, at most one ``/``. A name that has not, and is not on disk,
     is a wrong path (checked at the config's edge, not after vLLM's start fails). O(len)."""
     return not name.startswith(("/", ".", "~")) and name.count("/") <= 1
-
-
-#: The lowest log probability reported (vLLM's OpenAI server clamps alike): -inf is not JSON.
-MIN_LOGPROB = -9999.0
 
 
 def token_logprob(token: int, step: Mapping[int, Any], top: int) -> TokenLogprob:
@@ -412,16 +409,18 @@ class VllmEngine(Engine):
             kw["prompt_logprobs"] = call.prompt_logprobs
         if delta is not None:
             kw["output_kind"] = delta
-        try:
-            if call.structured_output:
+        refused = (ValueError, TypeError, *self._client_errors)  # vLLM's own check of the values
+        if call.structured_output:
+            try:
                 if self._structured is None:
-                    raise ValueError("this vLLM has no structured outputs (structured_outputs)")
+                    raise ValueError("this vLLM has no structured outputs")
                 kw["structured_outputs"] = self._structured(**call.structured_output)
+            except refused as e:
+                raise UnsupportedParameter(f"vLLM refused the output constraint: {e}", param="response_format") from e
+        try:
             params = sampling_params_cls(**kw)
-        except (ValueError, TypeError, *self._client_errors) as e:  # vLLM's own check of the values (a bias
-            # out of range, two output constraints)
-            raise UnsupportedParameter(f"vLLM refused the sampling parameters: {e}",
-                                       param="response_format" if "structured" in str(e) else None) from e
+        except refused as e:  # e.g. a bias out of range
+            raise UnsupportedParameter(f"vLLM refused the sampling parameters: {e}") from e
         n = len(call.prompt_token_ids)
         rid = f"{call.request_id}#{next(self._ids)}"  # unique in vLLM even when a caller retries an id
         st = _InFlight(n, call.block_hashes, est.predicted_hit_blocks(call.block_hashes, n) * self.block_size)
@@ -441,18 +440,18 @@ class VllmEngine(Engine):
             async for out in stream:
                 comp = out.outputs[0] if out.outputs else None
                 ids = list(comp.token_ids) if comp is not None else []
-                lps = (comp.logprobs or []) if comp is not None and call.logprobs is not None else None
+                # asked for: a list on every output, one entry per token (``step_logprobs``)
+                lps = None if call.logprobs is None else (comp.logprobs or []) if comp is not None else []
                 if delta is None:
                     ids, lps, seen = ids[seen:], (lps[seen:] if lps is not None else None), len(ids)
+                prompt_lps = None  # on the first output only
                 if st.first_s is None and (ids or out.finished):
                     st.first_s = time.perf_counter() - t0
                     self._on_prefilled(rid, st, getattr(out, "num_cached_tokens", None),
                                        read_cache=call.prompt_logprobs is None)
-                    prompt_lps = None if call.prompt_logprobs is None else [
-                        None if d is None else token_logprob(t, d, call.prompt_logprobs)
-                        for t, d in zip(call.prompt_token_ids, out.prompt_logprobs or (), strict=False)]
-                else:
-                    prompt_lps = None
+                    if call.prompt_logprobs is not None:
+                        prompt_lps = [None if d is None else token_logprob(t, d, call.prompt_logprobs)
+                                      for t, d in zip(call.prompt_token_ids, out.prompt_logprobs or (), strict=False)]
                 st.generated += len(ids)
                 reason = comp.finish_reason if (comp is not None and out.finished) else None
                 yield EngineOutput(
