@@ -55,6 +55,9 @@ class GenerateCall:
     # The output constrained to JSON, in vLLM's ``StructuredOutputsParams`` names: {"json_object":
     # True}, or {"json": <JSON schema>} (OpenAI's response_format); None for free text
     structured_output: dict[str, Any] | None = None
+    # The request parameter it came from: "response_format", or "tool_choice" (a forced tool
+    # call's JSON); an engine's refusal names it
+    structured_output_param: str = "response_format"
     # Each output token's log probability and this many top alternatives (OpenAI's logprobs /
     # top_logprobs); None: none
     logprobs: int | None = None

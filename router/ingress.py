@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -70,6 +71,7 @@ from router.openai_api import (
     now_s,
 )
 from router.tokenizer import TooManyTokens, utf8_len_over
+from router.tool_calls import ToolCallAnswer
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -86,14 +88,15 @@ app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV
 def validation_reason(error: dict[str, Any]) -> str:
     """The reject reason of a body that failed validation (its first error), for
     ``fairway_rejects_total``: "invalid_json", "unknown_field", "unsupported_parameter" (a
-    documented parameter this server refuses, ``n`` above 1 included) or "bad_request"."""
+    documented parameter this server refuses, ``n`` above 1 and ``tool_choice`` auto included) or
+    "bad_request"."""
     kind = error.get("type")
     if kind == "json_invalid":
         return "invalid_json"
     if kind == "extra_forbidden":
         return "unknown_field"
     loc = [x for x in error.get("loc", ()) if x != "body"]
-    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n"):
+    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n" or "is not supported" in str(error.get("msg", ""))):
         return "unsupported_parameter"
     return "bad_request"
 
@@ -391,6 +394,7 @@ class FairwayIngress:
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
             structured_output=body.structured_output(),
+            structured_output_param=body.structured_output_param(),
             logprobs=body.logprob_count(),
             prompt_logprobs=body.prompt_logprob_count(),
         )
@@ -427,7 +431,8 @@ class FairwayIngress:
                                 reason="bad_request")
             messages = [m.for_template() for m in body.messages]
             self._check_text_bytes("".join(m["content"] for m in messages))
-            ids = await self._tokenized(self.tokenizer.encode_chat_within, messages)
+            ids = await self._tokenized(functools.partial(self.tokenizer.encode_chat_within,
+                                                          tools=body.template_tools()), messages)
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
                 max_tokens = max(1, self.args.max_model_len - len(ids))
@@ -658,8 +663,10 @@ class FairwayIngress:
               out: _Output, stream: _Stream) -> dict:
         reason = out.finish_reason(last)
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if (tools := tool_answer(body, chat)) is not None:
+                message, reason = tools.message(text, reason)
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
             if call.logprobs is not None:
                 choice["logprobs"] = self._chat_logprobs(out.ids, out.lps)
         else:
@@ -692,15 +699,25 @@ class FairwayIngress:
                                           "choices": choices, **extra}) + "\n\n"
 
         offset = [0]  # a completion's text so far, for its tokens' text_offset
+        tools = tool_answer(body, chat)
 
-        def choice(c: TokenChunk, prefix: str = "", role: bool = False) -> dict[str, Any]:
+        def choice(c: TokenChunk, prefix: str = "", role: bool = False) -> dict[str, Any] | None:
+            """The event's choice; None when it has nothing to say (a required tool answer's middle)."""
             seen = len(out.ids)
             text = prefix + out.push(c)
             reason = out.finish_reason(c) if (c.finished or out.stopped) else None
             if chat:
-                delta: dict[str, Any] = {"content": text}
-                if role:
-                    delta["role"] = "assistant"
+                delta: dict[str, Any] | None
+                if tools is not None:
+                    delta, reason = tools.delta(text, role, reason)
+                    if delta is None:
+                        if call.logprobs is None and not body.return_token_ids:
+                            return None
+                        delta = {}
+                else:
+                    delta = {"content": text}
+                    if role:
+                        delta["role"] = "assistant"
                 ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
                 if call.logprobs is not None:
                     ch["logprobs"] = self._chat_logprobs(out.ids[seen:], out.lps[seen:])
@@ -717,12 +734,13 @@ class FairwayIngress:
 
         last = first
         try:
-            yield frame([choice(first, self._echo(call, body, chat), role=True)])
+            yield frame([choice(first, self._echo(call, body, chat), role=True) or {}])  # a first one always says
             stream.sent_first()  # the first event is written: the client has its first token
             if not out.stopped:
                 async for c in stream.rest():
                     last = c
-                    yield frame([choice(c)])
+                    if (ch := choice(c)) is not None:
+                        yield frame([ch])
                     if out.stopped:
                         break
             if out.stopped:
@@ -737,6 +755,12 @@ class FairwayIngress:
         if include_usage:
             yield frame([], usage=self._usage(first, last, out), fairway=self._fairway(first, last, stream))
         yield "data: [DONE]\n\n"
+
+
+def tool_answer(body: Any, chat: bool) -> ToolCallAnswer | None:
+    """The answer's tool calls when its ``tool_choice`` forced a call (router/tool_calls.py)."""
+    forced = body.forced_call() if chat else None
+    return ToolCallAnswer(forced) if forced is not None else None
 
 
 #: A token the engine sent no log probability for (it cannot happen with the shipped engines,

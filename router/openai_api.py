@@ -14,12 +14,17 @@ No parameter is silently ignored: a field the models do not name is a 400 naming
 penalties and ``logit_bias`` by the engine (vLLM natively; the text-less sim engine makes ``seed``
 deterministic and refuses the others unless they are their no-op values); ``user`` and
 ``prompt_cache_key`` are the session key; ``priority`` is the request class (a class name or an
-integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` and ``parallel_tool_calls``
-change no output and are accepted; ``response_format`` (JSON object or schema) becomes the call's
+integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` changes no output
+and is accepted; ``response_format`` (JSON object or schema) becomes the call's
 ``structured_output``, and ``logprobs`` / ``top_logprobs`` its ``logprobs`` (the top alternatives
 per output token; with ``echo``, the prompt's too), which vLLM honours and the sim engine
-refuses. Refused: tools, audio, stored completions, ``suffix``, ``n`` / ``best_of`` above 1
-(``REFUSED`` has each reason).
+refuses. ``tools`` reach the chat template; a ``tool_choice`` that forces a call (``required``, or
+a named function) constrains the output to the call's JSON (as vLLM's own server does without a
+tool-call parser; ``parallel_tool_calls`` false allows one call), which the ingress answers as
+``tool_calls`` (router/tool_calls.py); ``auto``,
+which needs a model-specific parser to find calls in free text, is refused by name. Refused:
+``auto`` tool choice, the deprecated ``functions``, audio, stored completions, ``suffix``, ``n`` /
+``best_of`` above 1 (``REFUSED`` has each reason).
 """
 
 from __future__ import annotations
@@ -49,7 +54,11 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the r
 #: Most stop strings / stop token ids per request (OpenAI allows 4 strings; vLLM any number).
 MAX_STOPS = 16
 
-NO_TOOLS = "tool and function calling is not supported by this server (no tool-call parser)"
+NO_FUNCTIONS = "the deprecated functions / function_call are not supported; send tools and tool_choice"
+NO_AUTO = ("tool_choice 'auto' (the default when tools are sent) is not supported: this server has no "
+           "model-specific parser to find tool calls in free text. Send tool_choice 'required' (the answer is "
+           "one or more calls of the tools), {\"type\": \"function\", \"function\": {\"name\": ...}} (a call of "
+           "that function), or 'none' (text only)")
 #: The most top alternatives per token a request may ask for (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS = 20
 #: A UTF-16 surrogate code point: JSON's "\ud800" escape decodes to one, which is no Unicode text
@@ -81,10 +90,8 @@ def check_text(v: Any) -> Any:
 REFUSED: dict[str, tuple[Any, str]] = {
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: not v, "insertion after a suffix is not supported"),
-    "tools": (lambda v: not v, NO_TOOLS),
-    "functions": (lambda v: not v, NO_TOOLS),
-    "tool_choice": (lambda v: v in (None, "none"), NO_TOOLS),
-    "function_call": (lambda v: v in (None, "none"), NO_TOOLS),
+    "functions": (lambda v: not v, NO_FUNCTIONS),
+    "function_call": (lambda v: v in (None, "none"), NO_FUNCTIONS),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
@@ -220,6 +227,10 @@ class _Common(_Text):
         """The output's constraint (``GenerateCall.structured_output``; None: free text)."""
         return None
 
+    def structured_output_param(self) -> str:
+        """The request parameter the output constraint came from (what an engine's refusal names)."""
+        return "response_format"
+
 
 #: ``CompletionRequest.prompt`` as ``_one_prompt`` accepts it: non-empty text or token ids (>= 0),
 #: or a batch of exactly one of either. (Token ids inside the vocabulary, and a prompt plus
@@ -277,16 +288,58 @@ class CompletionRequest(_Common):
         return v
 
 
+#: OpenAI's rule for a function's name
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDef(_Text):
+    """A tool's function: its name, what it does, and its arguments' JSON Schema."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON Schema (an object)")
+    strict: bool | None = Field(None, description="a forced call's arguments always follow the schema here")
+
+
+class Tool(_Text):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Text):
+    name: str
+
+
+class NamedToolChoice(_Text):
+    """``tool_choice`` naming one function: the answer is a call of it."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Text):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(_Text):
+    """A call an assistant message in the history made (the chat template renders it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Text):
-    """One chat message; text content only (a content part of another type is a 400), and tool
-    calls refused as the request's ``tools`` are. ``name`` and ``tool_call_id`` go to the chat
-    template, which renders them or not as the model's template does."""
+    """One chat message; text content only (a content part of another type is a 400). ``name``,
+    ``tool_call_id`` and an assistant's ``tool_calls`` go to the chat template, which renders them
+    or not as the model's template does."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
 
@@ -300,12 +353,19 @@ class ChatMessage(_Text):
                     raise ValueError(f"content parts of type {kind!r} are not supported; only text")
         return v
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_calls(cls, v: Any) -> Any:
+    def _no_function_call(cls, v: Any) -> Any:
         if v:
-            raise ValueError(NO_TOOLS)
+            raise ValueError(NO_FUNCTIONS)
         return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_by_assistant(cls, v: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return v or None
 
     @field_validator("refusal")
     @classmethod
@@ -327,6 +387,8 @@ class ChatMessage(_Text):
             out["name"] = self.name
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
 
 
@@ -353,6 +415,34 @@ def structured_output(response_format: dict[str, Any] | None) -> dict[str, Any] 
     raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
 
 
+def _params(fn: FunctionDef) -> dict[str, Any]:
+    """A function's arguments' schema; none means any JSON object (as vLLM's own server)."""
+    return fn.parameters or {"type": "object", "properties": {}}
+
+
+def calls_schema(tools: list[Tool], parallel: bool | None) -> dict[str, Any]:
+    """The JSON Schema of a ``required`` tool choice's answer, as vLLM's own server builds it
+    (vllm-project/vllm, vllm/tool_parsers/utils.py): a non-empty list of ``{"name", "parameters"}``
+    objects, each one of the tools (its name, its arguments' schema), at most one when
+    ``parallel_tool_calls`` is false; the tools' ``$defs`` merged at the top, where their
+    references point. A ``ValueError`` when two tools define one name differently. O(tools)."""
+    defs: dict[str, Any] = {}
+    each = []
+    for t in tools:
+        params = dict(_params(t.function))
+        for name, schema in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools define $defs {name!r} twice, differently")
+        each.append({"properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
+                     "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": each}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; the tokenizer's chat template renders ``messages``."""
 
@@ -364,11 +454,14 @@ class ChatCompletionRequest(_Common):
                                                    "\"json_object\", or \"json_schema\" with json_schema.name and "
                                                    ".schema: the output constrained to JSON (engines that sample "
                                                    "from logits, as vLLM; the sim engine refuses it)")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, description="functions the model may call; they reach the chat template")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, validate_default=True, description="required: the answer is one or more calls of the tools; a named "
+        "function: a call of it (both constrain the output to the call's JSON, on engines that sample from logits, "
+        "as vLLM); none: text. auto (the default with tools) is refused: no tool-call parser")
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="no effect without tools (which are refused)")
+    parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice answers one call")
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -408,9 +501,67 @@ class ChatCompletionRequest(_Common):
         structured_output(v)  # raises naming what is wrong
         return v
 
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[Tool] | None) -> list[Tool] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("tools must not be empty: send at least one tool, or omit the field")
+        names = [t.function.name for t in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools name a function twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | NamedToolChoice | None, info: ValidationInfo) -> str | NamedToolChoice:
+        tools = info.data.get("tools")
+        if v is None:
+            v = "auto" if tools else "none"
+        if v == "none":
+            return v
+        if not tools:
+            raise ValueError("tool_choice needs tools")
+        if v == "auto":
+            raise ValueError(NO_AUTO)
+        if isinstance(v, NamedToolChoice) and v.function.name not in (names := [t.function.name for t in tools]):
+            raise ValueError(f"tool_choice names function {v.function.name!r}, which is not in tools ({names})")
+        if structured_output(info.data.get("response_format")) is not None:
+            raise ValueError("a tool_choice that forces a call and a JSON response_format cannot both constrain the "
+                             "answer; send one of them")
+        calls_schema(tools, info.data.get("parallel_tool_calls"))  # raises naming a clash of $defs
+        return v
+
+    def forced_call(self) -> str | None:
+        """What the answer must be: ``"required"`` (one or more calls of the tools), a function's
+        name (a call of it), or None (text; ``tool_choice`` none)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return "required" if choice == "required" else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (None without)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def structured_output(self) -> dict[str, Any] | None:
-        """``response_format`` as the engine's output constraint (``GenerateCall.structured_output``)."""
-        return structured_output(self.response_format)
+        """The engine's output constraint (``GenerateCall.structured_output``): a forced tool
+        call's JSON Schema (``calls_schema``, or the named function's arguments), else
+        ``response_format``'s."""
+        forced = self.forced_call()
+        if forced is None:
+            return structured_output(self.response_format)
+        tools = self.tools or []
+        if forced == "required":
+            schema = calls_schema(tools, self.parallel_tool_calls)
+        else:
+            schema = _params(next(t.function for t in tools if t.function.name == forced))
+        return {"json": schema}
+
+    def structured_output_param(self) -> str:
+        """The request parameter the output constraint came from (what an engine's refusal names)."""
+        return "tool_choice" if self.forced_call() is not None else "response_format"
 
     @field_validator("messages")
     @classmethod

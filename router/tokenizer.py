@@ -151,15 +151,22 @@ class Tokenizer:
         self.check_within(text, limit)
         return self.encode(text)
 
-    def encode_chat_within(self, messages: list[dict[str, Any]], limit: int) -> list[int]:
-        """``encode_chat`` after ``check_within`` on the messages' text (their tokens are no more
-        than the templated prompt's)."""
-        if sum(len(m["content"]) for m in messages) > PREFIX_CHARS_PER_TOKEN * limit:  # else no prefix to check
-            self.check_within("\n".join(m["content"] for m in messages), limit)
-        return self.encode_chat(messages)
+    def encode_chat_within(self, messages: list[dict[str, Any]], limit: int,
+                           tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``encode_chat`` after ``check_within`` on the text the template renders (the messages'
+        text, their calls' arguments, the tools as JSON: their tokens are no more than the
+        templated prompt's)."""
+        texts = [m["content"] for m in messages]
+        texts += [c["function"]["arguments"] for m in messages for c in m.get("tool_calls", ())]
+        if tools:
+            texts.append(json.dumps(tools))
+        if sum(len(t) for t in texts) > PREFIX_CHARS_PER_TOKEN * limit:  # else no prefix to check
+            self.check_within("\n".join(texts), limit)
+        return self.encode_chat(messages, tools)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template's prompt for ``messages`` (and ``tools``, which templates render or not)."""
+        out = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return list(out)

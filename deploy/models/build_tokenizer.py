@@ -18,9 +18,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+#: Llama-3-style turns. With ``tools``, a first system turn lists them as JSON, one per line, and
+#: says how a call looks; an assistant turn's ``tool_calls`` follow its text in that form, and a
+#: tool's answer is a turn of role ``tool``. Without tools or calls it renders as before they existed.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "You may call these functions. A call is {\"name\": function name, \"parameters\": arguments}.\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"parameters\": {{ call['function']['arguments'] }}}"
+    "{% endfor %}{% endif %}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 

@@ -107,9 +107,17 @@ def check_sim_params(call: GenerateCall) -> None:
         raise UnsupportedParameter("logprobs is not supported by the sim engine (its tokens are not sampled "
                                    "from a distribution that has log probabilities); omit it", param="logprobs")
     if call.structured_output:
-        raise UnsupportedParameter("response_format json_object / json_schema is not supported by the sim engine "
-                                   "(its tokens are not sampled from logits a grammar could constrain); use "
-                                   "{\"type\": \"text\"} or a vLLM engine", param="response_format")
+        param = call.structured_output_param
+        what, instead = CONSTRAINTS.get(param, CONSTRAINTS["response_format"])
+        raise UnsupportedParameter(f"{what} is not supported by the sim engine (its tokens are not sampled from "
+                                   f"logits a grammar could constrain); use {instead} or a vLLM engine", param=param)
+
+
+#: An output constraint the sim engine refuses, by the parameter it came from: (what, what to send instead).
+CONSTRAINTS = {
+    "response_format": ("response_format json_object / json_schema", "{\"type\": \"text\"}"),
+    "tool_choice": ("a tool_choice that forces a call (required, or a named function)", "tool_choice \"none\""),
+}
 
 
 @dataclass(slots=True)

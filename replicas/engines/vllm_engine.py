@@ -80,6 +80,11 @@ from replicas.engines.kv_events import KvEventMirror
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
+#: ``AsyncEngineArgs`` fields that take one of vLLM's config objects (``vllm.config``), which a
+#: YAML config gives as a dict: the KV events, the KV connector (the offloader's options), and the
+#: structured outputs' backend (e.g. ``disable_any_whitespace``, which vLLM reads only there)
+CONFIG_ARGS = {"kv_events_config": "KVEventsConfig", "kv_transfer_config": "KVTransferConfig",
+               "structured_outputs_config": "StructuredOutputsConfig"}
 DEFAULT_CPU_KV_GB = 1.0  # when neither kv_cache_space_gb nor VLLM_CPU_KVCACHE_SPACE is given
 
 
@@ -282,14 +287,11 @@ class VllmEngine(Engine):
             self._structured = None
         self._client_errors = (VLLMClientError,)
         kwargs = self.build_engine_args(current_platform.is_cpu())
-        if isinstance(kwargs.get("kv_events_config"), dict):
-            from vllm.config import KVEventsConfig
+        import vllm.config
 
-            kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
-        if isinstance(kwargs.get("kv_transfer_config"), dict):  # from YAML (the offloader's options)
-            from vllm.config import KVTransferConfig
-
-            kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        for name, config_cls in CONFIG_ARGS.items():  # from YAML: dicts, which AsyncEngineArgs takes as objects
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = getattr(vllm.config, config_cls)(**kwargs[name])
         engine_args = AsyncEngineArgs(**kwargs)
         loggers = [_stat_logger_factory(self._on_scheduler_stats)]
 
@@ -416,7 +418,8 @@ class VllmEngine(Engine):
                     raise ValueError("this vLLM has no structured outputs")
                 kw["structured_outputs"] = self._structured(**call.structured_output)
             except refused as e:
-                raise UnsupportedParameter(f"vLLM refused the output constraint: {e}", param="response_format") from e
+                raise UnsupportedParameter(f"vLLM refused the output constraint: {e}",
+                                           param=call.structured_output_param) from e
         try:
             params = sampling_params_cls(**kw)
         except refused as e:  # e.g. a bias out of range

@@ -156,6 +156,38 @@ def test_response_format_json_schema_constrains_the_answer(url):
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
+UNIT = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["unit"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "temperature", "parameters": UNIT}},
+         {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}]
+
+
+def test_a_forced_tool_call_is_a_call_of_the_tools_schema(url):
+    """tool_choice required and a named function through the cluster: vLLM's grammar holds even
+    the tiny model's random weights to the tools' JSON, answered as OpenAI's tool_calls whose
+    arguments follow the schema."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the temperature?"}],
+            "max_tokens": 120, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "temperature": 0}
+    status, out, _ = post_json(f"{url}/v1/chat/completions", body, timeout=180,
+                               headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert (call["function"]["name"], args) in (("clock", {}), ("temperature", {"unit": "c"}),
+                                                ("temperature", {"unit": "f"}))
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "temperature"}}}
+    status, out, _ = post_json(f"{url}/v1/chat/completions", named, timeout=180,
+                               headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    (call,) = out["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "temperature" and json.loads(call["function"]["arguments"]) in (
+        {"unit": "c"}, {"unit": "f"})
+
+
 def test_logprobs_through_the_cluster(url):
     """Chat logprobs from vLLM through the replica's coalesced stream: one entry per counted token,
     each with the asked alternatives, most likely first, the greedy pick as likely as the first

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import requests
@@ -469,6 +469,65 @@ def _no_effect(server: Server, body: dict, chat: bool, stream: bool) -> None:
     assert (text, reason) == (WORDS, "length")
 
 
+def _tool_calls(r: requests.Response, stream: bool) -> tuple[list[dict], str | None, str | None]:
+    """(tool calls, content, finish reason) of a chat answer; a stream's deltas put together as
+    OpenAI's client does (by index: id, type and name once, arguments appended)."""
+    if not stream:
+        ch = r.json()["choices"][0]
+        return ch["message"].get("tool_calls") or [], ch["message"]["content"], ch["finish_reason"]
+    calls: dict[int, dict] = {}
+    content, reason = None, None
+    for ln in r.text.split("\n"):
+        if ln.startswith("data: {"):
+            for ch in json.loads(ln[6:])["choices"]:
+                if "content" in ch["delta"]:
+                    content = (content or "") + ch["delta"]["content"]
+                for d in ch["delta"].get("tool_calls", ()):
+                    c = calls.setdefault(d["index"], {"function": {"arguments": ""}})
+                    for k in ("id", "type"):
+                        if k in d:
+                            assert k not in c, f"{k} sent twice"
+                            c[k] = d[k]
+                    if "name" in d.get("function", {}):
+                        c["function"]["name"] = d["function"]["name"]
+                    c["function"]["arguments"] += d.get("function", {}).get("arguments", "")
+                reason = ch["finish_reason"] or reason
+    return [calls[i] for i in sorted(calls)], content, reason
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now"}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _tools_in_prompt(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """The tools reached the chat template (their JSON is in the prompt) and the answer is text."""
+    prompt = server.ingress.tokenizer.decode(server.replicas.calls[-1].prompt_token_ids)
+    assert json.dumps(TOOLS[0]) in prompt and server.replicas.calls[-1].structured_output is None
+    _no_effect(server, body, chat, stream)
+
+
+def _named_call(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """The output is constrained to the named function's arguments and answered as its call."""
+    assert server.replicas.calls[-1].structured_output == {"json": WEATHER}
+    assert server.replicas.calls[-1].structured_output_param == "tool_choice"
+    calls, content, reason = _tool_calls(post(server, "/v1/chat/completions", {**body, "stream": stream}), stream)
+    assert [(c["type"], c["function"]) for c in calls] == [("function", {"name": "get_weather", "arguments": WORDS})]
+    assert calls[0]["id"].startswith("call_") and content is None and reason == "length"
+
+
+class Needs(NamedTuple):
+    """A field refused alone (a 400 naming ``param``, saying ``why``) that is honoured with
+    ``extra`` fields (then checked by ``then``)."""
+
+    param: str
+    why: str
+    extra: dict
+    then: Callable[[Server, dict, bool, bool], None]
+
+
 REFUSE = "400"
 YES_NO = {"type": "string", "enum": ["yes", "no"]}
 STREAM_ONLY = "stream only"  # 200 with stream=True, a 400 naming the field with stream=False
@@ -507,7 +566,9 @@ CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
         "top_logprobs": (2, REFUSE),  # alone: it needs logprobs: true (test_logprobs_* below)
         "response_format": ({"type": "json_schema", "json_schema": {"name": "yn", "schema": YES_NO}},
                             _call_has(structured_output={"json": YES_NO})),
-        "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE), "tool_choice": ("auto", REFUSE),
+        # alone, tools default tool_choice to auto, which needs a tool-call parser: refused by name
+        "tools": (TOOLS, Needs("tool_choice", "tool_choice 'auto'", {"tool_choice": "none"}, _tools_in_prompt)),
+        "tool_choice": (NAMED, Needs("tool_choice", "tool_choice needs tools", {"tools": TOOLS}, _named_call)),
         "functions": ([{"name": "f"}], REFUSE), "function_call": ("auto", REFUSE),
         "parallel_tool_calls": (False, _no_effect), "audio": ({"voice": "alloy", "format": "wav"}, REFUSE),
         "modalities": (["text", "audio"], REFUSE), "prediction": ({"type": "content", "content": "x"}, REFUSE),
@@ -611,6 +672,11 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
     try:
         for name, (value, expect) in table.items():
             body = {**base, name: value}
+            if isinstance(expect, Needs):
+                r = post(server, path, body)
+                assert_clear_error(r, 400, expect.why)
+                assert r.json()["error"]["param"] == expect.param
+                body, expect = {**body, **expect.extra}, expect.then
             if expect == REFUSE:
                 r = post(server, path, body)
                 assert_clear_error(r, 400, name)
@@ -708,6 +774,12 @@ def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
         r = post(srv, "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
         assert_clear_error(r, 400, "json_object / json_schema is not supported by the sim engine")
         assert r.json()["error"]["param"] == "response_format"
+        r = post(srv, "/v1/chat/completions", {**chat, "tools": TOOLS, "tool_choice": "required"})
+        assert_clear_error(r, 400, "a tool_choice that forces a call (required, or a named function) is not "
+                                   "supported by the sim engine")
+        assert r.json()["error"]["param"] == "tool_choice"
+        r = post(srv, "/v1/chat/completions", {**chat, "tools": TOOLS, "tool_choice": "none"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
         r = post(srv, "/v1/chat/completions", {**chat, "logprobs": True})
         assert_clear_error(r, 400, "logprobs is not supported by the sim engine")
         assert r.json()["error"]["param"] == "logprobs"
@@ -732,17 +804,101 @@ def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
         server.replicas.script = []
 
 
-def test_chat_content_parts_other_than_text_and_tool_calls_in_history_are_refused(server):
+def test_chat_content_parts_other_than_text_and_malformed_tool_calls_in_history_are_refused(server):
     base = {"model": MODEL, "max_tokens": 2}
     image = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
     assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": image}]}),
                        400, "'image_url' are not supported")
     calls = [{"role": "user", "content": "hi"},
              {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]
-    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": calls}), 400, "tool_calls")
+    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": calls}), 400,
+                       "messages.1.tool_calls.0.function: Field required")
+    by_user = [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert_clear_error(post(server, "/v1/chat/completions", {**base, "messages": by_user}), 400,
+                       "only an assistant message has tool_calls")
     ok = [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
           {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": None}]
     assert post(server, "/v1/chat/completions", {**base, "messages": ok}).status_code == 200
+
+
+def test_a_conversation_with_tool_calls_reaches_the_chat_template_whole(server):
+    """An agent's history (the assistant's calls, the tools' answers) and the tools are what the
+    template renders: the call's prompt is the template's, with each call's JSON in it."""
+    tok = server.ingress.tokenizer
+    args = '{"city": "Paris"}'
+    messages = [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": messages,
+                                              "tools": TOOLS, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    want = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": messages[1]["tool_calls"]},
+            {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}]
+    ids = server.replicas.calls[-1].prompt_token_ids
+    assert ids == tok.encode_chat(want, TOOLS)
+    prompt = tok.decode(ids)
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in prompt and "sunny, 21 C" in prompt
+    assert prompt.index(json.dumps(TOOLS[1])) < prompt.index("weather in Paris?")  # tools first: a shared prefix
+
+
+def test_a_forced_tool_call_is_answered_as_tool_calls_whole_and_streamed(server):
+    """tool_choice required: the output is constrained to a list of calls (vLLM's schema) and
+    answered as OpenAI's tool_calls, finish "tool_calls"; cut short, it is answered as the text
+    it is, with its own finish reason, never as a made-up call. A named function streams its
+    arguments as they come (covered by the parameter matrix)."""
+    tok = server.ingress.tokenizer
+    out = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {}}]'
+    ids = tok.encode(out)
+    server.replicas.script = ids + [tok.eos_token_id]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+            "tool_choice": "required", "max_tokens": 200, "stop_token_ids": [tok.eos_token_id]}
+    try:
+        for stream in (False, True):
+            r = post(server, "/v1/chat/completions", {**body, "stream": stream})
+            assert r.status_code == 200, r.text
+            calls, content, reason = _tool_calls(r, stream)
+            assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                                                      {"name": "now", "arguments": "{}"}]
+            assert len({c["id"] for c in calls}) == 2 and (content, reason) == (None, "tool_calls")
+        schema = server.replicas.calls[-1].structured_output["json"]
+        assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+        assert [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+        assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER
+        assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+        post(server, "/v1/chat/completions", {**body, "parallel_tool_calls": False})
+        assert server.replicas.calls[-1].structured_output["json"]["maxItems"] == 1
+        for stream in (False, True):  # cut short by max_tokens: the text as it is
+            r = post(server, "/v1/chat/completions", {**body, "max_tokens": 5, "stream": stream})
+            calls, content, reason = _tool_calls(r, stream)
+            assert (calls, content, reason) == ([], tok.decode(ids[:5]), "length")
+    finally:
+        server.replicas.script = []
+
+
+def test_tools_and_tool_choice_that_cannot_work_are_a_400_naming_the_problem(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    defs = {"$defs": {"c": {"type": "string"}}, "type": "object"}
+    for extra, param, why in (
+            ({"tools": []}, "tools", "tools must not be empty"),
+            ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "name a function twice"),
+            ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type", "'function'"),
+            ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "pattern"),
+            ({"tools": TOOLS}, "tool_choice", "tool_choice 'auto' (the default when tools are sent)"),
+            ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "no model-specific parser"),
+            ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+             "names function 'f', which is not in tools (['get_weather', 'now'])"),
+            ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+             "cannot both constrain the answer"),
+            ({"tools": [{"type": "function", "function": {"name": "a", "parameters": defs}},
+                        {"type": "function", "function": {"name": "b", "parameters": {**defs, "$defs": {"c": {}}}}}],
+              "tool_choice": "required"}, "tool_choice", "define $defs 'c' twice")):
+        r = post(server, "/v1/chat/completions", {**chat, **extra})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"] == param, r.json()
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -817,8 +973,8 @@ def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeyp
         ({"model": MODEL, "prompt": [5] * 10, "max_tokens": 10**6}, "too_long"),
         ({"model": MODEL, "prompt": "x " * 40_000}, "body_too_large"),
     ]
-    chat_cases = [({**chat, "messages": []}, "bad_request"), ({**chat, "tools": [{"type": "function"}]},
-                                                              "unsupported_parameter"),
+    chat_cases = [({**chat, "messages": []}, "bad_request"), ({**chat, "tools": TOOLS}, "unsupported_parameter"),
+                  ({**chat, "tools": [{"type": "function"}]}, "bad_request"),
                   ({**chat, "messages": [{"role": "user", "content": "hi"}] * 9}, "bad_request")]
     for path, group in (("/v1/completions", cases), ("/v1/chat/completions", chat_cases)):
         for body, reason in group:

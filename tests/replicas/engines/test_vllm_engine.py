@@ -453,6 +453,10 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     with pytest.raises(UnsupportedParameter, match="no structured outputs") as refused:
         asyncio.run(run(call))  # a vLLM without them: refused by name
     assert refused.value.param == "response_format"
+    call.structured_output_param = "tool_choice"  # a forced tool call's JSON: its refusal names tool_choice
+    with pytest.raises(UnsupportedParameter, match="no structured outputs") as refused:
+        asyncio.run(run(call))
+    assert refused.value.param == "tool_choice"
     eng._structured = lambda **kw: ("structured", kw)
     assert asyncio.run(run(call)) == [7, 8]
     assert seen[-1]["structured_outputs"] == ("structured", {"json": {"type": "object"}})
