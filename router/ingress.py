@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,6 +62,7 @@ from router.hold import HoldArgs, Holder, HoldRefused
 from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
     DEFAULT_MAX_TOKENS,
+    NO_AUTO,
     REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,7 +72,7 @@ from router.openai_api import (
     now_s,
 )
 from router.tokenizer import TooManyTokens, utf8_len_over
-from router.tool_calls import ToolCallAnswer
+from router.tool_calls import AUTO, ToolCallAnswer
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -220,6 +221,10 @@ class ServedModel(BaseModel):
     tokenizer: str = Field("deploy/models/fairway-tiny", description="tokenizer path or hub name")
     max_model_len: int = Field(32768, ge=16)
     block_size: int = Field(16, ge=1)
+    tool_call_parser: Literal["llama3_json"] | None = Field(
+        None, description="how the model writes a tool call in free text (vLLM's parser names; router/tool_calls.py): "
+        "llama3_json, Llama 3's JSON calls (what deploy/models/fairway-tiny's template asks for); without one, "
+        "tool_choice auto is refused")
 
 
 class IngressArgs(ServedModel):
@@ -429,6 +434,9 @@ class FairwayIngress:
             if len(body.messages) > cap:
                 raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}",
                                 reason="bad_request")
+            if body.tool_choice == AUTO and self.args.tool_call_parser is None:
+                raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
+                                param="tool_choice")
             messages = [m.for_template() for m in body.messages]
             self._check_text_bytes("".join(m["content"] for m in messages))
             ids = await self._tokenized(functools.partial(self.tokenizer.encode_chat_within,
@@ -758,9 +766,9 @@ class FairwayIngress:
 
 
 def tool_answer(body: Any, chat: bool) -> ToolCallAnswer | None:
-    """The answer's tool calls when its ``tool_choice`` forced a call (router/tool_calls.py)."""
-    forced = body.forced_call() if chat else None
-    return ToolCallAnswer(forced) if forced is not None else None
+    """The answer's tool calls, when its ``tool_choice`` is not none (router/tool_calls.py)."""
+    mode = body.tool_mode() if chat else None
+    return ToolCallAnswer(*mode) if mode is not None else None
 
 
 #: A token the engine sent no log probability for (it cannot happen with the shipped engines,

@@ -21,9 +21,9 @@ per output token; with ``echo``, the prompt's too), which vLLM honours and the s
 refuses. ``tools`` reach the chat template; a ``tool_choice`` that forces a call (``required``, or
 a named function) constrains the output to the call's JSON (as vLLM's own server does without a
 tool-call parser; ``parallel_tool_calls`` false allows one call), which the ingress answers as
-``tool_calls`` (router/tool_calls.py); ``auto``,
-which needs a model-specific parser to find calls in free text, is refused by name. Refused:
-``auto`` tool choice, the deprecated ``functions``, audio, stored completions, ``suffix``, ``n`` /
+``tool_calls`` (router/tool_calls.py); ``auto`` needs the cluster's ``tool_call_parser`` to find
+calls in the model's free text, and is refused by name without one. Refused: the deprecated
+``functions``, audio, stored completions, ``suffix``, ``n`` /
 ``best_of`` above 1 (``REFUSED`` has each reason).
 """
 
@@ -48,6 +48,8 @@ from pydantic import (
     model_validator,
 )
 
+from router.tool_calls import AUTO, NAMED, REQUIRED
+
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
 
 
@@ -55,10 +57,10 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the r
 MAX_STOPS = 16
 
 NO_FUNCTIONS = "the deprecated functions / function_call are not supported; send tools and tool_choice"
-NO_AUTO = ("tool_choice 'auto' (the default when tools are sent) is not supported: this server has no "
-           "model-specific parser to find tool calls in free text. Send tool_choice 'required' (the answer is "
-           "one or more calls of the tools), {\"type\": \"function\", \"function\": {\"name\": ...}} (a call of "
-           "that function), or 'none' (text only)")
+NO_AUTO = ("tool_choice 'auto' (the default when tools are sent) is not supported here: this cluster has no "
+           "tool_call_parser configured to find tool calls in the model's free text. Send tool_choice 'required' "
+           "(the answer is one or more calls of the tools), {\"type\": \"function\", \"function\": {\"name\": "
+           "...}} (a call of that function), or 'none' (text only)")
 #: The most top alternatives per token a request may ask for (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS = 20
 #: A UTF-16 surrogate code point: JSON's "\ud800" escape decodes to one, which is no Unicode text
@@ -458,7 +460,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, validate_default=True, description="required: the answer is one or more calls of the tools; a named "
         "function: a call of it (both constrain the output to the call's JSON, on engines that sample from logits, "
-        "as vLLM); none: text. auto (the default with tools) is refused: no tool-call parser")
+        "as vLLM); none: text; auto (the default with tools): the model chooses, its calls found by the "
+        "cluster's tool_call_parser (a 400 where none is configured)")
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: a required tool choice answers one call")
@@ -523,23 +526,24 @@ class ChatCompletionRequest(_Common):
             return v
         if not tools:
             raise ValueError("tool_choice needs tools")
-        if v == "auto":
-            raise ValueError(NO_AUTO)
+        if structured_output(info.data.get("response_format")) is not None:
+            raise ValueError("a tool_choice other than none and a JSON response_format cannot both shape the "
+                             "answer; send one of them")
+        if v == "auto":  # the ingress refuses it where no tool_call_parser is configured
+            return v
         if isinstance(v, NamedToolChoice) and v.function.name not in (names := [t.function.name for t in tools]):
             raise ValueError(f"tool_choice names function {v.function.name!r}, which is not in tools ({names})")
-        if structured_output(info.data.get("response_format")) is not None:
-            raise ValueError("a tool_choice that forces a call and a JSON response_format cannot both constrain the "
-                             "answer; send one of them")
         calls_schema(tools, info.data.get("parallel_tool_calls"))  # raises naming a clash of $defs
         return v
 
-    def forced_call(self) -> str | None:
-        """What the answer must be: ``"required"`` (one or more calls of the tools), a function's
-        name (a call of it), or None (text; ``tool_choice`` none)."""
+    def tool_mode(self) -> tuple[str, str] | None:
+        """How the answer's tool calls come (router/tool_calls.py): (NAMED, the function) and
+        (REQUIRED, "") constrain the output to the call's JSON; (AUTO, "") leaves the model to
+        choose and the tool-call parser to find its calls; None (tool_choice none): text."""
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
-            return choice.function.name
-        return "required" if choice == "required" else None
+            return NAMED, choice.function.name
+        return (choice, "") if choice in (REQUIRED, AUTO) else None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template reads them (None without)."""
@@ -549,19 +553,18 @@ class ChatCompletionRequest(_Common):
         """The engine's output constraint (``GenerateCall.structured_output``): a forced tool
         call's JSON Schema (``calls_schema``, or the named function's arguments), else
         ``response_format``'s."""
-        forced = self.forced_call()
-        if forced is None:
+        mode = self.tool_mode()
+        if mode is None or mode[0] == AUTO:
             return structured_output(self.response_format)
         tools = self.tools or []
-        if forced == "required":
-            schema = calls_schema(tools, self.parallel_tool_calls)
-        else:
-            schema = _params(next(t.function for t in tools if t.function.name == forced))
-        return {"json": schema}
+        if mode[0] == REQUIRED:
+            return {"json": calls_schema(tools, self.parallel_tool_calls)}
+        return {"json": _params(next(t.function for t in tools if t.function.name == mode[1]))}
 
     def structured_output_param(self) -> str:
         """The request parameter the output constraint came from (what an engine's refusal names)."""
-        return "tool_choice" if self.forced_call() is not None else "response_format"
+        mode = self.tool_mode()
+        return "tool_choice" if mode is not None and mode[0] != AUTO else "response_format"
 
     @field_validator("messages")
     @classmethod

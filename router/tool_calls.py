@@ -1,13 +1,22 @@
-"""A chat answer that a forced ``tool_choice`` constrained to a call's JSON, written as OpenAI's
-``tool_calls``, whole and streamed.
+"""A chat answer's tool calls, written as OpenAI's ``tool_calls``, whole and streamed.
 
-The engine's output is the call's JSON (``ChatCompletionRequest.structured_output``): for a named
-function, its arguments; for ``required``, a list of ``{"name", "parameters"}`` objects. A named
-call streams as it is generated: its id and name in the first event, its arguments in pieces, as
-OpenAI's and vLLM's streams send them. A ``required`` answer is parsed once it is whole and its
-calls go in the last event: a call's name and arguments are not known before its JSON ends.
-An output cut short (``length``, or a stop the client set) that is not a whole list of calls is
-answered as text with its finish reason, never as a made-up call.
+Three kinds of answer (``ToolCallAnswer.mode``):
+- a named function (``tool_choice`` names it): the engine's output is constrained to the
+  function's arguments (``ChatCompletionRequest.structured_output``); it streams as it is
+  generated, its id and name in the first event, its arguments in pieces, as OpenAI's and vLLM's
+  streams send them;
+- ``REQUIRED``: the output is constrained to a JSON list of ``{"name", "parameters"}`` objects;
+- ``AUTO``: free text that the cluster's tool-call parser reads (``PARSERS``). The only parser
+  is ``llama3_json``, the format of Llama 3.x's JSON tool calling (vLLM's parser of that name,
+  vllm-project/vllm, vllm/tool_parsers/llama_tool_parser.py): an answer that is one or more
+  ``{"name": ..., "parameters": ...}`` objects (``"arguments"`` accepted for ``"parameters"``)
+  separated by ``;``. Here an answer is calls only when it starts with ``{`` and is calls
+  whole, on a stream as on a whole answer (vLLM's whole answers also look for objects after
+  text, its streams do not).
+A required or auto answer that turns out to be calls is sent in the last event: a call's name and
+arguments are known once its JSON ends. An auto answer that starts with anything else streams as
+text from its first character. An output cut short (``length``, or a stop the client set) that is
+not whole calls is answered as the text it is, with its finish reason, never as a made-up call.
 """
 
 from __future__ import annotations
@@ -17,48 +26,84 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-#: ``forced`` of an answer that is one or more calls of any of the tools
+#: ``mode`` of an answer that is a call of the function the request named (``name``)
+NAMED = "named"
+#: ``mode`` of an answer that is one or more calls of any of the tools (constrained to them)
 REQUIRED = "required"
+#: ``mode`` of an answer whose calls, if any, the tool-call parser finds in free text
+AUTO = "auto"
+#: The tool-call parsers a cluster may name (``tool_call_parser``), by vLLM's names
+PARSERS = ("llama3_json",)
+_DECODER = json.JSONDecoder()
 
 
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_calls(text: str) -> list[dict[str, Any]] | None:
-    """``text`` as a ``required`` answer's calls in OpenAI's shape (arguments as a JSON text),
-    or None when it is not a whole, non-empty list of ``{"name", "parameters"}`` objects.
-    O(len(text))."""
+def as_call(obj: Any) -> dict[str, Any] | None:
+    """``{"name", "parameters" or "arguments"}`` as an OpenAI tool call, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj["parameters"] if "parameters" in obj else obj.get("arguments")
+    if not isinstance(args, dict):
+        return None
+    return {"id": call_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def parse_required(text: str) -> list[dict[str, Any]] | None:
+    """A ``required`` answer's calls, or None when ``text`` is not a whole, non-empty JSON list of
+    calls. O(len(text))."""
     try:
         items = json.loads(text)
     except ValueError:
         return None
     if not isinstance(items, list) or not items:
         return None
-    calls = []
-    for it in items:
-        if not (isinstance(it, dict) and isinstance(it.get("name"), str) and "parameters" in it):
+    calls = [as_call(it) for it in items]
+    return None if None in calls else calls  # type: ignore[return-value]
+
+
+def parse_llama3_json(text: str) -> list[dict[str, Any]] | None:
+    """An auto answer's calls in Llama 3's JSON format (module docstring), or None when ``text``
+    is not calls whole. O(len(text))."""
+    at, n, calls = 0, len(text), []
+    while True:
+        while at < n and (text[at].isspace() or (text[at] == ";" and calls)):
+            at += 1
+        if at == n:
+            return calls or None
+        if text[at] != "{":
             return None
-        calls.append({"id": call_id(), "type": "function",
-                      "function": {"name": it["name"], "arguments": json.dumps(it["parameters"], ensure_ascii=False)}})
-    return calls
+        try:
+            obj, at = _DECODER.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = as_call(obj)
+        if call is None:
+            return None
+        calls.append(call)
 
 
 @dataclass(slots=True)
 class ToolCallAnswer:
-    """One answer's tool calls. ``forced``: ``REQUIRED``, or the function the request named.
-    O(output) per answer: a streamed ``required`` answer keeps its text until its end."""
+    """One answer's tool calls. ``mode``: ``NAMED`` (a call of ``name``), ``REQUIRED`` or
+    ``AUTO``. O(output) per answer: a streamed required answer, or an auto one that starts with
+    ``{``, keeps its text until its end."""
 
-    forced: str
+    mode: str
+    name: str = ""  # the named function
     id: str = field(default_factory=call_id)  # a named call's id, the same in every event
-    parts: list[str] = field(default_factory=list)  # a streamed required answer's text so far
+    parts: list[str] = field(default_factory=list)  # a streamed answer's text held so far
+    text: bool = False  # an auto answer found to be text: it streams as content
 
     def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
-        """A whole answer's message and finish reason: "tool_calls" for a required answer's
-        calls (a named call keeps its own, as OpenAI's API answers)."""
-        if self.forced != REQUIRED:
+        """A whole answer's message and finish reason: "tool_calls" for calls that the model
+        ended (a named call keeps its own, as OpenAI's API answers)."""
+        if self.mode == NAMED:
             return {"role": "assistant", "content": None, "tool_calls": [self._named(text)]}, reason
-        calls = parse_calls(text)
+        calls = self._parse(text)
         if calls is None:
             return {"role": "assistant", "content": text}, reason
         return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if reason == "stop"
@@ -66,23 +111,35 @@ class ToolCallAnswer:
 
     def delta(self, text: str, first: bool, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """A stream event's delta and finish reason for the output's next ``text`` (``reason``
-        set on the last event); None when the event has nothing to say (a required answer's
-        middle, which the caller sends only to carry log probabilities)."""
+        set on the last event); None when the event has nothing to say (held text, which the
+        caller sends only to carry log probabilities)."""
         out: dict[str, Any] = {"role": "assistant"} if first else {}
-        if self.forced != REQUIRED:
+        if self.mode == NAMED:
             call = self._named(text) if first else {"function": {"arguments": text}}
             out["tool_calls"] = [{"index": 0, **call}]
             return out, reason
+        if self.text:
+            out["content"] = text
+            return out, reason
         self.parts.append(text)
+        if self.mode == AUTO:
+            held = "".join(self.parts)
+            if held.strip() and not held.lstrip().startswith("{"):  # text: all of it goes now
+                self.text, self.parts = True, []
+                out["content"] = held
+                return out, reason
         if reason is None:
             return out or None, None
         whole = "".join(self.parts)
-        calls = parse_calls(whole)
+        calls = self._parse(whole)
         if calls is None:
             out["content"] = whole
             return out, reason
         out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         return out, ("tool_calls" if reason == "stop" else reason)
 
+    def _parse(self, text: str) -> list[dict[str, Any]] | None:
+        return parse_required(text) if self.mode == REQUIRED else parse_llama3_json(text)
+
     def _named(self, arguments: str) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.forced, "arguments": arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}

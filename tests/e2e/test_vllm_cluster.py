@@ -186,6 +186,14 @@ def test_a_forced_tool_call_is_a_call_of_the_tools_schema(url):
     (call,) = out["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "temperature" and json.loads(call["function"]["arguments"]) in (
         {"unit": "c"}, {"unit": "f"})
+    # tool_choice auto (the default with tools; the config's tool_call_parser is llama3_json): the
+    # output is free, and the answer is calls or text, never both
+    auto = {k: v for k, v in body.items() if k != "tool_choice"} | {"max_tokens": 8}
+    status, out, _ = post_json(f"{url}/v1/chat/completions", auto, timeout=180,
+                               headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    message = out["choices"][0]["message"]
+    assert (message["content"] is None) == bool(message.get("tool_calls")), message
 
 
 def test_logprobs_through_the_cluster(url):

@@ -878,6 +878,40 @@ def test_a_forced_tool_call_is_answered_as_tool_calls_whole_and_streamed(server)
         server.replicas.script = []
 
 
+def test_auto_tool_choice_answers_the_calls_the_parser_finds_or_the_text(server, monkeypatch):
+    """With a tool-call parser (llama3_json), tool_choice auto leaves the output free and answers
+    Llama 3's JSON calls as tool_calls (several separated by ";", "arguments" for "parameters"),
+    finish "tool_calls"; anything else, or calls cut short, is the text it is, and a text answer
+    streams as content from its first event."""
+    tok = server.ingress.tokenizer
+    monkeypatch.setattr(server.ingress.args, "tool_call_parser", "llama3_json")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 300,
+            "stop_token_ids": [tok.eos_token_id]}
+    calls = ' {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "arguments": {}}'
+    want = [{"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "now", "arguments": "{}"}]
+    try:
+        for text, tool_calls, reason in ((calls, want, "tool_calls"), (WORDS, [], "stop"),
+                                         (' {"name": "now"} and more', [], "stop"), (" {not json", [], "stop")):
+            server.replicas.script = tok.encode(text) + [tok.eos_token_id]
+            for stream in (False, True):
+                r = post(server, "/v1/chat/completions", {**body, "stream": stream})
+                assert r.status_code == 200, r.text
+                assert server.replicas.calls[-1].structured_output is None  # the model chooses freely
+                got, content, why = _tool_calls(r, stream)
+                assert ([c["function"] for c in got], content, why) == (
+                    tool_calls, None if tool_calls else text, reason), (text, stream)
+        server.replicas.script = tok.encode(WORDS)  # text streams as it comes, not held to the end
+        r = post(server, "/v1/chat/completions", {**body, "stream": True, "max_tokens": len(tok.encode(WORDS))})
+        deltas = [ch["delta"] for ln in r.text.split("\n") if ln.startswith("data: {")
+                  for ch in json.loads(ln[6:])["choices"]]
+        assert deltas[0] == {"role": "assistant", "content": tok.decode(tok.encode(WORDS)[:1])}
+        server.replicas.script = tok.encode(calls)  # calls cut short by max_tokens: the text, "length"
+        got, content, why = _tool_calls(post(server, "/v1/chat/completions", {**body, "max_tokens": 6}), False)
+        assert (got, content, why) == ([], tok.decode(tok.encode(calls)[:6]), "length")
+    finally:
+        server.replicas.script = []
+
+
 def test_tools_and_tool_choice_that_cannot_work_are_a_400_naming_the_problem(server):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     defs = {"$defs": {"c": {"type": "string"}}, "type": "object"}
@@ -887,12 +921,14 @@ def test_tools_and_tool_choice_that_cannot_work_are_a_400_naming_the_problem(ser
             ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type", "'function'"),
             ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", "pattern"),
             ({"tools": TOOLS}, "tool_choice", "tool_choice 'auto' (the default when tools are sent)"),
-            ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "no model-specific parser"),
+            ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "no tool_call_parser configured"),
+            ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice",
+             "other than none and a JSON response_format"),
             ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
             ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
              "names function 'f', which is not in tools (['get_weather', 'now'])"),
             ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-             "cannot both constrain the answer"),
+             "cannot both shape the answer"),
             ({"tools": [{"type": "function", "function": {"name": "a", "parameters": defs}},
                         {"type": "function", "function": {"name": "b", "parameters": {**defs, "$defs": {"c": {}}}}}],
               "tool_choice": "required"}, "tool_choice", "define $defs 'c' twice")):
