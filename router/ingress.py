@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -414,16 +414,20 @@ class FairwayIngress:
         try:
             self._check_model(body.model)
             priority_class = self._class_of(body, request)
-            if isinstance(body.prompt, list):
-                ids = body.prompt
-            else:
-                self._check_text_bytes(body.prompt)
-                ids = await self._tokenized(self.tokenizer.encode_within, body.prompt)
-            call = self._call(body, list(ids), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
-                              session_of(body, request), received_at(request), priority_class)
+            prompts = body.prompts()
+            self._check_choices(len(prompts), body.n)
+            for p in prompts:
+                if isinstance(p, str):
+                    self._check_text_bytes(p)
+            ids = [p if isinstance(p, list) else await self._tokenized(self.tokenizer.encode_within, p)
+                   for p in prompts]
+            calls = [self._call(body, list(x), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
+                                session_of(body, request), received_at(request), priority_class) for x in ids]
+            echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else "" for p in prompts]
         except HTTPError as e:
             return self._rejected(e)
-        return await self._respond(call, body, chat=False, request=request)
+        return await self._respond(self._answers(calls, body, chat=False, echoes=echoes), body, chat=False,
+                                   request=request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request | None = None) -> Any:
         self._watch_loop()
@@ -444,11 +448,33 @@ class FairwayIngress:
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
                 max_tokens = max(1, self.args.max_model_len - len(ids))
+            self._check_choices(1, body.n)
             call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
                               received_at(request), priority_class)
         except HTTPError as e:
             return self._rejected(e)
-        return await self._respond(call, body, chat=True, request=request)
+        return await self._respond(self._answers([call], body, chat=True), body, chat=True, request=request)
+
+    def _check_choices(self, prompts: int, n: int) -> None:
+        """400 when the request's choices (prompts x n) are over ``limits.max_choices``."""
+        cap = self.args.limits.max_choices
+        if prompts * n > cap:
+            raise HTTPError(400, f"too many choices: {prompts} prompt(s) x n={n} = {prompts * n}; the limit is {cap} "
+                                 "(limits.max_choices)", reason="bad_request", param="n")
+
+    def _answers(self, calls: list[GenerateCall], body: Any, chat: bool, echoes: list[str] | None = None
+                 ) -> list[_Answer]:
+        """Each prompt's ``n`` choices (index prompt x n + i), each its own call: the prompt's,
+        and for i > 0 a copy with its own request id and, with a seed, seed + i (as vLLM seeds a
+        prompt's choices). O(prompts x n)."""
+        n = body.n
+        out = []
+        for k, call in enumerate(calls):
+            for i in range(n):
+                c = call if i == 0 else dataclasses.replace(
+                    call, request_id=new_id("req"), seed=None if call.seed is None else call.seed + i)
+                out.append(_Answer(self, c, k * n + i, body, chat, echoes[k] if echoes else ""))
+        return out
 
     def _check_text_bytes(self, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in
@@ -549,31 +575,59 @@ class FairwayIngress:
             stream.close()
             raise
 
-    async def _respond(self, call: GenerateCall, body: Any, chat: bool, request: Request | None = None) -> Any:
-        if self.stats is not None and call.received_s:
-            self.stats.observe_ingress(call.arrival_s - call.received_s)
-        stream: _Stream | None = None
-        out = _Output(self.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
-        streaming = False  # the streaming response owns the call from its first frame on
+    async def _respond(self, answers: list[_Answer], body: Any, chat: bool, request: Request | None = None) -> Any:
+        """Send the answers' calls and answer them: one JSON body, or a stream (``_sse``). A
+        request with several choices (``n``, a batch of prompts) sends each as its own call, all
+        at once; one's failure ends the others (``_all``)."""
+        if self.stats is not None:
+            for a in answers:
+                if a.call.received_s:
+                    self.stats.observe_ingress(a.call.arrival_s - a.call.received_s)
+        streaming = False  # the streaming response owns the calls from its first frame on
         try:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
             # at once when the client goes away; a stream's own disconnects are seen by the
             # streaming response
-            stream, first = await self._sent(call, request, sent=not body.stream)
+            await self._all(answers, functools.partial(self._first_of, request=request, sent=not body.stream))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
-                return StreamingResponse(self._sse(stream, first, out, body, call, chat, include_usage),
+                return StreamingResponse(self._sse(answers, body, chat, include_usage),
                                          media_type="text/event-stream")
-            text, last = await unless_gone(request, self._collect(stream, first, out))
+            await unless_gone(request, self._all(answers, self._collected))
         except HTTPError as e:
-            return self._rejected(e, call.priority_class)
+            return self._rejected(e, answers[0].call.priority_class)
         except ClientGone:
-            return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it; the call was cancelled
+            return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it; the calls were cancelled
         finally:
-            if not streaming and stream is not None:
-                stream.close()  # unfinished (its client left, or it failed): stop the replica's work
-        return JSONResponse(self._full(call, body, chat, text, first, last, out, stream))
+            if not streaming:
+                for a in answers:  # unfinished (its client left, or it failed): stop the replica's work
+                    if a.stream is not None:
+                        a.stream.close()
+        return JSONResponse(self._full(answers, body, chat))
+
+    @staticmethod
+    async def _all(answers: list[_Answer], step: Callable[[_Answer], Awaitable[None]]) -> None:
+        """``step`` for every answer, at once; when one fails (or this is cancelled) the others
+        are cancelled, and the failure raised. One answer: no task. O(answers)."""
+        if len(answers) == 1:
+            await step(answers[0])
+            return
+        tasks = [asyncio.ensure_future(step(a)) for a in answers]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _first_of(self, a: _Answer, request: Request | None, sent: bool) -> None:
+        a.stream, a.first = await self._sent(a.call, request, sent)
+
+    async def _collected(self, a: _Answer) -> None:
+        assert a.stream is not None and a.first is not None
+        a.text, a.last = await self._collect(a.stream, a.first, a.out)
 
     @staticmethod
     async def _collect(stream: _Stream, first: TokenChunk, out: _Output) -> tuple[str, TokenChunk]:
@@ -620,12 +674,6 @@ class FairwayIngress:
             out["held_s"] = stream.held_s
         return out
 
-    def _echo(self, call: GenerateCall, body: Any, chat: bool) -> str:
-        """The prompt's text, for a completion with ``echo`` ("" otherwise)."""
-        if chat or not body.echo:
-            return ""
-        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(call.prompt_token_ids)
-
     def _text_logprobs(self, ids: list[int], lps: list[TokenLogprob], start: int,
                        prompt: tuple[list[int], list[TokenLogprob | None] | None]) -> dict[str, Any]:
         """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
@@ -667,36 +715,42 @@ class FairwayIngress:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                             for t, (lp, top) in zip(ids, aligned(ids, lps), strict=True)]}
 
-    def _full(self, call: GenerateCall, body: Any, chat: bool, text: str, first: TokenChunk, last: TokenChunk,
-              out: _Output, stream: _Stream) -> dict:
-        reason = out.finish_reason(last)
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if (tools := tool_answer(body, chat)) is not None:
-                message, reason = tools.message(text, reason)
-            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason}
-            if call.logprobs is not None:
-                choice["logprobs"] = self._chat_logprobs(out.ids, out.lps)
-        else:
-            echo = self._echo(call, body, chat)
-            choice = {"index": 0, "text": echo + text, "finish_reason": reason,
-                      "logprobs": None if call.logprobs is None else self._text_logprobs(
-                          out.ids, out.lps, len(echo), (call.prompt_token_ids, first.prompt_logprobs))}
-        if body.return_token_ids:
-            choice["token_ids"] = out.ids
-            choice["prompt_token_ids"] = call.prompt_token_ids
-        return {
+    def _full(self, answers: list[_Answer], body: Any, chat: bool) -> dict:
+        """A whole answer's body: each answer's choice, the usage of them all, and the first
+        answer's ``fairway`` figures (every choice's under ``choices`` when there are several)."""
+        first = answers[0]
+        assert first.first is not None and first.last is not None and first.stream is not None
+        out = {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": now_s(),
-            "model": call.model,
-            "choices": [choice],
-            "usage": self._usage(first, last, out),
-            "fairway": self._fairway(first, last, stream),
+            "model": first.call.model,
+            "choices": [a.whole(body, chat) for a in answers],
+            "usage": self._usage_of(answers, body.n),
+            "fairway": self._fairway(first.first, first.last, first.stream),
         }
+        if len(answers) > 1:
+            out["fairway"]["choices"] = [self._fairway(a.first, a.last, a.stream) for a in answers]  # type: ignore
+        return out
 
-    async def _sse(self, stream: _Stream, first: TokenChunk, out: _Output, body: Any, call: GenerateCall, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
+    def _usage_of(self, answers: list[_Answer], n: int) -> dict[str, Any]:
+        """The answers' usage: each prompt's tokens (and cached tokens) once, as OpenAI and vLLM
+        count them, the completions' tokens of every choice. O(answers)."""
+        if len(answers) == 1:
+            a = answers[0]
+            return self._usage(a.first, a.last, a.out)  # type: ignore[arg-type]
+        total = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        for a in answers:
+            u = self._usage(a.first, a.last, a.out)  # type: ignore[arg-type]
+            total["completion_tokens"] += u["completion_tokens"]
+            if a.index % n == 0:  # the prompt's first choice
+                total["prompt_tokens"] += u["prompt_tokens"]
+                total["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+        return {"prompt_tokens": total["prompt_tokens"], "completion_tokens": total["completion_tokens"],
+                "total_tokens": total["prompt_tokens"] + total["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": total["cached_tokens"]}}
+
+    async def _sse(self, answers: list[_Answer], body: Any, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         rid = new_id("chatcmpl" if chat else "cmpl")
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = now_s()
@@ -706,63 +760,73 @@ class FairwayIngress:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
-        offset = [0]  # a completion's text so far, for its tokens' text_offset
-        tools = tool_answer(body, chat)
-
-        def choice(c: TokenChunk, prefix: str = "", role: bool = False) -> dict[str, Any] | None:
-            """The event's choice; None when it has nothing to say (a required tool answer's middle)."""
-            seen = len(out.ids)
-            text = prefix + out.push(c)
-            reason = out.finish_reason(c) if (c.finished or out.stopped) else None
-            if chat:
-                delta: dict[str, Any] | None
-                if tools is not None:
-                    delta, reason = tools.delta(text, role, reason)
-                    if delta is None:
-                        if call.logprobs is None and not body.return_token_ids:
-                            return None
-                        delta = {}
-                else:
-                    delta = {"content": text}
-                    if role:
-                        delta["role"] = "assistant"
-                ch: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
-                if call.logprobs is not None:
-                    ch["logprobs"] = self._chat_logprobs(out.ids[seen:], out.lps[seen:])
-            else:
-                lps = None
-                if call.logprobs is not None:
-                    lps = self._text_logprobs(out.ids[seen:], out.lps[seen:], offset[0] + len(prefix),
-                                              (call.prompt_token_ids, c.prompt_logprobs))
-                offset[0] += len(text)
-                ch = {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason}
-            if body.return_token_ids:
-                ch["token_ids"] = out.ids[seen:]
-            return ch
-
-        last = first
         try:
-            yield frame([choice(first, self._echo(call, body, chat), role=True) or {}])  # a first one always says
-            stream.sent_first()  # the first event is written: the client has its first token
-            if not out.stopped:
-                async for c in stream.rest():
-                    last = c
-                    if (ch := choice(c)) is not None:
+            for a in answers:
+                assert a.stream is not None and a.first is not None
+                a.last = a.first
+                yield frame([a.event(a.first, body, chat, a.echo, role=True) or {}])  # a first one always says
+                a.stream.sent_first()  # the first event is written: the client has its first token
+            if len(answers) == 1:
+                a = answers[0]
+                if not a.out.stopped:
+                    async for c in a.stream.rest():  # type: ignore[union-attr]
+                        a.last = c
+                        if (ch := a.event(c, body, chat)) is not None:
+                            yield frame([ch])
+                        if a.out.stopped:
+                            break
+            else:
+                async for a, c in merged(answers):
+                    a.last = c
+                    if (ch := a.event(c, body, chat)) is not None:
                         yield frame([ch])
-                    if out.stopped:
-                        break
-            if out.stopped:
-                stream.stop()
+            for a in answers:
+                if a.out.stopped:
+                    a.stream.stop()  # type: ignore[union-attr]
         except HTTPError as e:
             self._rejected(e)
             yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"
             yield "data: [DONE]\n\n"
             return
         finally:
-            stream.close()  # the client disconnected mid-stream: abort the request at its replica
+            for a in answers:  # the client disconnected mid-stream: abort the requests at their replicas
+                a.stream.close()  # type: ignore[union-attr]
         if include_usage:
-            yield frame([], usage=self._usage(first, last, out), fairway=self._fairway(first, last, stream))
+            first = answers[0]
+            yield frame([], usage=self._usage_of(answers, body.n),
+                        fairway=self._fairway(first.first, first.last, first.stream))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
+
+
+async def merged(answers: list[_Answer]) -> AsyncIterator[tuple[_Answer, TokenChunk]]:
+    """The further chunks of every answer not yet ended, as they come; an answer ends at its
+    finished chunk or at a stop its output found (the caller's ``event`` sets ``out.stopped``),
+    and a failure of any raises here. Why: one stream of events for a request with several
+    choices. O(1) per chunk; one task per answer."""
+    queue: asyncio.Queue[tuple[_Answer, TokenChunk | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(a: _Answer) -> None:
+        try:
+            async for c in a.stream.rest():  # type: ignore[union-attr]
+                queue.put_nowait((a, c, None))
+        except Exception as e:  # noqa: BLE001 - raised to the reader
+            queue.put_nowait((a, None, e))
+
+    live = {id(a): asyncio.ensure_future(pump(a)) for a in answers if not (a.out.stopped or a.first.finished)}  # type: ignore[union-attr]
+    try:
+        while live:
+            a, c, err = await queue.get()
+            if id(a) not in live:
+                continue  # what came after its end
+            if err is not None:
+                raise err
+            assert c is not None
+            yield a, c
+            if c.finished or a.out.stopped:
+                live.pop(id(a)).cancel()
+    finally:
+        for t in live.values():
+            t.cancel()
 
 
 def tool_answer(body: Any, chat: bool) -> ToolCallAnswer | None:
@@ -815,6 +879,83 @@ class _Output:
 
     def finish_reason(self, last: TokenChunk) -> str:
         return "stop" if self.stopped else (last.finish_reason or "length")
+
+
+class _Answer:
+    """One choice of an answer on its way back: its call and stream, its output as the client
+    gets it (``_Output``), its tool calls, its ``index`` among the choices, and the prompt text
+    an ``echo`` puts first. A request has one per choice (prompts x ``n``). O(1) to build."""
+
+    __slots__ = ("ingress", "call", "index", "echo", "out", "tools", "offset", "stream", "first", "last", "text")
+
+    def __init__(self, ingress: FairwayIngress, call: GenerateCall, index: int, body: Any, chat: bool,
+                 echo: str = "") -> None:
+        self.ingress = ingress
+        self.call = call
+        self.index = index
+        self.echo = echo
+        self.out = _Output(ingress.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
+        self.tools = tool_answer(body, chat)
+        self.offset = 0  # a completion's text so far, for its tokens' text_offset
+        self.stream: _Stream | None = None
+        self.first: TokenChunk | None = None
+        self.last: TokenChunk | None = None
+        self.text = ""  # a whole answer's output text
+
+    def event(self, c: TokenChunk, body: Any, chat: bool, prefix: str = "",
+              role: bool = False) -> dict[str, Any] | None:
+        """The stream event's choice for chunk ``c``; None when it has nothing to say (a tool
+        answer's held middle). O(chunk)."""
+        out, call = self.out, self.call
+        seen = len(out.ids)
+        text = prefix + out.push(c)
+        reason = out.finish_reason(c) if (c.finished or out.stopped) else None
+        if chat:
+            delta: dict[str, Any] | None
+            if self.tools is not None:
+                delta, reason = self.tools.delta(text, role, reason)
+                if delta is None:
+                    if call.logprobs is None and not body.return_token_ids:
+                        return None
+                    delta = {}
+            else:
+                delta = {"content": text}
+                if role:
+                    delta["role"] = "assistant"
+            ch: dict[str, Any] = {"index": self.index, "delta": delta, "finish_reason": reason}
+            if call.logprobs is not None:
+                ch["logprobs"] = self.ingress._chat_logprobs(out.ids[seen:], out.lps[seen:])
+        else:
+            lps = None
+            if call.logprobs is not None:
+                lps = self.ingress._text_logprobs(out.ids[seen:], out.lps[seen:], self.offset + len(prefix),
+                                                  (call.prompt_token_ids, c.prompt_logprobs))
+            self.offset += len(text)
+            ch = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": reason}
+        if body.return_token_ids:
+            ch["token_ids"] = out.ids[seen:]
+        return ch
+
+    def whole(self, body: Any, chat: bool) -> dict[str, Any]:
+        """A whole answer's choice. O(output)."""
+        out, call, text = self.out, self.call, self.text
+        assert self.first is not None and self.last is not None
+        reason = out.finish_reason(self.last)
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                message, reason = self.tools.message(text, reason)
+            choice: dict[str, Any] = {"index": self.index, "message": message, "finish_reason": reason}
+            if call.logprobs is not None:
+                choice["logprobs"] = self.ingress._chat_logprobs(out.ids, out.lps)
+        else:
+            choice = {"index": self.index, "text": self.echo + text, "finish_reason": reason,
+                      "logprobs": None if call.logprobs is None else self.ingress._text_logprobs(
+                          out.ids, out.lps, len(self.echo), (call.prompt_token_ids, self.first.prompt_logprobs))}
+        if body.return_token_ids:
+            choice["token_ids"] = out.ids
+            choice["prompt_token_ids"] = call.prompt_token_ids
+        return choice
 
 
 #: The status of a response nobody will read (the client went away first), nginx's convention.

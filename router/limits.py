@@ -13,6 +13,8 @@ clear answer. What the limits are:
 - ``body_timeout_s`` (default 30 s): a body that has not fully arrived by then is refused with 408
   (the slow client's connection is then closed by the HTTP server).
 - ``max_messages`` (default 1,024): a chat with more messages gets 400.
+- ``max_choices`` (default 64): a request with more choices (its prompts times ``n``, each sent to
+  the engines as its own request) gets 400.
 - Prompt tokens and ``max_tokens`` are bounded by the model's context length (400), and ``n`` to 1
   (400), where the body is validated (``router/openai_api.py``, ``router/ingress.py``).
 
@@ -53,6 +55,8 @@ class RequestLimits(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     body_timeout_s: float = Field(30.0, gt=0, description="a body not fully received by then gets 408")
     max_messages: int = Field(1024, ge=1, description="chats with more messages get 400")
+    max_choices: int = Field(64, ge=1, description="a request's choices (prompts x n), each its own engine request; "
+                                                   "more get 400")
     max_header_bytes: int = Field(32 * 1024, ge=1024, description="larger header blocks get 431")
 
 

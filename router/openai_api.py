@@ -23,8 +23,10 @@ a named function) constrains the output to the call's JSON (as vLLM's own server
 tool-call parser; ``parallel_tool_calls`` false allows one call), which the ingress answers as
 ``tool_calls`` (router/tool_calls.py); ``auto`` needs the cluster's ``tool_call_parser`` to find
 calls in the model's free text, and is refused by name without one. Refused: the deprecated
-``functions``, audio, stored completions, ``suffix``, ``n`` /
-``best_of`` above 1 (``REFUSED`` has each reason).
+``functions``, audio, stored completions, ``suffix``, ``best_of`` above 1 (``REFUSED`` has each
+reason). ``n`` choices per prompt, and a completion's batch of prompts, are sent as one engine
+request per choice (each with ``seed`` + its place among the prompt's choices, as vLLM seeds
+them) and answered as one, indexed prompt x n + i.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from router.tool_calls import AUTO, NAMED, REQUIRED
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the rest of the context
 
 
+#: Most choices per prompt (OpenAI's bound on ``n``); ``limits.max_choices`` bounds the request's.
+MAX_N = 128
 #: Most stop strings / stop token ids per request (OpenAI allows 4 strings; vLLM any number).
 MAX_STOPS = 16
 
@@ -148,7 +152,8 @@ class _Common(_Text):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own engine request (seed + i "
+                   "each, with a seed); limits.max_choices bounds prompts x n")
     stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")
     stop_token_ids: list[int] | None = Field(None, description="stop at any of these token ids (vLLM's extension)")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63,
@@ -234,22 +239,23 @@ class _Common(_Text):
         return "response_format"
 
 
-#: ``CompletionRequest.prompt`` as ``_one_prompt`` accepts it: non-empty text or token ids (>= 0),
-#: or a batch of exactly one of either. (Token ids inside the vocabulary, and a prompt plus
-#: ``max_tokens`` within the context, are checked against the model: 400.)
+#: ``CompletionRequest.prompt`` as ``_prompts`` accepts it: non-empty text or token ids (>= 0), or
+#: a batch of either (each prompt's choices in turn: ``index`` = prompt x n + i). (Token ids
+#: inside the vocabulary, each prompt plus ``max_tokens`` within the context, and prompts x ``n``
+#: within ``limits.max_choices`` are checked at the ingress: 400.)
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT_SCHEMA = {
     "title": "Prompt",
-    "description": "one prompt: text or token ids, or a batch of exactly one of either",
+    "description": "a prompt (text or token ids), or a batch of prompts of one kind",
     "anyOf": [{"type": "string", "minLength": 1}, _IDS,
-              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}],
+              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+              {"type": "array", "items": _IDS, "minItems": 1}],
 }
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (a one-element
-    list of either is accepted too, as OpenAI's batch form with one prompt)."""
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids, or a batch (a list)
+    of either; each prompt has ``n`` choices."""
 
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     echo: bool = Field(False, description="the prompt's text before the completion's")
@@ -275,19 +281,19 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if any(t < 0 for t in v):
+    def _prompts(cls, v: Any) -> str | list[int] | list[str] | list[list[int]]:
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        for p in batch:
+            if not p:
+                raise ValueError("prompt must not be empty" if len(batch) == 1 else "no prompt may be empty")
+            if isinstance(p, list) and min(p) < 0:
                 raise ValueError("token ids must be >= 0")
-        return v
+        return v  # type: ignore[no-any-return]
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's in order."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]  # type: ignore
 
 
 #: OpenAI's rule for a function's name

@@ -33,7 +33,7 @@ from schemathesis.checks import (
 
 import router.ingress as ingress_mod
 from fairway.policies.classes import ClassesConfig
-from fairway.protocol import Overloaded, TokenChunk
+from fairway.protocol import EngineFailed, Overloaded, TokenChunk
 from router.auth import AuthArgs
 from router.hold import HoldArgs
 from router.ingress import FairwayIngress, IngressArgs, app
@@ -52,6 +52,7 @@ class ScriptedReplicas:
         self.open: set[int] = set()  # calls neither finished nor cancelled
         self.script: list[int] = []  # the token ids to stream, cycled (100 + i without one)
         self.refuse = 0  # this many calls (the first ones) are refused by "r0"'s full gate
+        self.fail: set[int] = set()  # the calls (by their number in ``calls``) whose engine fails at their 2nd token
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -62,7 +63,7 @@ class ScriptedReplicas:
 
     def remote(self, call: Any) -> _Gen:
         self.calls.append(call)
-        gen = _Gen(self, call, refused=self.refuse > 0)
+        gen = _Gen(self, call, refused=self.refuse > 0, fails=len(self.calls) - 1 in self.fail)
         self.refuse -= 1
         self.open.add(id(gen))
         return gen
@@ -76,9 +77,10 @@ def scripted_logprob(token: int, top: int) -> tuple[float, tuple[tuple[int, floa
 
 
 class _Gen:
-    def __init__(self, owner: ScriptedReplicas, call: Any, refused: bool = False) -> None:
+    def __init__(self, owner: ScriptedReplicas, call: Any, refused: bool = False, fails: bool = False) -> None:
         self.owner = owner
         self.refused = refused
+        self.fails = fails
         self.n = call.max_tokens
         self.i = 0
         self.ack = call.ack  # a held request's send: the gate says "queued" first
@@ -103,6 +105,9 @@ class _Gen:
         self.i += 1
         done = self.i == self.n
         await asyncio.sleep(0.001)
+        if self.fails and self.i == 2:
+            self.owner.open.discard(id(self))
+            raise EngineFailed("scripted engine failure")
         if done:
             self.owner.open.discard(id(self))
         script = self.owner.script
@@ -209,7 +214,15 @@ def test_too_many_messages_and_the_other_limits_are_400_with_the_reason(server):
     msgs = [{"role": "user", "content": "hi"}] * 9
     assert_clear_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs}), 400,
                        "too many messages: 9; the limit is 8")
-    assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}), 400, "n")
+    assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 129}), 400,
+                       "n: Input should be less than or equal to 128")
+    before = len(server.replicas.calls)
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "n": 22})
+    assert_clear_error(r, 400, "too many choices: 3 prompt(s) x n=22 = 66; the limit is 64 (limits.max_choices)")
+    assert r.json()["error"]["param"] == "n"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [[5] * 10, [5] * 5000], "n": 2})
+    assert_clear_error(r, 400, "maximum context length is 4096 tokens")  # one prompt too long: none is sent
+    assert len(server.replicas.calls) == before
     assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 10**9}),
                        400, "maximum context length is 4096 tokens")
     assert_clear_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**12]}), 400,
@@ -424,6 +437,79 @@ def _stops_before(word: str) -> Callable[[Server, dict, bool, bool], None]:
     return check
 
 
+def _choices(server: Server, body: dict, chat: bool, stream: bool, prompts: list) -> None:
+    """Each prompt's n choices were sent as their own calls (prompt x n of them, each with its
+    own request id, a seed's choices seed + i) and come back indexed prompt x n + i, each the
+    whole output; the usage counts each prompt once and every choice's completion."""
+    n = body.get("n", 1)
+    k = len(prompts) * n
+    r = post(server, "/v1/chat/completions" if chat else "/v1/completions", {**body, "stream": stream,
+                                                                              "stream_options": {"include_usage":
+                                                                                                 True}} if stream
+             else {**body, "stream": False})
+    assert r.status_code == 200, r.text
+    calls = server.replicas.calls[-k:]
+    assert len({c.request_id for c in calls}) == k
+    if body.get("seed") is not None:
+        assert [c.seed for c in calls] == [body["seed"] + i for _ in prompts for i in range(n)]
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    events = [r.json()] if not stream else [json.loads(ln[6:]) for ln in r.text.split("\n")
+                                            if ln.startswith("data: {")]
+    for e in events:
+        for ch in e["choices"]:
+            piece = (ch["message"]["content"] if not stream else ch["delta"].get("content", "")) if chat else ch["text"]
+            texts[ch["index"]] = texts.get(ch["index"], "") + piece
+            if ch["finish_reason"]:
+                assert ch["index"] not in reasons, "a choice finished twice"
+                reasons[ch["index"]] = ch["finish_reason"]
+    echo = body.get("echo")
+    assert texts == {p * n + i: ((prompts[p] if echo else "") + WORDS) for p in range(len(prompts)) for i in range(n)}
+    assert reasons == dict.fromkeys(range(k), "length")
+    usage = events[-1]["usage"]
+    per_prompt = [len(c.prompt_token_ids) for c in calls[::n]]
+    assert usage["prompt_tokens"] == sum(per_prompt) and usage["completion_tokens"] == k * body["max_tokens"]
+
+
+def test_n_choices_and_a_batch_of_prompts_are_one_call_each_answered_as_one(server):
+    """n > 1 on both routes, a completion's batch of prompts, and both at once, whole and
+    streamed (with usage), with echo and a seed."""
+    tok = server.ingress.tokenizer
+    server.replicas.script = tok.encode(WORDS)
+    n_ids = len(tok.encode(WORDS))
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": n_ids, "seed": 7}
+        comp = {"model": MODEL, "prompt": ["one", "two two"], "max_tokens": n_ids, "echo": True}
+        for stream in (False, True):
+            _choices(server, {**chat, "n": 3}, True, stream, ["hi"])
+            _choices(server, {**comp, "n": 2, "seed": 11}, False, stream, ["one", "two two"])
+            _choices(server, {**comp, "prompt": [[5, 6], [7]]}, False, stream, [tok.decode([5, 6]), tok.decode([7])])
+        assert server.replicas.open == set()  # every call ended
+    finally:
+        server.replicas.script = []
+
+
+def test_when_one_choice_fails_the_others_are_cancelled(server):
+    """A choice whose engine fails ends the whole request with its error (a 503 before the
+    answer, an error event in a stream), and the other choices' calls are cancelled at once."""
+    body = {"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 2000}
+    for stream in (False, True):
+        server.replicas.fail = {len(server.replicas.calls) + 1}  # the second choice's call
+        cancelled = server.replicas.cancelled
+        try:
+            r = post(server, "/v1/completions", {**body, "stream": stream})
+        finally:
+            server.replicas.fail = set()
+        if stream:
+            assert r.status_code == 200 and "scripted engine failure" in r.text and r.text.endswith("[DONE]\n\n")
+        else:
+            assert_clear_error(r, 503, "scripted engine failure")
+        deadline = time.monotonic() + 5
+        while server.replicas.open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.replicas.open == set() and server.replicas.cancelled == cancelled + 2
+
+
 def _echoes(server: Server, body: dict, chat: bool, stream: bool) -> None:
     r = post(server, "/v1/completions", {**body, "stream": stream})
     text, _ = _text(r, chat, stream)
@@ -541,7 +627,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "stream_options": ({"include_usage": True}, STREAM_ONLY),
     "temperature": (0.0, _call_has(temperature=0.0)),
     "top_p": (0.5, _call_has(top_p=0.5)),
-    "n": (2, REFUSE),
+    "n": (2, lambda srv, b, c, s: _choices(srv, b, c, s, ["hi"])),
     "stop": (["gamma", "zeta"], _stops_before("gamma")),
     "stop_token_ids": (None, None),  # filled per tokenizer below
     "seed": (7, _call_has(seed=7)),
@@ -762,6 +848,10 @@ def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
 
         a, b, c = tokens(seed=5)["token_ids"], tokens(seed=5)["token_ids"], tokens(seed=6)["token_ids"]
         assert a == b and a != c and tokens()["token_ids"] != tokens()["token_ids"]
+        # n choices with a seed: choice i is the output of seed + i, as vLLM seeds them
+        r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hi there", "max_tokens": 12,
+                                          "return_token_ids": True, "seed": 5, "n": 2})
+        assert [ch["token_ids"] for ch in r.json()["choices"]] == [a, c]
         at = next(i for i in range(2, 12) if a[i] not in a[:i])
         stopped = tokens(seed=5, stop_token_ids=[a[at]])
         assert stopped["token_ids"] == a[: at + 1] and stopped["finish_reason"] == "stop"
@@ -997,9 +1087,10 @@ def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeyp
     monkeypatch.setattr(server.ingress, "stats", stats)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     cases = [
-        ({"model": MODEL, "prompt": "hi", "n": 2}, "unsupported_parameter"),
+        ({"model": MODEL, "prompt": "hi", "n": 200}, "unsupported_parameter"),
         ({"model": MODEL, "prompt": ""}, "bad_request"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, "bad_request"),
+        ({"model": MODEL, "prompt": ["a", ""]}, "bad_request"),
+        ({"model": MODEL, "prompt": ["a", "b"], "n": 40}, "bad_request"),  # over limits.max_choices
         ({"model": MODEL, "prompt": [1], "max_tokens": 0}, "bad_request"),
         (b"{not json", "invalid_json"),
         (b"\x1f\x8b\x08\x00 compressed", "invalid_json"),  # not UTF-8: FastAPI's own 400
