@@ -48,6 +48,8 @@ class GenerateCall:
     # ``UnsupportedParameter`` naming it. Defaults are the no-op values.
     seed: int | None = None  # same seed + prompt + parameters -> same output
     top_p: float = 1.0
+    top_k: int = 0  # vLLM's: the k most likely tokens only (0 or -1: all)
+    min_p: float = 0.0  # vLLM's: no token less likely than min_p x the most likely one (0: none)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -394,6 +394,8 @@ class FairwayIngress:
             priority_class=priority_class,
             seed=body.seed,
             top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,

@@ -4,7 +4,7 @@ Pydantic at the boundary (docs/design.md, Typed config at the boundary): a malfo
 refused with HTTP 400 and an OpenAI-style error object naming the field, before anything is
 queued. Extensions beyond
 OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``return_token_ids``,
-``cache_salt``, ``stop_token_ids``, ``repetition_penalty``); Fairway's own figures travel in a
+``cache_salt``, ``stop_token_ids``, ``repetition_penalty``, ``top_k``, ``min_p``); Fairway's own figures travel in a
 ``fairway`` object next to ``usage``.
 
 No parameter is silently ignored: a field the models do not name is a 400 naming it
@@ -12,7 +12,8 @@ No parameter is silently ignored: a field the models do not name is a 400 naming
 400 that names it and says why (``REFUSED``). Honoured: ``stop`` and ``stop_token_ids`` and
 ``echo`` by the ingress on the detokenized output (so on every engine); ``seed``, ``top_p`` and the
 penalties and ``logit_bias`` by the engine (vLLM natively; the text-less sim engine makes ``seed``
-deterministic and refuses the others unless they are their no-op values); ``user`` and
+deterministic, its random tokens stand for samples at any ``temperature``, ``top_p``, ``top_k`` or
+``min_p``, and it refuses the others unless they are their no-op values); ``user`` and
 ``prompt_cache_key`` are the session key; ``priority`` is the request class (a class name or an
 integer tier, as vLLM's; docs/design.md, Flow control); ``safety_identifier`` changes no output
 and is accepted; ``response_format`` (JSON object or schema) becomes the call's
@@ -122,8 +123,8 @@ def _refuse(v: Any, info: ValidationInfo) -> Any:
 
 
 #: Fields OpenAI's schema lets a client send as null, meaning the default.
-NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
-                                "repetition_penalty", "ignore_eos", "return_token_ids", "echo"})
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "stream", "frequency_penalty",
+                                "presence_penalty", "repetition_penalty", "ignore_eos", "return_token_ids", "echo"})
 
 
 class StreamOptions(BaseModel):
@@ -152,6 +153,9 @@ class _Common(_Text):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="vLLM's: sample from the k most likely tokens (0 or -1: all)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: leave out tokens less likely than min_p times "
+                         "the most likely one (0: none)")
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own engine request (seed + i "
                    "each, with a seed); limits.max_choices bounds prompts x n")
     stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")

@@ -41,8 +41,8 @@ so for every request. The end-of-sequence token itself is not emitted. So a chat
 model's would, rather than streaming tens of thousands.
 
 Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
-standing for samples at any ``temperature`` / ``top_p``; a request with a ``seed`` gets ids drawn
-from that seed and its prompt, so the same seed and prompt give the same output (OpenAI's
+standing for samples at any ``temperature`` / ``top_p`` / ``top_k`` / ``min_p``; a request with a
+``seed`` gets ids drawn from that seed and its prompt, so the same seed and prompt give the same output (OpenAI's
 ``seed``). The penalties, ``logit_bias`` and a JSON ``structured_output`` need a distribution to
 change or constrain, which a text-less engine has not: a request that sets one to other than its
 no-op value is refused

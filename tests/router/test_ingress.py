@@ -627,6 +627,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "stream_options": ({"include_usage": True}, STREAM_ONLY),
     "temperature": (0.0, _call_has(temperature=0.0)),
     "top_p": (0.5, _call_has(top_p=0.5)),
+    "top_k": (5, _call_has(top_k=5)),
+    "min_p": (0.1, _call_has(min_p=0.1)),
     "n": (2, lambda srv, b, c, s: _choices(srv, b, c, s, ["hi"])),
     "stop": (["gamma", "zeta"], _stops_before("gamma")),
     "stop_token_ids": (None, None),  # filled per tokenizer below
@@ -873,7 +875,7 @@ def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
         r = post(srv, "/v1/chat/completions", {**chat, "logprobs": True})
         assert_clear_error(r, 400, "logprobs is not supported by the sim engine")
         assert r.json()["error"]["param"] == "logprobs"
-        assert tokens(top_p=0.5, temperature=0.0)["finish_reason"] == "length"
+        assert tokens(top_p=0.5, temperature=0.0, top_k=3, min_p=0.2)["finish_reason"] == "length"
 
 
 def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):

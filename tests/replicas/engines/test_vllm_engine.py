@@ -436,13 +436,15 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     eng._llm, eng._estimate = LLM(), CacheEstimate(1000, 16, 16)
     eng._sampling, eng._client_errors, eng._kv_total = (Params, None), (LookupError,), 1000
     call = GenerateCall("r", [5] * 40, tuple(block_hashes([5] * 40)), 2, time.time(), seed=11, top_p=0.9,
-                        frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1, logit_bias={42: 3.0})
+                        top_k=4, min_p=0.05, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1,
+                        logit_bias={42: 3.0})
 
     async def run(c: GenerateCall) -> list[int]:
         return [t async for out in eng.generate(c) for t in out.token_ids]
 
     assert asyncio.run(run(call)) == [7, 8]
-    want = {"seed": 11, "top_p": 0.9, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+    want = {"seed": 11, "top_p": 0.9, "top_k": 4, "min_p": 0.05,
+            "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
             "logit_bias": {42: 3.0}}
     assert {k: seen[-1][k] for k in want} == want
     call.top_p = 0.0
