@@ -158,8 +158,12 @@ class KeyTable:
         return Principal(tenant, f"tenant:{tenant}")
 
 
+#: The paths whose requests need a key: the API's, and vLLM's tokenizer routes (they cost CPU)
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+
+
 class AuthGuard:
-    """ASGI middleware: requests to ``/v1/`` must carry a known key (401 before the body is read;
+    """ASGI middleware: requests to ``KEYED_PATHS`` must carry a known key (401 before the body is read;
     403 for a prefix group the tenant may not use); the ``Principal`` goes to the handler in
     ``scope["state"]["principal"]``. ``keys`` is a ``KeyTable`` or a callable giving this
     replica's (its config is known only once it started)."""
@@ -172,7 +176,8 @@ class AuthGuard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         keys = self._keys() if callable(self._keys) else self._keys
-        if scope["type"] != "http" or keys is None or not keys.enabled or not scope.get("path", "").startswith("/v1/"):
+        if (scope["type"] != "http" or keys is None or not keys.enabled
+                or not scope.get("path", "").startswith(KEYED_PATHS)):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or ()}

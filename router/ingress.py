@@ -66,6 +66,8 @@ from router.openai_api import (
     REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     documented_errors,
     error_body,
     new_id,
@@ -114,7 +116,8 @@ def count_reject(reason: str) -> None:
 #: FastAPI's message for a body it could not decode at all (not UTF-8, e.g. compressed)
 BODY_PARSE_ERROR = "There was an error parsing the body"
 #: What an unknown path's 404 lists
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+          "GET /health")
 
 
 @app.exception_handler(RequestValidationError)
@@ -477,6 +480,47 @@ class FairwayIngress:
                     call, request_id=new_id("req"), seed=None if call.seed is None else call.seed + i)
                 out.append(_Answer(self, c, k * n + i, body, chat, echoes[k] if echoes else ""))
         return out
+
+    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+        """``POST /tokenize``: the ids this server would send the engine (``TokenizeRequest``),
+        tokenized off the loop as a generation's prompt is."""
+        try:
+            if body.model is not None:
+                self._check_model(body.model)
+            if body.prompt is not None:
+                self._check_text_bytes(body.prompt)
+                ids = await self._tokenized(self.tokenizer.encode_within, body.prompt)
+            else:
+                messages = [m.for_template() for m in body.messages or ()]
+                self._check_text_bytes("".join(m["content"] for m in messages))
+                ids = await self._tokenized(functools.partial(
+                    self.tokenizer.encode_chat_within, tools=body.template_tools(),
+                    add_generation_prompt=body.add_generation_prompt), messages)
+        except HTTPError as e:
+            return e.response()
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.args.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [self.tokenizer.token_text(t) for t in ids]
+        return JSONResponse(out)
+
+    async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+        """``POST /detokenize``: the ids' text, special tokens included, decoded off the loop; ids
+        outside the vocabulary, or more than the context holds, are a 400."""
+        try:
+            if body.model is not None:
+                self._check_model(body.model)
+            vocab, limit = self.tokenizer.vocab_size, self.args.max_model_len
+            if body.tokens and max(body.tokens) >= vocab:
+                raise HTTPError(400, f"token id {max(body.tokens)} is out of the vocabulary (size {vocab})",
+                                param="tokens")
+            if len(body.tokens) > limit:
+                raise HTTPError(400, f"{len(body.tokens)} tokens are more than the context holds ({limit})",
+                                param="tokens")
+        except HTTPError as e:
+            return e.response()
+        text = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.tokenizer.decode_all,
+                                                                body.tokens)
+        return JSONResponse({"prompt": text})
 
     def _check_text_bytes(self, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in
@@ -1215,6 +1259,16 @@ async def model(model: str, ingress: Ingress) -> JSONResponse:
 @app.get("/metrics/targets", responses=OPEN_ERRORS)
 async def metrics_targets(ingress: Ingress) -> JSONResponse:
     return await ingress.metrics_targets()
+
+
+@app.post("/tokenize", responses=documented_errors(400, 401, 403, 404, 408, 413, 431))
+async def tokenize(body: TokenizeRequest, ingress: Ingress) -> JSONResponse:
+    return await ingress.tokenize(body)
+
+
+@app.post("/detokenize", responses=documented_errors(400, 401, 403, 404, 408, 413, 431))
+async def detokenize(body: DetokenizeRequest, ingress: Ingress) -> JSONResponse:
+    return await ingress.detokenize(body)
 
 
 @app.post("/v1/completions", responses=GENERATION_ANSWERS)

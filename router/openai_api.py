@@ -584,6 +584,39 @@ class ChatCompletionRequest(_Common):
         return v
 
 
+class TokenizeRequest(_Text):
+    """``POST /tokenize`` (vLLM's route): the token ids this server sends the engine for a
+    completion's ``prompt`` (no special tokens added, as the completions route sends it), or for
+    a chat's ``messages`` and ``tools`` as the chat template renders them; ``return_token_strs``
+    adds each token's text. A text over the context is a 400, as on the generation routes."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn header")
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages (one of them)")
+        if self.prompt is not None and (self.tools or "add_generation_prompt" in self.model_fields_set):
+            raise ValueError("tools and add_generation_prompt go with messages, not a prompt")
+        return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(_Text):
+    """``POST /detokenize`` (vLLM's route): the text of token ids, special tokens included (so
+    ``/tokenize``'s chat ids come back as the rendered template)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class ErrorObject(BaseModel):
     """OpenAI's error object: ``error_body`` builds every one from it, and the OpenAPI schema
     documents it."""

@@ -152,7 +152,7 @@ class Tokenizer:
         return self.encode(text)
 
     def encode_chat_within(self, messages: list[dict[str, Any]], limit: int,
-                           tools: list[dict[str, Any]] | None = None) -> list[int]:
+                           tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """``encode_chat`` after ``check_within`` on the text the template renders (the messages'
         text, their calls' arguments, the tools as JSON: their tokens are no more than the
         templated prompt's)."""
@@ -162,14 +162,20 @@ class Tokenizer:
             texts.append(json.dumps(tools))
         if sum(len(t) for t in texts) > PREFIX_CHARS_PER_TOKEN * limit:  # else no prefix to check
             self.check_within("\n".join(texts), limit)
-        return self.encode_chat(messages, tools)
+        return self.encode_chat(messages, tools, add_generation_prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """The chat template's prompt for ``messages`` (and ``tools``, which templates render or not)."""
-        out = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        out = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=True)
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return list(out)
+
+    def decode_all(self, ids: list[int]) -> str:
+        """``ids``' text with their special tokens (``/detokenize``)."""
+        return self.tok.decode(ids, skip_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         if self._fast_decode is not None:

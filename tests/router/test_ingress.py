@@ -1117,6 +1117,42 @@ def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeyp
     assert stats.counter("requests", status="rejected") == rejected + 1  # a served request is no reject
 
 
+def test_tokenize_gives_the_ids_the_engine_gets_and_detokenize_their_text(server):
+    """vLLM's /tokenize and /detokenize: a prompt's ids as the completions route sends them, a
+    chat's as its template renders it (with tools); detokenize gives the rendered text back,
+    special tokens included; what cannot be answered is a 400 (or 404) naming it."""
+    tok = server.ingress.tokenizer
+    r = post(server, "/tokenize", {"model": MODEL, "prompt": "hello there", "return_token_strs": True})
+    ids = tok.encode("hello there")
+    assert r.json() == {"count": len(ids), "max_model_len": 4096, "tokens": ids,
+                        "token_strs": [tok.token_text(t) for t in ids]}
+    post(server, "/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 1})
+    assert server.replicas.calls[-1].prompt_token_ids == ids
+    messages = [{"role": "user", "content": "weather?"}]
+    r = post(server, "/tokenize", {"messages": messages, "tools": TOOLS})
+    chat_ids = r.json()["tokens"]
+    assert chat_ids == tok.encode_chat(messages, TOOLS) and r.json()["count"] == len(chat_ids)
+    post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "none",
+                                          "max_tokens": 1})
+    assert server.replicas.calls[-1].prompt_token_ids == chat_ids
+    open_turn = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    full = tok.encode_chat(messages)  # without the assistant's header: a prefix of it
+    assert open_turn == tok.encode_chat(messages, add_generation_prompt=False) == full[: len(open_turn)] != full
+    text = post(server, "/detokenize", {"model": MODEL, "tokens": chat_ids}).json()["prompt"]
+    assert text == tok.tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    for path, body, status, why in (
+            ("/tokenize", {"prompt": "a", "messages": messages}, 400, "a prompt or messages (one of them)"),
+            ("/tokenize", {"model": MODEL}, 400, "a prompt or messages (one of them)"),
+            ("/tokenize", {"prompt": "a", "tools": TOOLS}, 400, "go with messages"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": True}, 400, "add_special_tokens: Extra inputs"),
+            ("/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "does not exist"),
+            ("/tokenize", {"prompt": "word " * 10000}, 400, "maximum context length is 4096"),
+            ("/detokenize", {"tokens": [10**6]}, 400, "out of the vocabulary"),
+            ("/detokenize", {"tokens": [5] * 5000}, 400, "more than the context holds (4096)"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
+        assert_clear_error(post(server, path, body), status, why)
+
+
 def test_auth_refusals_are_counted(monkeypatch):
     from observability.stats import FairwayStats
 
@@ -1130,7 +1166,9 @@ def test_auth_refusals_are_counted(monkeypatch):
         ok = {"Authorization": "Bearer k1"}
         assert post(srv, "/v1/completions", body, headers={**ok, "X-Fairway-Prefix-Group": "g"}).status_code == 403
         assert post(srv, "/v1/completions", body, headers=ok).status_code == 200
-    assert stats.counter("rejects", reason="unauthorized") == 2 and stats.counter("rejects", reason="forbidden") == 1
+        assert post(srv, "/tokenize", {"prompt": "hi"}).status_code == 401  # the tokenizer routes need a key too
+        assert post(srv, "/tokenize", {"prompt": "hi"}, headers=ok).status_code == 200
+    assert stats.counter("rejects", reason="unauthorized") == 3 and stats.counter("rejects", reason="forbidden") == 1
 
 
 def test_a_requests_class_comes_from_its_body_header_or_tenant_and_is_measured(monkeypatch):
