@@ -39,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.clock import MonotonicClock
@@ -558,7 +559,10 @@ class FairwayIngress:
     # -- the held queue (router/hold.py) -------------------------------------------------------
 
     async def _probe(self, call: GenerateCall) -> _Stream:
-        """Send a held ``call`` (``ack`` set); its stream once a gate has queued it."""
+        """Send a held ``call`` (``ack`` set); its stream once a gate has queued it. Each probe
+        goes under its own Serve request id (``own_serve_request_id``): the held queue's rounds
+        run in one task for every held request."""
+        own_serve_request_id()
         stream = _Stream(self, call, self.handle.generate.remote(call))
         await self._or_close(stream, stream.accepted())  # cancelled (timed out): out of the gate's queue
         return stream
@@ -634,7 +638,8 @@ class FairwayIngress:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
             # at once when the client goes away; a stream's own disconnects are seen by the
             # streaming response
-            await self._all(answers, functools.partial(self._first_of, request=request, sent=not body.stream))
+            await self._all(answers, functools.partial(self._first_of, request=request, sent=not body.stream,
+                                                       own_id=len(answers) > 1))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
@@ -668,7 +673,9 @@ class FairwayIngress:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _first_of(self, a: _Answer, request: Request | None, sent: bool) -> None:
+    async def _first_of(self, a: _Answer, request: Request | None, sent: bool, own_id: bool = False) -> None:
+        if own_id:  # one of several choices, in its own task: its calls get their own Serve id
+            own_serve_request_id()
         a.stream, a.first = await self._sent(a.call, request, sent)
 
     async def _collected(self, a: _Answer) -> None:
@@ -873,6 +880,17 @@ async def merged(answers: list[_Answer]) -> AsyncIterator[tuple[_Answer, TokenCh
     finally:
         for t in live.values():
             t.cancel()
+
+
+def own_serve_request_id() -> None:
+    """Give the handle calls this task makes from now on a Serve internal request id of their
+    own. Why: Ray Serve's request router keeps pending requests by that id, which a handle call
+    takes from the request context, so every call made while serving one HTTP request shares it;
+    two such calls waiting for a replica at once leave one never assigned, and Ray retries its
+    routing forever (a request's n choices sent together hung so, the ingress at full CPU). The
+    context is the task's own copy, so its caller's is untouched. O(1)."""
+    ctx = serve_context._serve_request_context.get() or serve_context._RequestContext()
+    serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=new_id("fairway")))
 
 
 def tool_answer(body: Any, chat: bool) -> ToolCallAnswer | None:

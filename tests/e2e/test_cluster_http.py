@@ -108,6 +108,30 @@ def test_openai_client_streaming_and_not(url):
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
 
 
+def test_n_choices_and_a_batch_of_prompts_through_the_cluster(url):
+    """Several choices of one request, each its own engine request sent at once through Ray's
+    router (each with its own Serve request id: sharing the HTTP request's left all but one
+    unassigned, retried forever), whole and streamed, with the openai client; the router's
+    outstanding count returns to zero."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    exact = {"ignore_eos": True}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3,
+                                          max_tokens=4, seed=1, extra_body=exact)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2] and chat.usage.completion_tokens == 12
+    batch = client.completions.create(model=MODEL, prompt=["one", "two", "three"], n=2, max_tokens=3,
+                                      extra_body=exact)
+    assert sorted(c.index for c in batch.choices) == list(range(6)) and batch.usage.completion_tokens == 18
+    texts: dict[int, str] = {}
+    for ev in client.completions.create(model=MODEL, prompt=["one", "two"], n=2, max_tokens=5, stream=True,
+                                        extra_body=exact):
+        for c in ev.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts) == [0, 1, 2, 3] and all(texts.values())
+    wait_routers_idle(url)  # every choice completed at its router
+
+
 def test_an_answer_ends_at_its_end_of_sequence_unless_ignore_eos(url):
     """The openai client's plainest call, a chat with no ``max_tokens`` (bounded by the rest of
     the 32k context), ends at the sim engine's drawn end of sequence ("stop", a few hundred
