@@ -39,10 +39,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+from annotated_types import Ge
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationInfo,
@@ -122,6 +125,17 @@ def _refuse(v: Any, info: ValidationInfo) -> Any:
     return v
 
 
+def _token_id(v: Any) -> Any:
+    """A token id as JSON gives it: a number with no fraction (1.0 is JSON Schema's integer too),
+    never a boolean or a string, which pydantic's lax int would turn into one."""
+    if isinstance(v, (bool, str)):
+        raise ValueError("a token id is an integer")
+    return v
+
+
+#: A token id in a request: an integer >= 0 (``_token_id``)
+TokenId = Annotated[int, Ge(0), BeforeValidator(_token_id)]
+
 #: Fields OpenAI's schema lets a client send as null, meaning the default.
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "stream", "frequency_penalty",
                                 "presence_penalty", "repetition_penalty", "ignore_eos", "return_token_ids", "echo"})
@@ -159,7 +173,8 @@ class _Common(_Text):
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own engine request (seed + i "
                    "each, with a seed); limits.max_choices bounds prompts x n")
     stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")
-    stop_token_ids: list[int] | None = Field(None, description="stop at any of these token ids (vLLM's extension)")
+    stop_token_ids: list[TokenId] | None = Field(None, description="stop at any of these token ids (vLLM's "
+                                                 "extension)")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63,
                              description="the same seed, prompt and parameters give the same output (int64)")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -264,6 +279,9 @@ class CompletionRequest(_Common):
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     echo: bool = Field(False, description="the prompt's text before the completion's")
     suffix: str | None = None
+    logprobs: Annotated[Any, WithJsonSchema({
+        "anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, {"enum": [False, None]}],
+        "description": "the top alternatives listed per token (0 to 20); null or false: none"})] = None
 
     @field_validator("logprobs")
     @classmethod
@@ -310,7 +328,7 @@ class FunctionDef(_Text):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON Schema (an object)")
-    strict: bool | None = Field(None, description="a forced call's arguments always follow the schema here")
+    strict: StrictBool | None = Field(None, description="a forced call's arguments always follow the schema here")
 
 
 class Tool(_Text):
@@ -458,8 +476,11 @@ def calls_schema(tools: list[Tool], parallel: bool | None) -> dict[str, Any]:
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; the tokenizer's chat template renders ``messages``."""
 
-    messages: list[ChatMessage] = Field(min_length=1, description="at least one message with text")
+    messages: list[ChatMessage] = Field(min_length=1, description="at least one message (the chat template "
+                                        "renders even one without text, as vLLM's server does)")
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Annotated[Any, WithJsonSchema({"type": ["boolean", "null"],
+                                             "description": "each output token's log probability"})] = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many most "
                                      "likely tokens at each position")
     response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"text\"} (the default), "
@@ -576,13 +597,6 @@ class ChatCompletionRequest(_Common):
         mode = self.tool_mode()
         return "tool_choice" if mode is not None and mode[0] != AUTO else "response_format"
 
-    @field_validator("messages")
-    @classmethod
-    def _not_blank(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not any(m.text() for m in v):
-            raise ValueError("messages must contain some text")
-        return v
-
 
 class TokenizeRequest(_Text):
     """``POST /tokenize`` (vLLM's route): the token ids this server sends the engine for a
@@ -590,12 +604,18 @@ class TokenizeRequest(_Text):
     a chat's ``messages`` and ``tools`` as the chat template renders them; ``return_token_strs``
     adds each token's text. A text over the context is a 400, as on the generation routes."""
 
+    # prompt or messages, never both: absent rather than null, so the schema's oneOf says it
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "not": {"anyOf": [{"required": k} for k in (["messages"], ["tools"],
+                                                                            ["add_generation_prompt"])]}},
+        {"required": ["messages"], "not": {"required": ["prompt"]}}]})
+
     model: str | None = None
-    prompt: str | None = Field(None, min_length=1)
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    tools: list[Tool] | None = None
-    add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn header")
-    return_token_strs: bool = False
+    prompt: str = Field(None, min_length=1)  # type: ignore[assignment]
+    messages: list[ChatMessage] = Field(None, min_length=1)  # type: ignore[assignment]
+    tools: list[Tool] = Field(None)  # type: ignore[assignment]
+    add_generation_prompt: StrictBool = Field(True, description="with messages: end with the assistant's turn header")
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -614,7 +634,7 @@ class DetokenizeRequest(_Text):
     ``/tokenize``'s chat ids come back as the rendered template)."""
 
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class ErrorObject(BaseModel):
