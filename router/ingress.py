@@ -75,7 +75,7 @@ from router.openai_api import (
     now_s,
 )
 from router.tokenizer import TooManyTokens, utf8_len_over
-from router.tool_calls import AUTO, ToolCallAnswer
+from router.tool_calls import AUTO, PARSERS, ToolCallAnswer
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -225,10 +225,10 @@ class ServedModel(BaseModel):
     tokenizer: str = Field("deploy/models/fairway-tiny", description="tokenizer path or hub name")
     max_model_len: int = Field(32768, ge=16)
     block_size: int = Field(16, ge=1)
-    tool_call_parser: Literal["llama3_json"] | None = Field(
+    tool_call_parser: Literal["llama3_json", "hermes"] | None = Field(
         None, description="how the model writes a tool call in free text (vLLM's parser names; router/tool_calls.py): "
-        "llama3_json, Llama 3's JSON calls (what deploy/models/fairway-tiny's template asks for); without one, "
-        "tool_choice auto is refused")
+        "llama3_json, Llama 3's JSON calls (what deploy/models/fairway-tiny's template asks for); hermes, "
+        "<tool_call> blocks (Hermes, Qwen); without one, tool_choice auto is refused")
 
 
 class IngressArgs(ServedModel):
@@ -893,10 +893,11 @@ def own_serve_request_id() -> None:
     serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=new_id("fairway")))
 
 
-def tool_answer(body: Any, chat: bool) -> ToolCallAnswer | None:
-    """The answer's tool calls, when its ``tool_choice`` is not none (router/tool_calls.py)."""
+def tool_answer(body: Any, chat: bool, parser: str | None = None) -> ToolCallAnswer | None:
+    """The answer's tool calls, when its ``tool_choice`` is not none (router/tool_calls.py);
+    ``parser``: the cluster's ``tool_call_parser``, for ``auto``."""
     mode = body.tool_mode() if chat else None
-    return ToolCallAnswer(*mode) if mode is not None else None
+    return ToolCallAnswer(*mode, parser=parser or PARSERS[0]) if mode is not None else None
 
 
 #: A token the engine sent no log probability for (it cannot happen with the shipped engines,
@@ -959,7 +960,7 @@ class _Answer:
         self.index = index
         self.echo = echo
         self.out = _Output(ingress.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
-        self.tools = tool_answer(body, chat)
+        self.tools = tool_answer(body, chat, ingress.args.tool_call_parser)
         self.offset = 0  # a completion's text so far, for its tokens' text_offset
         self.stream: _Stream | None = None
         self.first: TokenChunk | None = None
@@ -978,8 +979,8 @@ class _Answer:
             delta: dict[str, Any] | None
             if self.tools is not None:
                 delta, reason = self.tools.delta(text, role, reason)
-                if delta is None:
-                    if call.logprobs is None and not body.return_token_ids:
+                if delta is None:  # held text; an event with a finish reason always goes
+                    if call.logprobs is None and not body.return_token_ids and reason is None:
                         return None
                     delta = {}
             else:

@@ -6,13 +6,19 @@ Three kinds of answer (``ToolCallAnswer.mode``):
   generated, its id and name in the first event, its arguments in pieces, as OpenAI's and vLLM's
   streams send them;
 - ``REQUIRED``: the output is constrained to a JSON list of ``{"name", "parameters"}`` objects;
-- ``AUTO``: free text that the cluster's tool-call parser reads (``PARSERS``). The only parser
-  is ``llama3_json``, the format of Llama 3.x's JSON tool calling (vLLM's parser of that name,
-  vllm-project/vllm, vllm/tool_parsers/llama_tool_parser.py): an answer that is one or more
-  ``{"name": ..., "parameters": ...}`` objects (``"arguments"`` accepted for ``"parameters"``)
-  separated by ``;``. Here an answer is calls only when it starts with ``{`` and is calls
-  whole, on a stream as on a whole answer (vLLM's whole answers also look for objects after
-  text, its streams do not).
+- ``AUTO``: free text that the cluster's tool-call parser reads (``PARSERS``, vLLM's names):
+  - ``llama3_json``, the format of Llama 3.x's JSON tool calling (vllm-project/vllm,
+    vllm/tool_parsers/llama_tool_parser.py): an answer that is one or more ``{"name": ...,
+    "parameters": ...}`` objects (``"arguments"`` accepted for ``"parameters"``) separated by
+    ``;``. Here an answer is calls only when it starts with ``{`` and is calls whole, on a
+    stream as on a whole answer (vLLM's whole answers also look for objects after text, its
+    streams do not);
+  - ``hermes``, the Hermes / Qwen format (vllm/tool_parsers/hermes_tool_parser.py): text, then
+    one or more ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (the last one's
+    closing tag may be missing, as vLLM allows). The text before the first block is the
+    answer's content; here only whitespace may come between and after the blocks (vLLM drops
+    any text there), else the whole answer is text. On a stream the content streams as it
+    comes, a possible start of the tag held back, and the calls go in the last event.
 A required or auto answer that turns out to be calls is sent in the last event: a call's name and
 arguments are known once its JSON ends. An auto answer that starts with anything else streams as
 text from its first character. An output cut short (``length``, or a stop the client set) that is
@@ -33,7 +39,8 @@ REQUIRED = "required"
 #: ``mode`` of an answer whose calls, if any, the tool-call parser finds in free text
 AUTO = "auto"
 #: The tool-call parsers a cluster may name (``tool_call_parser``), by vLLM's names
-PARSERS = ("llama3_json",)
+PARSERS = ("llama3_json", "hermes")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _DECODER = json.JSONDecoder()
 
 
@@ -86,6 +93,40 @@ def parse_llama3_json(text: str) -> list[dict[str, Any]] | None:
         calls.append(call)
 
 
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """An auto answer's (content, calls) in the Hermes format (module docstring): the content is
+    the text before the first ``<tool_call>`` (None when blank); None when ``text`` has no
+    whole calls after it. O(len(text))."""
+    at = text.find(HERMES_OPEN)
+    if at < 0:
+        return None
+    content, rest, calls = text[:at], text[at:], []
+    while rest.strip():
+        rest = rest.lstrip()
+        if not rest.startswith(HERMES_OPEN):
+            return None
+        end = rest.find(HERMES_CLOSE)
+        body, rest = (rest[len(HERMES_OPEN):], "") if end < 0 else (rest[len(HERMES_OPEN):end],
+                                                                   rest[end + len(HERMES_CLOSE):])
+        try:
+            call = as_call(json.loads(body))
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return (content if content.strip() else None), calls
+
+
+def held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could start ``tag`` (held until the next
+    piece says). O(len(tag))."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
 @dataclass(slots=True)
 class ToolCallAnswer:
     """One answer's tool calls. ``mode``: ``NAMED`` (a call of ``name``), ``REQUIRED`` or
@@ -94,20 +135,27 @@ class ToolCallAnswer:
 
     mode: str
     name: str = ""  # the named function
+    parser: str = "llama3_json"  # an AUTO answer's (``PARSERS``)
     id: str = field(default_factory=call_id)  # a named call's id, the same in every event
     parts: list[str] = field(default_factory=list)  # a streamed answer's text held so far
     text: bool = False  # an auto answer found to be text: it streams as content
+    pending: str = ""  # a Hermes answer's content end that may start a tag, held
 
     def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
         """A whole answer's message and finish reason: "tool_calls" for calls that the model
         ended (a named call keeps its own, as OpenAI's API answers)."""
         if self.mode == NAMED:
             return {"role": "assistant", "content": None, "tool_calls": [self._named(text)]}, reason
-        calls = self._parse(text)
+        content, calls = None, None
+        if self.mode == AUTO and self.parser == "hermes":
+            if (parsed := parse_hermes(text)) is not None:
+                content, calls = parsed
+        else:
+            calls = self._parse(text)
         if calls is None:
             return {"role": "assistant", "content": text}, reason
-        return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if reason == "stop"
-                                                                               else reason)
+        return {"role": "assistant", "content": content, "tool_calls": calls}, ("tool_calls" if reason == "stop"
+                                                                                  else reason)
 
     def delta(self, text: str, first: bool, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """A stream event's delta and finish reason for the output's next ``text`` (``reason``
@@ -121,6 +169,8 @@ class ToolCallAnswer:
         if self.text:
             out["content"] = text
             return out, reason
+        if self.mode == AUTO and self.parser == "hermes":
+            return self._hermes_delta(out, text, reason)
         self.parts.append(text)
         if self.mode == AUTO:
             held = "".join(self.parts)
@@ -136,6 +186,34 @@ class ToolCallAnswer:
             out["content"] = whole
             return out, reason
         out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return out, ("tool_calls" if reason == "stop" else reason)
+
+    def _hermes_delta(self, out: dict[str, Any], text: str, reason: str | None
+                      ) -> tuple[dict[str, Any] | None, str | None]:
+        """A Hermes answer's next event: its content as it comes (a possible start of the tag
+        held back), then, from the first tag on, everything held until the last event."""
+        if not self.parts:  # no tag yet: ``pending`` is the held-back end of the content
+            buf = self.pending + text
+            at = buf.find(HERMES_OPEN)
+            if at >= 0:
+                send, self.parts, self.pending = buf[:at], [buf[at:]], ""
+            else:
+                keep = 0 if reason is not None else held_back(buf, HERMES_OPEN)
+                send, self.pending = buf[: len(buf) - keep], buf[len(buf) - keep:]
+            if send:
+                out["content"] = send
+            if not self.parts:
+                return (out or None) if reason is None else out, reason  # the last event always goes
+        else:
+            self.parts.append(text)
+        if reason is None:
+            return out or None, None
+        held = "".join(self.parts)
+        parsed = parse_hermes(held)
+        if parsed is None:
+            out["content"] = out.get("content", "") + held
+            return out, reason
+        out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(parsed[1])]
         return out, ("tool_calls" if reason == "stop" else reason)
 
     def _parse(self, text: str) -> list[dict[str, Any]] | None:

@@ -1004,6 +1004,27 @@ def test_auto_tool_choice_answers_the_calls_the_parser_finds_or_the_text(server,
         server.replicas.script = []
 
 
+def test_auto_tool_choice_with_the_hermes_parser(server, monkeypatch):
+    """tool_call_parser hermes: the text before the first <tool_call> is the content, the blocks
+    are the calls (finish "tool_calls"), whole and streamed; an answer without whole calls is text."""
+    tok = server.ingress.tokenizer
+    monkeypatch.setattr(server.ingress.args, "tool_call_parser", "hermes")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 300,
+            "stop_token_ids": [tok.eos_token_id]}
+    calls = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    try:
+        for text, want in ((calls, ("Checking.\n", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+                                    "tool_calls")),
+                           ("no <tool call here", ("no <tool call here", [], "stop"))):
+            server.replicas.script = tok.encode(text) + [tok.eos_token_id]
+            for stream in (False, True):
+                got, content, why = _tool_calls(post(server, "/v1/chat/completions", {**body, "stream": stream}),
+                                                stream)
+                assert (content, [c["function"] for c in got], why) == want, (text, stream)
+    finally:
+        server.replicas.script = []
+
+
 def test_tools_and_tool_choice_that_cannot_work_are_a_400_naming_the_problem(server):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     defs = {"$defs": {"c": {"type": "string"}}, "type": "object"}

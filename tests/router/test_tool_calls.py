@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.tool_calls import AUTO, NAMED, REQUIRED, ToolCallAnswer, parse_llama3_json, parse_required
+from router.tool_calls import AUTO, NAMED, REQUIRED, ToolCallAnswer, parse_hermes, parse_llama3_json, parse_required
 
 
 def fns(calls):
@@ -52,3 +52,44 @@ def test_stream_states_by_mode():
     cut = ToolCallAnswer(AUTO)
     cut.delta('{"name": "f", ', True, None)
     assert cut.delta('"param', False, "length") == ({"content": '{"name": "f", "param'}, "length")
+
+
+@pytest.mark.parametrize("text,want", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', (None, [("f", '{"a": 1}')])),
+    ('Let me look.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": '
+     '{"s": "</tool"}}</tool_call>\n', ("Let me look.\n", [("f", "{}"), ("g", '{"s": "</tool"}')])),
+    ('<tool_call>{"name": "f", "arguments": {}}', (None, [("f", "{}")])),  # the last closing tag missing
+    ("plain text", None), ('<tool_call>{"name": "f", "arguments": {}}</tool_call> and more', None),
+    ('<tool_call>{"name": "f"}</tool_call>', None), ("<tool_call>not json</tool_call>", None),
+    ('<tool_call>{"name": "f", "arguments": {', None),
+])
+def test_hermes_is_content_then_whole_calls_or_none(text, want):
+    got = parse_hermes(text)
+    assert (None if got is None else (got[0], fns(got[1]))) == want
+
+
+def test_hermes_streams_its_content_and_holds_a_possible_tag():
+    ans = ToolCallAnswer(AUTO, parser="hermes")
+    assert ans.delta("Sure. <tool", True, None) == ({"role": "assistant", "content": "Sure. "}, None)
+    assert ans.delta("_call>{\"name\": \"f\", ", False, None) == (None, None)  # from the tag on: held
+    out, reason = ans.delta('"arguments": {}}</tool_call>', False, "stop")
+    assert fns(out["tool_calls"]) == [("f", "{}")] and reason == "tool_calls" and "content" not in out
+    txt = ToolCallAnswer(AUTO, parser="hermes")
+    assert txt.delta("a <", True, None) == ({"role": "assistant", "content": "a "}, None)
+    assert txt.delta("b", False, None) == ({"content": "<b"}, None)  # not the tag after all
+    assert txt.delta(" <t", False, "length") == ({"content": " <t"}, "length")  # the end: all of it
+    end = ToolCallAnswer(AUTO, parser="hermes")
+    end.delta("x", True, None)
+    assert end.delta("", False, "stop") == ({}, "stop")  # an empty last piece still carries the finish
+    whole = ToolCallAnswer(AUTO, parser="hermes")
+    msg, reason = whole.message('Hi <tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>', "stop")
+    assert (msg["content"], fns(msg["tool_calls"]), reason) == ("Hi ", [("f", '{"x": 2}')], "tool_calls")
+
+
+def test_the_parsers_are_the_configs_choices():
+    from typing import get_args
+
+    from router.ingress import ServedModel
+    from router.tool_calls import PARSERS
+
+    assert set(get_args(get_args(ServedModel.model_fields["tool_call_parser"].annotation)[0])) == set(PARSERS)
