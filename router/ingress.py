@@ -66,16 +66,19 @@ from router.openai_api import (
     NO_AUTO,
     REFUSED,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    Tool,
     documented_errors,
     error_body,
     new_id,
     now_s,
+    template_tools,
 )
 from router.tokenizer import TooManyTokens, utf8_len_over
-from router.tool_calls import AUTO, PARSERS, ToolCallAnswer
+from router.tool_calls import AUTO, ToolCallAnswer
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -92,15 +95,14 @@ app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV
 def validation_reason(error: dict[str, Any]) -> str:
     """The reject reason of a body that failed validation (its first error), for
     ``fairway_rejects_total``: "invalid_json", "unknown_field", "unsupported_parameter" (a
-    documented parameter this server refuses, ``n`` above 1 and ``tool_choice`` auto included) or
-    "bad_request"."""
+    documented parameter this server refuses, ``n`` above its bound included) or "bad_request"."""
     kind = error.get("type")
     if kind == "json_invalid":
         return "invalid_json"
     if kind == "extra_forbidden":
         return "unknown_field"
     loc = [x for x in error.get("loc", ()) if x != "body"]
-    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n" or "is not supported" in str(error.get("msg", ""))):
+    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n"):
         return "unsupported_parameter"
     return "bad_request"
 
@@ -422,11 +424,7 @@ class FairwayIngress:
             priority_class = self._class_of(body, request)
             prompts = body.prompts()
             self._check_choices(len(prompts), body.n)
-            for p in prompts:
-                if isinstance(p, str):
-                    self._check_text_bytes(p)
-            ids = [p if isinstance(p, list) else await self._tokenized(self.tokenizer.encode_within, p)
-                   for p in prompts]
+            ids = [p if isinstance(p, list) else await self._text_ids(p) for p in prompts]
             calls = [self._call(body, list(x), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
                                 session_of(body, request), received_at(request), priority_class) for x in ids]
             echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else "" for p in prompts]
@@ -447,14 +445,11 @@ class FairwayIngress:
             if body.tool_choice == AUTO and self.args.tool_call_parser is None:
                 raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
                                 param="tool_choice")
-            messages = [m.for_template() for m in body.messages]
-            self._check_text_bytes("".join(m["content"] for m in messages))
-            ids = await self._tokenized(functools.partial(self.tokenizer.encode_chat_within,
-                                                          tools=body.template_tools()), messages)
+            self._check_choices(1, body.n)
+            ids = await self._chat_ids(body.messages, body.tools)
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
                 max_tokens = max(1, self.args.max_model_len - len(ids))
-            self._check_choices(1, body.n)
             call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
                               received_at(request), priority_class)
         except HTTPError as e:
@@ -489,14 +484,9 @@ class FairwayIngress:
             if body.model is not None:
                 self._check_model(body.model)
             if body.prompt is not None:
-                self._check_text_bytes(body.prompt)
-                ids = await self._tokenized(self.tokenizer.encode_within, body.prompt)
+                ids = await self._text_ids(body.prompt)
             else:
-                messages = [m.for_template() for m in body.messages or ()]
-                self._check_text_bytes("".join(m["content"] for m in messages))
-                ids = await self._tokenized(functools.partial(
-                    self.tokenizer.encode_chat_within, tools=body.template_tools(),
-                    add_generation_prompt=body.add_generation_prompt), messages)
+                ids = await self._chat_ids(body.messages, body.tools, body.add_generation_prompt)
         except HTTPError as e:
             return e.response()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.args.max_model_len, "tokens": ids}
@@ -522,6 +512,21 @@ class FairwayIngress:
         text = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.tokenizer.decode_all,
                                                                 body.tokens)
         return JSONResponse({"prompt": text})
+
+    async def _text_ids(self, text: str) -> list[int]:
+        """A completion's text prompt as the engine gets it: its byte bound checked on the loop
+        (``_check_text_bytes``), then tokenized off it (``_tokenized``)."""
+        self._check_text_bytes(text)
+        return await self._tokenized(self.tokenizer.encode_within, text)
+
+    async def _chat_ids(self, messages: list[ChatMessage], tools: list[Tool] | None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """A chat's prompt as the engine gets it: the messages and tools through the chat template,
+        the byte bound first, tokenized off the loop."""
+        rendered = [m.for_template() for m in messages]
+        self._check_text_bytes("".join(m["content"] for m in rendered))
+        return await self._tokenized(functools.partial(self.tokenizer.encode_chat_within, tools=template_tools(tools),
+                                                       add_generation_prompt=add_generation_prompt), rendered)
 
     def _check_text_bytes(self, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in
@@ -629,10 +634,9 @@ class FairwayIngress:
         """Send the answers' calls and answer them: one JSON body, or a stream (``_sse``). A
         request with several choices (``n``, a batch of prompts) sends each as its own call, all
         at once; one's failure ends the others (``_all``)."""
-        if self.stats is not None:
-            for a in answers:
-                if a.call.received_s:
-                    self.stats.observe_ingress(a.call.arrival_s - a.call.received_s)
+        call = answers[0].call  # the choices share the request's arrival
+        if self.stats is not None and call.received_s:
+            self.stats.observe_ingress(call.arrival_s - call.received_s)
         streaming = False  # the streaming response owns the calls from its first frame on
         try:
             # the wait for the first token (queueing, prefill) and a whole answer's collection end
@@ -789,9 +793,6 @@ class FairwayIngress:
     def _usage_of(self, answers: list[_Answer], n: int) -> dict[str, Any]:
         """The answers' usage: each prompt's tokens (and cached tokens) once, as OpenAI and vLLM
         count them, the completions' tokens of every choice. O(answers)."""
-        if len(answers) == 1:
-            a = answers[0]
-            return self._usage(a.first, a.last, a.out)  # type: ignore[arg-type]
         total = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         for a in answers:
             u = self._usage(a.first, a.last, a.out)  # type: ignore[arg-type]
@@ -895,9 +896,9 @@ def own_serve_request_id() -> None:
 
 def tool_answer(body: Any, chat: bool, parser: str | None = None) -> ToolCallAnswer | None:
     """The answer's tool calls, when its ``tool_choice`` is not none (router/tool_calls.py);
-    ``parser``: the cluster's ``tool_call_parser``, for ``auto``."""
+    ``parser``: the cluster's ``tool_call_parser``, which ``auto`` needs (checked before)."""
     mode = body.tool_mode() if chat else None
-    return ToolCallAnswer(*mode, parser=parser or PARSERS[0]) if mode is not None else None
+    return ToolCallAnswer(*mode, parser=parser) if mode is not None else None
 
 
 #: A token the engine sent no log probability for (it cannot happen with the shipped engines,

@@ -15,8 +15,8 @@ clear answer. What the limits are:
 - ``max_messages`` (default 1,024): a chat with more messages gets 400.
 - ``max_choices`` (default 64): a request with more choices (its prompts times ``n``, each sent to
   the engines as its own request) gets 400.
-- Prompt tokens and ``max_tokens`` are bounded by the model's context length (400), and ``n`` to 1
-  (400), where the body is validated (``router/openai_api.py``, ``router/ingress.py``).
+- Prompt tokens and ``max_tokens`` are bounded by the model's context length (400), and ``n`` to
+  128 (400), where the body is validated (``router/openai_api.py``, ``router/ingress.py``).
 
 - ``max_header_bytes`` (default 32 KiB): a request whose header block (names and values) is
   larger gets 431. uvicorn's h11 parser bounds only a header block that arrives in pieces

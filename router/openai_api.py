@@ -445,6 +445,11 @@ def structured_output(response_format: dict[str, Any] | None) -> dict[str, Any] 
     raise ValueError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema")
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template reads them (None without). O(tools)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def _params(fn: FunctionDef) -> dict[str, Any]:
     """A function's arguments' schema; none means any JSON object (as vLLM's own server)."""
     return fn.parameters or {"type": "object", "properties": {}}
@@ -576,10 +581,6 @@ class ChatCompletionRequest(_Common):
             return NAMED, choice.function.name
         return (choice, "") if choice in (REQUIRED, AUTO) else None
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template reads them (None without)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
     def structured_output(self) -> dict[str, Any] | None:
         """The engine's output constraint (``GenerateCall.structured_output``): a forced tool
         call's JSON Schema (``calls_schema``, or the named function's arguments), else
@@ -624,9 +625,6 @@ class TokenizeRequest(_Text):
         if self.prompt is not None and (self.tools or "add_generation_prompt" in self.model_fields_set):
             raise ValueError("tools and add_generation_prompt go with messages, not a prompt")
         return self
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Text):

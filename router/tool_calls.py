@@ -127,6 +127,11 @@ def held_back(text: str, tag: str) -> int:
     return 0
 
 
+def calls_reason(reason: str) -> str:
+    """An answer of calls that the model ended finishes "tool_calls", as OpenAI's API answers."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 @dataclass(slots=True)
 class ToolCallAnswer:
     """One answer's tool calls. ``mode``: ``NAMED`` (a call of ``name``), ``REQUIRED`` or
@@ -135,7 +140,7 @@ class ToolCallAnswer:
 
     mode: str
     name: str = ""  # the named function
-    parser: str = "llama3_json"  # an AUTO answer's (``PARSERS``)
+    parser: str | None = None  # an AUTO answer's (``PARSERS``; the ingress refuses auto without one)
     id: str = field(default_factory=call_id)  # a named call's id, the same in every event
     parts: list[str] = field(default_factory=list)  # a streamed answer's text held so far
     text: bool = False  # an auto answer found to be text: it streams as content
@@ -146,16 +151,10 @@ class ToolCallAnswer:
         ended (a named call keeps its own, as OpenAI's API answers)."""
         if self.mode == NAMED:
             return {"role": "assistant", "content": None, "tool_calls": [self._named(text)]}, reason
-        content, calls = None, None
-        if self.mode == AUTO and self.parser == "hermes":
-            if (parsed := parse_hermes(text)) is not None:
-                content, calls = parsed
-        else:
-            calls = self._parse(text)
-        if calls is None:
+        parsed = self._parse(text)
+        if parsed is None:
             return {"role": "assistant", "content": text}, reason
-        return {"role": "assistant", "content": content, "tool_calls": calls}, ("tool_calls" if reason == "stop"
-                                                                                  else reason)
+        return {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}, calls_reason(reason)
 
     def delta(self, text: str, first: bool, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """A stream event's delta and finish reason for the output's next ``text`` (``reason``
@@ -170,54 +169,44 @@ class ToolCallAnswer:
             out["content"] = text
             return out, reason
         if self.mode == AUTO and self.parser == "hermes":
-            return self._hermes_delta(out, text, reason)
-        self.parts.append(text)
-        if self.mode == AUTO:
-            held = "".join(self.parts)
-            if held.strip() and not held.lstrip().startswith("{"):  # text: all of it goes now
-                self.text, self.parts = True, []
-                out["content"] = held
-                return out, reason
-        if reason is None:
-            return out or None, None
-        whole = "".join(self.parts)
-        calls = self._parse(whole)
-        if calls is None:
-            out["content"] = whole
-            return out, reason
-        out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        return out, ("tool_calls" if reason == "stop" else reason)
-
-    def _hermes_delta(self, out: dict[str, Any], text: str, reason: str | None
-                      ) -> tuple[dict[str, Any] | None, str | None]:
-        """A Hermes answer's next event: its content as it comes (a possible start of the tag
-        held back), then, from the first tag on, everything held until the last event."""
-        if not self.parts:  # no tag yet: ``pending`` is the held-back end of the content
-            buf = self.pending + text
-            at = buf.find(HERMES_OPEN)
-            if at >= 0:
-                send, self.parts, self.pending = buf[:at], [buf[at:]], ""
+            if not self.parts:  # no tag yet: ``pending`` is the held-back end of the content
+                buf = self.pending + text
+                at = buf.find(HERMES_OPEN)
+                if at >= 0:
+                    send, self.parts, self.pending = buf[:at], [buf[at:]], ""
+                else:
+                    keep = 0 if reason is not None else held_back(buf, HERMES_OPEN)
+                    send, self.pending = buf[: len(buf) - keep], buf[len(buf) - keep:]
+                if send:
+                    out["content"] = send
+                if not self.parts:
+                    return (out or None) if reason is None else out, reason  # the last event always goes
             else:
-                keep = 0 if reason is not None else held_back(buf, HERMES_OPEN)
-                send, self.pending = buf[: len(buf) - keep], buf[len(buf) - keep:]
-            if send:
-                out["content"] = send
-            if not self.parts:
-                return (out or None) if reason is None else out, reason  # the last event always goes
+                self.parts.append(text)
         else:
             self.parts.append(text)
+            if self.mode == AUTO:  # llama3_json: calls only when the answer starts with "{"
+                held = "".join(self.parts)
+                if held.strip() and not held.lstrip().startswith("{"):  # text: all of it goes now
+                    self.text, self.parts = True, []
+                    out["content"] = held
+                    return out, reason
         if reason is None:
             return out or None, None
         held = "".join(self.parts)
-        parsed = parse_hermes(held)
+        parsed = self._parse(held)
         if parsed is None:
             out["content"] = out.get("content", "") + held
             return out, reason
         out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(parsed[1])]
-        return out, ("tool_calls" if reason == "stop" else reason)
+        return out, calls_reason(reason)
 
-    def _parse(self, text: str) -> list[dict[str, Any]] | None:
-        return parse_required(text) if self.mode == REQUIRED else parse_llama3_json(text)
+    def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """(content, calls) of an answer that is calls, by this answer's rule; None: text."""
+        if self.mode == AUTO and self.parser == "hermes":
+            return parse_hermes(text)
+        calls = parse_required(text) if self.mode == REQUIRED else parse_llama3_json(text)
+        return None if calls is None else (None, calls)
 
     def _named(self, arguments: str) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
