@@ -77,6 +77,10 @@ from router.openai_api import (
     now_s,
     template_tools,
 )
+from router.responses_api import RESPONSES_REFUSED, ResponseEvents, ResponsesRequest, finished, to_chat, whole_output
+from router.responses_api import head as responses_head
+from router.responses_api import new_id as response_id
+from router.responses_api import usage as responses_usage
 from router.tokenizer import TooManyTokens, utf8_len_over
 from router.tool_calls import AUTO, ToolCallAnswer
 
@@ -92,17 +96,19 @@ RECEIVED_KEY = "fairway_received_s"
 app = FastAPI(title="Fairway router", description="OpenAI-compatible API with KV-cache-aware Fairway routing")
 
 
-def validation_reason(error: dict[str, Any]) -> str:
-    """The reject reason of a body that failed validation (its first error), for
-    ``fairway_rejects_total``: "invalid_json", "unknown_field", "unsupported_parameter" (a
-    documented parameter this server refuses, ``n`` above its bound included) or "bad_request"."""
+def validation_reason(error: dict[str, Any], path: str = "") -> str:
+    """The reject reason of a body that failed validation (its first error) on the route
+    ``path``, for ``fairway_rejects_total``: "invalid_json", "unknown_field",
+    "unsupported_parameter" (a documented parameter this server refuses on that route, ``n``
+    above its bound included) or "bad_request"."""
     kind = error.get("type")
     if kind == "json_invalid":
         return "invalid_json"
     if kind == "extra_forbidden":
         return "unknown_field"
     loc = [x for x in error.get("loc", ()) if x != "body"]
-    if len(loc) == 1 and (loc[0] in REFUSED or loc[0] == "n"):
+    refused = RESPONSES_REFUSED if path == RESPONSES_PATH else REFUSED
+    if len(loc) == 1 and (loc[0] in refused or loc[0] == "n"):
         return "unsupported_parameter"
     return "bad_request"
 
@@ -118,16 +124,17 @@ def count_reject(reason: str) -> None:
 
 #: FastAPI's message for a body it could not decode at all (not UTF-8, e.g. compressed)
 BODY_PARSE_ERROR = "There was an error parsing the body"
+RESPONSES_PATH = "/v1/responses"
 #: What an unknown path's 404 lists
-ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
-          "GET /health")
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, POST /tokenize, "
+          "POST /detokenize, GET /health")
 
 
 @app.exception_handler(RequestValidationError)
 async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     first = errs[0] if errs else {}
-    count_reject(validation_reason(first))
+    count_reject(validation_reason(first, request.url.path))
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     if first.get("type") == "json_invalid":
         msg = f"invalid JSON body: {first.get('msg', '')} at character {first.get('loc', ('', '?'))[-1]}"
@@ -436,25 +443,45 @@ class FairwayIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request | None = None) -> Any:
         self._watch_loop()
         try:
-            self._check_model(body.model)
-            priority_class = self._class_of(body, request)
-            cap = self.args.limits.max_messages
-            if len(body.messages) > cap:
-                raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}",
-                                reason="bad_request")
-            if body.tool_choice == AUTO and self.args.tool_call_parser is None:
-                raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
-                                param="tool_choice")
-            self._check_choices(1, body.n)
-            ids = await self._chat_ids(body.messages, body.tools)
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
-                max_tokens = max(1, self.args.max_model_len - len(ids))
-            call = self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
-                              received_at(request), priority_class)
+            call = await self._chat_call(body, request)
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(self._answers([call], body, chat=True), body, chat=True, request=request)
+
+    async def responses(self, body: ResponsesRequest, request: Request | None = None) -> Any:
+        """``POST /v1/responses`` (router/responses_api.py): the request as the chat it stands
+        for, answered as a Response object or its stream of events."""
+        self._watch_loop()
+        try:
+            try:
+                chat = to_chat(body)
+            except ValueError as e:
+                raise HTTPError(400, f"invalid request: {e}", reason="bad_request",
+                                param=str(e).split(":", 1)[0]) from None
+            call = await self._chat_call(chat, request)
+        except HTTPError as e:
+            return self._rejected(e)
+        return await self._respond(self._answers([call], chat, chat=True), chat, chat=True, request=request,
+                                   responses=body)
+
+    async def _chat_call(self, body: ChatCompletionRequest, request: Request | None) -> GenerateCall:
+        """A chat's engine call: its model, class, message count and tool choice checked, its
+        messages through the chat template and tokenized; an HTTPError says what is wrong."""
+        self._check_model(body.model)
+        priority_class = self._class_of(body, request)
+        cap = self.args.limits.max_messages
+        if len(body.messages) > cap:
+            raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}", reason="bad_request")
+        if body.tool_choice == AUTO and self.args.tool_call_parser is None:
+            raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
+                            param="tool_choice")
+        self._check_choices(1, body.n)
+        ids = await self._chat_ids(body.messages, body.tools)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
+            max_tokens = max(1, self.args.max_model_len - len(ids))
+        return self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
+                          received_at(request), priority_class)
 
     def _check_choices(self, prompts: int, n: int) -> None:
         """400 when the request's choices (prompts x n) are over ``limits.max_choices``."""
@@ -630,10 +657,13 @@ class FairwayIngress:
             stream.close()
             raise
 
-    async def _respond(self, answers: list[_Answer], body: Any, chat: bool, request: Request | None = None) -> Any:
+    async def _respond(self, answers: list[_Answer], body: Any, chat: bool, request: Request | None = None,
+                       responses: ResponsesRequest | None = None) -> Any:
         """Send the answers' calls and answer them: one JSON body, or a stream (``_sse``). A
         request with several choices (``n``, a batch of prompts) sends each as its own call, all
-        at once; one's failure ends the others (``_all``)."""
+        at once; one's failure ends the others (``_all``). ``responses``: the Responses API
+        request the chat ``body`` stands for, answered in its shapes (``_response_object``,
+        ``_response_events``)."""
         call = answers[0].call  # the choices share the request's arrival
         if self.stats is not None and call.received_s:
             self.stats.observe_ingress(call.arrival_s - call.received_s)
@@ -647,8 +677,9 @@ class FairwayIngress:
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
-                return StreamingResponse(self._sse(answers, body, chat, include_usage),
-                                         media_type="text/event-stream")
+                events = (self._sse(answers, body, chat, include_usage) if responses is None
+                          else self._response_events(answers[0], body, responses))
+                return StreamingResponse(events, media_type="text/event-stream")
             await unless_gone(request, self._all(answers, self._collected))
         except HTTPError as e:
             return self._rejected(e, answers[0].call.priority_class)
@@ -659,6 +690,8 @@ class FairwayIngress:
                 for a in answers:  # unfinished (its client left, or it failed): stop the replica's work
                     if a.stream is not None:
                         a.stream.close()
+        if responses is not None:
+            return JSONResponse(self._response_object(answers[0], body, responses))
         return JSONResponse(self._full(answers, body, chat))
 
     @staticmethod
@@ -850,6 +883,55 @@ class FairwayIngress:
             yield frame([], usage=self._usage_of(answers, body.n),
                         fairway=self._fairway(first.first, first.last, first.stream))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
+
+    def _response_object(self, a: _Answer, body: ChatCompletionRequest, req: ResponsesRequest) -> dict[str, Any]:
+        """A whole answer as a Responses API Response object (router/responses_api.py)."""
+        assert a.first is not None and a.last is not None and a.stream is not None
+        choice = a.whole(body, chat=True)
+        status, details = finished(choice["finish_reason"])
+        return {**responses_head(req, response_id("resp")), "status": status, "incomplete_details": details,
+                "output": whole_output(choice["message"]), "usage": responses_usage(self._usage_of([a], 1)),
+                "fairway": self._fairway(a.first, a.last, a.stream)}
+
+    async def _response_events(self, a: _Answer, body: ChatCompletionRequest,
+                               req: ResponsesRequest) -> AsyncIterator[str]:
+        """A streamed answer as the Responses API's events (``ResponseEvents``), from the chat
+        events the answer's chunks make; a failure after the start is ``response.failed``."""
+        events = ResponseEvents(responses_head(req, response_id("resp")))
+        reason: str | None = None
+
+        def frames(evs: list[dict[str, Any]]) -> str:
+            return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in evs)
+
+        def on(ch: dict[str, Any] | None) -> list[dict[str, Any]]:
+            nonlocal reason
+            if ch is None:
+                return []
+            reason = ch["finish_reason"] or reason
+            return events.delta(ch["delta"])
+
+        assert a.stream is not None and a.first is not None
+        try:
+            a.last = a.first
+            yield frames(events.start() + on(a.event(a.first, body, True, role=True)))
+            a.stream.sent_first()  # the first events are written: the client has its first token
+            if not a.out.stopped:
+                async for c in a.stream.rest():
+                    a.last = c
+                    if evs := on(a.event(c, body, True)):
+                        yield frames(evs)
+                    if a.out.stopped:
+                        break
+            if a.out.stopped:
+                a.stream.stop()
+        except HTTPError as e:
+            self._rejected(e)
+            yield frames(events.failed(e.message, error_body(e.message, e.status)["error"].get("code")))
+            return
+        finally:
+            a.stream.close()  # the client disconnected mid-stream: abort the request at its replica
+        yield frames(events.finish(reason or a.out.finish_reason(a.last), self._usage_of([a], 1),
+                                   fairway=self._fairway(a.first, a.last, a.stream)))
 
 
 async def merged(answers: list[_Answer]) -> AsyncIterator[tuple[_Answer, TokenChunk]]:
@@ -1259,6 +1341,12 @@ GENERATION_ANSWERS = {200: {"description": "the completion; with stream: true, s
                                 "type": "object", "required": ["data"],
                                 "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}},
                       **GENERATION_ERRORS}
+#: A Responses API 200: the Response object, or with stream: true its typed events
+RESPONSES_ANSWERS = {200: {"description": "the Response; with stream: true, server-sent events (event: <type>, "
+                                          "data: the event's JSON), the last response.completed, .incomplete or "
+                                          ".failed",
+                           "content": GENERATION_ANSWERS[200]["content"]},
+                     **GENERATION_ERRORS}
 
 
 @app.get("/health", responses=OPEN_ERRORS)
@@ -1301,6 +1389,11 @@ async def chat_completions(body: ChatCompletionRequest, ingress: Ingress, reques
     return await ingress.chat_completions(body, request)
 
 
+@app.post(RESPONSES_PATH, responses=RESPONSES_ANSWERS)
+async def responses(body: ResponsesRequest, ingress: Ingress, request: Request) -> Any:
+    return await ingress.responses(body, request)
+
+
 def openapi_schema() -> dict[str, Any]:
     """FastAPI's schema of this app without its 422 responses (and their validation-error
     models): this API answers a body that fails validation with 400 and OpenAI's error object,
@@ -1313,10 +1406,11 @@ def openapi_schema() -> dict[str, Any]:
         models = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             models.pop(name, None)
-        for model in models.values():  # a refused parameter says which values it takes (400 for others)
+        for title, model in models.items():  # a refused parameter says which values it takes (400 for others)
+            table = RESPONSES_REFUSED if title.startswith("ResponsesRequest") else REFUSED
             for name, prop in model.get("properties", {}).items():
-                if name in REFUSED:
-                    prop["description"] = f"accepted only with no effect; otherwise 400: {REFUSED[name][1]}"
+                if name in table:
+                    prop["description"] = f"accepted only with no effect; otherwise 400: {table[name][1]}"
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -117,9 +117,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-def _refuse(v: Any, info: ValidationInfo) -> Any:
-    """A ``REFUSED`` parameter: its value if accepted, else a ValueError naming why not."""
-    ok, why = REFUSED[info.field_name]
+def _refuse(v: Any, info: ValidationInfo, table: dict[str, tuple[Any, str]] | None = None) -> Any:
+    """A refused parameter (``REFUSED``, or a route's own ``table``): its value if accepted, else
+    a ValueError naming why not."""
+    ok, why = (REFUSED if table is None else table)[info.field_name]
     if not ok(v):
         raise ValueError(f"{info.field_name} is not supported: {why}")
     return v
@@ -159,7 +160,28 @@ class _Text(BaseModel):
         return check_text(v)
 
 
-class _Common(_Text):
+class _Generation(_Text):
+    """A generation request (completions, chat, responses): a null sampling field means its
+    default, as OpenAI's clients send them; stream options only with a stream."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
+
+    @field_validator("stream_options", check_fields=False)
+    @classmethod
+    def _stream_options(cls, v: BaseModel | None, info: ValidationInfo) -> BaseModel | None:
+        # they shape a stream's last events, so without a stream they would do nothing: refused by
+        # name, as vLLM refuses them (an empty object sets nothing and passes, as there)
+        if v is not None and v.model_fields_set and not info.data.get("stream", False):
+            raise ValueError("stream_options can only be set when stream is true")
+        return v
+
+
+class _Common(_Generation):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -191,22 +213,6 @@ class _Common(_Text):
                                                    "integer tier as vLLM's priority (lower first); 0 without classes")
     best_of: int | None = None
     logprobs: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
-        return data
-
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        # they shape a stream's last events, so without a stream they would do nothing: refused by
-        # name, as vLLM refuses them (an empty object sets nothing and passes, as there)
-        if v is not None and v.model_fields_set and not info.data.get("stream", False):
-            raise ValueError("stream_options can only be set when stream is true")
-        return v
 
     @field_validator("stop")
     @classmethod

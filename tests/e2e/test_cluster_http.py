@@ -108,6 +108,30 @@ def test_openai_client_streaming_and_not(url):
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
 
 
+def test_the_responses_api_through_the_cluster_with_the_openai_client(url):
+    """OpenAI's Responses API, as the openai client (and the agent SDKs built on it) speaks it:
+    a whole answer, and a stream through the client's own accumulator, which refuses events out
+    of order; the answer ends at the model's end of sequence (completed) or at the limit
+    (incomplete), and the usage agrees with the text."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    r = client.responses.create(model=MODEL, instructions="be brief", input="hi", max_output_tokens=6)
+    assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
+    assert 1 <= r.usage.output_tokens <= 6 and r.usage.input_tokens > 0
+    assert (r.status == "incomplete") == (r.usage.output_tokens == 6 and r.incomplete_details is not None)
+    with client.responses.stream(model=MODEL, input=[{"role": "user", "content": "hello there"}],
+                                 max_output_tokens=8) as stream:
+        events = list(stream)
+    # the last event carries the whole Response: completed, or incomplete when cut at the limit
+    # (as OpenAI's API; the client's get_final_response() takes only a completed one)
+    final = events[-1].response
+    assert events[-1].type == f"response.{final.status}" and final.status in ("completed", "incomplete")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output_text and 1 <= final.usage.output_tokens <= 8
+    wait_routers_idle(url)
+
+
 def test_n_choices_and_a_batch_of_prompts_through_the_cluster(url):
     """Several choices of one request, each its own engine request sent at once through Ray's
     router (each with its own Serve request id: sharing the HTTP request's left all but one

@@ -196,6 +196,19 @@ def test_a_forced_tool_call_is_a_call_of_the_tools_schema(url):
     assert (message["content"] is None) == bool(message.get("tool_calls")), message
 
 
+def test_a_forced_call_through_the_responses_api(url):
+    """The Responses API's flat tools and tool_choice on vLLM: the grammar holds the answer to a
+    call of the named function, answered as a function_call item."""
+    body = {"model": MODEL, "input": "What is the temperature?", "max_output_tokens": 60, "temperature": 0,
+            "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "tool_choice": {"type": "function", "name": "temperature"}}
+    status, out, _ = post_json(f"{url}/v1/responses", body, timeout=180, headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    (call,) = out["output"]
+    assert (call["type"], call["name"], out["status"]) == ("function_call", "temperature", "completed"), out
+    assert json.loads(call["arguments"]) in ({"unit": "c"}, {"unit": "f"})
+
+
 def test_logprobs_through_the_cluster(url):
     """Chat logprobs from vLLM through the replica's coalesced stream: one entry per counted token,
     each with the asked alternatives, most likely first, the greedy pick as likely as the first

@@ -53,6 +53,7 @@ class ScriptedReplicas:
         self.script: list[int] = []  # the token ids to stream, cycled (100 + i without one)
         self.refuse = 0  # this many calls (the first ones) are refused by "r0"'s full gate
         self.fail: set[int] = set()  # the calls (by their number in ``calls``) whose engine fails at their 2nd token
+        self.finish = "length"  # the finish reason of a call's last chunk ("stop": the model ended it)
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -112,7 +113,7 @@ class _Gen:
             self.owner.open.discard(id(self))
         script = self.owner.script
         tok = script[(self.i - 1) % len(script)] if script else 100 + self.i
-        return TokenChunk(token_ids=[tok], finished=done, finish_reason="length" if done else None,
+        return TokenChunk(token_ids=[tok], finished=done, finish_reason=self.owner.finish if done else None,
                           prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0",
                           logprobs=None if self.top is None else [scripted_logprob(tok, self.top)],
                           prompt_logprobs=self.prompt_lps if self.i == 1 else None)
@@ -1126,7 +1127,12 @@ def test_every_refusal_is_counted_in_the_rejects_with_its_reason(server, monkeyp
     chat_cases = [({**chat, "messages": []}, "bad_request"), ({**chat, "tools": TOOLS}, "unsupported_parameter"),
                   ({**chat, "tools": [{"type": "function"}]}, "bad_request"),
                   ({**chat, "messages": [{"role": "user", "content": "hi"}] * 9}, "bad_request")]
-    for path, group in (("/v1/completions", cases), ("/v1/chat/completions", chat_cases)):
+    responses_cases = [({"model": MODEL, "input": "hi", "store": True}, "unsupported_parameter"),
+                       ({"model": MODEL, "input": "hi", "prompt": {"id": "p"}}, "unsupported_parameter"),
+                       ({"model": MODEL, "input": []}, "bad_request"),
+                       ({"model": MODEL, "input": "hi", "seed": 1}, "unknown_field")]
+    for path, group in (("/v1/completions", cases), ("/v1/chat/completions", chat_cases),
+                        ("/v1/responses", responses_cases)):
         for body, reason in group:
             before = stats.counter("rejects", reason=reason)
             rejected = stats.counter("requests", status="rejected")
@@ -1378,8 +1384,8 @@ def test_bytes_that_are_not_json_and_unknown_paths_get_openai_shaped_errors(serv
         assert_clear_error(r, 400, "Content-Type: application/json")
     r = requests.post(server.url + "/v1/completions", data="[1, 2]", timeout=10)  # no content type: parsed as JSON
     assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"], r.text
-    r = requests.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=10)
-    assert_clear_error(r, 404, "invalid URL (POST /v1/responses): this server serves POST /v1/completions")
+    r = requests.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "hi"}, timeout=10)
+    assert_clear_error(r, 404, "invalid URL (POST /v1/embeddings): this server serves POST /v1/completions")
     r = requests.get(server.url + "/v1/completions", timeout=10)
     assert_clear_error(r, 405, "method GET is not allowed on /v1/completions (allowed: POST)")
     assert r.json()["error"]["type"] == "invalid_request_error"  # the client's mistake, not the server's
