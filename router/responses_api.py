@@ -326,7 +326,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     body["response_format"] = req.response_format()
-    if req.tools is not None:
+    if req.tools:  # an empty list is the Responses API's default (none), which the chat route refuses
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
     choice = req.tool_choice

@@ -249,6 +249,15 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param, needle
     assert (r.json()["error"]["param"] or "").startswith(param), r.json()
 
 
+def test_an_empty_tool_list_is_no_tools(server, scripted):
+    """``tools: []`` is the Responses API's default, which the Agents SDK sends with no tools."""
+    scripted(WORDS)
+    r = post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "tools": []})
+    assert r.status_code == 200 and (r.json()["tools"], r.json()["tool_choice"]) == ([], "none"), r.text
+    assert_clear_error(post(server, "/v1/responses", {"model": MODEL, "input": "hi", "tools": [],
+                                                      "tool_choice": "required"}), 400, "tool_choice needs tools")
+
+
 def test_an_unknown_model_is_a_404_and_metadata_comes_back(server, scripted):
     scripted(WORDS)
     r = post(server, "/v1/responses", {"model": "other", "input": "hi"})
