@@ -37,6 +37,8 @@ class GenerateCall:
     model: str = ""
     temperature: float = 0.0
     ignore_eos: bool = True
+    min_tokens: int = 0  # vLLM's: no end of sequence (nor stop token) before this many output tokens
+    stop_token_ids: tuple[int, ...] = ()  # the answer ends at these (the ingress cuts there; vLLM stops too)
     cache_salt: str | None = None  # tenant salt folded into the first block's hash
     tenant: str = ""  # who sent it ("" without API keys): the gate shares its queue between tenants
     priority_class: str = ""  # flow-control class (fairway/policies/classes.py); "" = the default class

@@ -50,30 +50,39 @@ class IncrementalDetokenizer:
 
 class StopFilter:
     """A stream's text with OpenAI's ``stop`` applied: the text up to (not including) the first
-    occurrence of any stop string, as it arrives. Text that could be the start of a stop string is
-    held back until the next push decides it (at most the longest stop string's length - 1
-    characters). Per push: O((held + new text) x stops)."""
+    occurrence of any stop string, as it arrives (``include``: up to and including it, vLLM's
+    ``include_stop_str_in_output``). Text that could be the start of a stop string is held back
+    until the next push decides it (at most the longest stop string's length - 1 characters).
+    Text pushed with ``armed`` false (vLLM's ``min_tokens``: the answer's first tokens) is never
+    searched, and a stop string must end past it. Per push: O((held + new text) x stops)."""
 
-    __slots__ = ("_held", "_keep", "_stops", "stopped")
+    __slots__ = ("_held", "_include", "_keep", "_protected", "_stops", "stopped")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self._stops = [s for s in stops if s]
         self._keep = max((len(s) for s in self._stops), default=1) - 1
+        self._include = include
         self._held = ""
+        self._protected = 0  # the held text's first characters that came unarmed
         self.stopped = False
 
-    def push(self, text: str, final: bool = False) -> str:
+    def push(self, text: str, final: bool = False, armed: bool = True) -> str:
         """The text that can be emitted now ('' once stopped); ``final``: nothing more comes."""
         if self.stopped:
             return ""
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            self._held = ""
-            return buf[:cut]
+        if armed and self._stops:
+            hits = [(i, -len(s), s) for s in self._stops
+                    if (i := buf.find(s, max(0, self._protected - len(s) + 1))) >= 0]
+            if hits:
+                cut, _, stop = min(hits)
+                self.stopped = True
+                self._held = ""
+                return buf[: cut + len(stop)] if self._include else buf[:cut]
+        protected = len(buf) if not armed else self._protected
         if final or self._keep == 0:
-            self._held = ""
+            self._held, self._protected = "", 0
             return buf
-        self._held = buf[-self._keep:]
-        return buf[:-self._keep]
+        emit = max(0, len(buf) - self._keep)
+        self._held, self._protected = buf[emit:], max(0, protected - emit)
+        return buf[:emit]

@@ -390,6 +390,9 @@ class FairwayIngress:
             if extra_ids and max(extra_ids) >= vocab:
                 raise HTTPError(400, f"{name}: token id {max(extra_ids)} is out of the vocabulary (size {vocab})",
                                 reason="bad_request", param=name)
+        if body.min_tokens > max_tokens:
+            raise HTTPError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
+                            reason="bad_request", param="min_tokens")
         salt = who.salt(body.cache_salt)
         return GenerateCall(
             request_id=new_id("req"),
@@ -400,6 +403,8 @@ class FairwayIngress:
             model=body.model,
             temperature=body.temperature,
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             cache_salt=salt,
             tenant=who.tenant,
             session=session,
@@ -996,12 +1001,15 @@ def aligned(ids: list[int], lps: list[TokenLogprob]) -> list[TokenLogprob]:
 class _Output:
     """One answer's output as the client gets it, on any engine: the tokens detokenized
     incrementally, ended at the first stop token id (its text left out) or before the first
-    stop string (``StopFilter``). O(chunk) per push, plus the stop strings' search."""
+    stop string (``StopFilter``; with ``include_stop``, after it); neither counts among the first
+    ``min_tokens`` tokens (vLLM's rule). O(chunk) per push, plus the stop strings' search."""
 
-    def __init__(self, decode: Any, stops: list[str], stop_ids: list[int] | None) -> None:
+    def __init__(self, decode: Any, stops: list[str], stop_ids: list[int] | None, min_tokens: int = 0,
+                 include_stop: bool = False) -> None:
         self.detok = IncrementalDetokenizer(decode)
-        self.filter = StopFilter(stops)
+        self.filter = StopFilter(stops, include_stop)
         self.stop_ids = frozenset(stop_ids or ())
+        self.min_tokens = min_tokens
         self.ids: list[int] = []  # the output's token ids, to the stop token (included) when one ended it
         self.lps: list[TokenLogprob] = []  # their log probabilities, one per id, when the call asked
         self.stopped = False
@@ -1011,17 +1019,22 @@ class _Output:
         if self.stopped:
             return ""
         ids, final = c.token_ids, c.finished
-        at = next((j for j, t in enumerate(ids) if t in self.stop_ids), -1) if self.stop_ids else -1
+        bar = min(len(ids), max(0, self.min_tokens - len(self.ids)))  # its first tokens that no stop may end
+        at = next((j for j in range(bar, len(ids)) if ids[j] in self.stop_ids), -1) if self.stop_ids else -1
         counted = ids if at < 0 else ids[: at + 1]  # a stop token counts, its text is left out
         self.ids.extend(counted)
         if c.logprobs is not None:
             self.lps.extend(c.logprobs[: len(counted)])
         if at >= 0:
             ids, final, self.stopped = ids[:at], True, True
-        text = self.detok.push(ids)
+        text = ""
+        if bar:  # the text of the answer's first min_tokens tokens: never searched for a stop string
+            text = self.filter.push(self.detok.push(ids[:bar]), armed=False)
+            ids = ids[bar:]
+        rest = self.detok.push(ids)
         if final:
-            text += self.detok.finish()
-        text = self.filter.push(text, final=final)
+            rest += self.detok.finish()
+        text += self.filter.push(rest, final=final)
         self.stopped = self.stopped or self.filter.stopped
         return text
 
@@ -1042,7 +1055,8 @@ class _Answer:
         self.call = call
         self.index = index
         self.echo = echo
-        self.out = _Output(ingress.tokenizer.decode, body.stop_strings(), body.stop_token_ids)
+        self.out = _Output(ingress.tokenizer.decode, body.stop_strings(), body.stop_token_ids, body.min_tokens,
+                           body.include_stop_str_in_output)
         self.tools = tool_answer(body, chat, ingress.args.tool_call_parser)
         self.offset = 0  # a completion's text so far, for its tokens' text_offset
         self.stream: _Stream | None = None

@@ -4,13 +4,16 @@ Pydantic at the boundary (docs/design.md, Typed config at the boundary): a malfo
 refused with HTTP 400 and an OpenAI-style error object naming the field, before anything is
 queued. Extensions beyond
 OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``return_token_ids``,
-``cache_salt``, ``stop_token_ids``, ``repetition_penalty``, ``top_k``, ``min_p``); Fairway's own figures travel in a
+``cache_salt``, ``stop_token_ids``, ``repetition_penalty``, ``top_k``, ``min_p``, ``min_tokens``,
+``include_stop_str_in_output``); Fairway's own figures travel in a
 ``fairway`` object next to ``usage``.
 
 No parameter is silently ignored: a field the models do not name is a 400 naming it
 (``extra="forbid"``), and each documented OpenAI parameter is either honoured or refused with a
 400 that names it and says why (``REFUSED``). Honoured: ``stop`` and ``stop_token_ids`` and
-``echo`` by the ingress on the detokenized output (so on every engine); ``seed``, ``top_p`` and the
+``echo`` by the ingress on the detokenized output (so on every engine), as are ``min_tokens``'s
+bar on stops in the first tokens and ``include_stop_str_in_output`` (the engine keeps its end of
+sequence away before ``min_tokens``); ``seed``, ``top_p`` and the
 penalties and ``logit_bias`` by the engine (vLLM natively; the text-less sim engine makes ``seed``
 deterministic, its random tokens stand for samples at any ``temperature``, ``top_p``, ``top_k`` or
 ``min_p``, and it refuses the others unless they are their no-op values); ``user`` and
@@ -139,7 +142,8 @@ TokenId = Annotated[int, Ge(0), BeforeValidator(_token_id)]
 
 #: Fields OpenAI's schema lets a client send as null, meaning the default.
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "stream", "frequency_penalty",
-                                "presence_penalty", "repetition_penalty", "ignore_eos", "return_token_ids", "echo"})
+                                "presence_penalty", "repetition_penalty", "ignore_eos", "return_token_ids", "echo",
+                                "min_tokens", "include_stop_str_in_output"})
 
 
 class StreamOptions(BaseModel):
@@ -195,6 +199,10 @@ class _Common(_Generation):
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own engine request (seed + i "
                    "each, with a seed); limits.max_choices bounds prompts x n")
     stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no end of sequence, stop token or stop string ends the "
+                            "answer before this many tokens (at most max_tokens)")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: the stop string that ended the answer is "
+                                             "kept at its end")
     stop_token_ids: list[TokenId] | None = Field(None, description="stop at any of these token ids (vLLM's "
                                                  "extension)")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63,

@@ -36,7 +36,8 @@ stop chance of 1 / mean at every token, the memoryless stop of a model whose EOS
 not depend on the text). The request ends there with ``finish_reason`` "stop" when that comes
 before ``max_tokens``, else at ``max_tokens`` with "length"; ``ignore_eos`` (vLLM's, which the
 load generator and the benchmarks send) runs it to ``max_tokens``, and ``eos_mean_tokens=0`` does
-so for every request. The end-of-sequence token itself is not emitted. So a chat request without
+so for every request; ``min_tokens`` (vLLM's) allows no end before that many tokens, the same stop
+chance applying from there on. The end-of-sequence token itself is not emitted. So a chat request without
 ``max_tokens`` (whose bound is the rest of the context) answers in about 256 tokens, as a chat
 model's would, rather than streaming tens of thousands.
 
@@ -410,7 +411,10 @@ class SimEngine(Engine, EngineListener):
         if self.eos_mean_tokens and not call.ignore_eos:
             # the length from a child stream, which leaves the ids' stream as it is: a seeded answer
             # is the same text up to where it stops, and only the tokens it keeps are drawn
-            natural = int(rng.spawn(1)[0].geometric(1.0 / self.eos_mean_tokens))
+            lengths = rng.spawn(1)[0]
+            natural = int(lengths.geometric(1.0 / self.eos_mean_tokens))
+            if natural < call.min_tokens:  # no end before min_tokens: the same stop chance from there on
+                natural = call.min_tokens - 1 + int(lengths.geometric(1.0 / self.eos_mean_tokens))
             if natural < n:
                 n, reason = natural, "stop"
         output_ids = rng.integers(16, self.vocab_size, size=n).tolist()

@@ -400,12 +400,15 @@ class VllmEngine(Engine):
         self._check(call)
         sampling_params_cls, delta = self._sampling
         kw: dict[str, Any] = {"max_tokens": call.max_tokens, "temperature": call.temperature,
-                              "ignore_eos": call.ignore_eos, "seed": call.seed, "top_p": call.top_p,
+                              "ignore_eos": call.ignore_eos, "min_tokens": call.min_tokens, "seed": call.seed,
+                              "top_p": call.top_p,
                               "top_k": call.top_k, "min_p": call.min_p,
                               "frequency_penalty": call.frequency_penalty, "presence_penalty": call.presence_penalty,
                               "repetition_penalty": call.repetition_penalty}
         if call.logit_bias:
             kw["logit_bias"] = dict(call.logit_bias)
+        if call.stop_token_ids:  # vLLM stops there too, and keeps them away before min_tokens
+            kw["stop_token_ids"] = list(call.stop_token_ids)
         if call.logprobs is not None:
             kw["logprobs"] = call.logprobs
         if call.prompt_logprobs is not None:  # vLLM then computes the whole prompt (reads no cached block)

@@ -142,6 +142,26 @@ def test_streaming(url):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_min_tokens_keeps_the_stop_tokens_away_until_then(url):
+    """vLLM's min_tokens through the cluster: the greedy answer's own second token as a stop
+    token ends it there; with min_tokens past it, the answer runs on to at least min_tokens."""
+    base = {"model": MODEL, "prompt": prompt_ids(9, 40), "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True}
+    headers = {"authorization": f"Bearer {ALICE}"}
+    status, out, _ = post_json(f"{url}/v1/completions", base, timeout=180, headers=headers)
+    assert status == 200, out
+    free = out["choices"][0]["token_ids"]
+    at = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    stop = {**base, "stop_token_ids": [free[at]]}
+    status, out, _ = post_json(f"{url}/v1/completions", stop, timeout=180, headers=headers)
+    assert out["choices"][0]["token_ids"] == free[: at + 1] and out["choices"][0]["finish_reason"] == "stop", out
+    bar = min(at + 3, 12)
+    status, out, _ = post_json(f"{url}/v1/completions", {**stop, "min_tokens": bar}, timeout=180, headers=headers)
+    assert status == 200, out
+    held = out["choices"][0]["token_ids"]
+    assert len(held) >= bar and free[at] not in held[:bar], (held, free[at])
+
+
 def test_response_format_json_schema_constrains_the_answer(url):
     """OpenAI's structured output through the cluster: vLLM's grammar keeps even the tiny model's
     random weights to the schema's values, and the answer ends there."""

@@ -1,6 +1,7 @@
 """Incremental detokenization with the shipped tiny byte-level BPE tokenizer: deltas join to the
 whole decode however the tokens are split, and a multi-byte character split over chunks comes
-out whole, never as U+FFFD."""
+out whole, never as U+FFFD. The stop strings' filter: the same text however it is split, with
+vLLM's min_tokens (no stop ending in the first text) and include_stop_str_in_output."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.detokenize import REPLACEMENT, IncrementalDetokenizer
+from router.detokenize import REPLACEMENT, IncrementalDetokenizer, StopFilter
 from router.tokenizer import Tokenizer
 
 
@@ -77,3 +78,48 @@ def test_decode_is_the_wrappers_decode(tok, ids):
     assert tok._fast_decode is not None  # the shipped tokenizer takes the direct path
     ids = [i % len(tok.tok) for i in ids]
     assert tok.decode(ids) == tok.tok.decode(ids, skip_special_tokens=True)
+
+
+def filtered(pieces: list[str], stops: list[str], unarmed: int = 0, include: bool = False) -> tuple[str, bool]:
+    """The text ``StopFilter`` lets through for ``pieces`` pushed in turn (the first ``unarmed``
+    of them unarmed, the last final), and whether it stopped."""
+    f = StopFilter(stops, include)
+    out = "".join(f.push(p, final=i == len(pieces) - 1, armed=i >= unarmed) for i, p in enumerate(pieces))
+    return out, f.stopped
+
+
+@pytest.mark.parametrize(("pieces", "stops", "unarmed", "include", "want"), [
+    (["ab", "cSTO", "Pdef"], ["STOP"], 0, False, ("abc", True)),
+    (["ab", "cSTO", "Pdef"], ["STOP"], 0, True, ("abcSTOP", True)),
+    (["abc"], ["x"], 0, False, ("abc", False)),
+    (["a STOP b", " STOP c"], ["STOP"], 1, False, ("a STOP b ", True)),  # the first in the unarmed text: passed
+    (["a ST", "OP b"], ["STOP"], 1, False, ("a ", True)),  # begun unarmed, ended armed: a stop
+    (["a STOP", " b"], ["STOP"], 1, False, ("a STOP b", False)),  # ended in the unarmed text: not a stop
+    (["xx", "yzz"], ["yz", "xyz"], 0, True, ("xxyz", True)),  # the earliest start wins
+])
+def test_stop_filter_cases(pieces, stops, unarmed, include, want):
+    assert filtered(pieces, stops, unarmed, include) == want
+
+
+def reference(text: str, stops: list[str], armed_from: int, include: bool) -> str:
+    """The whole text's answer: cut at the earliest stop string that ends past ``armed_from``."""
+    hits = [(i, -len(s), s) for s in stops if (i := text.find(s, max(0, armed_from - len(s) + 1))) >= 0]
+    if not hits:
+        return text
+    cut, _, stop = min(hits)
+    return text[: cut + len(stop)] if include else text[:cut]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=30), stops=st.lists(st.text("abc", min_size=1, max_size=3), max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=5), armed_from=st.integers(0, 30), include=st.booleans())
+def test_stop_filter_is_the_whole_texts_cut_however_it_is_split(text, stops, cuts, armed_from, include):
+    armed_from = min(armed_from, len(text))
+    bounds = sorted({c for c in cuts if c <= len(text)} | {armed_from, len(text)})
+    pieces, start, unarmed = [], 0, 0
+    for end in bounds:
+        pieces.append(text[start:end])
+        unarmed += end <= armed_from
+        start = end
+    got, _ = filtered(pieces, stops, unarmed, include)
+    assert got == reference(text, stops, armed_from, include)

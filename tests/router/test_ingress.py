@@ -438,6 +438,31 @@ def _stops_before(word: str) -> Callable[[Server, dict, bool, bool], None]:
     return check
 
 
+def _keeps_the_stop(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """include_stop_str_in_output: the text ends with the stop string that ended it."""
+    r = post(server, "/v1/chat/completions" if chat else "/v1/completions",
+             {**body, "stop": ["gamma"], "stream": stream})
+    assert _text(r, chat, stream) == (WORDS[: WORDS.index("gamma") + len("gamma")], "stop")
+
+
+def _min_tokens_bar_stops(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """min_tokens k: a stop string or stop token within the first k tokens ends nothing (vLLM's
+    rule); the first one past them does. Here "alpha" (and its token) ends in the first k tokens,
+    "gamma" after them."""
+    tok = server.ingress.tokenizer
+    ids = tok.encode(WORDS)
+    assert body["min_tokens"] == next(k for k in range(1, len(ids)) if "alpha" in tok.decode(ids[:k]))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = post(server, path, {**body, "stop": ["alpha", "gamma"], "stream": stream})
+    assert _text(r, chat, stream) == (WORDS[: WORDS.index("gamma")], "stop")
+    assert server.replicas.calls[-1].min_tokens == body["min_tokens"]
+    r = post(server, path, {**body, "stop_token_ids": [ids[0]], "stream": stream})  # inside the bar: no stop
+    assert _text(r, chat, stream) == (WORDS, "length")
+    r = post(server, path, {**body, "min_tokens": body["max_tokens"] + 1, "stream": stream})
+    assert_clear_error(r, 400, "min_tokens")
+    assert r.json()["error"]["param"] == "min_tokens"
+
+
 def _choices(server: Server, body: dict, chat: bool, stream: bool, prompts: list) -> None:
     """Each prompt's n choices were sent as their own calls (prompt x n of them, each with its
     own request id, a seed's choices seed + i) and come back indexed prompt x n + i, each the
@@ -633,6 +658,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "n": (2, lambda srv, b, c, s: _choices(srv, b, c, s, ["hi"])),
     "stop": (["gamma", "zeta"], _stops_before("gamma")),
     "stop_token_ids": (None, None),  # filled per tokenizer below
+    "min_tokens": (None, _min_tokens_bar_stops),  # the token count of " alpha": filled per tokenizer below
+    "include_stop_str_in_output": (True, _keeps_the_stop),
     "seed": (7, _call_has(seed=7)),
     "frequency_penalty": (0.5, _call_has(frequency_penalty=0.5)),  # the engine decides (sim refuses)
     "presence_penalty": (0.5, _call_has(presence_penalty=0.5)),
@@ -752,6 +779,7 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
     k = next(k for k in range(len(ids)) if len(tok.decode(ids[: k + 1])) > WORDS.index(" gamma"))
     assert tok.decode(ids[:k]) == WORDS[: WORDS.index(" gamma")] and ids[k] not in ids[:k]
     table["stop_token_ids"] = ([ids[k]], _stops_before(tok.decode(ids[k:k + 1])))
+    table["min_tokens"] = (next(k for k in range(1, len(ids)) if "alpha" in tok.decode(ids[:k])), _min_tokens_bar_stops)
     model = ChatCompletionRequest if chat else CompletionRequest
     assert set(table) == set(model.model_fields)
     path = "/v1/chat/completions" if chat else "/v1/completions"

@@ -217,6 +217,34 @@ async def test_a_seeded_answer_stops_at_the_same_token_and_is_the_ignore_eos_ans
     assert len(a) < 64 and full[: len(a)] == a
 
 
+async def test_min_tokens_allows_no_end_before_it_and_the_same_stop_chance_after():
+    """vLLM's ``min_tokens``: no answer ends before that many tokens; past it each ends at the
+    same per-token chance (mean min_tokens - 1 + eos_mean), and an answer that would have ended
+    later anyway is the one without min_tokens (same seed)."""
+    e = make_engine("sim", speed=1000.0, kv_blocks=512, max_model_len=2048, eos_mean_tokens=8)
+    await e.start()
+    try:
+        held = []
+        for i in range(40):
+            c = eos_call(f"m{i}", 200)
+            c.min_tokens = 20
+            held.append(await answer(e, c))
+        free, kept = [], []
+        for i in range(40):  # seeded: with and without min_tokens 3, the same draw
+            a = await answer(e, eos_call(f"s{i}", 200, seed=i))
+            c = eos_call(f"s{i}", 200, seed=i)
+            c.min_tokens = 3
+            free.append(a)
+            kept.append(await answer(e, c))
+    finally:
+        await e.shutdown()
+    lengths = [len(t) for t, _ in held]
+    assert min(lengths) >= 20 and all(r == "stop" for _, r in held)
+    assert 22 <= sum(lengths) / len(lengths) <= 34  # 27 expected
+    for (a, _), (b, _) in zip(free, kept, strict=True):
+        assert len(b) >= 3 and (b == a if len(a) >= 3 else b[: len(a)] == a)
+
+
 async def test_eos_mean_tokens_zero_runs_every_request_to_max_tokens_and_bad_values_are_refused():
     e = make_engine("sim", speed=1000.0, kv_blocks=512, max_model_len=2048, eos_mean_tokens=0)
     await e.start()

@@ -437,7 +437,7 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     eng._sampling, eng._client_errors, eng._kv_total = (Params, None), (LookupError,), 1000
     call = GenerateCall("r", [5] * 40, tuple(block_hashes([5] * 40)), 2, time.time(), seed=11, top_p=0.9,
                         top_k=4, min_p=0.05, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1,
-                        logit_bias={42: 3.0})
+                        logit_bias={42: 3.0}, min_tokens=2, stop_token_ids=(9, 10))
 
     async def run(c: GenerateCall) -> list[int]:
         return [t async for out in eng.generate(c) for t in out.token_ids]
@@ -445,7 +445,7 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     assert asyncio.run(run(call)) == [7, 8]
     want = {"seed": 11, "top_p": 0.9, "top_k": 4, "min_p": 0.05,
             "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
-            "logit_bias": {42: 3.0}}
+            "logit_bias": {42: 3.0}, "min_tokens": 2, "stop_token_ids": [9, 10]}
     assert {k: seen[-1][k] for k in want} == want
     call.top_p = 0.0
     with pytest.raises(UnsupportedParameter, match="vLLM refused the sampling parameters: top_p"):
@@ -649,6 +649,19 @@ async def _scenario() -> dict:
                 res[name] = await _collect(eng, call)
             except Exception as e:  # noqa: BLE001 - the test inspects the type
                 res[name] = e
+        # Stop token ids stop vLLM too, and min_tokens keeps them (and the end of sequence) away
+        # before that many tokens: greedy, the same prompt, a token the free answer has early
+        m_ids = [rng.randrange(5, 4096) for _ in range(30)]
+        call = _call("free", m_ids, 16)
+        call.ignore_eos = False
+        free = [t for o in (await _collect(eng, call))["outs"] for t in o.token_ids]
+        at = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+        call = _call("stopped", m_ids, 16)
+        call.ignore_eos, call.stop_token_ids = False, (free[at],)
+        stopped = await _collect(eng, call)
+        call = _call("min", m_ids, 16)
+        call.ignore_eos, call.stop_token_ids, call.min_tokens = False, (free[at],), min(at + 3, 16)
+        res["min_tokens"] = {"free": free, "at": at, "stopped": stopped, "min": await _collect(eng, call)}
         res["can_fit_small"] = eng.can_fit(100, [])
         res["end_stats"] = eng.stats()
         # Too long for the context: the gate in front refuses it before vLLM sees it.
@@ -770,6 +783,17 @@ def test_vllm_constrains_the_output_to_a_json_schema(scenario):
     assert r["last"].finish_reason == "stop"
     assert getattr(scenario["bad_schema"], "status", None) == 400, repr(scenario["bad_schema"])
     assert "bogus" in str(scenario["bad_schema"])
+
+
+@needs_vllm
+def test_vllm_stops_at_stop_token_ids_and_not_before_min_tokens(scenario):
+    m = scenario["min_tokens"]
+    stop = m["free"][m["at"]]
+    stopped = [t for o in m["stopped"]["outs"] for t in o.token_ids]
+    assert stopped == m["free"][: m["at"] + 1] and m["stopped"]["last"].finish_reason == "stop"
+    held = [t for o in m["min"]["outs"] for t in o.token_ids]
+    bar = min(m["at"] + 3, 16)
+    assert len(held) >= bar and stop not in held[:bar], (held, stop)
 
 
 @needs_vllm
