@@ -9,11 +9,14 @@ blocks (``fairway/hashing.py``), and call the replicas through a streaming Ray S
 request router (``router/serve_router.py``) picks the replica from those hashes. Tokens stream
 back as SSE (``stream: true``) or are collected into one response.
 
-Errors are mapped, never swallowed: a full replica queue is 429 with Retry-After, Ray's own
-back-pressure or a dead/unavailable replica is 503 with Retry-After, a request the engine can
-never hold is 400. A failure after the stream started ends the stream with an error event and
-``[DONE]``, so a client never hangs. A client that disconnects has its call cancelled at the
-replica, which aborts the request in its gate and engine (queue slot and KV blocks freed).
+The parts: this module holds the FastAPI app, its routes and guards, and ``FairwayIngress``,
+which turns a request into engine calls (``GenerateCall``: one per choice), sends them (a gate's
+refusal tried once elsewhere, then held: ``router/hold.py``) and answers. A call's stream and its
+client's leaving are ``router/calls.py``; the errors and how failures map onto them,
+``router/errors.py`` (mapped, never swallowed); the answer in each route's shape, whole or
+streamed, ``router/answers.py`` (a failure after the stream started ends it with an error
+event, so a client never hangs); the request and response models, ``router/openai_api.py`` and
+``router/responses_api.py``.
 
 Metrics (level "router"): TTFT as the client sees it (from the moment this ingress has the
 request's headers, stamped by ``ReceivedAt``, to the first token here), per lane; end-to-end
@@ -26,11 +29,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -39,7 +41,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.clock import MonotonicClock
@@ -47,18 +48,14 @@ from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.hashing import block_hashes
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import (
-    MIN_LOGPROB,
     GenerateCall,
-    Overloaded,
-    PastWaitBound,
-    ReplicaError,
     TokenChunk,
-    TokenLogprob,
-    UnsupportedParameter,
 )
 from fairway.routing.held import HeldQueue
+from router.answers import Answer, Output, Replies
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
-from router.detokenize import IncrementalDetokenizer, StopFilter
+from router.calls import CLIENT_GONE_STATUS, ClientGone, ReplicaStream, own_serve_request_id, unless_gone
+from router.errors import HTTPError
 from router.hold import HoldArgs, Holder, HoldRefused
 from router.limits import RequestGuard, RequestLimits
 from router.openai_api import (
@@ -74,15 +71,11 @@ from router.openai_api import (
     documented_errors,
     error_body,
     new_id,
-    now_s,
     template_tools,
 )
-from router.responses_api import RESPONSES_REFUSED, ResponseEvents, ResponsesRequest, finished, to_chat, whole_output
-from router.responses_api import head as responses_head
-from router.responses_api import new_id as response_id
-from router.responses_api import usage as responses_usage
+from router.responses_api import RESPONSES_REFUSED, ResponsesRequest, to_chat
 from router.tokenizer import TooManyTokens, utf8_len_over
-from router.tool_calls import AUTO, ToolCallAnswer
+from router.tool_calls import AUTO
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -168,51 +161,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
     return JSONResponse(error_body(msg, exc.status_code, code=None),  # not a model or queue error
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-
-class HTTPError(Exception):
-    """An answer other than 200. ``refused_by``: the replica whose gate refused the request before
-    its engine saw it (429, queue full), so it may be tried once on another replica."""
-
-    def __init__(self, status: int, message: str, retry_after_s: float | None = None, reason: str = "",
-                 param: str | None = None, refused_by: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.reason = reason
-        self.param = param
-        self.refused_by = refused_by
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, int(round(self.retry_after_s))))
-        return JSONResponse(error_body(self.message, self.status, self.param), status_code=self.status,
-                            headers=headers)
-
-
-def map_error(e: BaseException) -> HTTPError:
-    """A replica or Ray failure as the HTTP error the client gets."""
-    cause = getattr(e, "cause", None)
-    for x in (e, cause):
-        if isinstance(x, UnsupportedParameter):
-            return HTTPError(400, x.message, None, "unsupported_parameter", x.param)
-        if isinstance(x, PastWaitBound):
-            return HTTPError(429, x.message, x.retry_after_s, "past_bound")
-        if isinstance(x, ReplicaError):
-            reason = {429: "queue_full", 400: "too_long", 504: "stalled"}.get(x.status, "engine_failed")
-            return HTTPError(x.status, x.message, x.retry_after_s if x.status in (429, 503) else None, reason,
-                             refused_by=x.replica if isinstance(x, Overloaded) else "")
-    name = type(e).__name__
-    if name == "BackPressureError":
-        return HTTPError(503, "the cluster is overloaded: too many requests queued; retry later", 1.0, "overloaded")
-    if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "DeploymentUnavailableError"):
-        return HTTPError(503, f"replica unavailable ({name}); retry", 1.0, "replica_dead")
-    if isinstance(e, TimeoutError):
-        return HTTPError(503, "request timed out in the cluster; retry", 1.0, "timeout")
-    logger.exception("ingress: unexpected error", exc_info=e)
-    return HTTPError(500, f"internal error: {name}: {e}", None, "internal")
 
 
 def ingress_name() -> str:
@@ -303,12 +251,13 @@ class FairwayIngress:
         self.stats = None
         self.exporter = None
         self._loop_watch: asyncio.Task | None = None
+        self.replies = Replies(self.name, self._rejected)
         if a.metrics:
             self._start_metrics()
         held = HeldQueue(MonotonicClock(), CostModel.from_profile(a.profile), a.classes, inner=a.hold_policy,
                          inner_options=a.hold_policy_options, max_held=a.hold.max_held, block_size=a.block_size)
-        self.holder: Holder[_Stream] = Holder(held, self._probe, _Stream.close, self._hold_bound, a.hold.poll_s,
-                                              stats=self.stats, margin_s=a.gate_wait_s or 0.0)
+        self.holder: Holder[ReplicaStream] = Holder(held, self._probe, ReplicaStream.close, self._hold_bound,
+                                                    a.hold.poll_s, stats=self.stats, margin_s=a.gate_wait_s or 0.0)
 
     def _start_metrics(self) -> None:
         from observability.exporter import MetricsExporter
@@ -496,7 +445,7 @@ class FairwayIngress:
                                  "(limits.max_choices)", reason="bad_request", param="n")
 
     def _answers(self, calls: list[GenerateCall], body: Any, chat: bool, echoes: list[str] | None = None
-                 ) -> list[_Answer]:
+                 ) -> list[Answer]:
         """Each prompt's ``n`` choices (index prompt x n + i), each its own call: the prompt's,
         and for i > 0 a copy with its own request id and, with a seed, seed + i (as vLLM seeds a
         prompt's choices). O(prompts x n)."""
@@ -506,7 +455,8 @@ class FairwayIngress:
             for i in range(n):
                 c = call if i == 0 else dataclasses.replace(
                     call, request_id=new_id("req"), seed=None if call.seed is None else call.seed + i)
-                out.append(_Answer(self, c, k * n + i, body, chat, echoes[k] if echoes else ""))
+                out.append(Answer(self.tokenizer, self.args.tool_call_parser, c, k * n + i, body, chat,
+                                  echoes[k] if echoes else ""))
         return out
 
     async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
@@ -595,21 +545,25 @@ class FairwayIngress:
 
     # -- the held queue (router/hold.py) -------------------------------------------------------
 
-    async def _probe(self, call: GenerateCall) -> _Stream:
+    async def _probe(self, call: GenerateCall) -> ReplicaStream:
         """Send a held ``call`` (``ack`` set); its stream once a gate has queued it. Each probe
         goes under its own Serve request id (``own_serve_request_id``): the held queue's rounds
         run in one task for every held request."""
         own_serve_request_id()
-        stream = _Stream(self, call, self.handle.generate.remote(call))
+        stream = self._stream(call)
         await self._or_close(stream, stream.accepted())  # cancelled (timed out): out of the gate's queue
         return stream
+
+    def _stream(self, call: GenerateCall) -> ReplicaStream:
+        """``call`` sent to a replica through the handle (its request router picks which), as a stream."""
+        return ReplicaStream(call, self.handle.generate.remote(call), self.holder, self.stats, self.args.classes)
 
     def _hold_bound(self, call: GenerateCall) -> float:
         """How long after its headers ``call`` may wait for a replica's queue: its class's wait
         bound, else ``hold.max_wait_s``."""
         return self.args.classes.wait_bound_for(call.priority_class, self.args.hold.max_wait_s)
 
-    async def _held(self, call: GenerateCall, refused: HTTPError | None) -> _Stream:
+    async def _held(self, call: GenerateCall, refused: HTTPError | None) -> ReplicaStream:
         """``call`` held until a gate takes it (``Holder.wait``); its refusal as an HTTPError."""
         try:
             stream, stream.held_s = await self.holder.wait(call, None if refused is None
@@ -618,7 +572,7 @@ class FairwayIngress:
             raise HTTPError(429, e.message, max(1.0, e.retry_after_s), e.reason) from None
         return stream
 
-    async def _sent(self, call: GenerateCall, request: Request | None, sent: bool) -> tuple[_Stream, TokenChunk]:
+    async def _sent(self, call: GenerateCall, request: Request | None, sent: bool) -> tuple[ReplicaStream, TokenChunk]:
         """``call`` sent to a replica, and its stream with the first chunk. A gate's refusal (its
         queue full, the engine never saw it) sends it once more, to another replica when one is a
         candidate; refused again, or while others are held, it is held until a gate takes it."""
@@ -632,7 +586,7 @@ class FairwayIngress:
                 attempt = dataclasses.replace(call, avoid=(refusal.refused_by,))
                 if self.stats is not None:
                     self.stats.inc_retry(refusal.reason)
-            stream = _Stream(self, attempt, self.handle.generate.remote(attempt))
+            stream = self._stream(attempt)
             try:
                 return stream, await self._first(stream, request, sent)
             except HTTPError as e:
@@ -644,12 +598,12 @@ class FairwayIngress:
         return stream, await self._first(stream, request, sent)
 
     @classmethod
-    async def _first(cls, stream: _Stream, request: Request | None, sent: bool) -> TokenChunk:
+    async def _first(cls, stream: ReplicaStream, request: Request | None, sent: bool) -> TokenChunk:
         """The stream's first chunk, ended early when its client leaves (``_or_close``)."""
         return await cls._or_close(stream, unless_gone(request, stream.first(sent=sent)))
 
     @staticmethod
-    async def _or_close(stream: _Stream, aw: Awaitable[T]) -> T:
+    async def _or_close(stream: ReplicaStream, aw: Awaitable[T]) -> T:
         """``await aw``; on any failure but a gate's refusal (nothing runs then) the stream is
         closed, which stops the replica's work (its client left, it failed, or it timed out)."""
         try:
@@ -662,7 +616,7 @@ class FairwayIngress:
             stream.close()
             raise
 
-    async def _respond(self, answers: list[_Answer], body: Any, chat: bool, request: Request | None = None,
+    async def _respond(self, answers: list[Answer], body: Any, chat: bool, request: Request | None = None,
                        responses: ResponsesRequest | None = None) -> Any:
         """Send the answers' calls and answer them: one JSON body, or a stream (``_sse``). A
         request with several choices (``n``, a batch of prompts) sends each as its own call, all
@@ -682,8 +636,8 @@ class FairwayIngress:
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 streaming = True
-                events = (self._sse(answers, body, chat, include_usage) if responses is None
-                          else self._response_events(answers[0], body, responses))
+                events = (self.replies.sse(answers, body, chat, include_usage) if responses is None
+                          else self.replies.response_events(answers[0], body, responses))
                 return StreamingResponse(events, media_type="text/event-stream")
             await unless_gone(request, self._all(answers, self._collected))
         except HTTPError as e:
@@ -696,11 +650,11 @@ class FairwayIngress:
                     if a.stream is not None:
                         a.stream.close()
         if responses is not None:
-            return JSONResponse(self._response_object(answers[0], body, responses))
-        return JSONResponse(self._full(answers, body, chat))
+            return JSONResponse(self.replies.response_object(answers[0], body, responses))
+        return JSONResponse(self.replies.whole(answers, body, chat))
 
     @staticmethod
-    async def _all(answers: list[_Answer], step: Callable[[_Answer], Awaitable[None]]) -> None:
+    async def _all(answers: list[Answer], step: Callable[[Answer], Awaitable[None]]) -> None:
         """``step`` for every answer, at once; when one fails (or this is cancelled) the others
         are cancelled, and the failure raised. One answer: no task. O(answers)."""
         if len(answers) == 1:
@@ -715,17 +669,17 @@ class FairwayIngress:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _first_of(self, a: _Answer, request: Request | None, sent: bool, own_id: bool = False) -> None:
+    async def _first_of(self, a: Answer, request: Request | None, sent: bool, own_id: bool = False) -> None:
         if own_id:  # one of several choices, in its own task: its calls get their own Serve id
             own_serve_request_id()
         a.stream, a.first = await self._sent(a.call, request, sent)
 
-    async def _collected(self, a: _Answer) -> None:
+    async def _collected(self, a: Answer) -> None:
         assert a.stream is not None and a.first is not None
         a.text, a.last = await self._collect(a.stream, a.first, a.out)
 
     @staticmethod
-    async def _collect(stream: _Stream, first: TokenChunk, out: _Output) -> tuple[str, TokenChunk]:
+    async def _collect(stream: ReplicaStream, first: TokenChunk, out: Output) -> tuple[str, TokenChunk]:
         """A whole answer's text and last chunk, ended early at a stop (the replica's call then
         ends at once). O(output): the pieces are joined once."""
         parts, last = [out.push(first)], first
@@ -738,528 +692,6 @@ class FairwayIngress:
         if out.stopped:
             stream.stop()
         return "".join(parts), last
-
-    # -- response shapes ---------------------------------------------------------------------
-
-    @staticmethod
-    def _filled(first: TokenChunk, last: TokenChunk) -> TokenChunk:
-        """The chunk with the request's figures: the last when the answer ran to its end (the
-        replica fills it), else the first token's (a stop ended the answer mid-stream)."""
-        return last if last.finished else first
-
-    def _usage(self, first: TokenChunk, last: TokenChunk, out: _Output) -> dict[str, Any]:
-        """The answer's token counts; the completion's as far as a stop cut it."""
-        src = self._filled(first, last)
-        completion = len(out.ids) if out.stopped else last.completion_tokens
-        return {
-            "prompt_tokens": src.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": src.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": src.cached_tokens},
-        }
-
-    def _fairway(self, first: TokenChunk, last: TokenChunk, stream: _Stream) -> dict[str, Any]:
-        src = self._filled(first, last)
-        out = {"lane": src.lane, "promoted": src.promoted, "replica": src.replica,
-               "queue_wait_s": src.queue_wait_s, "ttft_s": stream.ttft_s, "replica_ttft_s": src.ttft_s,
-               "ingress": self.name}
-        if stream.call.priority_class:
-            out["class"] = stream.call.priority_class
-        if stream.held_s:
-            out["held_s"] = stream.held_s
-        return out
-
-    def _text_logprobs(self, ids: list[int], lps: list[TokenLogprob], start: int,
-                       prompt: tuple[list[int], list[TokenLogprob | None] | None]) -> dict[str, Any]:
-        """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
-        token's text, log probability, top alternatives (None when none were asked for) and
-        character offset from ``start``, the offsets adding up the tokens' own texts. ``prompt``:
-        the prompt's ids and the chunk's prompt entries; when the chunk has them (echo with
-        logprobs, on the first chunk) they come first, offsets from 0, the first token's log
-        probability None (it has no context). O(tokens x top)."""
-        text_of = self.tokenizer.token_text
-
-        def offsets_of(tokens: list[str], at: int) -> list[int]:
-            out = []
-            for tok in tokens:
-                out.append(at)
-                at += len(tok)
-            return out
-
-        entries: list[TokenLogprob | None] = list(aligned(ids, lps))
-        tokens = [text_of(t) for t in ids]
-        offsets = offsets_of(tokens, start)
-        p_ids, p_entries = prompt
-        if p_entries is not None:
-            p_tokens = [text_of(t) for t in p_ids]
-            tokens, offsets = p_tokens + tokens, offsets_of(p_tokens, 0) + offsets
-            entries = (list(p_entries) + [None] * len(p_ids))[: len(p_ids)] + entries
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
-                "top_logprobs": [None if e is None else ({text_of(t): v for t, v in e[1]} or None) for e in entries],
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any]:
-        """A chat answer's ``logprobs`` for ``ids``: OpenAI's ``content`` list, each token with its
-        text, UTF-8 bytes, log probability and top alternatives. O(tokens x top)."""
-        text_of = self.tokenizer.token_text
-
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            tok = text_of(t)
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
-
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
-                            for t, (lp, top) in zip(ids, aligned(ids, lps), strict=True)]}
-
-    def _full(self, answers: list[_Answer], body: Any, chat: bool) -> dict:
-        """A whole answer's body: each answer's choice, the usage of them all, and the first
-        answer's ``fairway`` figures (every choice's under ``choices`` when there are several)."""
-        first = answers[0]
-        assert first.first is not None and first.last is not None and first.stream is not None
-        out = {
-            "id": new_id("chatcmpl" if chat else "cmpl"),
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now_s(),
-            "model": first.call.model,
-            "choices": [a.whole(body, chat) for a in answers],
-            "usage": self._usage_of(answers, body.n),
-            "fairway": self._fairway(first.first, first.last, first.stream),
-        }
-        if len(answers) > 1:
-            out["fairway"]["choices"] = [self._fairway(a.first, a.last, a.stream) for a in answers]  # type: ignore
-        return out
-
-    def _usage_of(self, answers: list[_Answer], n: int) -> dict[str, Any]:
-        """The answers' usage: each prompt's tokens (and cached tokens) once, as OpenAI and vLLM
-        count them, the completions' tokens of every choice. O(answers)."""
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        for a in answers:
-            u = self._usage(a.first, a.last, a.out)  # type: ignore[arg-type]
-            total["completion_tokens"] += u["completion_tokens"]
-            if a.index % n == 0:  # the prompt's first choice
-                total["prompt_tokens"] += u["prompt_tokens"]
-                total["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
-        return {"prompt_tokens": total["prompt_tokens"], "completion_tokens": total["completion_tokens"],
-                "total_tokens": total["prompt_tokens"] + total["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": total["cached_tokens"]}}
-
-    async def _sse(self, answers: list[_Answer], body: Any, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        rid = new_id("chatcmpl" if chat else "cmpl")
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        created = now_s()
-        model = body.model
-
-        def frame(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                          "choices": choices, **extra}) + "\n\n"
-
-        try:
-            for a in answers:
-                assert a.stream is not None and a.first is not None
-                a.last = a.first
-                yield frame([a.event(a.first, body, chat, a.echo, role=True) or {}])  # a first one always says
-                a.stream.sent_first()  # the first event is written: the client has its first token
-            if len(answers) == 1:
-                a = answers[0]
-                if not a.out.stopped:
-                    async for c in a.stream.rest():  # type: ignore[union-attr]
-                        a.last = c
-                        if (ch := a.event(c, body, chat)) is not None:
-                            yield frame([ch])
-                        if a.out.stopped:
-                            break
-            else:
-                async for a, c in merged(answers):
-                    a.last = c
-                    if (ch := a.event(c, body, chat)) is not None:
-                        yield frame([ch])
-            for a in answers:
-                if a.out.stopped:
-                    a.stream.stop()  # type: ignore[union-attr]
-        except HTTPError as e:
-            self._rejected(e)
-            yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        finally:
-            for a in answers:  # the client disconnected mid-stream: abort the requests at their replicas
-                a.stream.close()  # type: ignore[union-attr]
-        if include_usage:
-            first = answers[0]
-            yield frame([], usage=self._usage_of(answers, body.n),
-                        fairway=self._fairway(first.first, first.last, first.stream))  # type: ignore[arg-type]
-        yield "data: [DONE]\n\n"
-
-    def _response_object(self, a: _Answer, body: ChatCompletionRequest, req: ResponsesRequest) -> dict[str, Any]:
-        """A whole answer as a Responses API Response object (router/responses_api.py)."""
-        assert a.first is not None and a.last is not None and a.stream is not None
-        choice = a.whole(body, chat=True)
-        status, details = finished(choice["finish_reason"])
-        return {**responses_head(req, response_id("resp")), "status": status, "incomplete_details": details,
-                "output": whole_output(choice["message"]), "usage": responses_usage(self._usage_of([a], 1)),
-                "fairway": self._fairway(a.first, a.last, a.stream)}
-
-    async def _response_events(self, a: _Answer, body: ChatCompletionRequest,
-                               req: ResponsesRequest) -> AsyncIterator[str]:
-        """A streamed answer as the Responses API's events (``ResponseEvents``), from the chat
-        events the answer's chunks make; a failure after the start is ``response.failed``."""
-        events = ResponseEvents(responses_head(req, response_id("resp")))
-        reason: str | None = None
-
-        def frames(evs: list[dict[str, Any]]) -> str:
-            return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in evs)
-
-        def on(ch: dict[str, Any] | None) -> list[dict[str, Any]]:
-            nonlocal reason
-            if ch is None:
-                return []
-            reason = ch["finish_reason"] or reason
-            return events.delta(ch["delta"])
-
-        assert a.stream is not None and a.first is not None
-        try:
-            a.last = a.first
-            yield frames(events.start() + on(a.event(a.first, body, True, role=True)))
-            a.stream.sent_first()  # the first events are written: the client has its first token
-            if not a.out.stopped:
-                async for c in a.stream.rest():
-                    a.last = c
-                    if evs := on(a.event(c, body, True)):
-                        yield frames(evs)
-                    if a.out.stopped:
-                        break
-            if a.out.stopped:
-                a.stream.stop()
-        except HTTPError as e:
-            self._rejected(e)
-            yield frames(events.failed(e.message, error_body(e.message, e.status)["error"].get("code")))
-            return
-        finally:
-            a.stream.close()  # the client disconnected mid-stream: abort the request at its replica
-        yield frames(events.finish(reason or a.out.finish_reason(a.last), self._usage_of([a], 1),
-                                   fairway=self._fairway(a.first, a.last, a.stream)))
-
-
-async def merged(answers: list[_Answer]) -> AsyncIterator[tuple[_Answer, TokenChunk]]:
-    """The further chunks of every answer not yet ended, as they come; an answer ends at its
-    finished chunk or at a stop its output found (the caller's ``event`` sets ``out.stopped``),
-    and a failure of any raises here. Why: one stream of events for a request with several
-    choices. O(1) per chunk; one task per answer."""
-    queue: asyncio.Queue[tuple[_Answer, TokenChunk | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(a: _Answer) -> None:
-        try:
-            async for c in a.stream.rest():  # type: ignore[union-attr]
-                queue.put_nowait((a, c, None))
-        except Exception as e:  # noqa: BLE001 - raised to the reader
-            queue.put_nowait((a, None, e))
-
-    live = {id(a): asyncio.ensure_future(pump(a)) for a in answers if not (a.out.stopped or a.first.finished)}  # type: ignore[union-attr]
-    try:
-        while live:
-            a, c, err = await queue.get()
-            if id(a) not in live:
-                continue  # what came after its end
-            if err is not None:
-                raise err
-            assert c is not None
-            yield a, c
-            if c.finished or a.out.stopped:
-                live.pop(id(a)).cancel()
-    finally:
-        for t in live.values():
-            t.cancel()
-
-
-def own_serve_request_id() -> None:
-    """Give the handle calls this task makes from now on a Serve internal request id of their
-    own. Why: Ray Serve's request router keeps pending requests by that id, which a handle call
-    takes from the request context, so every call made while serving one HTTP request shares it;
-    two such calls waiting for a replica at once leave one never assigned, and Ray retries its
-    routing forever (a request's n choices sent together hung so, the ingress at full CPU). The
-    context is the task's own copy, so its caller's is untouched. O(1)."""
-    ctx = serve_context._serve_request_context.get() or serve_context._RequestContext()
-    serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=new_id("fairway")))
-
-
-def tool_answer(body: Any, chat: bool, parser: str | None = None) -> ToolCallAnswer | None:
-    """The answer's tool calls, when its ``tool_choice`` is not none (router/tool_calls.py);
-    ``parser``: the cluster's ``tool_call_parser``, which ``auto`` needs (checked before)."""
-    mode = body.tool_mode() if chat else None
-    return ToolCallAnswer(*mode, parser=parser) if mode is not None else None
-
-
-#: A token the engine sent no log probability for (it cannot happen with the shipped engines,
-#: which send one per token when asked): listed with the floor value and no alternatives.
-NO_LOGPROB: TokenLogprob = (MIN_LOGPROB, ())
-
-
-def aligned(ids: list[int], lps: list[TokenLogprob]) -> list[TokenLogprob]:
-    """``lps`` with one entry per id (``NO_LOGPROB`` for any missing). O(1) when they match."""
-    return lps if len(lps) == len(ids) else (lps + [NO_LOGPROB] * (len(ids) - len(lps)))[: len(ids)]
-
-
-class _Output:
-    """One answer's output as the client gets it, on any engine: the tokens detokenized
-    incrementally, ended at the first stop token id (its text left out) or before the first
-    stop string (``StopFilter``; with ``include_stop``, after it); neither counts among the first
-    ``min_tokens`` tokens (vLLM's rule). O(chunk) per push, plus the stop strings' search."""
-
-    def __init__(self, decode: Any, stops: list[str], stop_ids: list[int] | None, min_tokens: int = 0,
-                 include_stop: bool = False) -> None:
-        self.detok = IncrementalDetokenizer(decode)
-        self.filter = StopFilter(stops, include_stop)
-        self.stop_ids = frozenset(stop_ids or ())
-        self.min_tokens = min_tokens
-        self.ids: list[int] = []  # the output's token ids, to the stop token (included) when one ended it
-        self.lps: list[TokenLogprob] = []  # their log probabilities, one per id, when the call asked
-        self.stopped = False
-
-    def push(self, c: TokenChunk) -> str:
-        """The text ``c`` adds ('' once stopped)."""
-        if self.stopped:
-            return ""
-        ids, final = c.token_ids, c.finished
-        bar = min(len(ids), max(0, self.min_tokens - len(self.ids)))  # its first tokens that no stop may end
-        at = next((j for j in range(bar, len(ids)) if ids[j] in self.stop_ids), -1) if self.stop_ids else -1
-        counted = ids if at < 0 else ids[: at + 1]  # a stop token counts, its text is left out
-        self.ids.extend(counted)
-        if c.logprobs is not None:
-            self.lps.extend(c.logprobs[: len(counted)])
-        if at >= 0:
-            ids, final, self.stopped = ids[:at], True, True
-        text = ""
-        if bar:  # the text of the answer's first min_tokens tokens: never searched for a stop string
-            text = self.filter.push(self.detok.push(ids[:bar]), armed=False)
-            ids = ids[bar:]
-        rest = self.detok.push(ids)
-        if final:
-            rest += self.detok.finish()
-        text += self.filter.push(rest, final=final)
-        self.stopped = self.stopped or self.filter.stopped
-        return text
-
-    def finish_reason(self, last: TokenChunk) -> str:
-        return "stop" if self.stopped else (last.finish_reason or "length")
-
-
-class _Answer:
-    """One choice of an answer on its way back: its call and stream, its output as the client
-    gets it (``_Output``), its tool calls, its ``index`` among the choices, and the prompt text
-    an ``echo`` puts first. A request has one per choice (prompts x ``n``). O(1) to build."""
-
-    __slots__ = ("ingress", "call", "index", "echo", "out", "tools", "offset", "stream", "first", "last", "text")
-
-    def __init__(self, ingress: FairwayIngress, call: GenerateCall, index: int, body: Any, chat: bool,
-                 echo: str = "") -> None:
-        self.ingress = ingress
-        self.call = call
-        self.index = index
-        self.echo = echo
-        self.out = _Output(ingress.tokenizer.decode, body.stop_strings(), body.stop_token_ids, body.min_tokens,
-                           body.include_stop_str_in_output)
-        self.tools = tool_answer(body, chat, ingress.args.tool_call_parser)
-        self.offset = 0  # a completion's text so far, for its tokens' text_offset
-        self.stream: _Stream | None = None
-        self.first: TokenChunk | None = None
-        self.last: TokenChunk | None = None
-        self.text = ""  # a whole answer's output text
-
-    def event(self, c: TokenChunk, body: Any, chat: bool, prefix: str = "",
-              role: bool = False) -> dict[str, Any] | None:
-        """The stream event's choice for chunk ``c``; None when it has nothing to say (a tool
-        answer's held middle). O(chunk)."""
-        out, call = self.out, self.call
-        seen = len(out.ids)
-        text = prefix + out.push(c)
-        reason = out.finish_reason(c) if (c.finished or out.stopped) else None
-        if chat:
-            delta: dict[str, Any] | None
-            if self.tools is not None:
-                delta, reason = self.tools.delta(text, role, reason)
-                if delta is None:  # held text; an event with a finish reason always goes
-                    if call.logprobs is None and not body.return_token_ids and reason is None:
-                        return None
-                    delta = {}
-            else:
-                delta = {"content": text}
-                if role:
-                    delta["role"] = "assistant"
-            ch: dict[str, Any] = {"index": self.index, "delta": delta, "finish_reason": reason}
-            if call.logprobs is not None:
-                ch["logprobs"] = self.ingress._chat_logprobs(out.ids[seen:], out.lps[seen:])
-        else:
-            lps = None
-            if call.logprobs is not None:
-                lps = self.ingress._text_logprobs(out.ids[seen:], out.lps[seen:], self.offset + len(prefix),
-                                                  (call.prompt_token_ids, c.prompt_logprobs))
-            self.offset += len(text)
-            ch = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": reason}
-        if body.return_token_ids:
-            ch["token_ids"] = out.ids[seen:]
-        return ch
-
-    def whole(self, body: Any, chat: bool) -> dict[str, Any]:
-        """A whole answer's choice. O(output)."""
-        out, call, text = self.out, self.call, self.text
-        assert self.first is not None and self.last is not None
-        reason = out.finish_reason(self.last)
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                message, reason = self.tools.message(text, reason)
-            choice: dict[str, Any] = {"index": self.index, "message": message, "finish_reason": reason}
-            if call.logprobs is not None:
-                choice["logprobs"] = self.ingress._chat_logprobs(out.ids, out.lps)
-        else:
-            choice = {"index": self.index, "text": self.echo + text, "finish_reason": reason,
-                      "logprobs": None if call.logprobs is None else self.ingress._text_logprobs(
-                          out.ids, out.lps, len(self.echo), (call.prompt_token_ids, self.first.prompt_logprobs))}
-        if body.return_token_ids:
-            choice["token_ids"] = out.ids
-            choice["prompt_token_ids"] = call.prompt_token_ids
-        return choice
-
-
-#: The status of a response nobody will read (the client went away first), nginx's convention.
-CLIENT_GONE_STATUS = 499
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once ``request``'s client has disconnected (its body was read already, so the
-    next ASGI message is ``http.disconnect``, sent when the connection closes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_gone(request: Request | None, aw: Awaitable[T]) -> T:
-    """``await aw``, unless ``request``'s client disconnects first: then ``aw`` is cancelled and
-    ``ClientGone`` raised. Why: the HTTP server does not cancel a handler whose client left, so
-    without this a request whose client gave up still waits in a queue, and still runs. Two
-    tasks per call."""
-    if request is None:
-        return await aw
-    work = asyncio.ensure_future(aw)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-        gone.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
-    raise ClientGone
-
-
-class _Stream:
-    """One request's token stream from its replica, with error mapping and router metrics."""
-
-    def __init__(self, ingress: FairwayIngress, call: GenerateCall, gen: Any) -> None:
-        self.ingress = ingress
-        self.call = call
-        self.gen = gen
-        self.ttft_s = 0.0
-        self.lane = ""
-        self.replica = ""
-        self.done = False
-        self._early: TokenChunk | None = None  # a first chunk read by ``accepted``
-        self.held_s = 0.0  # how long the router held it before a gate took it
-
-    async def _next(self) -> TokenChunk:
-        try:
-            return await self.gen.__anext__()
-        except StopAsyncIteration:
-            raise HTTPError(503, "replica ended the stream without finishing the request", 1.0,
-                            "engine_failed") from None
-        except HTTPError:
-            raise
-        except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP status
-            raise map_error(e) from e
-
-    async def first(self, sent: bool = True) -> TokenChunk:
-        """The first chunk. Its TTFT is taken now when the answer is a whole one (``sent``), else
-        by ``sent_first`` once the first event has been written (what a streaming client waits
-        for)."""
-        c, self._early = self._early or await self._next(), None
-        self.ingress.holder.room()  # a prefill ended at its replica: that queue moved
-        self.lane = c.lane
-        self.replica = c.replica
-        if self.ingress.stats is not None:
-            self.ingress.stats.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
-        if sent:
-            self.sent_first()
-        if c.finished:
-            self._finish("ok")
-        return c
-
-    async def accepted(self) -> None:
-        """Return once the gate has queued the call (its ``accepted`` chunk; the call was sent
-        with ``ack``); raises as ``first`` does, e.g. the gate's refusal."""
-        c = await self._next()
-        if not c.accepted:  # a replica that does not acknowledge: this is its first chunk
-            self._early = c
-
-    def sent_first(self) -> None:
-        """Record the TTFT: from the headers (``ReceivedAt``) to now. O(1)."""
-        self.ttft_s = max(0.0, time.time() - self.call.waited_from)
-        st = self.ingress.stats
-        if st is not None:
-            st.observe_ttft(self.lane, self.ttft_s, replica=self.replica)
-            name = self.call.priority_class
-            if name:
-                st.observe_class_ttft(name, self.ttft_s, self.ingress.args.classes.spec(name).objective_s, self.lane)
-
-    async def rest(self) -> AsyncIterator[TokenChunk]:
-        if self.done:
-            return
-        try:
-            while True:
-                c = await self._next()
-                yield c
-                if c.finished:
-                    self._finish("ok")
-                    return
-        except HTTPError:
-            self._finish("error")
-            raise
-
-    def stop(self) -> None:
-        """End the call because its output is complete (a stop string or token ended it): the
-        request counts as served, and the replica's generator is cancelled. O(1)."""
-        if not self.done:
-            self._finish("ok")
-            self._cancel()
-
-    def close(self) -> None:
-        """End the call early if it has not finished (the client went away): cancel the
-        replica's generator, which aborts the request in its gate and engine. O(1)."""
-        if self.done:
-            return
-        self._finish("cancelled")
-        self._cancel()
-
-    def _cancel(self) -> None:
-        try:
-            self.gen.cancel()
-        except Exception as e:  # noqa: BLE001 - the replica may already be gone
-            logger.debug("ingress: cancel of %s failed: %s", self.call.request_id, e)
-
-    def _finish(self, status: str) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.ingress.holder.room()
-        st = self.ingress.stats
-        if st is not None:
-            st.inc_requests(self.lane, status)
-            if status == "ok":
-                st.observe_e2e(self.lane, time.time() - self.call.waited_from,
-                               replica=self.replica)
-
 
 # -- routes ------------------------------------------------------------------------------------
 # Module-level functions with the ingress instance injected, rather than FastAPI class-based

@@ -29,7 +29,7 @@ def call(name: str, prompt: int = 100, klass: str = "", received: float | None =
 
 
 class Refused(Exception):
-    """A gate's refusal as the ingress maps it (``router.ingress.HTTPError`` 429 with ``refused_by``)."""
+    """A gate's refusal as the ingress maps it (``router.errors.HTTPError`` 429 with ``refused_by``)."""
 
     refused_by = "r0"
     retry_after_s = 2.0

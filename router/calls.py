@@ -1,0 +1,184 @@
+"""A call to a replica as the ingress holds it: its token stream (``ReplicaStream``), the
+client it answers (``unless_gone``: the wait ends when the client leaves), and the Ray Serve
+request id each of a request's calls goes under (``own_serve_request_id``).
+
+A client that disconnects has its call cancelled at the replica, which aborts the request in its
+gate and engine (queue slot and KV blocks freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from ray.serve import context as serve_context
+
+from fairway.policies.classes import ClassesConfig
+from fairway.protocol import GenerateCall, TokenChunk
+from router.errors import HTTPError, map_error
+from router.openai_api import new_id
+
+logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+
+#: The status of a response nobody will read (the client went away first), nginx's convention.
+CLIENT_GONE_STATUS = 499
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once ``request``'s client has disconnected (its body was read already, so the
+    next ASGI message is ``http.disconnect``, sent when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request | None, aw: Awaitable[T]) -> T:
+    """``await aw``, unless ``request``'s client disconnects first: then ``aw`` is cancelled and
+    ``ClientGone`` raised. Why: the HTTP server does not cancel a handler whose client left, so
+    without this a request whose client gave up still waits in a queue, and still runs. Two
+    tasks per call."""
+    if request is None:
+        return await aw
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        gone.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise ClientGone
+
+
+class ReplicaStream:
+    """One call's token stream from its replica, with error mapping (``map_error``) and the
+    router's metrics: TTFT when the first token reaches the client, requests by status, e2e.
+    ``holder``: the held queue, told of room at the first token and at the end; ``stats``: the
+    router's metrics (None: none); ``classes``: the request classes (their objectives)."""
+
+    def __init__(self, call: GenerateCall, gen: Any, holder: Any, stats: Any, classes: ClassesConfig) -> None:
+        self.holder = holder
+        self.stats = stats
+        self.classes = classes
+        self.call = call
+        self.gen = gen
+        self.ttft_s = 0.0
+        self.lane = ""
+        self.replica = ""
+        self.done = False
+        self._early: TokenChunk | None = None  # a first chunk read by ``accepted``
+        self.held_s = 0.0  # how long the router held it before a gate took it
+
+    async def _next(self) -> TokenChunk:
+        try:
+            return await self.gen.__anext__()
+        except StopAsyncIteration:
+            raise HTTPError(503, "replica ended the stream without finishing the request", 1.0,
+                            "engine_failed") from None
+        except HTTPError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP status
+            raise map_error(e) from e
+
+    async def first(self, sent: bool = True) -> TokenChunk:
+        """The first chunk. Its TTFT is taken now when the answer is a whole one (``sent``), else
+        by ``sent_first`` once the first event has been written (what a streaming client waits
+        for)."""
+        c, self._early = self._early or await self._next(), None
+        self.holder.room()  # a prefill ended at its replica: that queue moved
+        self.lane = c.lane
+        self.replica = c.replica
+        if self.stats is not None:
+            self.stats.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
+        if sent:
+            self.sent_first()
+        if c.finished:
+            self._finish("ok")
+        return c
+
+    async def accepted(self) -> None:
+        """Return once the gate has queued the call (its ``accepted`` chunk; the call was sent
+        with ``ack``); raises as ``first`` does, e.g. the gate's refusal."""
+        c = await self._next()
+        if not c.accepted:  # a replica that does not acknowledge: this is its first chunk
+            self._early = c
+
+    def sent_first(self) -> None:
+        """Record the TTFT: from the headers (``ReceivedAt``) to now. O(1)."""
+        self.ttft_s = max(0.0, time.time() - self.call.waited_from)
+        st = self.stats
+        if st is not None:
+            st.observe_ttft(self.lane, self.ttft_s, replica=self.replica)
+            name = self.call.priority_class
+            if name:
+                st.observe_class_ttft(name, self.ttft_s, self.classes.spec(name).objective_s, self.lane)
+
+    async def rest(self) -> AsyncIterator[TokenChunk]:
+        if self.done:
+            return
+        try:
+            while True:
+                c = await self._next()
+                yield c
+                if c.finished:
+                    self._finish("ok")
+                    return
+        except HTTPError:
+            self._finish("error")
+            raise
+
+    def stop(self) -> None:
+        """End the call because its output is complete (a stop string or token ended it): the
+        request counts as served, and the replica's generator is cancelled. O(1)."""
+        if not self.done:
+            self._finish("ok")
+            self._cancel()
+
+    def close(self) -> None:
+        """End the call early if it has not finished (the client went away): cancel the
+        replica's generator, which aborts the request in its gate and engine. O(1)."""
+        if self.done:
+            return
+        self._finish("cancelled")
+        self._cancel()
+
+    def _cancel(self) -> None:
+        try:
+            self.gen.cancel()
+        except Exception as e:  # noqa: BLE001 - the replica may already be gone
+            logger.debug("ingress: cancel of %s failed: %s", self.call.request_id, e)
+
+    def _finish(self, status: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.holder.room()
+        st = self.stats
+        if st is not None:
+            st.inc_requests(self.lane, status)
+            if status == "ok":
+                st.observe_e2e(self.lane, time.time() - self.call.waited_from,
+                               replica=self.replica)
+
+
+def own_serve_request_id() -> None:
+    """Give the handle calls this task makes from now on a Serve internal request id of their
+    own. Why: Ray Serve's request router keeps pending requests by that id, which a handle call
+    takes from the request context, so every call made while serving one HTTP request shares it;
+    two such calls waiting for a replica at once leave one never assigned, and Ray retries its
+    routing forever (a request's n choices sent together hung so, the ingress at full CPU). The
+    context is the task's own copy, so its caller's is untouched. O(1)."""
+    ctx = serve_context._serve_request_context.get() or serve_context._RequestContext()
+    serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=new_id("fairway")))
