@@ -209,6 +209,8 @@ class ResponsesRequest(_Generation):
                          "the most likely one")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = Field(False, description="vLLM's: run the answer to max_output_tokens past its end of "
+                             "sequence (benchmark clients send it)")
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
@@ -321,7 +323,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "user": req.user, "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
-        "priority": req.priority, "parallel_tool_calls": req.parallel_tool_calls,
+        "priority": req.priority, "parallel_tool_calls": req.parallel_tool_calls, "ignore_eos": req.ignore_eos,
     }
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens

@@ -249,6 +249,16 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param, needle
     assert (r.json()["error"]["param"] or "").startswith(param), r.json()
 
 
+def test_vllms_ignore_eos_and_sampling_extensions_reach_the_call(server, scripted):
+    """What vLLM's benchmark client (``vllm bench serve --backend openai-responses``) may send."""
+    scripted(WORDS)
+    r = post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True,
+                                       "store": False, "ignore_eos": True, "top_k": 5, "min_p": 0.1})
+    assert r.status_code == 200, r.text
+    call = server.replicas.calls[-1]
+    assert (call.ignore_eos, call.top_k, call.min_p, call.max_tokens) == (True, 5, 0.1, 2)
+
+
 def test_an_empty_tool_list_is_no_tools(server, scripted):
     """``tools: []`` is the Responses API's default, which the Agents SDK sends with no tools."""
     scripted(WORDS)
