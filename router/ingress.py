@@ -840,6 +840,22 @@ async def responses(body: ResponsesRequest, ingress: Ingress, request: Request) 
     return await ingress.responses(body, request)
 
 
+#: What a stored response's routes answer: none is kept here (router/responses_api.py)
+NOT_STORED = ("responses are not stored by this server, so none can be retrieved, cancelled, deleted or listed; "
+              "send the conversation so far as input")
+
+
+STORED_ERRORS = KEYED_ERRORS | documented_errors(404)
+
+
+@app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"], responses=STORED_ERRORS)
+@app.api_route(RESPONSES_PATH + "/{response_id}/{action}", methods=["GET", "POST"], responses=STORED_ERRORS)
+async def stored_response(response_id: str) -> JSONResponse:
+    """OpenAI's routes of a stored response (retrieve, delete, cancel, its input items): a 404
+    that says why, rather than one that lists the routes."""
+    return JSONResponse(error_body(f"no response {response_id!r}: {NOT_STORED}", 404, "response_id"), status_code=404)
+
+
 def openapi_schema() -> dict[str, Any]:
     """FastAPI's schema of this app without its 422 responses (and their validation-error
     models): this API answers a body that fails validation with 400 and OpenAI's error object,

@@ -321,3 +321,15 @@ def check_response(r: requests.Response) -> None:
 @given(body=st.fixed_dictionaries({}, optional=fields))
 def test_fuzzed_bodies_never_get_a_5xx_and_always_a_clear_answer(server, body):
     check_response(post(server, "/v1/responses", body))
+
+
+def test_a_stored_responses_routes_say_nothing_is_stored(server):
+    """OpenAI's retrieve / delete / cancel / input-items routes: a 404 that says why (the openai
+    client's responses.retrieve raises NotFoundError with it)."""
+    for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                         ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")):
+        r = requests.request(method, server.url + path, timeout=10)
+        assert_clear_error(r, 404, "responses are not stored by this server")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="not stored"):
+        client.responses.retrieve("resp_1")
