@@ -3,7 +3,8 @@
 ``python -m bench.stream --concurrency 4,16,64 --duration 15 --out out/stream`` starts each
 target in turn on this machine and drives it with the same closed-loop client: C concurrent
 streams, each ``POST /v1/completions`` with a short prompt, ``max_tokens`` 128, ``ignore_eos``,
-``stream: true``, one after another for the whole run. Targets:
+``stream: true``, one after another for the whole run (``--routes chat,responses``: the fairway
+target also streamed from the chat and Responses routes, one row each). Targets:
 
 - ``fairway``: ``deploy/cluster.yaml`` (2 sim-engine replicas, Fairway routing and gating), with
   ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step) and
@@ -111,11 +112,33 @@ class Point:
     engine_tokens_per_s: float | None = None  # the engine model's own rate (fairway targets)
 
 
-async def _one(session: Any, url: str, body: dict[str, Any], on_tokens: Any) -> float | None:
-    """One streamed request; returns its TTFT (None on error). ``on_tokens(n)`` per frame."""
+#: The routes the client can stream from (``--routes``), each with its path
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+#: The chat and Responses requests' text (the completion's is ``PROMPT``'s ids)
+TEXT = "Summarise the history of the printing press in a few paragraphs."
+
+
+def request_body(route: str, max_tokens: int) -> dict[str, Any]:
+    """The closed loop's request on ``route``: ``max_tokens`` tokens past the end of sequence,
+    streamed, with each chunk's token ids where the route has them (completions, chat)."""
+    if route == "completions":
+        return {"model": "fairway-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+    if route == "chat":
+        return {"model": "fairway-tiny", "messages": [{"role": "user", "content": TEXT}], "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+    return {"model": "fairway-tiny", "input": TEXT, "max_output_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+
+
+async def _one(session: Any, url: str, body: dict[str, Any], on_tokens: Any, route: str = "completions"
+               ) -> float | None:
+    """One streamed request; returns its TTFT (None on error). ``on_tokens(n)`` per frame with
+    token ids; a Responses stream has none, so its tokens count at its end (its usage), and its
+    TTFT is its first text delta. O(frames)."""
     t0 = time.perf_counter()
     ttft = None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
+    async with session.post(url + ROUTES[route], json=body) as resp:
         if resp.status != 200:
             await resp.read()
             return None
@@ -124,6 +147,13 @@ async def _one(session: Any, url: str, body: dict[str, Any], on_tokens: Any) -> 
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if route == "responses":
+                kind = chunk.get("type", "")
+                if kind == "response.output_text.delta" and ttft is None:
+                    ttft = time.perf_counter() - t0
+                elif kind in ("response.completed", "response.incomplete"):
+                    on_tokens(chunk["response"]["usage"]["output_tokens"])
+                continue
             choices = chunk.get("choices") or []
             if choices and choices[0].get("token_ids"):
                 if ttft is None:
@@ -132,12 +162,13 @@ async def _one(session: Any, url: str, body: dict[str, Any], on_tokens: Any) -> 
     return ttft
 
 
-async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, max_tokens: int) -> dict[str, Any]:
-    """The closed-loop client (see the module docstring); counts only the measured window."""
+async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, max_tokens: int,
+                route: str = "completions") -> dict[str, Any]:
+    """The closed-loop client (see the module docstring) on ``route``; counts only the measured
+    window."""
     import aiohttp
 
-    body = {"model": "fairway-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    body = request_body(route, max_tokens)
     state = {"measuring": False, "tokens": 0}
     ttfts: list[float] = []
     errors = 0
@@ -154,7 +185,7 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
         while time.perf_counter() < t_end:
             sent_in_window = state["measuring"]
             try:
-                ttft = await _one(session, url, body, on_tokens)
+                ttft = await _one(session, url, body, on_tokens, route)
             except (TimeoutError, aiohttp.ClientError):
                 ttft = None
             if ttft is None:
@@ -291,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=int(os.environ.get("FAIRWAY_BENCH_PORT", "8471")))
     ap.add_argument("--repeat", type=int, default=1, help="rounds; the table then shows each point's medians")
+    ap.add_argument("--routes", default="completions",
+                    help="fairway target: the routes streamed from, comma-separated (completions, chat, responses; "
+                         "a Responses stream's tokens count at its end, from its usage)")
     ap.add_argument("--out", default="out/stream")
     a = ap.parse_args(argv)
     conc = [int(x) for x in a.concurrency.split(",")]
@@ -302,13 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     views = tuple(a.prefix_views.split(",")) if a.prefix_views else ("",)
     for _ in range(a.repeat):  # rounds: every target once per round, so the machine's drift hits all alike
         for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy, views):
+            routes = a.routes.split(",") if label.startswith("fairway") else ["completions"]
             with ctx as url:
                 for c in conc:
-                    r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens))
-                    points.append(point(label, c, r, **extra))
-                    if label.startswith("fairway"):
-                        points[-1].engine_tokens_per_s = engine[c]
-                    print(table(points[-1:]).splitlines()[-1], flush=True)
+                    for route in routes:
+                        r = asyncio.run(drive(url, c, a.warmup, a.duration, a.max_tokens, route))
+                        name = label if route == "completions" else f"{label}, {ROUTES[route]}"
+                        points.append(point(name, c, r, **extra, route=route))
+                        if label.startswith("fairway"):
+                            points[-1].engine_tokens_per_s = engine[c]
+                        print(table(points[-1:]).splitlines()[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream.json").write_text(json.dumps({"points": [asdict(p) for p in points], "argv": sys.argv,
