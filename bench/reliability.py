@@ -74,6 +74,10 @@ HOSTILE: list[tuple[str, str, Any, dict[str, str]]] = [
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 2000}, {}),
     ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, {}),
     ("temperature 9", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 9}, {}),
+    ("responses store", "/v1/responses", {"model": MODEL, "input": "hi", "store": True}, {}),
+    ("responses image", "/v1/responses",
+     {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, {}),
+    ("stored response", "/v1/responses/resp_1/cancel", {}, {}),
 ]
 
 
