@@ -853,7 +853,8 @@ STORED_ERRORS = KEYED_ERRORS | documented_errors(404)
 async def stored_response(response_id: str) -> JSONResponse:
     """OpenAI's routes of a stored response (retrieve, delete, cancel, its input items): a 404
     that says why, rather than one that lists the routes."""
-    return JSONResponse(error_body(f"no response {response_id!r}: {NOT_STORED}", 404, "response_id"), status_code=404)
+    return JSONResponse(error_body(f"no response {response_id!r}: {NOT_STORED}", 404, "response_id", code=None),
+                        status_code=404)
 
 
 def openapi_schema() -> dict[str, Any]:

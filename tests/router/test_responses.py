@@ -330,6 +330,7 @@ def test_a_stored_responses_routes_say_nothing_is_stored(server):
                          ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")):
         r = requests.request(method, server.url + path, timeout=10)
         assert_clear_error(r, 404, "responses are not stored by this server")
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("response_id", None)  # not a model's 404
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="not stored"):
         client.responses.retrieve("resp_1")
