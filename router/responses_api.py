@@ -242,6 +242,16 @@ class ResponsesRequest(_Generation):
     def _input(cls, v: Any) -> Any:
         return _typed_items(v)
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, v: Any) -> Any:
+        """A built-in tool (web search, file search, ...) gets a 400 that names its type."""
+        for i, t in enumerate(v if isinstance(v, list) else []):
+            if isinstance(t, dict) and t.get("type") != "function":
+                raise ValueError(f"tool {i}: tools of type {t.get('type')!r} are not supported (no built-in tools "
+                                 "run here); send function tools")
+        return v
+
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
@@ -315,9 +325,10 @@ CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_t
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request ``req`` stands for; a ValueError (the field named in the Responses
-    request's words) when the two disagree in a way only the chat rules see (e.g. a tool_choice
-    with a JSON text format, a named function not in tools). O(input)."""
+    """The chat request ``req`` stands for; a ValueError "<field>: <why>" (the field in the
+    Responses request's words) for a malformed ``text``, or when the two disagree in a way only
+    the chat rules see (e.g. a tool_choice with a JSON text format, a named function not in
+    tools). O(input)."""
     body: dict[str, Any] = {
         "model": req.model, "messages": req.messages(), "stream": req.stream,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
@@ -327,7 +338,10 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     }
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    body["response_format"] = req.response_format()
+    try:
+        body["response_format"] = req.response_format()
+    except ValueError as e:
+        raise ValueError(f"text: {e}") from None
     if req.tools:  # an empty list is the Responses API's default (none), which the chat route refuses
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
