@@ -152,7 +152,8 @@ class Replies:
         choice = a.whole(body, chat=True)
         status, details = finished(choice["finish_reason"])
         return {**responses_head(req, response_id("resp")), "status": status, "incomplete_details": details,
-                "output": whole_output(choice["message"]), "usage": responses_usage(self.usage_of([a], 1)),
+                "output": whole_output(choice["message"], (choice.get("logprobs") or {}).get("content")),
+                "usage": responses_usage(self.usage_of([a], 1)),
                 "fairway": self.fairway(a.first, a.last, a.stream)}
 
     async def response_events(self, a: Answer, body: ChatCompletionRequest,
@@ -170,7 +171,7 @@ class Replies:
             if ch is None:
                 return []
             reason = ch["finish_reason"] or reason
-            return events.delta(ch["delta"])
+            return events.delta(ch["delta"], (ch.get("logprobs") or {}).get("content"))
 
         assert a.stream is not None and a.first is not None
         try:

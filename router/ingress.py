@@ -73,7 +73,7 @@ from router.openai_api import (
     new_id,
     template_tools,
 )
-from router.responses_api import RESPONSES_REFUSED, ResponsesRequest, to_chat
+from router.responses_api import AS_RESPONSES_PARAM, RESPONSES_REFUSED, ResponsesRequest, to_chat
 from router.tokenizer import TooManyTokens, utf8_len_over
 from router.tool_calls import AUTO
 
@@ -641,6 +641,9 @@ class FairwayIngress:
                 return StreamingResponse(events, media_type="text/event-stream")
             await unless_gone(request, self._all(answers, self._collected))
         except HTTPError as e:
+            if responses is not None and e.param in AS_RESPONSES_PARAM:  # named in the Responses request's words
+                e = HTTPError(e.status, f"{AS_RESPONSES_PARAM[e.param]}: {e.message}", e.retry_after_s, e.reason,
+                              AS_RESPONSES_PARAM[e.param])
             return self._rejected(e, answers[0].call.priority_class)
         except ClientGone:
             return Response(status_code=CLIENT_GONE_STATUS)  # nobody reads it; the calls were cancelled

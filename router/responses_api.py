@@ -13,8 +13,9 @@ typed stream events.
 Nothing is kept between requests: this server stores no response. ``store: true``,
 ``previous_response_id``, ``conversation`` and ``background`` need a stored response and are a
 400 that says so (send the history as ``input``), as are the built-in tools (web search, file
-search, ...), non-text inputs, ``reasoning`` settings, ``include`` and ``top_logprobs``, and
-``truncation: auto``; every other field is honoured or is a 400 naming it (unknown fields too).
+search, ...), non-text inputs, ``reasoning`` settings, ``include`` other than the output
+text's log probabilities, and ``truncation: auto``; every other field is honoured or is a 400
+naming it (unknown fields too).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pydantic import (
 
 from router.openai_api import (
     FUNCTION_NAME,
+    MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     _Generation,
     _refuse,
@@ -53,9 +55,6 @@ RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
                                       "as input"),
     "background": (lambda v: not v, "background responses need a stored response, which this server does not keep"),
     "reasoning": (lambda v: not v, "this model does not reason; reasoning settings are not supported"),
-    "include": (lambda v: not v, "no extra output data (logprobs, reasoning, tool results) is available here"),
-    "top_logprobs": (lambda v: not v, "log probabilities are not available on this route; use /v1/chat/completions "
-                                      "with logprobs"),
     "truncation": (lambda v: v in (None, "disabled"), "the input is never truncated here: an input over the context "
                                                       "is a 400; send truncation: disabled (or omit it)"),
     "prompt": (lambda v: not v, "stored prompt templates are not supported; send instructions and input"),
@@ -63,6 +62,8 @@ RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
     "prompt_cache_retention": (lambda v: v in (None, "in_memory"), "cached prefixes are kept in memory only"),
 }
 
+#: The one ``include`` value served: the output text's log probabilities (the engine's, as on chat)
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 #: The input item types this server takes (others, such as images, files or built-in tool calls,
 #: are a 400 naming them).
 INPUT_TYPES = ("message", "function_call", "function_call_output")
@@ -230,8 +231,10 @@ class ResponsesRequest(_Generation):
     conversation: Any = None
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
+    include: list[str] | None = Field(None, description="extra output: only message.output_text.logprobs (each "
+                                      "output token's log probability, on engines that sample from logits)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with include "
+                                     "message.output_text.logprobs: this many most likely tokens at each position")
     truncation: str | None = None
     prompt: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -251,6 +254,26 @@ class ResponsesRequest(_Generation):
                 raise ValueError(f"tool {i}: tools of type {t.get('type')!r} are not supported (no built-in tools "
                                  "run here); send function tools")
         return v
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v: list[str] | None) -> list[str] | None:
+        other = sorted(set(v or ()) - {OUTPUT_LOGPROBS})
+        if other:
+            raise ValueError(f"{other} not available here (no reasoning, built-in tool results or images are "
+                             f"kept); only {OUTPUT_LOGPROBS!r}")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_include(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and OUTPUT_LOGPROBS not in (info.data.get("include") or ()):
+            raise ValueError(f"top_logprobs needs include [{OUTPUT_LOGPROBS!r}]")
+        return v
+
+    def logprobs(self) -> bool:
+        """Whether the answer lists its tokens' log probabilities (``include``)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
 
     @field_validator("metadata")
     @classmethod
@@ -322,6 +345,8 @@ def new_id(prefix: str) -> str:
 #: The chat fields an error names, in the Responses request's words
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                      "response_format": "text.format"}
+#: The parameters an engine's refusal of a call names, in the Responses request's words
+AS_RESPONSES_PARAM = {"logprobs": "include", "response_format": "text", "max_tokens": "max_output_tokens"}
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -338,6 +363,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     }
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    if req.logprobs():
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     try:
         body["response_format"] = req.response_format()
     except ValueError as e:
@@ -384,7 +411,8 @@ def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
         "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
         "reasoning": None, "service_tier": "default", "store": False, "temperature": req.temperature,
         "text": {"format": fmt}, "tool_choice": tool_choice_echo(req), "tools": tools_echo(req),
-        "top_p": req.top_p, "truncation": "disabled", "usage": None, "user": req.user,
+        "top_p": req.top_p, "top_logprobs": req.top_logprobs or 0, "truncation": "disabled", "usage": None,
+        "user": req.user,
         "metadata": req.metadata or {},
     }
 
@@ -404,9 +432,9 @@ def finished(reason: str) -> tuple[str, dict[str, Any] | None]:
     return "completed", None
 
 
-def _text_item(text: str, status: str = "completed") -> dict[str, Any]:
+def _text_item(text: str, status: str = "completed", logprobs: list[Any] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}]}
 
 
 def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -415,12 +443,13 @@ def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any
             "arguments": fn.get("arguments", ""), "status": status}
 
 
-def whole_output(message: dict[str, Any]) -> list[dict[str, Any]]:
+def whole_output(message: dict[str, Any], logprobs: list[Any] | None = None) -> list[dict[str, Any]]:
     """A chat answer's message as a Response's output items: its text (when it has any, or has no
-    calls) as one message item, then one ``function_call`` item per tool call."""
+    calls) as one message item, with ``logprobs`` (the chat's per-token entries, the same shape)
+    on its text part, then one ``function_call`` item per tool call."""
     calls = message.get("tool_calls") or []
     text = message.get("content")
-    out = [_text_item(text or "")] if text or not calls else []
+    out = [_text_item(text or "", logprobs=logprobs)] if text or not calls else []
     return out + [_call_item(c) for c in calls]
 
 
@@ -441,6 +470,7 @@ class ResponseEvents:
         self.text_at: int | None = None  # the open message item's index
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its item's index
         self.open: list[int] = []  # the items not yet done, in order
+        self.pending_lps: list[Any] = []  # log probabilities not yet sent (their text held back)
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -455,9 +485,13 @@ class ResponseEvents:
         r = self._response()
         return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
 
-    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events for one chat delta (``content`` text, ``tool_calls`` pieces)."""
+    def delta(self, delta: dict[str, Any], logprobs: list[Any] | None = None) -> list[dict[str, Any]]:
+        """The events for one chat delta (``content`` text, ``tool_calls`` pieces); ``logprobs``:
+        its tokens' entries (with ``include``), sent with the next text delta (a piece whose text
+        is held back has none) and listed on the text part."""
         events = []
+        if logprobs:
+            self.pending_lps.extend(logprobs)
         text = delta.get("content")
         if text:
             if self.text_at is None:
@@ -472,9 +506,12 @@ class ResponseEvents:
                                           part={"type": "output_text", "text": "", "annotations": [],
                                                 "logprobs": []}))
             item = self.output[self.text_at]
-            item["content"][0]["text"] += text
+            part = item["content"][0]
+            part["text"] += text
+            lps, self.pending_lps = self.pending_lps, []
+            part["logprobs"].extend(lps)
             events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self.text_at,
-                                      content_index=0, delta=text, logprobs=[]))
+                                      content_index=0, delta=text, logprobs=lps))
         for piece in delta.get("tool_calls") or []:
             at = self.calls.get(piece.get("index", 0))
             args = (piece.get("function") or {}).get("arguments", "")
@@ -497,8 +534,10 @@ class ResponseEvents:
         item["status"] = "completed"
         if item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"].extend(self.pending_lps)
+            self.pending_lps = []
             return [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                                text=part["text"], logprobs=[]),
+                                text=part["text"], logprobs=part["logprobs"]),
                     self._event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                                 part=dict(part)),
                     self._event("response.output_item.done", output_index=at, item=item)]

@@ -227,6 +227,15 @@ def test_a_forced_call_through_the_responses_api(url):
     (call,) = out["output"]
     assert (call["type"], call["name"], out["status"]) == ("function_call", "temperature", "completed"), out
     assert json.loads(call["arguments"]) in ({"unit": "c"}, {"unit": "f"})
+    # the output text's log probabilities (include): one entry per output token, greedy: each
+    # token its position's most likely
+    body = {"model": MODEL, "input": "Say something.", "max_output_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    status, out, _ = post_json(f"{url}/v1/responses", body, timeout=180, headers={"authorization": f"Bearer {ALICE}"})
+    assert status == 200, out
+    lps = out["output"][0]["content"][0]["logprobs"]
+    assert len(lps) == out["usage"]["output_tokens"] == 5, out
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in lps), lps
 
 
 def test_logprobs_through_the_cluster(url):

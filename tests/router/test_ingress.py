@@ -904,6 +904,14 @@ def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
         r = post(srv, "/v1/chat/completions", {**chat, "logprobs": True})
         assert_clear_error(r, 400, "logprobs is not supported by the sim engine")
         assert r.json()["error"]["param"] == "logprobs"
+        # the Responses API's own names for them: include, text
+        resp = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+        r = post(srv, "/v1/responses", {**resp, "include": ["message.output_text.logprobs"]})
+        assert_clear_error(r, 400, "include: logprobs is not supported by the sim engine")
+        assert r.json()["error"]["param"] == "include"
+        r = post(srv, "/v1/responses", {**resp, "text": {"format": {"type": "json_object"}}})
+        assert_clear_error(r, 400, "text: response_format json_object")
+        assert r.json()["error"]["param"] == "text"
         assert tokens(top_p=0.5, temperature=0.0, top_k=3, min_p=0.2)["finish_reason"] == "length"
 
 

@@ -226,7 +226,9 @@ def test_a_json_text_format_is_the_calls_output_constraint(server, scripted):
     ({"previous_response_id": "resp_1"}, "previous_response_id", "send the conversation so far as input"),
     ({"background": True}, "background", "stored response"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "no extra output"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text.logprobs'"),
+    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "never truncated"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "'input_image' are not supported"),
@@ -259,6 +261,34 @@ def test_vllms_ignore_eos_and_sampling_extensions_reach_the_call(server, scripte
     assert r.status_code == 200, r.text
     call = server.replicas.calls[-1]
     assert (call.ignore_eos, call.top_k, call.min_p, call.max_tokens) == (True, 5, 0.1, 2)
+
+
+def test_the_output_texts_log_probabilities_with_include(server, scripted):
+    """include message.output_text.logprobs (with top_logprobs alternatives): the call asks the
+    engine for them, and each output token's entry (the chat's shape: token, logprob, bytes,
+    top_logprobs) is on the text part, whole; streamed, the deltas carry them and the done event
+    and the final Response list them all."""
+    from tests.router.test_ingress import scripted_logprob
+
+    k = len(scripted(WORDS, "stop"))
+    tok = server.ingress.tokenizer
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": k, "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2}
+    r = post(server, "/v1/responses", body)
+    assert r.status_code == 200, r.text
+    assert server.replicas.calls[-1].logprobs == 2
+    part = r.json()["output"][0]["content"][0]
+    ids = tok.encode(WORDS)
+    assert [e["token"] for e in part["logprobs"]] == [tok.token_text(t) for t in ids]
+    assert [e["logprob"] for e in part["logprobs"]] == [scripted_logprob(t, 2)[0] for t in ids]
+    assert all(len(e["top_logprobs"]) == 2 and e["bytes"] for e in part["logprobs"])
+    events = events_of(post(server, "/v1/responses", {**body, "stream": True}))
+    streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    done = next(ev for ev in events if ev["type"] == "response.output_text.done")
+    assert streamed == done["logprobs"] == part["logprobs"] == events[-1]["response"]["output"][0]["content"][0][
+        "logprobs"]
+    r = post(server, "/v1/responses", {k2: v for k2, v in body.items() if k2 != "top_logprobs"})
+    assert server.replicas.calls[-1].logprobs == 0 and r.json()["top_logprobs"] == 0
 
 
 def test_an_empty_tool_list_is_no_tools(server, scripted):
