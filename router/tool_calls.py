@@ -169,20 +169,13 @@ class ToolCallAnswer:
             out["content"] = text
             return out, reason
         if self.mode == AUTO and self.parser == "hermes":
-            if not self.parts:  # no tag yet: ``pending`` is the held-back end of the content
-                buf = self.pending + text
-                at = buf.find(HERMES_OPEN)
-                if at >= 0:
-                    send, self.parts, self.pending = buf[:at], [buf[at:]], ""
-                else:
-                    keep = 0 if reason is not None else held_back(buf, HERMES_OPEN)
-                    send, self.pending = buf[: len(buf) - keep], buf[len(buf) - keep:]
-                if send:
+            if self.parts:  # a tag has begun: the rest is held to the end
+                self.parts.append(text)
+            else:
+                if send := self._hermes_content(text, reason):
                     out["content"] = send
                 if not self.parts:
                     return (out or None) if reason is None else out, reason  # the last event always goes
-            else:
-                self.parts.append(text)
         else:
             self.parts.append(text)
             if self.mode == AUTO:  # llama3_json: calls only when the answer starts with "{"
@@ -200,6 +193,19 @@ class ToolCallAnswer:
             return out, reason
         out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(parsed[1])]
         return out, calls_reason(reason)
+
+    def _hermes_content(self, text: str, reason: str | None) -> str:
+        """A Hermes answer's content to send now, before any tag: the text up to a ``<tool_call>``
+        (which starts ``parts``), else all of it but an end that could start the tag (``pending``,
+        held until the next piece, or sent with the last). O(len(text))."""
+        buf = self.pending + text
+        at = buf.find(HERMES_OPEN)
+        if at >= 0:
+            self.parts, self.pending = [buf[at:]], ""
+            return buf[:at]
+        keep = 0 if reason is not None else held_back(buf, HERMES_OPEN)
+        self.pending = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep]
 
     def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         """(content, calls) of an answer that is calls, by this answer's rule; None: text."""

@@ -401,8 +401,7 @@ class VllmEngine(Engine):
         sampling_params_cls, delta = self._sampling
         kw: dict[str, Any] = {"max_tokens": call.max_tokens, "temperature": call.temperature,
                               "ignore_eos": call.ignore_eos, "min_tokens": call.min_tokens, "seed": call.seed,
-                              "top_p": call.top_p,
-                              "top_k": call.top_k, "min_p": call.min_p,
+                              "top_p": call.top_p, "top_k": call.top_k, "min_p": call.min_p,
                               "frequency_penalty": call.frequency_penalty, "presence_penalty": call.presence_penalty,
                               "repetition_penalty": call.repetition_penalty}
         if call.logit_bias:
