@@ -21,10 +21,9 @@ from fairway.protocol import MIN_LOGPROB, GenerateCall, TokenChunk, TokenLogprob
 from router.calls import ReplicaStream
 from router.detokenize import IncrementalDetokenizer, StopFilter
 from router.errors import HTTPError
-from router.openai_api import ChatCompletionRequest, error_body, new_id, now_s
+from router.openai_api import CODES, ChatCompletionRequest, error_body, new_id, now_s
 from router.responses_api import ResponseEvents, ResponsesRequest, finished, whole_output
 from router.responses_api import head as responses_head
-from router.responses_api import new_id as response_id
 from router.responses_api import usage as responses_usage
 from router.tool_calls import ToolCallAnswer
 
@@ -110,28 +109,11 @@ class Replies:
                                           "choices": choices, **extra}) + "\n\n"
 
         try:
-            for a in answers:
-                assert a.stream is not None and a.first is not None
-                a.last = a.first
-                yield frame([a.event(a.first, body, chat, a.echo, role=True) or {}])  # a first one always says
-                a.stream.sent_first()  # the first event is written: the client has its first token
-            if len(answers) == 1:
-                a = answers[0]
-                if not a.out.stopped:
-                    async for c in a.stream.rest():  # type: ignore[union-attr]
-                        a.last = c
-                        if (ch := a.event(c, body, chat)) is not None:
-                            yield frame([ch])
-                        if a.out.stopped:
-                            break
-            else:
-                async for a, c in merged(answers):
-                    a.last = c
-                    if (ch := a.event(c, body, chat)) is not None:
-                        yield frame([ch])
-            for a in answers:
-                if a.out.stopped:
-                    a.stream.stop()  # type: ignore[union-attr]
+            async for a, c, first in chunks(answers):
+                if first:  # a first one always says
+                    yield frame([a.event(c, body, chat, a.echo, role=True) or {}])
+                elif (ch := a.event(c, body, chat)) is not None:
+                    yield frame([ch])
         except HTTPError as e:
             self.rejected(e)
             yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"
@@ -151,7 +133,7 @@ class Replies:
         assert a.first is not None and a.last is not None and a.stream is not None
         choice = a.whole(body, chat=True)
         status, details = finished(choice["finish_reason"])
-        return {**responses_head(req, response_id("resp")), "status": status, "incomplete_details": details,
+        return {**responses_head(req, new_id("resp", "_")), "status": status, "incomplete_details": details,
                 "output": whole_output(choice["message"], (choice.get("logprobs") or {}).get("content")),
                 "usage": responses_usage(self.usage_of([a], 1)),
                 "fairway": self.fairway(a.first, a.last, a.stream)}
@@ -160,7 +142,7 @@ class Replies:
                                req: ResponsesRequest) -> AsyncIterator[str]:
         """A streamed answer as the Responses API's events (``ResponseEvents``), from the chat
         events the answer's chunks make; a failure after the start is ``response.failed``."""
-        events = ResponseEvents(responses_head(req, response_id("resp")))
+        events = ResponseEvents(responses_head(req, new_id("resp", "_")))
         reason: str | None = None
 
         def frames(evs: list[dict[str, Any]]) -> str:
@@ -175,26 +157,48 @@ class Replies:
 
         assert a.stream is not None and a.first is not None
         try:
-            a.last = a.first
-            yield frames(events.start() + on(a.event(a.first, body, True, role=True)))
-            a.stream.sent_first()  # the first events are written: the client has its first token
-            if not a.out.stopped:
-                async for c in a.stream.rest():
-                    a.last = c
-                    if evs := on(a.event(c, body, True)):
-                        yield frames(evs)
-                    if a.out.stopped:
-                        break
-            if a.out.stopped:
-                a.stream.stop()
+            async for _, c, first in chunks([a]):
+                if first:
+                    yield frames(events.start() + on(a.event(c, body, True, role=True)))
+                elif evs := on(a.event(c, body, True)):
+                    yield frames(evs)
         except HTTPError as e:
             self.rejected(e)
-            yield frames(events.failed(e.message, error_body(e.message, e.status)["error"].get("code")))
+            yield frames(events.failed(e.message, CODES.get(e.status)))
             return
         finally:
             a.stream.close()  # the client disconnected mid-stream: abort the request at its replica
         yield frames(events.finish(reason or a.out.finish_reason(a.last), self.usage_of([a], 1),
                                    fairway=self.fairway(a.first, a.last, a.stream)))
+
+
+async def chunks(answers: list[Answer]) -> AsyncIterator[tuple[Answer, TokenChunk, bool]]:
+    """Every answer's chunks as the caller writes them, each with ``last`` kept: first each
+    answer's first chunk (flagged), its TTFT taken when the caller asks for the next (its event
+    is written by then), then the rest, one answer's in order or several merged; an answer ends
+    at its finish or at a stop its output found (the caller's ``Answer.event`` sets
+    ``out.stopped``), and a stopped answer's replica call is ended. Why: one loop for every
+    stream shape. O(1) per chunk."""
+    for a in answers:
+        assert a.stream is not None and a.first is not None
+        a.last = a.first
+        yield a, a.first, True
+        a.stream.sent_first()  # the first event is written: the client has its first token
+    if len(answers) == 1:
+        a = answers[0]
+        if not a.out.stopped:
+            async for c in a.stream.rest():  # type: ignore[union-attr]
+                a.last = c
+                yield a, c, False
+                if a.out.stopped:
+                    break
+    else:
+        async for a, c in merged(answers):
+            a.last = c
+            yield a, c, False
+    for a in answers:
+        if a.out.stopped:
+            a.stream.stop()  # type: ignore[union-attr]
 
 
 async def merged(answers: list[Answer]) -> AsyncIterator[tuple[Answer, TokenChunk]]:

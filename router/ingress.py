@@ -70,10 +70,11 @@ from router.openai_api import (
     Tool,
     documented_errors,
     error_body,
+    error_text,
     new_id,
     template_tools,
 )
-from router.responses_api import AS_RESPONSES_PARAM, RESPONSES_REFUSED, ResponsesRequest, to_chat
+from router.responses_api import AS_RESPONSES_PARAM, RESPONSES_REFUSED, MappingError, ResponsesRequest, to_chat
 from router.tokenizer import TooManyTokens, utf8_len_over
 from router.tool_calls import AUTO
 
@@ -133,7 +134,7 @@ async def _bad_request(request: Request, exc: RequestValidationError) -> JSONRes
         msg = f"invalid JSON body: {first.get('msg', '')} at character {first.get('loc', ('', '?'))[-1]}"
         loc = ""
     else:
-        detail = str(first.get("msg", "bad value")).removeprefix("Value error, ")
+        detail = error_text(first)
         ctype = request.headers.get("content-type", "")
         if not loc and ctype and "json" not in ctype.lower():
             # FastAPI parses JSON only without a content type or with a JSON one: a body of another
@@ -409,9 +410,8 @@ class FairwayIngress:
         try:
             try:
                 chat = to_chat(body)
-            except ValueError as e:
-                raise HTTPError(400, f"invalid request: {e}", reason="bad_request",
-                                param=str(e).split(":", 1)[0]) from None
+            except MappingError as e:
+                raise HTTPError(400, f"invalid request: {e}", reason="bad_request", param=e.param) from None
             call = await self._chat_call(chat, request)
         except HTTPError as e:
             return self._rejected(e)

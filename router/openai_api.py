@@ -185,17 +185,33 @@ class _Generation(_Text):
         return v
 
 
-class _Common(_Generation):
+class _Sampling(_Generation):
+    """What every generation route shares (completions, chat, responses): the model, how to
+    sample, the end user and session keys, and the class. ``to_chat`` (router/responses_api.py)
+    copies these fields by name. Field order matters only to validators that read ``info.data``;
+    these fields come first in every route."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="vLLM's: sample from the k most likely tokens (0 or -1: all)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: leave out tokens less likely than min_p times "
                          "the most likely one (0: none)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = Field(False, description="vLLM's: run the answer to its token limit past its end of sequence")
+    user: str | None = None
+    safety_identifier: str | None = Field(None, description="identifies the end user; changes no output")
+    prompt_cache_key: str | None = Field(None, description="the session key when no X-Session-Id header is sent")
+    priority: StrictInt | StrictStr | None = Field(None, description="the request class: a class name, or an "
+                                                   "integer tier as vLLM's priority (lower first); 0 without classes")
+
+
+class _Common(_Sampling):
+
+    max_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own engine request (seed + i "
                    "each, with a seed); limits.max_choices bounds prompts x n")
     stop: str | list[str] | None = Field(None, description="stop before any of these strings (not included)")
@@ -207,18 +223,10 @@ class _Common(_Generation):
                                                  "extension)")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63,
                              description="the same seed, prompt and parameters give the same output (int64)")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM's extension; 1 = none")
     logit_bias: dict[int, float] | None = Field(None, description="token id -> bias added to its logit")
-    ignore_eos: bool = False
     return_token_ids: bool = False
     cache_salt: str | None = None
-    user: str | None = None
-    safety_identifier: str | None = Field(None, description="identifies the end user; changes no output")
-    prompt_cache_key: str | None = Field(None, description="the session key when no X-Session-Id header is sent")
-    priority: StrictInt | StrictStr | None = Field(None, description="the request class: a class name, or an "
-                                                   "integer tier as vLLM's priority (lower first); 0 without classes")
     best_of: int | None = None
     logprobs: Any = None
 
@@ -235,7 +243,7 @@ class _Common(_Generation):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v and (len(v) > MAX_STOPS or min(v) < 0):
+        if v and len(v) > MAX_STOPS:  # each >= 0: ``TokenId``
             raise ValueError(f"at most {MAX_STOPS} stop token ids, each >= 0")
         return v or None
 
@@ -724,8 +732,15 @@ async def send_error(send: Any, status: int, message: str, headers: Sequence[tup
     await send({"type": "http.response.body", "body": body})
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """A unique id: ``prefix``, ``sep``, 32 hex digits ("cmpl-...", "req-..."; the Responses API's
+    objects take "_": "resp_...", "msg_...", "fc_...")."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
+
+
+def error_text(error: dict[str, Any]) -> str:
+    """A pydantic error's message as a client reads it (without pydantic's "Value error, ")."""
+    return str(error.get("msg", "bad value")).removeprefix("Value error, ")
 
 
 def now_s() -> int:

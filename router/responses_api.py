@@ -20,15 +20,12 @@ naming it (unknown fields too).
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictInt,
-    StrictStr,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
@@ -38,10 +35,13 @@ from pydantic import (
 from router.openai_api import (
     FUNCTION_NAME,
     MAX_TOP_LOGPROBS,
+    REFUSED,
     ChatCompletionRequest,
-    _Generation,
     _refuse,
+    _Sampling,
     _Text,
+    error_text,
+    new_id,
     now_s,
 )
 
@@ -58,8 +58,8 @@ RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
     "truncation": (lambda v: v in (None, "disabled"), "the input is never truncated here: an input over the context "
                                                       "is a 400; send truncation: disabled (or omit it)"),
     "prompt": (lambda v: not v, "stored prompt templates are not supported; send instructions and input"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists here"),
-    "prompt_cache_retention": (lambda v: v in (None, "in_memory"), "cached prefixes are kept in memory only"),
+    "service_tier": REFUSED["service_tier"],
+    "prompt_cache_retention": REFUSED["prompt_cache_retention"],
 }
 
 #: The one ``include`` value served: the output text's log probabilities (the engine's, as on chat)
@@ -91,6 +91,11 @@ class ContentPart(_Text):
         return v
 
 
+def joined(content: str | list[ContentPart]) -> str:
+    """An item's text: a string as it is, or its parts' texts joined. O(text)."""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class MessageItem(_Text):
     """A message: the user's, the system's or developer's, or an earlier assistant answer."""
 
@@ -101,7 +106,7 @@ class MessageItem(_Text):
     status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return joined(self.content)
 
 
 class FunctionCallItem(_Text):
@@ -125,7 +130,7 @@ class FunctionCallOutputItem(_Text):
     status: str | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return joined(self.output)
 
 
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
@@ -192,26 +197,17 @@ def _typed_items(v: Any) -> Any:
         first = telling(e)
         loc = [str(x) for x in first.get("loc", ())]
         where = f"item {loc[0]}" + (f" ({'.'.join(loc[2:])})" if len(loc) > 2 else "")
-        raise ValueError(f"{where}: {str(first.get('msg', 'bad value')).removeprefix('Value error, ')}") from None
+        raise ValueError(f"{where}: {error_text(first)}") from None
 
 
-class ResponsesRequest(_Generation):
+class ResponsesRequest(_Sampling):
     """``POST /v1/responses``: ``input`` (text, or message and function-call items) after
-    ``instructions``; answered as one Response object, or with ``stream: true`` as its events."""
+    ``instructions``; answered as one Response object, or with ``stream: true`` as its events.
+    The sampling fields, end-user keys and class are the chat's (``_Sampling``)."""
 
-    model: str
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="vLLM's: sample from the k most likely tokens (0 or -1: all)")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: leave out tokens less likely than min_p times "
-                         "the most likely one")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    ignore_eos: bool = Field(False, description="vLLM's: run the answer to max_output_tokens past its end of "
-                             "sequence (benchmark clients send it)")
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
@@ -222,10 +218,6 @@ class ResponsesRequest(_Generation):
     text: dict[str, Any] | None = Field(None, description="{\"format\": {\"type\": \"text\"}} (the default), "
                                         "\"json_object\", or \"json_schema\" with name and schema")
     metadata: dict[str, str] | None = Field(None, description="up to 16 pairs, returned with the response")
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    priority: StrictInt | StrictStr | None = Field(None, description="the request class, as on the chat route")
     store: bool | None = None
     previous_response_id: str | None = None
     conversation: Any = None
@@ -337,9 +329,13 @@ class ResponsesRequest(_Generation):
         return out
 
 
-def new_id(prefix: str) -> str:
-    """An object id as the Responses API writes them ("resp_...", "msg_...", "fc_...")."""
-    return f"{prefix}_{uuid.uuid4().hex}"
+class MappingError(ValueError):
+    """A Responses request that has no chat to stand for: ``param`` the field at fault, in the
+    Responses request's words."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"{param}: {why}")
+        self.param = param
 
 
 #: The chat fields an error names, in the Responses request's words
@@ -350,17 +346,12 @@ AS_RESPONSES_PARAM = {"logprobs": "include", "response_format": "text", "max_tok
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request ``req`` stands for; a ValueError "<field>: <why>" (the field in the
-    Responses request's words) for a malformed ``text``, or when the two disagree in a way only
-    the chat rules see (e.g. a tool_choice with a JSON text format, a named function not in
-    tools). O(input)."""
-    body: dict[str, Any] = {
-        "model": req.model, "messages": req.messages(), "stream": req.stream,
-        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
-        "user": req.user, "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
-        "priority": req.priority, "parallel_tool_calls": req.parallel_tool_calls, "ignore_eos": req.ignore_eos,
-    }
+    """The chat request ``req`` stands for: the fields both share (``_Sampling``) as they are,
+    the others mapped (module docstring). A ``MappingError`` for a malformed ``text``, or when
+    the two disagree in a way only the chat rules see (e.g. a tool_choice with a JSON text
+    format, a named function not in tools). O(input)."""
+    body: dict[str, Any] = {name: getattr(req, name) for name in _Sampling.model_fields}
+    body |= {"messages": req.messages(), "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls}
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     if req.logprobs():
@@ -368,7 +359,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     try:
         body["response_format"] = req.response_format()
     except ValueError as e:
-        raise ValueError(f"text: {e}") from None
+        raise MappingError("text", str(e)) from None
     if req.tools:  # an empty list is the Responses API's default (none), which the chat route refuses
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
@@ -381,11 +372,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         first = telling(e)
-        loc = [str(x) for x in first.get("loc", ())]
-        if loc:
-            loc[0] = CHAT_TO_RESPONSES.get(loc[0], loc[0])
-        msg = str(first.get("msg", "bad value")).removeprefix("Value error, ")
-        raise ValueError(f"{'.'.join(loc[:1])}: {msg}" if loc else msg) from None
+        field = str((first.get("loc") or ("input",))[0])
+        raise MappingError(CHAT_TO_RESPONSES.get(field, field), error_text(first)) from None
 
 
 def tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -433,13 +421,13 @@ def finished(reason: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def _text_item(text: str, status: str = "completed", logprobs: list[Any] | None = None) -> dict[str, Any]:
-    return {"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
+    return {"type": "message", "id": new_id("msg", "_"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}]}
 
 
 def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     fn = call.get("function", {})
-    return {"type": "function_call", "id": new_id("fc"), "call_id": call.get("id", ""), "name": fn.get("name", ""),
+    return {"type": "function_call", "id": new_id("fc", "_"), "call_id": call.get("id", ""), "name": fn.get("name", ""),
             "arguments": fn.get("arguments", ""), "status": status}
 
 
@@ -495,16 +483,7 @@ class ResponseEvents:
         text = delta.get("content")
         if text:
             if self.text_at is None:
-                self.text_at = len(self.output)
-                item = _text_item("", "in_progress")
-                self.output.append(item)
-                self.open.append(self.text_at)
-                events.append(self._event("response.output_item.added", output_index=self.text_at,
-                                          item={**item, "content": []}))
-                events.append(self._event("response.content_part.added", item_id=item["id"],
-                                          output_index=self.text_at, content_index=0,
-                                          part={"type": "output_text", "text": "", "annotations": [],
-                                                "logprobs": []}))
+                events += self._open_text()
             item = self.output[self.text_at]
             part = item["content"][0]
             part["text"] += text
@@ -529,6 +508,16 @@ class ResponseEvents:
                                           output_index=at, delta=args))
         return events
 
+    def _open_text(self) -> list[dict[str, Any]]:
+        """Open the message item and its one text part (``text_at``): their added events."""
+        at = self.text_at = len(self.output)
+        item = _text_item("", "in_progress")
+        self.output.append(item)
+        self.open.append(at)
+        return [self._event("response.output_item.added", output_index=at, item={**item, "content": []}),
+                self._event("response.content_part.added", item_id=item["id"], output_index=at, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
     def _close(self, at: int) -> list[dict[str, Any]]:
         item = self.output[at]
         item["status"] = "completed"
@@ -548,16 +537,7 @@ class ResponseEvents:
     def finish(self, reason: str, answer_usage: dict[str, Any], **extra: Any) -> list[dict[str, Any]]:
         """The last events: every open item done, then the whole Response (``response.completed``,
         or ``response.incomplete`` for an answer cut at ``max_output_tokens``)."""
-        if not self.output:  # an empty answer is still one (empty) message
-            self.text_at = 0
-            item = _text_item("", "in_progress")
-            self.output.append(item)
-            self.open.append(0)
-            events = [self._event("response.output_item.added", output_index=0, item={**item, "content": []}),
-                      self._event("response.content_part.added", item_id=item["id"], output_index=0,
-                                  content_index=0, part=dict(item["content"][0]))]
-        else:
-            events = []
+        events = [] if self.output else self._open_text()  # an empty answer is still one (empty) message
         for at in self.open:
             events += self._close(at)
         self.open = []
