@@ -49,12 +49,13 @@ class IncrementalDetokenizer:
 
 
 class StopFilter:
-    """A stream's text with OpenAI's ``stop`` applied: the text up to (not including) the first
-    occurrence of any stop string, as it arrives (``include``: up to and including it, vLLM's
-    ``include_stop_str_in_output``). Text that could be the start of a stop string is held back
-    until the next push decides it (at most the longest stop string's length - 1 characters).
-    Text pushed with ``armed`` false (vLLM's ``min_tokens``: the answer's first tokens) is never
-    searched, and a stop string must end past it. Per push: O((held + new text) x stops)."""
+    """A stream's text with OpenAI's ``stop`` applied: the text up to (not including) the stop
+    string that ends first (of two that end together, the longer), as it arrives (``include``:
+    up to and including it, vLLM's ``include_stop_str_in_output``). Text that could be the start
+    of a stop string is held back until the next push decides it (at most the longest stop
+    string's length - 1 characters). Text pushed with ``armed`` false (vLLM's ``min_tokens``: the
+    answer's first tokens) is never searched, and a stop string must end past it. Per push:
+    O((held + new text) x stops)."""
 
     __slots__ = ("_held", "_include", "_keep", "_protected", "_stops", "stopped")
 
@@ -72,13 +73,15 @@ class StopFilter:
             return ""
         buf = self._held + text
         if armed and self._stops:
-            hits = [(i, -len(s), s) for s in self._stops
+            # the stop that ends first, as a stream meets them (a tie: the longer); so the cut is
+            # the same however the text arrives in pieces
+            hits = [(i + len(s), i) for s in self._stops
                     if (i := buf.find(s, max(0, self._protected - len(s) + 1))) >= 0]
             if hits:
-                cut, _, stop = min(hits)
+                end, cut = min(hits)
                 self.stopped = True
                 self._held = ""
-                return buf[: cut + len(stop)] if self._include else buf[:cut]
+                return buf[:end] if self._include else buf[:cut]
         protected = len(buf) if not armed else self._protected
         if final or self._keep == 0:
             self._held, self._protected = "", 0
