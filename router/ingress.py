@@ -851,13 +851,19 @@ NOT_STORED = ("responses are not stored by this server, so none can be retrieved
 STORED_ERRORS = KEYED_ERRORS | documented_errors(404)
 
 
-@app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"], responses=STORED_ERRORS)
-@app.api_route(RESPONSES_PATH + "/{response_id}/{action}", methods=["GET", "POST"], responses=STORED_ERRORS)
 async def stored_response(response_id: str) -> JSONResponse:
     """OpenAI's routes of a stored response (retrieve, delete, cancel, its input items): a 404
     that says why, rather than one that lists the routes."""
     return JSONResponse(error_body(f"no response {response_id!r}: {NOT_STORED}", 404, "response_id", code=None),
                         status_code=404)
+
+
+for _path, _method, _op in ((RESPONSES_PATH + "/{response_id}", "GET", "retrieve_response"),
+                            (RESPONSES_PATH + "/{response_id}", "DELETE", "delete_response"),
+                            (RESPONSES_PATH + "/{response_id}/{action}", "GET", "list_response_items"),
+                            (RESPONSES_PATH + "/{response_id}/{action}", "POST", "cancel_response")):
+    # one route per method, each with its own operation id (one route with several methods shares one)
+    app.add_api_route(_path, stored_response, methods=[_method], responses=STORED_ERRORS, operation_id=_op)
 
 
 def openapi_schema() -> dict[str, Any]:

@@ -54,6 +54,7 @@ class ScriptedReplicas:
         self.refuse = 0  # this many calls (the first ones) are refused by "r0"'s full gate
         self.fail: set[int] = set()  # the calls (by their number in ``calls``) whose engine fails at their 2nd token
         self.finish = "length"  # the finish reason of a call's last chunk ("stop": the model ended it)
+        self.token_delay_s = 0.001  # each token's wait (0: the next chunk at once, still yielding to the loop)
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -105,7 +106,7 @@ class _Gen:
             raise StopAsyncIteration
         self.i += 1
         done = self.i == self.n
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(self.owner.token_delay_s)
         if self.fails and self.i == 2:
             self.owner.open.discard(id(self))
             raise EngineFailed("scripted engine failure")
@@ -1448,23 +1449,31 @@ def test_the_openapi_schema_fuzzed_never_gets_a_5xx_and_documents_every_answer(s
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
     before = len(server.replicas.calls)
+    # A body without max_tokens gets the rest of the 4,096-token context: at 1 ms a token, 40
+    # such examples per route took a minute. The answers are the same without the wait.
+    server.replicas.token_delay_s = 0.0
     assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/health", "/v1/models",
                                        "/v1/models/{model}"}
     schema_json = requests.get(server.url + "/openapi.json", timeout=10).json()
     answers = schema_json["paths"]["/v1/completions"]["post"]["responses"]
     assert "422" not in answers and {"400", "404", "429", "503"} <= set(answers)  # 400, as OpenAI's API answers
     assert "Retry-After" in answers["429"]["headers"]
-    for op in ops:
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-                  derandomize=True)  # the same examples every run: a CI failure reproduces
-        @given(case=op.as_strategy())
-        def fuzz(case):
-            case.call_and_validate(checks=checks, timeout=10)
-            if isinstance(case.body, dict):  # again with the served model, to get past the 404
-                case.body["model"] = MODEL
+    op_ids = [o["operationId"] for route in schema_json["paths"].values() for o in route.values()]
+    assert len(op_ids) == len(set(op_ids)), op_ids  # code generators name a method after each
+    try:
+        for op in ops:
+            @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                      derandomize=True)  # the same examples every run: a CI failure reproduces
+            @given(case=op.as_strategy())
+            def fuzz(case):
                 case.call_and_validate(checks=checks, timeout=10)
+                if isinstance(case.body, dict):  # again with the served model, to get past the 404
+                    case.body["model"] = MODEL
+                    case.call_and_validate(checks=checks, timeout=10)
 
-        fuzz()
+            fuzz()
+    finally:
+        server.replicas.token_delay_s = 0.001
     assert len(server.replicas.calls) > before  # some generated bodies were valid and served
 
 
