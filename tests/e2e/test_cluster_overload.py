@@ -6,16 +6,24 @@ wait bound, the gates' own, so a request every gate refuses is answered 429 at o
 queued after 5 s is answered 429 then; the class of a request without one). Each test runs on two
 such clusters: the engines first-come-first-served (``replica.strict_tiers: false``, as stock
 vLLM), and with strict tiers (``replica.strict_tiers``, the default with two tiers: the engines
-serve the interactive tier's prefill first)."""
+serve the interactive tier's prefill first). HAProxy, the HTTP ingress, drops a client silent for
+3 s here (``CLIENT_TIMEOUT_S``; a minute by default), so the held and slow answers below also show
+that a server's silence is not cut by it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import select
+import socket
+import threading
+import time
 
 import aiohttp
 import pytest
+import requests
 
-from cluster.launch import running_cluster
+from cluster.launch import running_cluster, serve_env
 from observability.probe import total
 from tests.e2e.test_cluster_http import MODEL, prompt_ids
 
@@ -23,6 +31,7 @@ pytestmark = pytest.mark.e2e
 
 
 KEYS_ENV = {"FAIRWAY_TEST_KEYS": "k-alice=alice,k-bulk=bulkco"}
+CLIENT_TIMEOUT_S = 3  # HAProxy's inactivity bound on a client (RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S)
 ALICE = {"authorization": "Bearer k-alice"}
 BULKCO = {"authorization": "Bearer k-bulk"}
 
@@ -30,7 +39,8 @@ BULKCO = {"authorization": "Bearer k-bulk"}
 @pytest.fixture(scope="module", params=[False, True], ids=["fcfs-engine", "strict-tiers"])
 def cluster(request):
     """(url, strict): the cluster, once with the engines FCFS and once with strict tiers (the default)."""
-    with running_cluster(num_replicas=2, engine_args={"speed": 0.1}, api_key="k-alice", env=KEYS_ENV,
+    env = {**KEYS_ENV, "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S)}
+    with running_cluster(num_replicas=2, engine_args={"speed": 0.1}, api_key="k-alice", env=env,
                          auth={"keys_env": "FAIRWAY_TEST_KEYS", "tenants": {"bulkco": {"default_class": "bulk"}}},
                          replica={"max_queue": 3, "prefill_budget_tokens": 512, "strict_tiers": request.param},
                          classes=[{"name": "interactive", "tier": 0, "objective_s": 5.0, "max_wait_s": 60.0},
@@ -196,3 +206,49 @@ def test_with_strict_tiers_an_interactive_prompt_is_not_computed_behind_a_runnin
     _, fast, first = results[4]
     bulk = [t for _, b, t in results[:4] if b["fairway"]["replica"] == fast["fairway"]["replica"]]
     assert bulk and (first < min(bulk)) == strict, ([(b["fairway"], t) for _, b, t in results], first, bulk)
+
+
+def test_silent_connections_are_dropped_and_a_silent_server_is_not_cut(cluster):
+    """Connections that send part of a request and then nothing are closed by HAProxy after its
+    client bound (with Ray's default, an hour, 4,096 of them stalled every other client), while an
+    answer whose first byte comes after that bound (a non-streamed answer from the slowed engine)
+    is still delivered whole."""
+    url, strict = cluster
+    if serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        pytest.skip("Serve's own proxy is the HTTP ingress here, not HAProxy")
+    if strict:
+        pytest.skip("HAProxy's client bound does not depend on the engines' order: checked on the other cluster")
+    slow_answer: dict = {}
+
+    def ask() -> None:
+        t0 = time.monotonic()
+        r = requests.post(f"{url}/v1/completions", headers=ALICE, timeout=120,
+                          json={"model": MODEL, "prompt": "a long answer", "max_tokens": 120, "ignore_eos": True})
+        slow_answer.update(status=r.status_code, took=time.monotonic() - t0, body=r.json())
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    port = int(url.rsplit(":", 1)[1])
+    socks = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+        socks.append(s)
+    opened, closed = time.monotonic(), {}
+    while len(closed) < len(socks) and time.monotonic() < opened + CLIENT_TIMEOUT_S + 10:
+        ready, _, _ = select.select([s for s in socks if s.fileno() not in closed], [], [], 0.2)
+        for s in ready:
+            try:
+                while s.recv(4096):  # HAProxy's 408 page, then the close
+                    pass
+            except OSError:  # or a reset
+                pass
+            closed[s.fileno()] = time.monotonic() - opened
+    for s in socks:
+        s.close()
+    assert len(closed) == len(socks), f"{len(socks) - len(closed)} silent connections still open"
+    assert all(CLIENT_TIMEOUT_S - 0.5 <= t <= CLIENT_TIMEOUT_S + 5 for t in closed.values()), closed
+    asker.join(120)
+    assert slow_answer["status"] == 200, slow_answer
+    assert slow_answer["body"]["usage"]["completion_tokens"] == 120
+    assert slow_answer["took"] > CLIENT_TIMEOUT_S + 0.5, slow_answer  # its first byte came after the bound
