@@ -5,7 +5,8 @@ FastAPI app (``router/ingress.py``, the code under ``--code``: default this chec
 checkout can be measured side by side) with uvicorn in a subprocess, behind a scripted replica
 handle (no Ray, no engine: each call streams one token every ``--token-interval-ms``). The client
 (this process, aiohttp) keeps ``--streams`` streams running, then sends one text prompt of
-``--prompt-mb`` MB (under the 8 MiB body limit), and meanwhile 1-token requests one after another
+``--prompt-mb`` MB (under the 8 MiB body limit; ``--shape`` other than ``text``: a short prompt and
+that many MB of JSON structure, ``large_body``), and meanwhile 1-token requests one after another
 (50 ms apart) until it is answered. It reports:
 
 - the large request's status and time to its answer;
@@ -94,7 +95,32 @@ async def wait_up(url: str, timeout_s: float = 60) -> None:
             await asyncio.sleep(0.1)
 
 
-async def drive(url: str, streams: int, prompt_mb: float, warmup_s: float) -> dict[str, Any]:
+#: The large body's shapes (``--shape``): what its megabytes are made of
+SHAPES = ("text", "members", "arrays", "batch")
+
+
+def large_body(shape: str, mb: float) -> bytes:
+    """A body of about ``mb`` MB: a text prompt (``text``), or a short prompt with the rest in one
+    structure: an object's members (``members``: a ``logit_bias`` of that many token ids), empty
+    arrays (``arrays``: inside a ``response_format`` schema), or a batch of one-token prompts
+    (``batch``). The last three are what JSON parsing costs most per byte."""
+    n = int(mb * 1e6)
+    body: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    if shape == "text":
+        body["prompt"] = "word " * (n // 5)
+    elif shape == "members":
+        body["logit_bias"] = {str(i): 1 for i in range(n // 12)}
+    elif shape == "arrays":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "object", "x": [[]] * (n // 4)}}}
+    elif shape == "batch":
+        body["prompt"] = [[1]] * (n // 5)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    return json.dumps(body).encode()
+
+
+async def drive(url: str, streams: int, prompt_mb: float, warmup_s: float, shape: str = "text") -> dict[str, Any]:
     import aiohttp
 
     events: list[list[float]] = [[] for _ in range(streams)]
@@ -116,7 +142,7 @@ async def drive(url: str, streams: int, prompt_mb: float, warmup_s: float) -> di
             await r.read()
             return r.status, time.monotonic() - t0
 
-    big = json.dumps({"model": MODEL, "prompt": "word " * int(prompt_mb * 1e6 / 5), "max_tokens": 1}).encode()
+    big = large_body(shape, prompt_mb)
     small = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
@@ -140,7 +166,7 @@ async def drive(url: str, streams: int, prompt_mb: float, warmup_s: float) -> di
         gaps = [b - a for ev in events for a, b in zip(ev, ev[1:], strict=False) if t0 <= b and a <= t1]
         return max(gaps, default=float("nan"))
 
-    return {"prompt_bytes": len(big), "big_status": big_status, "big_answer_s": round(big_s, 4),
+    return {"shape": shape, "prompt_bytes": len(big), "big_status": big_status, "big_answer_s": round(big_s, 4),
             "small_sent": len(smalls), "small_statuses": sorted({st for st, _ in smalls}),
             "small_max_answer_s": round(max(t for _, t in smalls), 4),
             "max_gap_during_s": round(max_gap(t_big, t_big + window), 4),
@@ -152,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--prompt-mb", type=float, default=7.5)
+    ap.add_argument("--shape", choices=SHAPES, default="text", help="what the large body is made of (large_body)")
     ap.add_argument("--token-interval-ms", type=float, default=20.0)
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--code", default=str(ROOT), help="the checkout whose router/ingress.py is served")
@@ -168,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_up(url))
-        out = asyncio.run(drive(url, a.streams, a.prompt_mb, a.warmup_s))
+        out = asyncio.run(drive(url, a.streams, a.prompt_mb, a.warmup_s, a.shape))
     finally:
         proc.terminate()
         proc.wait(30)

@@ -18,6 +18,15 @@ clear answer. What the limits are:
 - Prompt tokens and ``max_tokens`` are bounded by the model's context length (400), and ``n`` to
   128 (400), where the body is validated (``router/openai_api.py``, ``router/ingress.py``).
 
+- ``max_parse_ms`` (default 100 ms): a body whose JSON would hold the event loop longer than that
+  while it is parsed gets 413. The ingress parses every body on its one event loop (FastAPI's
+  ``json.loads``, then pydantic), and that cost grows with the number of JSON elements, not bytes:
+  8 MiB of text parse in 4-10 ms, 8 MiB of one object's members in 440-480 ms and of empty arrays
+  in 420-460 ms, during which every other stream of the replica waits. The estimate
+  (``parse_cost_ms``) weighs the body's structural characters by their measured cost
+  (``PARSE_US``); it counts the characters inside strings too, so text is overestimated: 8 MiB of
+  prose (0.2% colons, 1.5% commas) estimates under 20 ms, but code or JSON pasted as a prompt
+  reaches 100 ms at about 4-5 MiB (over a million tokens).
 - ``max_header_bytes`` (default 32 KiB): a request whose header block (names and values) is
   larger gets 431. uvicorn's h11 parser bounds only a header block that arrives in pieces
   (16 KiB); one that arrives in a single read passes it whole, so the limit is checked here too.
@@ -35,10 +44,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.openai_api import send_error
+from router.openai_api import BODY_FACTS, BodyFacts, body_has_no_surrogate, send_error
 
 #: A declared body up to this many times the limit is drained before the 413 (module docstring).
 DRAIN_FACTOR = 8
+#: Microseconds of event-loop time one JSON element costs to parse and validate, by the structural
+#: character it comes with: upper bounds over the bodies of one shape each (2 and 8 MiB of token
+#: ids, one-token prompts, small lists, empty lists and objects, dict members, messages, tools) on
+#: the 2-core development machine, 2026-12-05: an object member (``:``: a key string, its value,
+#: the insert) 0.6; an array or object (``[``, ``{``) 0.5; an element of a list (``,``) 0.07.
+PARSE_US = ((b":", 0.6), (b"[", 0.5), (b"{", 0.5), (b",", 0.07))
+#: Smaller bodies are not counted: at the costs above they parse within a few milliseconds.
+COUNT_FROM_BYTES = 64 * 1024
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -58,6 +75,17 @@ class RequestLimits(BaseModel):
     max_choices: int = Field(64, ge=1, description="a request's choices (prompts x n), each its own engine request; "
                                                    "more get 400")
     max_header_bytes: int = Field(32 * 1024, ge=1024, description="larger header blocks get 431")
+    max_parse_ms: float = Field(100.0, ge=0, description="a body whose JSON is estimated to take longer to parse "
+                                                         "gets 413 (0: no bound)")
+
+
+def parse_cost_ms(body: bytes) -> float:
+    """An upper estimate of the event-loop time that parsing ``body`` as JSON takes: its
+    structural characters weighted by ``PARSE_US``, counted over the whole body, strings
+    included (module docstring). Why not the exact count outside strings: stripping the strings
+    first (a regular expression) took up to 300 ms itself on an 8 MiB body of short strings.
+    O(body bytes): four C-speed counts, about 1 ms per MiB."""
+    return sum(body.count(ch) * us for ch, us in PARSE_US) / 1000
 
 
 class RequestGuard:
@@ -116,7 +144,21 @@ class RequestGuard:
             return
         if body is None:  # the client went away while sending
             return
+        if limits.max_parse_ms and len(body) >= COUNT_FROM_BYTES:
+            cost = parse_cost_ms(body)
+            if cost > limits.max_parse_ms:
+                await self._refuse(send, 413, "body_too_complex",
+                                   f"request body has too many JSON elements to parse here: about {cost:.0f} ms of "
+                                   f"work by their count ({body.count(b':')} object members, "
+                                   f"{body.count(b'[') + body.count(b'{')} arrays and objects, {body.count(b',')} "
+                                   f"list elements, strings' own characters included); the limit is "
+                                   f"{limits.max_parse_ms:g} ms (limits.max_parse_ms)")
+                return
         sent = False
+        # for the request models' validators: the body's strings need no surrogate check where its
+        # bytes show there is none (O(body) at C speed, where the check walks every list and dict of
+        # the parsed body in Python), and a chat's messages are counted before they are read
+        checked = BODY_FACTS.set(BodyFacts(no_surrogate=body_has_no_surrogate(body), max_items=limits.max_messages))
 
         async def replay() -> Message:
             nonlocal sent
@@ -125,7 +167,10 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: http.disconnect when the client leaves
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            BODY_FACTS.reset(checked)
 
 
 class _TooLarge(Exception):
@@ -171,4 +216,4 @@ async def _reply(send: Send, status: int, message: str) -> None:
     await send_error(send, status, message, headers=[(b"connection", b"close")])
 
 
-__all__ = ["RequestGuard", "RequestLimits"]
+__all__ = ["RequestGuard", "RequestLimits", "parse_cost_ms"]

@@ -34,12 +34,15 @@ from pydantic import (
 
 from router.openai_api import (
     FUNCTION_NAME,
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     REFUSED,
     ChatCompletionRequest,
     _refuse,
     _Sampling,
     _Text,
+    at_most,
+    at_most_items,
     error_text,
     new_id,
     now_s,
@@ -235,13 +238,13 @@ class ResponsesRequest(_Sampling):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
-        return _typed_items(v)
+        return _typed_items(at_most_items(v, "input items"))
 
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, v: Any) -> Any:
         """A built-in tool (web search, file search, ...) gets a 400 that names its type."""
-        for i, t in enumerate(v if isinstance(v, list) else []):
+        for i, t in enumerate(at_most(v, MAX_TOOLS, "tools") if isinstance(v, list) else []):
             if isinstance(t, dict) and t.get("type") != "function":
                 raise ValueError(f"tool {i}: tools of type {t.get('type')!r} are not supported (no built-in tools "
                                  "run here); send function tools")

@@ -325,6 +325,26 @@ def test_a_prompt_too_long_in_bytes_is_refused_at_once_without_tokenizing(big_se
     assert len(prompt) not in encoded  # refused before any tokenization
 
 
+@pytest.mark.parametrize("shape", ["members", "arrays", "batch"])
+def test_a_body_of_many_json_elements_is_refused_with_413_before_it_is_parsed(big_server, monkeypatch, shape):
+    """7.5 MB of JSON structure (a logit_bias of 600,000 ids, a schema of 1.9 million empty arrays,
+    a batch of 1.5 million one-token prompts: 0.4, 1.2 and 3.3 s of the event loop to parse and
+    validate before) is refused with 413 naming the bound, counted by its reason, and never parsed."""
+    from bench.frontdoor import large_body
+    from observability.stats import FairwayStats
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+    monkeypatch.setattr(big_server.ingress, "stats", stats)
+    parsed: list[bytes] = []
+    real = json.loads
+    monkeypatch.setattr(json, "loads", lambda s, *a, **k: parsed.append(s) or real(s, *a, **k))
+    body = large_body(shape, 7.5)
+    r = post(big_server, "/v1/completions", body)
+    assert_clear_error(r, 413, "limits.max_parse_ms")
+    assert stats.counter("rejects", reason="body_too_complex") == 1
+    assert not any(len(p) == len(body) for p in parsed)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_prompt_far_over_the_context_but_under_the_byte_bound_is_refused_from_a_prefix(big_server, monkeypatch,
                                                                                            chat):
