@@ -347,7 +347,7 @@ class FairwayStats:
     def inc_reject(self, reason: str, replica: str = "") -> None:
         """One rejected request: "queue_full" | "too_long" | "bad_request" | "invalid_json" |
         "unknown_field" | "unsupported_parameter" | "unknown_model" | "body_too_large" | "body_too_complex" |
-        "body_timeout" | "headers_too_large" | "unauthorized" | "forbidden" | "replica_dead" |
+        "bodies_in_flight" | "body_timeout" | "headers_too_large" | "unauthorized" | "forbidden" | "replica_dead" |
         "overloaded" | "stalled" | "engine_failed" | "timeout" | "internal" | "hold_bound" |
         "hold_timeout" | "held_full" | "past_bound"."""
         self._inc("rejects", (reason, self._replica(replica)), 1)

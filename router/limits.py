@@ -27,6 +27,13 @@ clear answer. What the limits are:
   (``PARSE_US``); it counts the characters inside strings too, so text is overestimated: 8 MiB of
   prose (0.2% colons, 1.5% commas) estimates under 20 ms, but code or JSON pasted as a prompt
   reaches 100 ms at about 4-5 MiB (over a million tokens).
+- ``max_receiving_bytes`` (default 1 GiB): the bytes of request bodies this ingress replica holds
+  while they arrive, all requests together. Each body is kept whole until it has arrived (it is
+  parsed only then), so without a bound one client sending 2,500 bodies of 8 MiB and holding back
+  their last bytes would take 20 GB of the replica's memory for the 30 s of ``body_timeout_s``. A
+  body that would take the total past the bound is read to its end without being kept and answered
+  503 with Retry-After; a body under ``COUNT_FROM_BYTES`` never is (4,096 connections of those hold
+  at most 256 MiB).
 - ``max_header_bytes`` (default 32 KiB): a request whose header block (names and values) is
   larger gets 431. uvicorn's h11 parser bounds only a header block that arrives in pieces
   (16 KiB); one that arrives in a single read passes it whole, so the limit is checked here too.
@@ -77,6 +84,8 @@ class RequestLimits(BaseModel):
     max_header_bytes: int = Field(32 * 1024, ge=1024, description="larger header blocks get 431")
     max_parse_ms: float = Field(100.0, ge=0, description="a body whose JSON is estimated to take longer to parse "
                                                          "gets 413 (0: no bound)")
+    max_receiving_bytes: int = Field(1 << 30, ge=0, description="bytes of request bodies held while they arrive, "
+                                     "all requests together; a body past it gets 503 (0: no bound)")
 
 
 def parse_cost_ms(body: bytes) -> float:
@@ -96,11 +105,13 @@ class RequestGuard:
         self.app = app
         self._limits = limits or RequestLimits()
         self._on_reject = on_reject  # gets the reason of each refusal (the ingress counts them)
+        self.receiving = 0  # bytes of the bodies being received now (``max_receiving_bytes``)
 
-    async def _refuse(self, send: Send, status: int, reason: str, message: str) -> None:
+    async def _refuse(self, send: Send, status: int, reason: str, message: str,
+                      retry_after_s: int | None = None) -> None:
         if self._on_reject is not None:
             self._on_reject(reason)
-        await _reply(send, status, message)
+        await _reply(send, status, message, retry_after_s)
 
     @property
     def limits(self) -> RequestLimits:
@@ -133,14 +144,42 @@ class RequestGuard:
             await self._refuse(send, 413, "body_too_large",
                                f"request body is {declared} bytes; the limit is {limit} bytes")
             return
+        held = 0  # this body's bytes, counted in ``self.receiving`` while it arrives
+        cap = limits.max_receiving_bytes
+
+        def hold(n: int) -> None:
+            nonlocal held
+            held += n
+            self.receiving += n
+            if cap and held >= COUNT_FROM_BYTES and self.receiving > cap:
+                raise _Busy
+
+        start = asyncio.get_running_loop().time()
+        busy = False
         try:
-            body = await asyncio.wait_for(_read_body(receive, limit), limits.body_timeout_s)
+            body = await asyncio.wait_for(_read_body(receive, limit, hold), limits.body_timeout_s)
         except _TooLarge:
             await self._refuse(send, 413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
             return
         except TimeoutError:
             await self._refuse(send, 408, "body_timeout",
                                f"request body not received within {limits.body_timeout_s:g} s")
+            return
+        except _Busy:
+            busy = True  # answered below, outside this block: its traceback holds the parts read so far
+        finally:
+            self.receiving -= held
+        if busy:
+            others = self.receiving
+            left = limits.body_timeout_s - (asyncio.get_running_loop().time() - start)
+            try:  # the rest, read and dropped, so that the client reads the answer
+                await asyncio.wait_for(_drain(receive), max(left, 0.0))
+            except TimeoutError:
+                pass
+            await self._refuse(send, 503, "bodies_in_flight",
+                               f"this ingress replica is receiving {others} bytes of other request bodies; "
+                               f"the limit is {cap} bytes (limits.max_receiving_bytes): retry",
+                               retry_after_s=1)
             return
         if body is None:  # the client went away while sending
             return
@@ -177,6 +216,10 @@ class _TooLarge(Exception):
     pass
 
 
+class _Busy(Exception):
+    pass
+
+
 def _content_length(scope: Scope) -> int | None:
     for k, v in scope.get("headers") or ():
         if k == b"content-length":
@@ -187,8 +230,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole body, or None if the client disconnected; ``_TooLarge`` past ``limit``."""
+async def _read_body(receive: Receive, limit: int, hold: Callable[[int], None]) -> bytes | None:
+    """The whole body, or None if the client disconnected; ``_TooLarge`` past ``limit``. ``hold``
+    is told of each part's bytes before it is kept (and may refuse it: ``_Busy``)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -199,6 +243,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         size += len(part)
         if size > limit:
             raise _TooLarge
+        hold(len(part))
         chunks.append(part)
         if not msg.get("more_body", False):
             return b"".join(chunks)
@@ -212,8 +257,11 @@ async def _drain(receive: Receive) -> None:
             return
 
 
-async def _reply(send: Send, status: int, message: str) -> None:
-    await send_error(send, status, message, headers=[(b"connection", b"close")])
+async def _reply(send: Send, status: int, message: str, retry_after_s: int | None = None) -> None:
+    headers = [(b"connection", b"close")]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    await send_error(send, status, message, headers=headers)
 
 
 __all__ = ["RequestGuard", "RequestLimits", "parse_cost_ms"]

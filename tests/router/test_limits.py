@@ -133,3 +133,60 @@ def test_long_lists_are_refused_before_their_items_are_read():
             ResponsesRequest.model_validate({"model": "m", "input": [{"role": "user", "content": "hi"}] * 3})
     finally:
         BODY_FACTS.reset(token)
+
+
+def test_bodies_past_the_receiving_bound_are_read_without_being_kept_and_answered_503():
+    """Under a 120 KiB bound: body A holds 100 KiB while its last byte waits; a small body D (30
+    KiB) is handed on although the total passes the bound; body B is refused once it holds 100
+    KiB with A's, read to its end without being kept, and answered 503 with Retry-After; A then
+    completes and is handed on; nothing stays counted."""
+    k = 1024
+    limits = RequestLimits(max_receiving_bytes=120 * k, max_parse_ms=0)
+    handed: list[int] = []
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        handed.append(len((await receive())["body"]))
+
+    async def run() -> RequestGuard:
+        guard = RequestGuard(app, limits)
+        release_a = asyncio.Event()
+
+        async def body(name: str, parts: list[bytes], wait_before_last: asyncio.Event | None = None) -> None:
+            size, left = sum(map(len, parts)), list(parts)
+
+            async def receive() -> dict[str, Any]:
+                if not left:
+                    return {"type": "http.disconnect"}
+                if len(left) == 1 and wait_before_last is not None:
+                    await wait_before_last.wait()
+                return {"type": "http.request", "body": left.pop(0), "more_body": len(left) > 0}
+
+            async def send(msg: dict[str, Any]) -> None:
+                answers.setdefault(name, {}).update(msg)
+
+            scope = {"type": "http", "method": "POST", "headers": [(b"content-length", str(size).encode())]}
+            await guard(scope, receive, send)
+
+        async def until(cond: Any) -> None:
+            for _ in range(1000):
+                if cond():
+                    return
+                await asyncio.sleep(0.001)
+            raise AssertionError("timed out")
+
+        a = asyncio.create_task(body("A", [b"a" * (50 * k)] * 2 + [b"a"], release_a))
+        await until(lambda: guard.receiving == 100 * k)
+        await body("D", [b"d" * (30 * k)])
+        await body("B", [b"b" * (50 * k)] * 3)
+        assert guard.receiving == 100 * k  # A's, B's released
+        release_a.set()
+        await a
+        return guard
+
+    guard = asyncio.run(run())
+    assert handed == [30 * k, 100 * k + 1]  # D, then A; B never
+    assert answers["B"]["status"] == 503 and (b"retry-after", b"1") in answers["B"]["headers"]
+    assert b"receiving 102400 bytes of other request bodies" in answers["B"]["body"]
+    assert b"limits.max_receiving_bytes" in answers["B"]["body"]
+    assert guard.receiving == 0
