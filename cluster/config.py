@@ -92,11 +92,16 @@ class ClusterArgs(ServedModel, ServedEngine):
         KeyTable(self.auth)
         classes = self.request_classes()
         for name, tenant in self.auth.tenants.items():
-            if tenant.default_class:
-                try:
-                    classes.resolve(tenant.default_class)
-                except ValueError as e:
-                    raise ValueError(f"auth.tenants.{name}.default_class: {e}") from None
+            for field, names in (("default_class", [tenant.default_class] if tenant.default_class else []),
+                                 ("classes", tenant.classes)):
+                for class_name in names:
+                    try:
+                        classes.resolve(class_name)
+                    except ValueError as e:
+                        raise ValueError(f"auth.tenants.{name}.{field}: {e}") from None
+            if tenant.classes and classes.resolve(tenant.default_class) not in tenant.classes:
+                raise ValueError(f"auth.tenants.{name}: its default class {classes.resolve(tenant.default_class)!r} "
+                                 f"is not among its classes {tenant.classes}: set default_class to one of them")
         if "tiers" in self.engine_args:
             raise ValueError("engine_args.tiers is set by the replica: use replica.strict_tiers")
         if self.replica.strict_tiers and not classes.classes:

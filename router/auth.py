@@ -48,6 +48,8 @@ class TenantArgs(BaseModel):
     prefix_groups: list[str] = Field(default_factory=list, description="named prefix groups this tenant may use")
     default_class: str = Field("", description="the request class of this tenant's requests that name none "
                                                "(default: the cluster's default class)")
+    classes: list[str] = Field(default_factory=list, description="the request classes this tenant may use; a "
+                               "request naming another gets 403 (empty: every class)")
 
 
 class AuthArgs(BaseModel):

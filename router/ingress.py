@@ -310,16 +310,22 @@ class FairwayIngress:
     def _class_of(self, body: CompletionRequest | ChatCompletionRequest, request: Request | None) -> str:
         """The request's class (``ClassesConfig.for_request``): its body's ``priority``, else the
         ``X-Fairway-Class`` header, else its tenant's default, else the cluster's; a 400 naming
-        the valid ones for an unknown one. O(classes)."""
+        the valid ones for an unknown one, a 403 naming the tenant's own for one it may not use
+        (``auth.tenants.<name>.classes``). O(classes)."""
         header = request.headers.get(CLASS_HEADER, "") if request is not None else ""
         tenant = principal_of(request).tenant
         spec = self.args.auth.tenants.get(tenant) if tenant else None
+        where = "priority" if body.priority is not None else CLASS_HEADER
         try:
-            return self.args.classes.for_request(body.priority, header, spec.default_class if spec else "")
+            name = self.args.classes.for_request(body.priority, header, spec.default_class if spec else "")
         except ValueError as e:
-            where = "priority" if body.priority is not None else CLASS_HEADER
             raise HTTPError(400, f"{where}: {e}", reason="bad_request",
                             param="priority" if body.priority is not None else None) from None
+        if spec is not None and spec.classes and name not in spec.classes:
+            raise HTTPError(403, f"{where}: tenant {tenant!r} may not use request class {name!r}; its classes: "
+                                 f"{', '.join(spec.classes)}", reason="forbidden",
+                            param="priority" if body.priority is not None else None)
+        return name
 
     def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int,
               who: Principal = NO_AUTH, session: str = "", received_s: float = 0.0,

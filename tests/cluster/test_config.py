@@ -141,10 +141,23 @@ def test_request_classes_reach_the_ingress_and_every_replica():
     ({"classes": CLASSES, "auth": {"tenants": {"evals": {"default_class": "gold"}}}},
      "auth.tenants.evals.default_class: unknown class 'gold'; valid: interactive, batch"),
     ({"classes": CLASSES, "replica": {"policy": "classes"}}, "configured once, at the top level"),
+    ({"classes": CLASSES, "auth": {"tenants": {"evals": {"classes": ["batch", "gold"]}}}},
+     "auth.tenants.evals.classes: unknown class 'gold'; valid: interactive, batch"),
+    ({"classes": CLASSES, "default_class": "interactive", "auth": {"tenants": {"evals": {"classes": ["batch"]}}}},
+     "auth.tenants.evals: its default class 'interactive' is not among its classes"),
+    ({"classes": CLASSES, "auth": {"tenants": {"evals": {"default_class": "interactive", "classes": ["batch"]}}}},
+     "auth.tenants.evals: its default class 'interactive' is not among its classes"),
 ])
 def test_bad_request_classes_fail_when_the_config_is_parsed(extra, needle):
     with pytest.raises(ValidationError, match=needle):
         ClusterArgs(**extra)
+
+
+def test_a_tenant_limited_to_its_classes_parses_with_a_default_among_them():
+    args = ClusterArgs(classes=CLASSES, auth={"tenants": {"evals": {"classes": ["batch"]}}})  # the default: batch
+    assert args.auth.tenants["evals"].classes == ["batch"]
+    ClusterArgs(classes=CLASSES, default_class="interactive",
+                auth={"tenants": {"evals": {"default_class": "batch", "classes": ["batch"]}}})
 
 
 def test_strict_tiers_need_classes_and_reach_the_replicas_on_either_engine():

@@ -41,7 +41,8 @@ def cluster(request):
     """(url, strict): the cluster, once with the engines FCFS and once with strict tiers (the default)."""
     env = {**KEYS_ENV, "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S)}
     with running_cluster(num_replicas=2, engine_args={"speed": 0.1}, api_key="k-alice", env=env,
-                         auth={"keys_env": "FAIRWAY_TEST_KEYS", "tenants": {"bulkco": {"default_class": "bulk"}}},
+                         auth={"keys_env": "FAIRWAY_TEST_KEYS",
+                               "tenants": {"bulkco": {"default_class": "bulk", "classes": ["bulk", "batch"]}}},
                          replica={"max_queue": 3, "prefill_budget_tokens": 512, "strict_tiers": request.param},
                          classes=[{"name": "interactive", "tier": 0, "objective_s": 5.0, "max_wait_s": 60.0},
                                   {"name": "bulk", "tier": 1, "objective_s": 60.0, "max_wait_s": 120.0},
@@ -206,6 +207,21 @@ def test_with_strict_tiers_an_interactive_prompt_is_not_computed_behind_a_runnin
     _, fast, first = results[4]
     bulk = [t for _, b, t in results[:4] if b["fairway"]["replica"] == fast["fairway"]["replica"]]
     assert bulk and (first < min(bulk)) == strict, ([(b["fairway"], t) for _, b, t in results], first, bulk)
+
+
+def test_a_tenant_limited_to_its_classes_cannot_name_another(cluster):
+    """``bulkco`` may use ``bulk`` and ``batch`` only: naming ``interactive`` gets 403 naming its
+    classes, through ``serve run``'s config, and ``batch`` is served."""
+    url, strict = cluster
+    if strict:
+        pytest.skip("the tenant's classes do not depend on the engines' order: checked on the other cluster")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    r = requests.post(f"{url}/v1/completions", json={**body, "priority": "interactive"}, headers=BULKCO, timeout=60)
+    assert r.status_code == 403, r.text
+    assert "tenant 'bulkco' may not use request class 'interactive'; its classes: bulk, batch" in r.json()["error"][
+        "message"]
+    r = requests.post(f"{url}/v1/completions", json={**body, "priority": "batch"}, headers=BULKCO, timeout=60)
+    assert r.status_code == 200 and r.json()["fairway"]["class"] == "batch", r.text
 
 
 def test_silent_connections_are_dropped_and_a_silent_server_is_not_cut(cluster):

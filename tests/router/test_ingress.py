@@ -1295,6 +1295,33 @@ def test_a_requests_class_comes_from_its_body_header_or_tenant_and_is_measured(m
     assert stats.counter("class_objective", **{"class": "batch", "objective": "met"}) == 3
 
 
+def test_a_tenant_may_use_only_its_own_classes(monkeypatch):
+    """A tenant limited to some classes (``auth.tenants.<name>.classes``) gets 403 naming them for
+    a request that names another class, by body, tier or header; its own classes and its default
+    pass; a tenant without the list may use every class."""
+    monkeypatch.setenv("FAIRWAY_TEST_KEYS", "k1=alice,k2=evals")
+    auth = AuthArgs(keys_env="FAIRWAY_TEST_KEYS",
+                    tenants={"evals": {"default_class": "batch", "classes": ["batch", "bulk"]}})
+    with Server(RequestLimits(), auth=auth, classes="interactive:tier=0,batch:tier=1,bulk:tier=1") as srv:
+        alice, evals = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 1}
+        allowed = [({}, evals, "batch"), ({"priority": "bulk"}, evals, "bulk"), ({"priority": 1}, evals, "batch"),
+                   ({"priority": "interactive"}, alice, "interactive")]
+        for extra, headers, want in allowed:
+            r = post(srv, "/v1/completions", {**body, **extra}, headers=headers)
+            assert r.status_code == 200 and r.json()["fairway"]["class"] == want, (extra, r.text)
+        n = len(srv.replicas.calls)
+        refused = [({"priority": "interactive"}, evals, "priority"), ({"priority": 0}, evals, "priority"),
+                   ({}, {**evals, "X-Fairway-Class": "interactive"}, "X-Fairway-Class")]
+        for extra, headers, where in refused:
+            r = post(srv, "/v1/completions", {**body, **extra}, headers=headers)
+            assert_clear_error(r, 403, f"{where}: tenant 'evals' may not use request class 'interactive'; "
+                                       "its classes: batch, bulk")
+            assert r.json()["error"]["type"] == "permission_error"
+            assert r.json()["error"]["param"] == ("priority" if extra else None)
+        assert len(srv.replicas.calls) == n  # nothing refused reached a replica
+
+
 def test_without_classes_only_priority_zero_is_accepted(server):
     body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 1}
     r = post(server, "/v1/completions", {**body, "priority": 0})
