@@ -28,6 +28,7 @@ from fairway.spec import resolve_spec
 from replicas.deployment import ReplicaArgs, ReplicaOptions, ServedEngine
 from replicas.engines import validated_engine
 from router.auth import AuthArgs, KeyTable
+from router.cors import CorsArgs
 from router.hold import HoldArgs
 from router.ingress import IngressArgs, ServedModel
 from router.limits import RequestLimits
@@ -78,6 +79,7 @@ class ClusterArgs(ServedModel, ServedEngine):
     max_ongoing_requests: int = Field(4096, ge=1, description="per replica, Ray level; the gate bounds the queue")
     max_queued_requests: int = Field(-1, description="Ray-level queue at each handle (-1 unbounded) -> 503")
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    cors: CorsArgs = Field(default_factory=CorsArgs, description="browsers' cross-origin access (router/cors.py)")
     auth: AuthArgs = Field(default_factory=AuthArgs)
     classes: list[ClassSpec] = Field(default_factory=list, description="request classes (docs/design.md, Flow "
                                      "control): name, tier (strict, lower first), weight, objective_s, max_wait_s")
@@ -144,7 +146,7 @@ class ClusterArgs(ServedModel, ServedEngine):
     def ingress_args(self) -> IngressArgs:
         served = self.model_dump(include=set(ServedModel.model_fields))
         return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
-                           auth=self.auth, classes=self.request_classes(), hold=self.router.hold,
+                           auth=self.auth, cors=self.cors, classes=self.request_classes(), hold=self.router.hold,
                            hold_policy=self.replica.policy, hold_policy_options=self.replica.policy_options,
                            profile=self.profile, gate_wait_s=self.replica.max_queue_wait_s)
 

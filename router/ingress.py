@@ -55,6 +55,7 @@ from fairway.routing.held import HeldQueue
 from router.answers import Answer, Output, Replies
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.calls import CLIENT_GONE_STATUS, ClientGone, ReplicaStream, own_serve_request_id, unless_gone
+from router.cors import CorsArgs, CorsGuard
 from router.errors import HTTPError
 from router.hold import HoldArgs, Holder, HoldRefused
 from router.limits import RequestGuard, RequestLimits
@@ -196,6 +197,7 @@ class IngressArgs(ServedModel):
     metrics: bool = True
     limits: RequestLimits = Field(default_factory=RequestLimits)
     auth: AuthArgs = Field(default_factory=AuthArgs)
+    cors: CorsArgs = Field(default_factory=CorsArgs, description="browsers' cross-origin access (router/cors.py)")
     tokenizer_threads: int = Field(0, ge=0, description="threads that tokenize and render chat templates off "
                                                         "the event loop (0: one per CPU this process may use)")
     classes: ClassesConfig = Field(default_factory=ClassesConfig, description="request classes: each request's "
@@ -770,6 +772,12 @@ def current_keys() -> KeyTable | None:
     return _current("keys", None)
 
 
+def current_cors() -> CorsArgs:
+    """This ingress replica's cross-origin settings (off outside a Serve replica)."""
+    args = _current("args", None)
+    return args.cors if args is not None else CorsArgs()
+
+
 def current_limits() -> RequestLimits:
     """This ingress replica's request limits (the defaults outside a Serve replica)."""
     args = _current("args", None)
@@ -778,6 +786,7 @@ def current_limits() -> RequestLimits:
 
 app.add_middleware(RequestGuard, limits=current_limits, on_reject=count_reject)
 app.add_middleware(AuthGuard, keys=current_keys, on_reject=count_reject)  # no body read for a bad key
+app.add_middleware(CorsGuard, cors=current_cors)  # a browser's preflight is answered without a key
 app.add_middleware(ReceivedAt)  # outermost: the client's wait starts before any guard
 
 

@@ -35,6 +35,7 @@ import router.ingress as ingress_mod
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import EngineFailed, Overloaded, TokenChunk
 from router.auth import AuthArgs
+from router.cors import CorsArgs
 from router.hold import HoldArgs
 from router.ingress import FairwayIngress, IngressArgs, app
 from router.limits import RequestLimits
@@ -128,12 +129,12 @@ class Server:
     """uvicorn serving ``app`` in a thread, on an ephemeral port."""
 
     def __init__(self, limits: RequestLimits, auth: AuthArgs | None = None, classes: str = "",
-                 hold: HoldArgs | None = None) -> None:
+                 hold: HoldArgs | None = None, cors: CorsArgs | None = None) -> None:
         self.replicas = ScriptedReplicas()
         self.ingress = FairwayIngress(self.replicas, IngressArgs(model=MODEL, max_model_len=4096, metrics=False,
                                                                  limits=limits, auth=auth or AuthArgs(),
                                                                  classes=ClassesConfig.parse(classes),
-                                                                 hold=hold or HoldArgs()))
+                                                                 hold=hold or HoldArgs(), cors=cors or CorsArgs()))
         cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -1293,6 +1294,36 @@ def test_a_requests_class_comes_from_its_body_header_or_tenant_and_is_measured(m
     assert stats.counter("class_objective", **{"class": "interactive", "objective": "met"}) == 3
     assert stats.counter("class_objective", **{"class": "bulk", "objective": "missed"}) == 1
     assert stats.counter("class_objective", **{"class": "batch", "objective": "met"}) == 3
+
+
+def test_browsers_of_the_allowed_origins_may_call_the_api_and_preflights_need_no_key(monkeypatch):
+    """With ``cors.allowed_origins``, a preflight from an allowed origin is answered 200 without a
+    key, naming the origin; a call from it carries the origin's header, a 401 too; another origin's
+    preflight is refused and its calls carry no such header. Without origins (the default), a
+    preflight is a 405 and no answer names an origin, as vLLM's default."""
+    monkeypatch.setenv("FAIRWAY_TEST_KEYS", "k1=alice")
+    auth = AuthArgs(keys_env="FAIRWAY_TEST_KEYS")
+    app_origin, other = "https://chat.example.com", "https://evil.example.net"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 1}
+    with Server(RequestLimits(), auth=auth, cors=CorsArgs(allowed_origins=(app_origin,))) as srv:
+        r = requests.options(srv.url + "/v1/chat/completions", headers={"Origin": app_origin, **preflight}, timeout=10)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app_origin, r.text
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = post(srv, "/v1/completions", body, headers={"Origin": app_origin, "Authorization": "Bearer k1"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app_origin
+        r = post(srv, "/v1/completions", body, headers={"Origin": app_origin})  # no key: 401, readable
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == app_origin
+        r = requests.options(srv.url + "/v1/chat/completions", headers={"Origin": other, **preflight}, timeout=10)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = post(srv, "/v1/completions", body, headers={"Origin": other, "Authorization": "Bearer k1"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with Server(RequestLimits(), auth=auth) as srv:
+        r = requests.options(srv.url + "/v1/chat/completions", headers={"Origin": app_origin, **preflight}, timeout=10)
+        assert r.status_code in (401, 405) and "access-control-allow-origin" not in r.headers, r.text
+        r = post(srv, "/v1/completions", body, headers={"Origin": app_origin, "Authorization": "Bearer k1"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 def test_a_tenant_may_use_only_its_own_classes(monkeypatch):
