@@ -642,9 +642,10 @@ class FairwayIngress:
             await self._all(answers, functools.partial(self._first_of, request=request, sent=not body.stream,
                                                        own_id=len(answers) > 1))
             if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                options = body.stream_options
                 streaming = True
-                events = (self.replies.sse(answers, body, chat, include_usage) if responses is None
+                events = (self.replies.sse(answers, body, chat, bool(options and options.include_usage),
+                                           bool(options and options.continuous_usage_stats)) if responses is None
                           else self.replies.response_events(answers[0], body, responses))
                 return StreamingResponse(events, media_type="text/event-stream")
             await unless_gone(request, self._all(answers, self._collected))

@@ -196,7 +196,9 @@ NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with the whole request's usage")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: every chunk carries its choice's usage so far "
+                                         "(gateways count tokens as they stream)")
 
 
 class _Text(BaseModel):

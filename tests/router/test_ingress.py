@@ -1156,6 +1156,33 @@ def test_what_the_openai_client_and_vllm_bench_send_by_default_is_accepted(serve
     assert [c.usage.completion_tokens for c in done if c.usage] == [2]
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_puts_each_choices_usage_so_far_on_every_chunk(server, chat, include_usage):
+    """vLLM's ``stream_options.continuous_usage_stats`` (gateways count tokens as they stream):
+    every chunk carries its choice's prompt tokens and completion tokens so far, rising to the
+    answer's; the last chunk with the whole request's usage comes only with ``include_usage``."""
+    body = {"model": MODEL, "max_tokens": 7, "n": 2, "stream": True,
+            "stream_options": {"continuous_usage_stats": True, "include_usage": include_usage}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [5, 6, 7]})
+    r = post(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    events = [json.loads(ln[6:]) for ln in r.text.split("\n") if ln.startswith("data: {")]
+    prompt = len(server.replicas.calls[-1].prompt_token_ids)
+    so_far: dict[int, list[int]] = {0: [], 1: []}
+    for e in events if not include_usage else events[:-1]:
+        (ch,) = e["choices"]
+        u = e["usage"]
+        assert u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+        so_far[ch["index"]].append(u["completion_tokens"])
+    for counts in so_far.values():
+        assert counts == sorted(counts) and counts[-1] == 7 and counts[0] >= 1, counts
+    if include_usage:
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 14
+    else:
+        assert all(e["choices"] for e in events)
+
+
 # -- refusals are counted ------------------------------------------------------------------
 
 
@@ -1384,7 +1411,8 @@ fields = {
     "max_tokens": st.integers(-3, 5000) | json_values,
     "max_completion_tokens": st.integers(-3, 50) | json_values,
     "stream": st.booleans() | json_values,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()},
+                                            optional={"continuous_usage_stats": st.booleans()}) | json_values,
     "temperature": st.floats(-1, 3, allow_nan=False) | json_values,
     "n": st.integers(-1, 3) | json_values,
     "ignore_eos": st.booleans(),
