@@ -438,7 +438,7 @@ class FairwayIngress:
             raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
                             param="tool_choice")
         self._check_choices(1, body.n)
-        ids = await self._chat_ids(body.messages, body.tools)
+        ids = await self._chat_ids(body.messages, body.tools, body.template_options())
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
             max_tokens = max(1, self.args.max_model_len - len(ids))
@@ -476,7 +476,7 @@ class FairwayIngress:
             if body.prompt is not None:
                 ids = await self._text_ids(body.prompt)
             else:
-                ids = await self._chat_ids(body.messages, body.tools, body.add_generation_prompt)
+                ids = await self._chat_ids(body.messages, body.tools, body.template_options())
         except HTTPError as e:
             return e.response()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.args.max_model_len, "tokens": ids}
@@ -510,13 +510,13 @@ class FairwayIngress:
         return await self._tokenized(self.tokenizer.encode_within, text)
 
     async def _chat_ids(self, messages: list[ChatMessage], tools: list[Tool] | None,
-                        add_generation_prompt: bool = True) -> list[int]:
-        """A chat's prompt as the engine gets it: the messages and tools through the chat template,
-        the byte bound first, tokenized off the loop."""
+                        template: dict[str, Any]) -> list[int]:
+        """A chat's prompt as the engine gets it: the messages and tools through the chat template
+        (with the request's ``template`` options), the byte bound first, tokenized off the loop."""
         rendered = [m.for_template() for m in messages]
         self._check_text_bytes("".join(m["content"] for m in rendered))
         return await self._tokenized(functools.partial(self.tokenizer.encode_chat_within, tools=template_tools(tools),
-                                                       add_generation_prompt=add_generation_prompt), rendered)
+                                                       template=template), rendered)
 
     def _check_text_bytes(self, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in

@@ -583,7 +583,50 @@ def calls_schema(tools: list[Tool], parallel: bool | None) -> dict[str, Any]:
     return schema
 
 
-class ChatCompletionRequest(_Common):
+#: Names the chat template's call sets itself: ``chat_template_kwargs`` may not set them.
+TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                               "continue_final_message", "tokenize", "return_dict", "chat_template", "padding",
+                               "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                               "tokenizer_kwargs"})
+
+
+class _TemplateOptions(BaseModel):
+    """The chat template's options a chat request may set, with vLLM's names: whether the prompt
+    ends with the assistant's turn header, whether it instead continues the last (assistant)
+    message, and further variables for the template (``enable_thinking`` for Qwen3's, say)."""
+
+    add_generation_prompt: StrictBool = Field(True, description="end with the assistant's turn header")
+    continue_final_message: StrictBool = Field(False, description="vLLM's: continue the last message, an "
+                                               "assistant's (a prefill), instead of starting a turn")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the chat "
+                                                        "template, e.g. {\"enable_thinking\": false}")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_names(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & TEMPLATE_RESERVED)
+        if taken:
+            raise ValueError(f"{taken} are set by the server or by their own request fields")
+        return v or None
+
+    @model_validator(mode="after")
+    def _continue_or_start(self) -> _TemplateOptions:
+        messages = getattr(self, "messages", None)
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            self.add_generation_prompt = False
+            if messages and messages[-1].role != "assistant":
+                raise ValueError("continue_final_message continues the last message, which must be an assistant's")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """The chat template's keyword arguments for this request."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+
+
+class ChatCompletionRequest(_Common, _TemplateOptions):
     """``POST /v1/chat/completions``; the tokenizer's chat template renders ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="at least one message (the chat template "
@@ -714,7 +757,7 @@ class ChatCompletionRequest(_Common):
         return "tool_choice" if mode is not None and mode[0] != AUTO else "response_format"
 
 
-class TokenizeRequest(_Text):
+class TokenizeRequest(_Text, _TemplateOptions):
     """``POST /tokenize`` (vLLM's route): the token ids this server sends the engine for a
     completion's ``prompt`` (no special tokens added, as the completions route sends it), or for
     a chat's ``messages`` and ``tools`` as the chat template renders them; ``return_token_strs``
@@ -722,23 +765,24 @@ class TokenizeRequest(_Text):
 
     # prompt or messages, never both: absent rather than null, so the schema's oneOf says it
     model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "not": {"anyOf": [{"required": k} for k in (["messages"], ["tools"],
-                                                                            ["add_generation_prompt"])]}},
+        {"required": ["prompt"], "not": {"anyOf": [{"required": [k]} for k in (
+            "messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")]}},
         {"required": ["messages"], "not": {"required": ["prompt"]}}]})
 
     model: str | None = None
     prompt: str = Field(None, min_length=1)  # type: ignore[assignment]
     messages: list[ChatMessage] = Field(None, min_length=1)  # type: ignore[assignment]
     tools: list[Tool] = Field(None)  # type: ignore[assignment]
-    add_generation_prompt: StrictBool = Field(True, description="with messages: end with the assistant's turn header")
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send a prompt or messages (one of them)")
-        if self.prompt is not None and (self.tools or "add_generation_prompt" in self.model_fields_set):
-            raise ValueError("tools and add_generation_prompt go with messages, not a prompt")
+        template = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"} & self.model_fields_set
+        if self.prompt is not None and (self.tools or template):
+            raise ValueError(f"tools and {', '.join(sorted(template)) or 'the template options'} go with messages, "
+                             "not a prompt")
         return self
 
 

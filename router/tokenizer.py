@@ -152,7 +152,8 @@ class Tokenizer:
         return self.encode(text)
 
     def encode_chat_within(self, messages: list[dict[str, Any]], limit: int,
-                           tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
+                           tools: list[dict[str, Any]] | None = None,
+                           template: dict[str, Any] | None = None) -> list[int]:
         """``encode_chat`` after ``check_within`` on the text the template renders (the messages'
         text, their calls' arguments, the tools as JSON: their tokens are no more than the
         templated prompt's)."""
@@ -162,13 +163,15 @@ class Tokenizer:
             texts.append(json.dumps(tools))
         if sum(len(t) for t in texts) > PREFIX_CHARS_PER_TOKEN * limit:  # else no prefix to check
             self.check_within("\n".join(texts), limit)
-        return self.encode_chat(messages, tools, add_generation_prompt)
+        return self.encode_chat(messages, tools, template)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """The chat template's prompt for ``messages`` (and ``tools``, which templates render or not)."""
-        out = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                           tokenize=True)
+                    template: dict[str, Any] | None = None) -> list[int]:
+        """The chat template's prompt for ``messages`` (and ``tools``, which templates render or
+        not), with the ``template`` options (``add_generation_prompt``, default true;
+        ``continue_final_message``; the template's own variables)."""
+        options = {"add_generation_prompt": True, **(template or {})}
+        out = self.tok.apply_chat_template(messages, tools=tools, tokenize=True, **options)
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return list(out)

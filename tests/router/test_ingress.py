@@ -652,6 +652,20 @@ def _named_call(server: Server, body: dict, chat: bool, stream: bool) -> None:
     assert calls[0]["id"].startswith("call_") and content is None and reason == "length"
 
 
+def _prompt_is(template: dict[str, Any]) -> Callable[[Server, dict, bool, bool], None]:
+    """The chat's prompt was rendered with these chat template options (and the answer is the
+    plain one)."""
+    def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
+        tok = server.ingress.tokenizer
+        want = tok.encode_chat(body["messages"], template=template)
+        assert server.replicas.calls[-1].prompt_token_ids == want != tok.encode_chat(body["messages"]), template
+        _no_effect(server, body, chat, stream)
+    return check
+
+
+PREFILL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+
+
 class Needs(NamedTuple):
     """A field refused alone (a 400 naming ``param``, saying ``why``) that is honoured with
     ``extra`` fields (then checked by ``then``)."""
@@ -713,7 +727,41 @@ CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
         "web_search_options": ({}, REFUSE), "moderation": ({"model": "m"}, REFUSE),
         "reasoning_effort": ("high", REFUSE), "verbosity": ("low", REFUSE), "store": (True, REFUSE),
         "metadata": ({"k": "v"}, REFUSE), "service_tier": ("flex", REFUSE), "prompt_cache_retention": ("24h", REFUSE),
-        "prompt_cache_options": ({"mode": "explicit"}, REFUSE)}
+        "prompt_cache_options": ({"mode": "explicit"}, REFUSE),
+        "add_generation_prompt": (False, _prompt_is({"add_generation_prompt": False})),
+        # alone, the last message is the user's: nothing to continue
+        "continue_final_message": (True, Needs(None, "continue_final_message continues the last message, which must "
+                                               "be an assistant's", {"messages": PREFILL},
+                                               _prompt_is({"add_generation_prompt": False,
+                                                           "continue_final_message": True}))),
+        # the variables reach the template (test_chat_template_kwargs_... below); this template uses none
+        "chat_template_kwargs": ({"enable_thinking": False}, _no_effect)}
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_set_the_servers_own(server, monkeypatch):
+    """``chat_template_kwargs`` are the template's variables (a template that reads one renders
+    it); names the server sets, and a prompt-continuing request that also asks for the assistant's
+    header, are 400s naming the field."""
+    tok = server.ingress.tokenizer
+    monkeypatch.setattr(tok.tok, "chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}"
+                                                  "{% if enable_thinking %}<think>{% endif %}")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for kwargs, tail in (({"enable_thinking": True}, "<think>"), ({"enable_thinking": False}, ""), (None, "")):
+        r = post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200, r.text
+        assert tok.decode_all(server.replicas.calls[-1].prompt_token_ids) == "hi" + tail
+    r = post(server, "/tokenize", {"messages": chat["messages"], "chat_template_kwargs": {"enable_thinking": True}})
+    assert tok.decode_all(r.json()["tokens"]) == "hi<think>"
+    for bad, why in (({"tools": []}, "['tools'] are set by the server or by their own request fields"),
+                     ({"add_generation_prompt": False, "tokenize": False}, "['add_generation_prompt', 'tokenize']")):
+        r = post(server, "/v1/chat/completions", {**chat, "chat_template_kwargs": bad})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"] == "chat_template_kwargs"
+    r = post(server, "/v1/chat/completions", {**chat, "messages": PREFILL, "continue_final_message": True,
+                                             "add_generation_prompt": True})
+    assert_clear_error(r, 400, "continue_final_message and add_generation_prompt cannot both be true")
+    r = post(server, "/tokenize", {"prompt": "hi", "chat_template_kwargs": {"x": 1}})
+    assert_clear_error(r, 400, "chat_template_kwargs go with messages, not a prompt")
 
 
 def test_logprobs_list_one_entry_per_counted_token_with_the_asked_alternatives_or_a_400(server):
@@ -1249,7 +1297,8 @@ def test_tokenize_gives_the_ids_the_engine_gets_and_detokenize_their_text(server
     assert server.replicas.calls[-1].prompt_token_ids == chat_ids
     open_turn = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
     full = tok.encode_chat(messages)  # without the assistant's header: a prefix of it
-    assert open_turn == tok.encode_chat(messages, add_generation_prompt=False) == full[: len(open_turn)] != full
+    no_header = tok.encode_chat(messages, template={"add_generation_prompt": False})
+    assert open_turn == no_header == full[: len(open_turn)] != full
     text = post(server, "/detokenize", {"model": MODEL, "tokens": chat_ids}).json()["prompt"]
     assert text == tok.tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     for path, body, status, why in (
