@@ -256,6 +256,40 @@ class _Sampling(_Generation):
                                                    "integer tier as vLLM's priority (lower first); 0 without classes")
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``; vllm-project/vllm,
+    ``vllm/sampling_params.py``): exactly one constraint on the answer (a JSON Schema, any JSON
+    object, a regular expression, one of some choices, a grammar, or a structural tag), and
+    vLLM's options for it. Passed to the vLLM engine as it is; the sim engine refuses it by name."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json", description="a JSON Schema the answer "
+                                                     "follows")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1, description="the answer is one of these")
+    grammar: str | None = Field(None, min_length=1, description="an EBNF / Lark grammar")
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        kinds = [k for k in ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            names = [k if k != "json_schema" else "json" for k in kinds]
+            raise ValueError(f"exactly one kind of constraint (json, regex, choice, grammar, json_object, "
+                             f"structural_tag), not {names or 'none'}")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        """The constraint as vLLM's ``StructuredOutputsParams`` takes it."""
+        return self.model_dump(by_alias=True, exclude_defaults=True)
+
+
 class _Common(_Sampling):
 
     max_tokens: int | None = Field(None, ge=1)
@@ -278,6 +312,8 @@ class _Common(_Sampling):
     cache_salt: str | None = None
     best_of: int | None = None
     logprobs: Any = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's output constraint: one of "
+                                                         "json, regex, choice, grammar, json_object, structural_tag")
 
     @field_validator("stop")
     @classmethod
@@ -322,11 +358,11 @@ class _Common(_Sampling):
 
     def structured_output(self) -> dict[str, Any] | None:
         """The output's constraint (``GenerateCall.structured_output``; None: free text)."""
-        return None
+        return self.structured_outputs.params() if self.structured_outputs is not None else None
 
     def structured_output_param(self) -> str:
         """The request parameter the output constraint came from (what an engine's refusal names)."""
-        return "response_format"
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
 
 #: ``CompletionRequest.prompt`` as ``_prompts`` accepts it: non-empty text or token ids (>= 0), or
@@ -684,8 +720,10 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
 
     @field_validator("response_format")
     @classmethod
-    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        structured_output(v)  # raises naming what is wrong
+    def _response_format(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        if structured_output(v) is not None and info.data.get("structured_outputs") is not None:  # raises if bad
+            raise ValueError("a JSON response_format and structured_outputs cannot both shape the answer; send one "
+                             "of them")
         return v
 
     @field_validator("messages", mode="before")
@@ -723,6 +761,9 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
         if structured_output(info.data.get("response_format")) is not None:
             raise ValueError("a tool_choice other than none and a JSON response_format cannot both shape the "
                              "answer; send one of them")
+        if info.data.get("structured_outputs") is not None and v != "auto":
+            raise ValueError("a tool_choice that forces a call and structured_outputs cannot both shape the "
+                             "answer; send one of them")
         if v == "auto":  # the ingress refuses it where no tool_call_parser is configured
             return v
         if isinstance(v, NamedToolChoice) and v.function.name not in (names := [t.function.name for t in tools]):
@@ -745,7 +786,8 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
         ``response_format``'s."""
         mode = self.tool_mode()
         if mode is None or mode[0] == AUTO:
-            return structured_output(self.response_format)
+            own = self.structured_outputs
+            return own.params() if own is not None else structured_output(self.response_format)
         tools = self.tools or []
         if mode[0] == REQUIRED:
             return {"json": calls_schema(tools, self.parallel_tool_calls)}
@@ -754,7 +796,9 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
     def structured_output_param(self) -> str:
         """The request parameter the output constraint came from (what an engine's refusal names)."""
         mode = self.tool_mode()
-        return "tool_choice" if mode is not None and mode[0] != AUTO else "response_format"
+        if mode is not None and mode[0] != AUTO:
+            return "tool_choice"
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
 
 class TokenizeRequest(_Text, _TemplateOptions):

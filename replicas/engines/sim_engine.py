@@ -118,6 +118,7 @@ def check_sim_params(call: GenerateCall) -> None:
 CONSTRAINTS = {
     "response_format": ("response_format json_object / json_schema", "{\"type\": \"text\"}"),
     "tool_choice": ("a tool_choice that forces a call (required, or a named function)", "tool_choice \"none\""),
+    "structured_outputs": ("structured_outputs", "no structured_outputs"),
 }
 
 

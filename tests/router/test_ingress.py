@@ -710,6 +710,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "priority": (1, REFUSE),  # no classes configured on this server: only 0; the classes test below honours it
     "best_of": (2, REFUSE),
     "logprobs": (1, lambda srv, b, c, s: _has_logprobs(srv, b, c, s, 1)),
+    "structured_outputs": ({"choice": ["yes", "no"]}, _call_has(structured_output={"choice": ["yes", "no"]},
+                                                                 structured_output_param="structured_outputs")),
 }
 COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE)}
 CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
@@ -736,6 +738,31 @@ CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
                                                            "continue_final_message": True}))),
         # the variables reach the template (test_chat_template_kwargs_... below); this template uses none
         "chat_template_kwargs": ({"enable_thinking": False}, _no_effect)}
+
+
+def test_structured_outputs_take_one_kind_and_do_not_share_the_answer_with_another_constraint(server):
+    """vLLM's ``structured_outputs`` pass to the call as they come (``json`` by its name), one kind
+    at a time, and never beside a JSON ``response_format`` or a forced tool call: 400s naming the
+    field; on the sim engine they are refused by name (``tests/replicas/engines/test_sim_engine.py``)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = post(server, "/v1/chat/completions", {**chat, "structured_outputs": {"json": YES_NO,
+                                                                             "disable_any_whitespace": True}})
+    assert r.status_code == 200, r.text
+    assert server.replicas.calls[-1].structured_output == {"json": YES_NO, "disable_any_whitespace": True}
+    for so, why in (({"regex": "a", "choice": ["a"]}, "exactly one kind of constraint"),
+                    ({}, "exactly one kind of constraint (json, regex, choice, grammar, json_object, "
+                         "structural_tag), not none"),
+                    ({"choice": []}, "at least 1 item"), ({"guided": "x"}, "guided")):
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": so})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"].startswith("structured_outputs"), r.json()
+    both = {**chat, "structured_outputs": {"regex": "a+"}}
+    r = post(server, "/v1/chat/completions", {**both, "response_format": {"type": "json_object"}})
+    assert_clear_error(r, 400, "a JSON response_format and structured_outputs cannot both shape the answer")
+    r = post(server, "/v1/chat/completions", {**both, "tools": TOOLS, "tool_choice": "required"})
+    assert_clear_error(r, 400, "a tool_choice that forces a call and structured_outputs cannot both")
+    r = post(server, "/v1/chat/completions", {**both, "response_format": {"type": "text"}})
+    assert r.status_code == 200 and server.replicas.calls[-1].structured_output == {"regex": "a+"}
 
 
 def test_chat_template_kwargs_reach_the_template_and_may_not_set_the_servers_own(server, monkeypatch):

@@ -271,6 +271,17 @@ async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine
     assert len(tokens) == 3
 
 
+@pytest.mark.parametrize("param,what", [("response_format", "response_format json_object / json_schema"),
+                                        ("tool_choice", "a tool_choice that forces a call"),
+                                        ("structured_outputs", "structured_outputs")])
+async def test_an_output_constraint_is_refused_naming_the_field_it_came_from(engine, param, what):
+    c = call("s", [5] * 20)
+    c.structured_output, c.structured_output_param = {"choice": ["a", "b"]}, param
+    with pytest.raises(UnsupportedParameter, match=f"^{what}.* is not supported by the sim engine") as e:
+        await run(engine, c)
+    assert e.value.param == param
+
+
 async def test_the_stream_interval_holds_later_outputs_until_the_finish(engine):
     """With a stream interval the engine yields a request's first output and then nothing until
     the interval has passed or the request finishes: here (an hour's interval, 1000x speed) the

@@ -642,9 +642,12 @@ async def _scenario() -> dict:
                                   "after": eng.cache_estimate.predicted_hit_blocks(block_hashes(p_ids), len(p_ids))}
         # Output constrained to a JSON schema (OpenAI's response_format, vLLM's structured outputs):
         # the tiny model's random weights still answer only what the schema allows, then stop
-        for name, schema in (("json", {"type": "string", "enum": ["yes", "no"]}), ("bad_schema", {"type": "bogus"})):
+        # and vLLM's own structured_outputs kinds, which the ingress passes as they come
+        for name, constraint in (("json", {"json": {"type": "string", "enum": ["yes", "no"]}}),
+                                 ("bad_schema", {"json": {"type": "bogus"}}),
+                                 ("choice", {"choice": ["red", "green"]}), ("regex", {"regex": "[0-9]{3}"})):
             call = _call(name, [rng.randrange(5, 4096) for _ in range(30)], 24)
-            call.ignore_eos, call.structured_output = False, {"json": schema}
+            call.ignore_eos, call.structured_output = False, constraint
             try:
                 res[name] = await _collect(eng, call)
             except Exception as e:  # noqa: BLE001 - the test inspects the type
@@ -783,6 +786,21 @@ def test_vllm_constrains_the_output_to_a_json_schema(scenario):
     assert r["last"].finish_reason == "stop"
     assert getattr(scenario["bad_schema"], "status", None) == 400, repr(scenario["bad_schema"])
     assert "bogus" in str(scenario["bad_schema"])
+
+
+@needs_vllm
+def test_vllm_constrains_the_output_to_a_choice_or_a_regex(scenario):
+    """vLLM's ``structured_outputs`` kinds beyond JSON reach it as they come: the answer is one of
+    the choices, or matches the regular expression, and ends there."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    for name, ok in (("choice", lambda t: t in ("red", "green")), ("regex", lambda t: re.fullmatch("[0-9]{3}", t))):
+        r = scenario[name]
+        text = tok.decode([t for o in r["outs"] for t in o.token_ids], skip_special_tokens=True)
+        assert ok(text) and r["last"].finish_reason == "stop", (name, text)
 
 
 @needs_vllm
