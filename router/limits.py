@@ -32,7 +32,7 @@ clear answer. What the limits are:
   parsed only then), so without a bound one client sending 2,500 bodies of 8 MiB and holding back
   their last bytes would take 20 GB of the replica's memory for the 30 s of ``body_timeout_s``. A
   body that would take the total past the bound is read to its end without being kept and answered
-  503 with Retry-After; a body under ``COUNT_FROM_BYTES`` never is (4,096 connections of those hold
+  503 with Retry-After; a body under ``SMALL_BODY_BYTES`` never is (4,096 connections of those hold
   at most 256 MiB).
 - ``max_header_bytes`` (default 32 KiB): a request whose header block (names and values) is
   larger gets 431. uvicorn's h11 parser bounds only a header block that arrives in pieces
@@ -61,8 +61,11 @@ DRAIN_FACTOR = 8
 #: the 2-core development machine, 2026-12-05: an object member (``:``: a key string, its value,
 #: the insert) 0.6; an array or object (``[``, ``{``) 0.5; an element of a list (``,``) 0.07.
 PARSE_US = ((b":", 0.6), (b"[", 0.5), (b"{", 0.5), (b",", 0.07))
-#: Smaller bodies are not counted: at the costs above they parse within a few milliseconds.
-COUNT_FROM_BYTES = 64 * 1024
+#: The most a byte of a body can add to the estimate: a body of at most ``max_parse_ms`` / this
+#: many bytes is never counted, since it cannot pass (166,666 bytes at the default 100 ms).
+MAX_US_PER_BYTE = max(us for _, us in PARSE_US)
+#: A body smaller than this is never refused for the bodies arriving (``max_receiving_bytes``).
+SMALL_BODY_BYTES = 64 * 1024
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -151,7 +154,7 @@ class RequestGuard:
             nonlocal held
             held += n
             self.receiving += n
-            if cap and held >= COUNT_FROM_BYTES and self.receiving > cap:
+            if cap and held >= SMALL_BODY_BYTES and self.receiving > cap:
                 raise _Busy
 
         start = asyncio.get_running_loop().time()
@@ -183,7 +186,7 @@ class RequestGuard:
             return
         if body is None:  # the client went away while sending
             return
-        if limits.max_parse_ms and len(body) >= COUNT_FROM_BYTES:
+        if limits.max_parse_ms and len(body) * MAX_US_PER_BYTE > 1000 * limits.max_parse_ms:
             cost = parse_cost_ms(body)
             if cost > limits.max_parse_ms:
                 await self._refuse(send, 413, "body_too_complex",

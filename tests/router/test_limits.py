@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from router.limits import COUNT_FROM_BYTES, RequestGuard, RequestLimits, parse_cost_ms
+import router.limits as limits_mod
+from router.limits import MAX_US_PER_BYTE, RequestGuard, RequestLimits, parse_cost_ms
 from router.openai_api import (
     BODY_FACTS,
     MAX_PROMPTS,
@@ -53,7 +54,7 @@ def test_the_parse_cost_weighs_each_structural_character():
     assert parse_cost_ms(b'"text"') == 0.0
 
 
-def test_a_body_too_costly_to_parse_is_refused_before_the_app_sees_it():
+def test_a_body_too_costly_to_parse_is_refused_before_the_app_sees_it(monkeypatch):
     members = json.dumps({"model": "m", "prompt": "hi", "logit_bias": {str(i): 1 for i in range(200_000)}}).encode()
     assert parse_cost_ms(members) > 100
     seen, sent = call_guard(members, RequestLimits())
@@ -64,8 +65,12 @@ def test_a_body_too_costly_to_parse_is_refused_before_the_app_sees_it():
     text = json.dumps({"model": "m", "prompt": "word " * (len(members) // 5)}).encode()
     assert len(text) >= len(members) and call_guard(text, RequestLimits())[0] != []
     assert call_guard(members, RequestLimits(max_parse_ms=0))[0] != []
-    small = b"[" + b"[]," * (COUNT_FROM_BYTES // 3 - 2) + b"[]]"
-    assert len(small) < COUNT_FROM_BYTES and call_guard(small, RequestLimits(max_parse_ms=1))[0] != []
+    # a body that could not pass the bound even at the dearest weight for every byte is not counted
+    counted: list[int] = []
+    monkeypatch.setattr(limits_mod, "parse_cost_ms", lambda b: counted.append(len(b)) or parse_cost_ms(b))
+    fits = int(1000 / MAX_US_PER_BYTE)  # bytes, at max_parse_ms 1
+    assert call_guard(b":" * fits, RequestLimits(max_parse_ms=1))[0] != [] and counted == []
+    assert call_guard(b":" * (fits + 1), RequestLimits(max_parse_ms=1))[0] == [] and counted == [fits + 1]
 
 
 def test_the_app_is_told_whether_the_body_can_hold_a_surrogate_and_the_message_bound():
