@@ -33,7 +33,6 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -78,6 +77,7 @@ from router.openai_api import (
 from router.responses_api import AS_RESPONSES_PARAM, RESPONSES_REFUSED, MappingError, ResponsesRequest, to_chat
 from router.tokenizer import TooManyTokens, utf8_len_over
 from router.tool_calls import AUTO
+from router.work_pool import TOKENIZE_S_PER_CHAR, ShortestFirstPool
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -247,7 +247,8 @@ class FairwayIngress:
                                        response_serialization="pickle")
         self.tokenizer = Tokenizer(a.tokenizer)
         self.max_text_bytes = self.tokenizer.max_text_bytes(a.max_model_len)
-        self.tokenize_pool = ThreadPoolExecutor(a.tokenizer_threads or usable_cpus(), thread_name_prefix="tokenize")
+        # shortest tokenizations first: one client's long prompts cannot hold up everyone's short ones
+        self.tokenize_pool = ShortestFirstPool(a.tokenizer_threads or usable_cpus(), name="tokenize")
         self.block_size = a.block_size
         self.keys = KeyTable(a.auth)
         self.name = ingress_name()
@@ -499,24 +500,26 @@ class FairwayIngress:
                                 param="tokens")
         except HTTPError as e:
             return e.response()
-        text = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.tokenizer.decode_all,
-                                                                body.tokens)
+        # its turn by its text's length, about 4 characters a token
+        text = await asyncio.wrap_future(self.tokenize_pool.submit_costed(
+            4 * len(body.tokens) * TOKENIZE_S_PER_CHAR, self.tokenizer.decode_all, body.tokens))
         return JSONResponse({"prompt": text})
 
     async def _text_ids(self, text: str) -> list[int]:
         """A completion's text prompt as the engine gets it: its byte bound checked on the loop
         (``_check_text_bytes``), then tokenized off it (``_tokenized``)."""
         self._check_text_bytes(text)
-        return await self._tokenized(self.tokenizer.encode_within, text)
+        return await self._tokenized(self.tokenizer.encode_within, text, len(text))
 
     async def _chat_ids(self, messages: list[ChatMessage], tools: list[Tool] | None,
                         template: dict[str, Any]) -> list[int]:
         """A chat's prompt as the engine gets it: the messages and tools through the chat template
         (with the request's ``template`` options), the byte bound first, tokenized off the loop."""
         rendered = [m.for_template() for m in messages]
-        self._check_text_bytes("".join(m["content"] for m in rendered))
+        text = "".join(m["content"] for m in rendered)
+        self._check_text_bytes(text)
         return await self._tokenized(functools.partial(self.tokenizer.encode_chat_within, tools=template_tools(tools),
-                                                       template=template), rendered)
+                                                       template=template), rendered, len(text))
 
     def _check_text_bytes(self, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in
@@ -532,12 +535,14 @@ class FairwayIngress:
                                  f"{self.tokenizer.max_token_bytes} bytes per token). Please reduce the length of "
                                  f"the prompt.", reason="too_long")
 
-    async def _tokenized(self, encode: Any, prompt: Any) -> list[int]:
-        """``encode(prompt, max_model_len)`` off the loop; a prompt whose prefix alone is over the
-        context (``Tokenizer.check_within``) is refused without tokenizing the rest."""
+    async def _tokenized(self, encode: Any, prompt: Any, chars: int) -> list[int]:
+        """``encode(prompt, max_model_len)`` off the loop, its turn by its ``chars`` (the shortest
+        first: ``router/work_pool.py``); a prompt whose prefix alone is over the context
+        (``Tokenizer.check_within``) is refused without tokenizing the rest."""
         limit = self.args.max_model_len
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, encode, prompt, limit)
+            return await asyncio.wrap_future(self.tokenize_pool.submit_costed(chars * TOKENIZE_S_PER_CHAR, encode,
+                                                                              prompt, limit))
         except TooManyTokens as e:
             raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
                                  f"at least {e.at_least} tokens. Please reduce the length of the prompt.",
