@@ -101,9 +101,10 @@ class ClusterArgs(ServedModel, ServedEngine):
                         classes.resolve(class_name)
                     except ValueError as e:
                         raise ValueError(f"auth.tenants.{name}.{field}: {e}") from None
-            if tenant.classes and classes.resolve(tenant.default_class) not in tenant.classes:
-                raise ValueError(f"auth.tenants.{name}: its default class {classes.resolve(tenant.default_class)!r} "
-                                 f"is not among its classes {tenant.classes}: set default_class to one of them")
+            default = classes.resolve(tenant.default_class)
+            if tenant.classes and default not in tenant.classes:
+                raise ValueError(f"auth.tenants.{name}: its default class {default!r} is not among its classes "
+                                 f"{tenant.classes}: set default_class to one of them")
         if "tiers" in self.engine_args:
             raise ValueError("engine_args.tiers is set by the replica: use replica.strict_tiers")
         if self.replica.strict_tiers and not classes.classes:

@@ -98,14 +98,6 @@ class Replies:
                 "total_tokens": total["prompt_tokens"] + total["completion_tokens"],
                 "prompt_tokens_details": {"cached_tokens": total["cached_tokens"]}}
 
-    def usage_so_far(self, a: Answer, c: TokenChunk) -> dict[str, Any]:
-        """An answer's usage as of chunk ``c`` (``continuous_usage_stats``): its prompt's tokens and
-        its completion's so far (as far as a stop cut it), as vLLM's chunks carry them. O(1)."""
-        prompt = (a.first or c).prompt_tokens
-        completion = len(a.out.ids) if a.out.stopped else c.completion_tokens
-        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion}}
-
     async def sse(self, answers: list[Answer], body: Any, chat: bool, include_usage: bool,
                   continuous: bool = False) -> AsyncIterator[str]:
         """A chat or completions stream: a chunk per event (each with its choice's usage so far
@@ -125,7 +117,8 @@ class Replies:
                     ch = a.event(c, body, chat, a.echo, role=True) or {}
                 elif (ch := a.event(c, body, chat)) is None:
                     continue
-                yield frame([ch], **self.usage_so_far(a, c)) if continuous else frame([ch])
+                # with ``continuous``: the choice's usage so far, as far as a stop cut it (``_usage``)
+                yield frame([ch], usage=self._usage(a.first, c, a.out)) if continuous else frame([ch])
         except HTTPError as e:
             self.rejected(e)
             yield "data: " + json.dumps(error_body(e.message, e.status)) + "\n\n"

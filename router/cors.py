@@ -9,8 +9,8 @@ default, methods and headers ``*``), applied by Starlette's ``CORSMiddleware``, 
 
 ``CorsGuard`` is ASGI middleware placed outside the key check, so a preflight is answered without
 a key and a 401 still carries the origin's header. Its settings are the ingress's (known once
-its replica is constructed), read per request; the Starlette middleware is built once per
-setting. O(1) per request beyond Starlette's own header checks.
+its replica is constructed), read per request; the Starlette middleware is built once for that
+settings object. O(1) per request beyond Starlette's own header checks.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class CorsGuard:
         if scope["type"] != "http" or not args.allowed_origins:
             await self.app(scope, receive, send)
             return
-        if self._built is None or self._built[0] != args:
+        if self._built is None or self._built[0] is not args:  # the ingress's own settings object
             self._built = (args, CORSMiddleware(self.app, allow_origins=args.allowed_origins,
                                                 allow_credentials=args.allow_credentials,
                                                 allow_methods=args.allowed_methods,

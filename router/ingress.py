@@ -318,16 +318,15 @@ class FairwayIngress:
         header = request.headers.get(CLASS_HEADER, "") if request is not None else ""
         tenant = principal_of(request).tenant
         spec = self.args.auth.tenants.get(tenant) if tenant else None
-        where = "priority" if body.priority is not None else CLASS_HEADER
+        param = "priority" if body.priority is not None else None
+        where = param or CLASS_HEADER
         try:
             name = self.args.classes.for_request(body.priority, header, spec.default_class if spec else "")
         except ValueError as e:
-            raise HTTPError(400, f"{where}: {e}", reason="bad_request",
-                            param="priority" if body.priority is not None else None) from None
+            raise HTTPError(400, f"{where}: {e}", reason="bad_request", param=param) from None
         if spec is not None and spec.classes and name not in spec.classes:
             raise HTTPError(403, f"{where}: tenant {tenant!r} may not use request class {name!r}; its classes: "
-                                 f"{', '.join(spec.classes)}", reason="forbidden",
-                            param="priority" if body.priority is not None else None)
+                                 f"{', '.join(spec.classes)}", reason="forbidden", param=param)
         return name
 
     def _call(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], max_tokens: int,
@@ -353,6 +352,7 @@ class FairwayIngress:
             raise HTTPError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                             reason="bad_request", param="min_tokens")
         salt = who.salt(body.cache_salt)
+        constraint, constraint_param = body.output_constraint()
         return GenerateCall(
             request_id=new_id("req"),
             prompt_token_ids=ids,
@@ -377,8 +377,8 @@ class FairwayIngress:
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
-            structured_output=body.structured_output(),
-            structured_output_param=body.structured_output_param(),
+            structured_output=constraint,
+            structured_output_param=constraint_param,
             logprobs=body.logprob_count(),
             prompt_logprobs=body.prompt_logprob_count(),
         )
@@ -428,13 +428,11 @@ class FairwayIngress:
                                    responses=body)
 
     async def _chat_call(self, body: ChatCompletionRequest, request: Request | None) -> GenerateCall:
-        """A chat's engine call: its model, class, message count and tool choice checked, its
-        messages through the chat template and tokenized; an HTTPError says what is wrong."""
+        """A chat's engine call: its model, class and tool choice checked (its message count was, as
+        the body was validated: ``BodyFacts.max_items``), its messages through the chat template and
+        tokenized; an HTTPError says what is wrong."""
         self._check_model(body.model)
         priority_class = self._class_of(body, request)
-        cap = self.args.limits.max_messages
-        if len(body.messages) > cap:
-            raise HTTPError(400, f"too many messages: {len(body.messages)}; the limit is {cap}", reason="bad_request")
         if body.tool_choice == AUTO and self.args.tool_call_parser is None:
             raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
                             param="tool_choice")
@@ -501,8 +499,7 @@ class FairwayIngress:
         except HTTPError as e:
             return e.response()
         # its turn by its text's length, about 4 characters a token
-        text = await asyncio.wrap_future(self.tokenize_pool.submit_costed(
-            4 * len(body.tokens) * TOKENIZE_S_PER_CHAR, self.tokenizer.decode_all, body.tokens))
+        text = await self._on_tokenizer(4 * len(body.tokens), self.tokenizer.decode_all, body.tokens)
         return JSONResponse({"prompt": text})
 
     async def _text_ids(self, text: str) -> list[int]:
@@ -535,14 +532,18 @@ class FairwayIngress:
                                  f"{self.tokenizer.max_token_bytes} bytes per token). Please reduce the length of "
                                  f"the prompt.", reason="too_long")
 
+    def _on_tokenizer(self, chars: int, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """``fn(*args)`` on the tokenizer threads, its turn by the ``chars`` of text it handles (the
+        shortest first: ``router/work_pool.py``)."""
+        return asyncio.wrap_future(self.tokenize_pool.submit_costed(chars * TOKENIZE_S_PER_CHAR, fn, *args))
+
     async def _tokenized(self, encode: Any, prompt: Any, chars: int) -> list[int]:
         """``encode(prompt, max_model_len)`` off the loop, its turn by its ``chars`` (the shortest
         first: ``router/work_pool.py``); a prompt whose prefix alone is over the context
         (``Tokenizer.check_within``) is refused without tokenizing the rest."""
         limit = self.args.max_model_len
         try:
-            return await asyncio.wrap_future(self.tokenize_pool.submit_costed(chars * TOKENIZE_S_PER_CHAR, encode,
-                                                                              prompt, limit))
+            return await self._on_tokenizer(chars, encode, prompt, limit)  # type: ignore[no-any-return]
         except TooManyTokens as e:
             raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
                                  f"at least {e.at_least} tokens. Please reduce the length of the prompt.",

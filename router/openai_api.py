@@ -356,13 +356,11 @@ class _Common(_Sampling):
         """The prompt tokens' log probabilities, with this many alternatives (None: none)."""
         return None
 
-    def structured_output(self) -> dict[str, Any] | None:
-        """The output's constraint (``GenerateCall.structured_output``; None: free text)."""
-        return self.structured_outputs.params() if self.structured_outputs is not None else None
-
-    def structured_output_param(self) -> str:
-        """The request parameter the output constraint came from (what an engine's refusal names)."""
-        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+    def output_constraint(self) -> tuple[dict[str, Any] | None, str]:
+        """The engine's output constraint (``GenerateCall.structured_output``; None: free text) and
+        the request parameter it came from (what an engine's refusal names)."""
+        own = self.structured_outputs
+        return (own.params(), "structured_outputs") if own is not None else (None, "response_format")
 
 
 #: ``CompletionRequest.prompt`` as ``_prompts`` accepts it: non-empty text or token ids (>= 0), or
@@ -780,25 +778,19 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
             return NAMED, choice.function.name
         return (choice, "") if choice in (REQUIRED, AUTO) else None
 
-    def structured_output(self) -> dict[str, Any] | None:
-        """The engine's output constraint (``GenerateCall.structured_output``): a forced tool
-        call's JSON Schema (``calls_schema``, or the named function's arguments), else
-        ``response_format``'s."""
+    def output_constraint(self) -> tuple[dict[str, Any] | None, str]:
+        """The engine's output constraint and the parameter it came from: a forced tool call's JSON
+        Schema (``calls_schema``, or the named function's arguments; ``tool_choice``), else
+        ``structured_outputs``, else ``response_format``'s (the validators allow only one)."""
         mode = self.tool_mode()
         if mode is None or mode[0] == AUTO:
-            own = self.structured_outputs
-            return own.params() if own is not None else structured_output(self.response_format)
+            if self.structured_outputs is not None:
+                return super().output_constraint()
+            return structured_output(self.response_format), "response_format"
         tools = self.tools or []
         if mode[0] == REQUIRED:
-            return {"json": calls_schema(tools, self.parallel_tool_calls)}
-        return {"json": _params(next(t.function for t in tools if t.function.name == mode[1]))}
-
-    def structured_output_param(self) -> str:
-        """The request parameter the output constraint came from (what an engine's refusal names)."""
-        mode = self.tool_mode()
-        if mode is not None and mode[0] != AUTO:
-            return "tool_choice"
-        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+            return {"json": calls_schema(tools, self.parallel_tool_calls)}, "tool_choice"
+        return {"json": _params(next(t.function for t in tools if t.function.name == mode[1]))}, "tool_choice"
 
 
 class TokenizeRequest(_Text, _TemplateOptions):
@@ -810,7 +802,7 @@ class TokenizeRequest(_Text, _TemplateOptions):
     # prompt or messages, never both: absent rather than null, so the schema's oneOf says it
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["prompt"], "not": {"anyOf": [{"required": [k]} for k in (
-            "messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")]}},
+            "messages", "tools", *_TemplateOptions.model_fields)]}},
         {"required": ["messages"], "not": {"required": ["prompt"]}}]})
 
     model: str | None = None
@@ -823,7 +815,7 @@ class TokenizeRequest(_Text, _TemplateOptions):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send a prompt or messages (one of them)")
-        template = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"} & self.model_fields_set
+        template = set(_TemplateOptions.model_fields) & self.model_fields_set
         if self.prompt is not None and (self.tools or template):
             raise ValueError(f"tools and {', '.join(sorted(template)) or 'the template options'} go with messages, "
                              "not a prompt")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
 import router.limits as limits_mod
-from router.limits import MAX_US_PER_BYTE, RequestGuard, RequestLimits, parse_cost_ms
+from router.limits import MAX_US_PER_BYTE, RequestGuard, RequestLimits, parse_cost_ms, structure_counts
 from router.openai_api import (
     BODY_FACTS,
     MAX_PROMPTS,
@@ -50,13 +50,14 @@ def call_guard(body: bytes, limits: RequestLimits) -> tuple[list[BodyFacts | Non
 
 
 def test_the_parse_cost_weighs_each_structural_character():
-    assert parse_cost_ms(b'{"a": [1, 2], "b": {}}') == pytest.approx((2 * 0.6 + 0.5 + 2 * 0.5 + 2 * 0.07) / 1000)
-    assert parse_cost_ms(b'"text"') == 0.0
+    assert parse_cost_ms(structure_counts(b'{"a": [1, 2], "b": {}}')) == pytest.approx(
+        (2 * 0.6 + 0.5 + 2 * 0.5 + 2 * 0.07) / 1000)
+    assert parse_cost_ms(structure_counts(b'"text"')) == 0.0
 
 
 def test_a_body_too_costly_to_parse_is_refused_before_the_app_sees_it(monkeypatch):
     members = json.dumps({"model": "m", "prompt": "hi", "logit_bias": {str(i): 1 for i in range(200_000)}}).encode()
-    assert parse_cost_ms(members) > 100
+    assert parse_cost_ms(structure_counts(members)) > 100
     seen, sent = call_guard(members, RequestLimits())
     assert seen == [] and sent[0]["status"] == 413
     message = json.loads(sent[1]["body"])["error"]["message"]
@@ -67,7 +68,7 @@ def test_a_body_too_costly_to_parse_is_refused_before_the_app_sees_it(monkeypatc
     assert call_guard(members, RequestLimits(max_parse_ms=0))[0] != []
     # a body that could not pass the bound even at the dearest weight for every byte is not counted
     counted: list[int] = []
-    monkeypatch.setattr(limits_mod, "parse_cost_ms", lambda b: counted.append(len(b)) or parse_cost_ms(b))
+    monkeypatch.setattr(limits_mod, "structure_counts", lambda b: counted.append(len(b)) or structure_counts(b))
     fits = int(1000 / MAX_US_PER_BYTE)  # bytes, at max_parse_ms 1
     assert call_guard(b":" * fits, RequestLimits(max_parse_ms=1))[0] != [] and counted == []
     assert call_guard(b":" * (fits + 1), RequestLimits(max_parse_ms=1))[0] == [] and counted == [fits + 1]
