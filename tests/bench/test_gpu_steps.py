@@ -71,13 +71,30 @@ def test_fit_recovers_the_terms_of_steps_the_model_priced() -> None:
     assert err["points"] == sum(s.kind != "gemms" for s in default_grid()) and err["max"] < 1e-6
 
 
+def _assert_close(got: object, want: object, at: str = "") -> None:
+    """``got`` == ``want``, JSON values, with floats equal to 1e-9 relative."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), at
+        for k in want:
+            _assert_close(got[k], want[k], f"{at}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), at
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_close(g, w, f"{at}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-18), at
+    else:
+        assert got == want, at
+
+
 @pytest.mark.parametrize("steps, name", [("h200_steps_fused.jsonl", "h200-llama3-8b-graphs"),
                                          ("h200_14b_steps_fused.jsonl", "h200-14b-graphs")])
 def test_shipped_graphs_profiles_are_the_fit_of_the_shipped_steps(tmp_path: Path, steps: str,
                                                                    name: str) -> None:
     path, err = write_graphs_profile(DATA / steps, tmp_path)
     assert path.name == f"{name}.json"
-    assert json.loads(path.read_text()) == json.loads((profiles_dir() / path.name).read_text())
+    # the same fit to the last digits a least-squares solve keeps: numpy's releases move the 14th
+    _assert_close(json.loads(path.read_text()), json.loads((profiles_dir() / path.name).read_text()))
     assert err["max"] < 0.30  # stated in docs/cost-model.md
 
 
