@@ -56,6 +56,8 @@ class GenerateCall:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only these (None: any)
+    bad_words: tuple[str, ...] = ()  # vLLM's: words never generated (the engine tokenizes them)
     # The output constrained to JSON, in vLLM's ``StructuredOutputsParams`` names: {"json_object":
     # True}, or {"json": <JSON schema>} (OpenAI's response_format); None for free text
     structured_output: dict[str, Any] | None = None

@@ -303,16 +303,17 @@ class Answer:
     gets it (``Output``), its tool calls, its ``index`` among the choices, and the prompt text
     an ``echo`` puts first. A request has one per choice (prompts x ``n``). O(1) to build."""
 
-    __slots__ = ("tokenizer", "call", "index", "echo", "out", "tools", "offset", "stream", "first", "last", "text")
+    __slots__ = ("text_of", "call", "index", "echo", "out", "tools", "offset", "stream", "first", "last", "text")
 
     def __init__(self, tokenizer: Any, parser: str | None, call: GenerateCall, index: int, body: Any, chat: bool,
                  echo: str = "") -> None:
-        self.tokenizer = tokenizer
+        # a log probability's token: its text, or vLLM's "token_id:<id>" (``return_tokens_as_token_ids``)
+        self.text_of = token_id_text if getattr(body, "return_tokens_as_token_ids", False) else tokenizer.token_text
         self.call = call
         self.index = index
         self.echo = echo
-        self.out = Output(tokenizer.decode, body.stop_strings(), body.stop_token_ids, body.min_tokens,
-                           body.include_stop_str_in_output)
+        self.out = Output(tokenizer.decoder(getattr(body, "skip_special_tokens", True)), body.stop_strings(),
+                          body.stop_token_ids, body.min_tokens, body.include_stop_str_in_output)
         self.tools = tool_answer(body, chat, parser)
         self.offset = 0  # a completion's text so far, for its tokens' text_offset
         self.stream: ReplicaStream | None = None
@@ -342,11 +343,11 @@ class Answer:
                     delta["role"] = "assistant"
             ch: dict[str, Any] = {"index": self.index, "delta": delta, "finish_reason": reason}
             if call.logprobs is not None:
-                ch["logprobs"] = chat_logprobs(self.tokenizer, out.ids[seen:], out.lps[seen:])
+                ch["logprobs"] = chat_logprobs(self.text_of, out.ids[seen:], out.lps[seen:])
         else:
             lps = None
             if call.logprobs is not None:
-                lps = text_logprobs(self.tokenizer, out.ids[seen:], out.lps[seen:], self.offset + len(prefix),
+                lps = text_logprobs(self.text_of, out.ids[seen:], out.lps[seen:], self.offset + len(prefix),
                                                   (call.prompt_token_ids, c.prompt_logprobs))
             self.offset += len(text)
             ch = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": reason}
@@ -365,10 +366,10 @@ class Answer:
                 message, reason = self.tools.message(text, reason)
             choice: dict[str, Any] = {"index": self.index, "message": message, "finish_reason": reason}
             if call.logprobs is not None:
-                choice["logprobs"] = chat_logprobs(self.tokenizer, out.ids, out.lps)
+                choice["logprobs"] = chat_logprobs(self.text_of, out.ids, out.lps)
         else:
             choice = {"index": self.index, "text": self.echo + text, "finish_reason": reason,
-                      "logprobs": None if call.logprobs is None else text_logprobs(self.tokenizer,
+                      "logprobs": None if call.logprobs is None else text_logprobs(self.text_of,
                           out.ids, out.lps, len(self.echo), (call.prompt_token_ids, self.first.prompt_logprobs))}
         if body.return_token_ids:
             choice["token_ids"] = out.ids
@@ -376,7 +377,13 @@ class Answer:
         return choice
 
 
-def text_logprobs(tokenizer: Any, ids: list[int], lps: list[TokenLogprob], start: int,
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's ``return_tokens_as_token_ids`` names it in log probabilities: its id, for
+    tokens whose text is not valid alone (part of a multi-byte character)."""
+    return f"token_id:{token_id}"
+
+
+def text_logprobs(text_of: Callable[[int], str], ids: list[int], lps: list[TokenLogprob], start: int,
                    prompt: tuple[list[int], list[TokenLogprob | None] | None]) -> dict[str, Any]:
     """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
     token's text, log probability, top alternatives (None when none were asked for) and
@@ -384,8 +391,6 @@ def text_logprobs(tokenizer: Any, ids: list[int], lps: list[TokenLogprob], start
     the prompt's ids and the chunk's prompt entries; when the chunk has them (echo with
     logprobs, on the first chunk) they come first, offsets from 0, the first token's log
     probability None (it has no context). O(tokens x top)."""
-    text_of = tokenizer.token_text
-
     def offsets_of(tokens: list[str], at: int) -> list[int]:
         out = []
         for tok in tokens:
@@ -405,11 +410,9 @@ def text_logprobs(tokenizer: Any, ids: list[int], lps: list[TokenLogprob], start
             "top_logprobs": [None if e is None else ({text_of(t): v for t, v in e[1]} or None) for e in entries],
             "text_offset": offsets}
 
-def chat_logprobs(tokenizer: Any, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(text_of: Callable[[int], str], ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any]:
     """A chat answer's ``logprobs`` for ``ids``: OpenAI's ``content`` list, each token with its
     text, UTF-8 bytes, log probability and top alternatives. O(tokens x top)."""
-    text_of = tokenizer.token_text
-
     def entry(t: int, lp: float) -> dict[str, Any]:
         tok = text_of(t)
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}

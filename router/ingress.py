@@ -75,7 +75,7 @@ from router.openai_api import (
     template_tools,
 )
 from router.responses_api import AS_RESPONSES_PARAM, RESPONSES_REFUSED, MappingError, ResponsesRequest, to_chat
-from router.tokenizer import TooManyTokens, utf8_len_over
+from router.tokenizer import PREFIX_CHARS_PER_TOKEN, TooManyTokens, kept, utf8_len_over
 from router.tool_calls import AUTO
 from router.work_pool import TOKENIZE_S_PER_CHAR, ShortestFirstPool
 
@@ -344,7 +344,8 @@ class FairwayIngress:
             raise HTTPError(400, f"token id {max(ids)} is out of the vocabulary (size {self.tokenizer.vocab_size})",
                             reason="bad_request")
         vocab = self.tokenizer.vocab_size
-        for name, extra_ids in (("stop_token_ids", body.stop_token_ids), ("logit_bias", body.logit_bias)):
+        for name, extra_ids in (("stop_token_ids", body.stop_token_ids), ("logit_bias", body.logit_bias),
+                                ("allowed_token_ids", body.allowed_token_ids)):
             if extra_ids and max(extra_ids) >= vocab:
                 raise HTTPError(400, f"{name}: token id {max(extra_ids)} is out of the vocabulary (size {vocab})",
                                 reason="bad_request", param=name)
@@ -377,6 +378,8 @@ class FairwayIngress:
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            bad_words=tuple(body.bad_words or ()),
             structured_output=constraint,
             structured_output_param=constraint_param,
             logprobs=body.logprob_count(),
@@ -395,10 +398,14 @@ class FairwayIngress:
             priority_class = self._class_of(body, request)
             prompts = body.prompts()
             self._check_choices(len(prompts), body.n)
-            ids = [p if isinstance(p, list) else await self._text_ids(p) for p in prompts]
+            keep = self._kept(body)
+            ids = [kept(p, keep) if isinstance(p, list) else await self._text_ids(p, body.add_special_tokens, keep)
+                   for p in prompts]
             calls = [self._call(body, list(x), body.max_tokens or DEFAULT_MAX_TOKENS, principal_of(request),
                                 session_of(body, request), received_at(request), priority_class) for x in ids]
-            echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else "" for p in prompts]
+            # the prompt as the engine has it: its text as sent, or its kept tokens' text
+            echoes = [(p if isinstance(p, str) and keep is None else self.tokenizer.decode(x)) if body.echo else ""
+                      for p, x in zip(prompts, ids, strict=True)]
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(self._answers(calls, body, chat=False, echoes=echoes), body, chat=False,
@@ -437,7 +444,8 @@ class FairwayIngress:
             raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
                             param="tool_choice")
         self._check_choices(1, body.n)
-        ids = await self._chat_ids(body.messages, body.tools, body.template_options())
+        ids = await self._chat_ids(body.messages, body.tools, body.template_options(), body.add_special_tokens,
+                                   self._kept(body))
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
             max_tokens = max(1, self.args.max_model_len - len(ids))
@@ -473,9 +481,9 @@ class FairwayIngress:
             if body.model is not None:
                 self._check_model(body.model)
             if body.prompt is not None:
-                ids = await self._text_ids(body.prompt)
+                ids = await self._text_ids(body.prompt, body.special_tokens())
             else:
-                ids = await self._chat_ids(body.messages, body.tools, body.template_options())
+                ids = await self._chat_ids(body.messages, body.tools, body.template_options(), body.special_tokens())
         except HTTPError as e:
             return e.response()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.args.max_model_len, "tokens": ids}
@@ -502,21 +510,50 @@ class FairwayIngress:
         text = await self._on_tokenizer(4 * len(body.tokens), self.tokenizer.decode_all, body.tokens)
         return JSONResponse({"prompt": text})
 
-    async def _text_ids(self, text: str) -> list[int]:
-        """A completion's text prompt as the engine gets it: its byte bound checked on the loop
-        (``_check_text_bytes``), then tokenized off it (``_tokenized``)."""
-        self._check_text_bytes(text)
-        return await self._tokenized(self.tokenizer.encode_within, text, len(text))
+    def _kept(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[int, str] | None:
+        """vLLM's ``truncate_prompt_tokens``: how many of the prompt's tokens are kept and from which
+        side ("left": the last ones; by default the tokenizer's side), or None to keep them all; more
+        than the context is a 400 naming it, -1 the context less one (room for one output token)."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return None
+        limit = self.args.max_model_len
+        if k > limit:
+            raise HTTPError(400, f"truncate_prompt_tokens ({k}) is more than this model's context ({limit} tokens)",
+                            reason="bad_request", param="truncate_prompt_tokens")
+        return (limit - 1 if k == -1 else k), body.truncation_side or self.tokenizer.truncation_side
 
-    async def _chat_ids(self, messages: list[ChatMessage], tools: list[Tool] | None,
-                        template: dict[str, Any]) -> list[int]:
+    async def _text_ids(self, text: str, add_special_tokens: bool = False,
+                        keep: tuple[int, str] | None = None) -> list[int]:
+        """A completion's text prompt as the engine gets it (``add_special_tokens``: with the
+        tokenizer's own around it): its byte bound checked on the loop (``_check_text_bytes``), then
+        tokenized off it (``_tokenized``); with ``keep`` (``_kept``), only the kept side's tokens,
+        of a text of any length under the body limit (``Tokenizer.encode_kept``)."""
+        if keep is not None:
+            return await self._on_tokenizer(min(len(text), PREFIX_CHARS_PER_TOKEN * keep[0]),
+                                            self.tokenizer.encode_kept, text, *keep, add_special_tokens)
+        self._check_text_bytes(text)
+        return await self._tokenized(functools.partial(self.tokenizer.encode_within,
+                                                       add_special_tokens=add_special_tokens), text, len(text))
+
+    async def _chat_ids(self, messages: list[ChatMessage], tools: list[Tool] | None, template: dict[str, Any],
+                        add_special_tokens: bool = False, keep: tuple[int, str] | None = None) -> list[int]:
         """A chat's prompt as the engine gets it: the messages and tools through the chat template
-        (with the request's ``template`` options), the byte bound first, tokenized off the loop."""
+        (with the request's ``template`` options; ``add_special_tokens``: the tokenizer's own around
+        it too), the byte bound first, tokenized off the loop; with ``keep``, the rendered prompt's
+        kept tokens (``_text_ids``)."""
         rendered = [m.for_template() for m in messages]
         text = "".join(m["content"] for m in rendered)
+        tools_json = template_tools(tools)
+        if keep is not None:
+            def encode_kept(rendered: list[dict[str, Any]]) -> list[int]:
+                prompt = self.tokenizer.render_chat(rendered, tools_json, template)
+                return self.tokenizer.encode_kept(prompt, *keep, add_special_tokens)
+            return await self._on_tokenizer(len(text), encode_kept, rendered)
         self._check_text_bytes(text)
-        return await self._tokenized(functools.partial(self.tokenizer.encode_chat_within, tools=template_tools(tools),
-                                                       template=template), rendered, len(text))
+        return await self._tokenized(functools.partial(self.tokenizer.encode_chat_within, tools=tools_json,
+                                                       template=template, add_special_tokens=add_special_tokens),
+                                     rendered, len(text))
 
     def _check_text_bytes(self, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens (``max_text_bytes``), in

@@ -5,8 +5,12 @@ refused with HTTP 400 and an OpenAI-style error object naming the field, before 
 queued. Extensions beyond
 OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``return_token_ids``,
 ``cache_salt``, ``stop_token_ids``, ``repetition_penalty``, ``top_k``, ``min_p``, ``min_tokens``,
-``include_stop_str_in_output``); Fairway's own figures travel in a
-``fairway`` object next to ``usage``.
+``include_stop_str_in_output``, ``add_special_tokens``, ``truncate_prompt_tokens`` and
+``truncation_side``, ``skip_special_tokens``, ``return_tokens_as_token_ids``, ``allowed_token_ids``,
+``bad_words``); Fairway's own figures travel in a ``fairway`` object next to ``usage``. The prompt
+and text options are the ingress's (it tokenizes, hashes the kept tokens and detokenizes), so they
+hold on every engine; ``allowed_token_ids`` and ``bad_words`` are the engine's (the sim engine
+draws from the allowed ids and refuses bad words).
 
 No parameter is silently ignored: a field the models do not name is a 400 naming it
 (``extra="forbid"``), and each documented OpenAI parameter is either honoured or refused with a
@@ -71,6 +75,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the r
 MAX_N = 128
 #: Most stop strings / stop token ids per request (OpenAI allows 4 strings; vLLM any number).
 MAX_STOPS = 16
+#: Most ``bad_words`` per request: vLLM's engine takes 128 token sequences (``VLLM_MAX_NUM_BAD_WORDS``),
+#: and a word can be two (with and without a space before it).
+MAX_BAD_WORDS = 64
 
 NO_FUNCTIONS = "the deprecated functions / function_call are not supported; send tools and tool_choice"
 NO_AUTO = ("tool_choice 'auto' (the default when tools are sent) is not supported here: this cluster has no "
@@ -164,6 +171,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists here"),
     "prompt_cache_retention": (lambda v: v in (None, "in_memory"), "cached prefixes are kept in memory only"),
     "prompt_cache_options": (lambda v: not v, "prompt cache options are not supported"),
+    "spaces_between_special_tokens": (lambda v: v is not False, "this server's fast tokenizers decode special tokens "
+                                      "as they are, as vLLM's do (true, the default, is accepted); omit it"),
+    "prompt_logprobs": (lambda v: v is None, "the prompt's log probabilities come with echo and logprobs on "
+                        "/v1/completions (listed before the output's in the logprobs object)"),
 }
 
 
@@ -190,7 +201,9 @@ TokenId = Annotated[int, Ge(0), BeforeValidator(_token_id)]
 #: Fields OpenAI's schema lets a client send as null, meaning the default.
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "stream", "frequency_penalty",
                                 "presence_penalty", "repetition_penalty", "ignore_eos", "return_token_ids", "echo",
-                                "min_tokens", "include_stop_str_in_output"})
+                                "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                                "spaces_between_special_tokens", "return_tokens_as_token_ids",
+                                "add_special_tokens"})
 
 
 class StreamOptions(BaseModel):
@@ -314,6 +327,21 @@ class _Common(_Sampling):
     logprobs: Any = None
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's output constraint: one of "
                                                          "json, regex, choice, grammar, json_object, structural_tag")
+    # vLLM's extensions, by its names: the prompt's tokens and the answer's text (the ingress's),
+    # and two sampling constraints (the engine's)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM's: keep only this many of the "
+                                               "prompt's tokens (-1: the context less one), cut on truncation_side")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="vLLM's: left keeps the prompt's "
+                                                             "last tokens, right its first (default: the tokenizer's)")
+    skip_special_tokens: bool = Field(True, description="vLLM's: false keeps special tokens' text in the answer")
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM's: log probabilities name each token "
+                                             "token_id:<id>")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description="vLLM's: sample only these "
+                                                    "tokens")
+    bad_words: list[str] | None = Field(None, description=f"vLLM's: never generate these words (at most "
+                                        f"{MAX_BAD_WORDS})")
+    prompt_logprobs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -330,6 +358,29 @@ class _Common(_Sampling):
     def _stop_ids(cls, v: Any) -> Any:
         if isinstance(v, list) and len(v) > MAX_STOPS:  # before the ids are read; each >= 0: ``TokenId``
             raise ValueError(f"at most {MAX_STOPS} stop token ids, each >= 0")
+        return v or None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens is the number of the prompt's tokens kept: at least 1, or -1 "
+                             "for the context less one")
+        return v
+
+    @field_validator("truncation_side")
+    @classmethod
+    def _side(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("truncate_prompt_tokens") is None:
+            raise ValueError("truncation_side goes with truncate_prompt_tokens, which is not set")
+        return v
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bad_words(cls, v: Any) -> Any:
+        if isinstance(v, list) and (len(v) > MAX_BAD_WORDS  # before the words are read
+                                    or not all(isinstance(w, str) and w.strip() for w in v)):
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad words, each with a character other than whitespace")
         return v or None
 
     @field_validator("logit_bias")
@@ -417,6 +468,8 @@ class CompletionRequest(_Common):
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], PlainValidator(prompt_value),
                       WithJsonSchema(PROMPT_SCHEMA)]
     echo: bool = Field(False, description="the prompt's text before the completion's")
+    add_special_tokens: bool = Field(True, description="vLLM's: the tokenizer's special tokens around a text "
+                                     "prompt (a BOS for Llama's)")
     suffix: str | None = None
     logprobs: Annotated[Any, WithJsonSchema({
         "anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, {"enum": [False, None]}],
@@ -666,6 +719,8 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1, description="at least one message (the chat template "
                                         "renders even one without text, as vLLM's server does)")
     max_completion_tokens: int | None = Field(None, ge=1)
+    add_special_tokens: bool = Field(False, description="vLLM's: the tokenizer's special tokens around the "
+                                     "templated prompt too (the template writes them)")
     logprobs: Annotated[Any, WithJsonSchema({"type": ["boolean", "null"],
                                              "description": "each output token's log probability"})] = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many most "
@@ -795,9 +850,11 @@ class ChatCompletionRequest(_Common, _TemplateOptions):
 
 class TokenizeRequest(_Text, _TemplateOptions):
     """``POST /tokenize`` (vLLM's route): the token ids this server sends the engine for a
-    completion's ``prompt`` (no special tokens added, as the completions route sends it), or for
-    a chat's ``messages`` and ``tools`` as the chat template renders them; ``return_token_strs``
-    adds each token's text. A text over the context is a 400, as on the generation routes."""
+    completion's ``prompt`` (with the tokenizer's special tokens, a BOS for Llama's, as the
+    completions route sends it by default), or for a chat's ``messages`` and ``tools`` as the chat
+    template renders them (no more special tokens, as chat's default); ``add_special_tokens`` says
+    otherwise, as on those routes; ``return_token_strs`` adds each token's text. A text over the
+    context is a 400, as on the generation routes."""
 
     # prompt or messages, never both: absent rather than null, so the schema's oneOf says it
     model_config = ConfigDict(json_schema_extra={"oneOf": [
@@ -810,6 +867,12 @@ class TokenizeRequest(_Text, _TemplateOptions):
     messages: list[ChatMessage] = Field(None, min_length=1)  # type: ignore[assignment]
     tools: list[Tool] = Field(None)  # type: ignore[assignment]
     return_token_strs: StrictBool = False
+    add_special_tokens: StrictBool = Field(None, description="the tokenizer's special tokens around the text "  # type: ignore[assignment]
+                                           "(default: true for a prompt, false for messages)")
+
+    def special_tokens(self) -> bool:
+        """``add_special_tokens``, or its default for the input's kind (the generation routes')."""
+        return self.prompt is not None if self.add_special_tokens is None else self.add_special_tokens
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

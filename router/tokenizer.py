@@ -20,12 +20,24 @@ a prefix of ``PREFIX_CHARS_PER_TOKEN * limit`` characters, cut at a whitespace, 
 the whole text's tokenization also has, up to the last word before the cut (pre-tokenizers split
 at whitespace; ``PREFIX_MARGIN`` tokens cover the cut word and any merge across it), so a prefix
 with more than ``limit + PREFIX_MARGIN`` tokens proves the text has more than ``limit``.
+
+``encode_kept`` (vLLM's ``truncate_prompt_tokens``: keep a prompt's first or last ``keep`` tokens)
+tokenizes only the kept side's piece of a long text by the same argument: a prefix ending (a
+suffix starting) at a whitespace with more than ``keep + PREFIX_MARGIN`` tokens has the whole
+text's first (last) ``keep`` tokens. It tries a piece of ``PREFIX_CHARS_PER_TOKEN * keep``
+characters, then one of ``(keep + PREFIX_MARGIN) * max_token_bytes + CUT_LOOKBACK``, which is sure
+to hold that many tokens (a token covers at most ``max_token_bytes`` bytes, a character at least
+one), so the work is bounded by the kept tokens, not the text's length. A piece with no whitespace
+near its cut is not used (BPE merges inside a word cut in two can differ all along it): such a text,
+or one whose tokenizer has no byte bound, is tokenized whole (up to the body limit).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +144,38 @@ class Tokenizer:
         """The most UTF-8 bytes a text of ``max_model_len`` tokens can have (None: no bound)."""
         return None if self.max_token_bytes is None else max_model_len * self.max_token_bytes
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``text``'s ids; ``add_special_tokens``: with what the tokenizer puts around a text (a
+        BOS for Llama's), as vLLM's completions do by default."""
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_kept(self, text: str, keep: int, side: str, add_special_tokens: bool = False) -> list[int]:
+        """``encode(text)``'s first (``side`` "right": cut from the right) or last ("left") ``keep``
+        ids, tokenizing only the kept side's piece of a long text (module docstring). O(piece)."""
+        pieces = [PREFIX_CHARS_PER_TOKEN * keep]
+        if self.max_token_bytes is not None:
+            pieces.append((keep + PREFIX_MARGIN) * self.max_token_bytes + CUT_LOOKBACK)
+        for size in pieces:
+            if len(text) <= size + CUT_LOOKBACK:
+                break
+            if side == "right":
+                space = text.rfind(" ", size - CUT_LOOKBACK, size)
+                piece = text[:space] if space > 0 else None
+            else:
+                space = text.find(" ", len(text) - size, len(text) - size + CUT_LOOKBACK)
+                piece = text[space:] if space >= 0 else None
+            if piece is None:  # no whitespace near the cut: a word cut in two may merge otherwise
+                continue
+            ids = self.encode(piece, add_special_tokens)
+            if len(ids) > keep + PREFIX_MARGIN:
+                return kept(ids, (keep, side))
+        return kept(self.encode(text, add_special_tokens), (keep, side))
+
+    @property
+    def truncation_side(self) -> str:
+        """The side a truncated prompt loses by default: "right" (its end) or "left" (its start),
+        as the tokenizer's configuration says (vLLM's default too)."""
+        return str(getattr(self.tok, "truncation_side", "right"))
 
     def check_within(self, text: str, limit: int) -> None:
         """Raise ``TooManyTokens`` when a prefix of ``text`` alone proves it has more than
@@ -145,15 +187,15 @@ class Tokenizer:
             if n > limit + PREFIX_MARGIN:
                 raise TooManyTokens(n - PREFIX_MARGIN)
 
-    def encode_within(self, text: str, limit: int) -> list[int]:
+    def encode_within(self, text: str, limit: int, add_special_tokens: bool = False) -> list[int]:
         """``encode(text)`` after ``check_within``: a text far over ``limit`` costs a bounded
         prefix, not its whole tokenization."""
         self.check_within(text, limit)
-        return self.encode(text)
+        return self.encode(text, add_special_tokens)
 
     def encode_chat_within(self, messages: list[dict[str, Any]], limit: int,
                            tools: list[dict[str, Any]] | None = None,
-                           template: dict[str, Any] | None = None) -> list[int]:
+                           template: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
         """``encode_chat`` after ``check_within`` on the text the template renders (the messages'
         text, their calls' arguments, the tools as JSON: their tokens are no more than the
         templated prompt's)."""
@@ -163,18 +205,29 @@ class Tokenizer:
             texts.append(json.dumps(tools))
         if sum(len(t) for t in texts) > PREFIX_CHARS_PER_TOKEN * limit:  # else no prefix to check
             self.check_within("\n".join(texts), limit)
-        return self.encode_chat(messages, tools, template)
+        return self.encode_chat(messages, tools, template, add_special_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template: dict[str, Any] | None = None) -> list[int]:
+                    template: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
         """The chat template's prompt for ``messages`` (and ``tools``, which templates render or
         not), with the ``template`` options (``add_generation_prompt``, default true;
-        ``continue_final_message``; the template's own variables)."""
+        ``continue_final_message``; the template's own variables); ``add_special_tokens``: the
+        tokenizer's own around the rendered text too (vLLM's chat parameter, default false: the
+        template writes them)."""
+        if add_special_tokens:
+            return self.encode(self.render_chat(messages, tools, template), True)
         options = {"add_generation_prompt": True, **(template or {})}
         out = self.tok.apply_chat_template(messages, tools=tools, tokenize=True, **options)
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return list(out)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: dict[str, Any] | None = None) -> str:
+        """The chat template's prompt as text (``encode_chat`` is its ids, tokenized without
+        special tokens added)."""
+        options = {"add_generation_prompt": True, **(template or {})}
+        return str(self.tok.apply_chat_template(messages, tools=tools, tokenize=False, **options))
 
     def decode_all(self, ids: list[int]) -> str:
         """``ids``' text with their special tokens (``/detokenize``)."""
@@ -184,6 +237,23 @@ class Tokenizer:
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=True)
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """The decode an answer's text uses: ``decode``, or with ``skip_special_tokens`` false (vLLM's
+        parameter) one that keeps the special tokens' text."""
+        if skip_special_tokens:
+            return self.decode
+        if self._fast_decode is not None:
+            return functools.partial(self._fast_decode, skip_special_tokens=False)
+        return self.decode_all
+
+
+def kept(ids: list[int], keep: tuple[int, str] | None) -> list[int]:
+    """``ids`` as ``truncate_prompt_tokens`` leaves them: ``keep`` = (how many, side), side "right"
+    keeping the first ones and "left" the last; all of them when they are no more (or no keep)."""
+    if keep is None or len(ids) <= keep[0]:
+        return ids
+    return ids[: keep[0]] if keep[1] == "right" else ids[-keep[0]:]
 
 
 def utf8_len_over(text: str, bound: int) -> int | None:

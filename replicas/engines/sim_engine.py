@@ -41,11 +41,12 @@ chance applying from there on. The end-of-sequence token itself is not emitted. 
 ``max_tokens`` (whose bound is the rest of the context) answers in about 256 tokens, as a chat
 model's would, rather than streaming tens of thousands.
 
-Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1),
-standing for samples at any ``temperature`` / ``top_p`` / ``top_k`` / ``min_p``; a request with a
+Generated tokens are pseudo-random ids from a per-request seeded generator (ids 16..vocab-1, or
+only the request's ``allowed_token_ids``, vLLM's), standing for samples at any ``temperature`` /
+``top_p`` / ``top_k`` / ``min_p``; a request with a
 ``seed`` gets ids drawn from that seed and its prompt, so the same seed and prompt give the same output (OpenAI's
-``seed``). The penalties, ``logit_bias`` and a JSON ``structured_output`` need a distribution to
-change or constrain, which a text-less engine has not: a request that sets one to other than its
+``seed``). The penalties, ``logit_bias``, ``bad_words`` and a JSON ``structured_output`` need a
+distribution to change or constrain, which a text-less engine has not: a request that sets one to other than its
 no-op value is refused
 (``UnsupportedParameter``, HTTP 400 naming it). The output's blocks are hashed into the prefix
 cache like any other, so a follow-up turn that sends the previous output back hits it. Complexity
@@ -107,6 +108,9 @@ def check_sim_params(call: GenerateCall) -> None:
     if call.logprobs is not None:
         raise UnsupportedParameter("logprobs is not supported by the sim engine (its tokens are not sampled "
                                    "from a distribution that has log probabilities); omit it", param="logprobs")
+    if call.bad_words:
+        raise UnsupportedParameter("bad_words is not supported by the sim engine (its tokens have no text to "
+                                   "keep a word out of); omit it", param="bad_words")
     if call.structured_output:
         param = call.structured_output_param
         what, instead = CONSTRAINTS.get(param, CONSTRAINTS["response_format"])
@@ -418,7 +422,10 @@ class SimEngine(Engine, EngineListener):
                 natural = call.min_tokens - 1 + int(lengths.geometric(1.0 / self.eos_mean_tokens))
             if natural < n:
                 n, reason = natural, "stop"
-        output_ids = rng.integers(16, self.vocab_size, size=n).tolist()
+        if call.allowed_token_ids is None:
+            output_ids = rng.integers(16, self.vocab_size, size=n).tolist()
+        else:  # vLLM's allowed_token_ids: samples from those alone
+            output_ids = rng.choice(np.asarray(call.allowed_token_ids, dtype=np.int64), size=n).tolist()
         spec = self._spec(call, rid, output_ids)
         live = _Live(rid, output_ids, reason)
         self._live[rid] = live

@@ -406,6 +406,10 @@ class VllmEngine(Engine):
                               "repetition_penalty": call.repetition_penalty}
         if call.logit_bias:
             kw["logit_bias"] = dict(call.logit_bias)
+        if call.allowed_token_ids is not None:
+            kw["allowed_token_ids"] = list(call.allowed_token_ids)
+        if call.bad_words:
+            kw["bad_words"] = list(call.bad_words)
         if call.stop_token_ids:  # vLLM stops there too, and keeps them away before min_tokens
             kw["stop_token_ids"] = list(call.stop_token_ids)
         if call.logprobs is not None:

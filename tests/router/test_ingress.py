@@ -310,7 +310,7 @@ def test_a_prompt_too_long_in_bytes_is_refused_at_once_without_tokenizing(big_se
     tok = big_server.ingress.tokenizer
     encoded: list[int] = []
     real = tok.encode
-    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or real(text))
+    monkeypatch.setattr(tok, "encode", lambda text, *a: encoded.append(len(text)) or real(text, *a))
     bound = big_server.ingress.max_text_bytes
     assert bound == 4096 * tok.max_token_bytes
     prompt = "word " * ((8 * 1024 * 1024 - 200) // 5)
@@ -361,7 +361,7 @@ def test_a_prompt_far_over_the_context_but_under_the_byte_bound_is_refused_from_
         return real(text, **kw)
 
     monkeypatch.setattr(tok, "tok", spy)
-    monkeypatch.setattr(tok, "encode_chat", lambda messages: pytest.fail("the whole chat was tokenized"))
+    monkeypatch.setattr(tok, "encode_chat", lambda messages, *a, **k: pytest.fail("the whole chat was tokenized"))
     prompt = "a b " * 90_000  # 360 KB (under the byte bound), 180,000 tokens
     assert len(prompt.encode()) < big_server.ingress.max_text_bytes
     if chat:
@@ -398,11 +398,11 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_clients(big_server, mon
     inside, release = threading.Event(), threading.Event()
     real = tok.encode
 
-    def held(text: str) -> list[int]:
+    def held(text: str, *a: Any) -> list[int]:
         if text.startswith("HOLD"):
             inside.set()
             assert release.wait(30)
-        return real(text)
+        return real(text, *a)
 
     monkeypatch.setattr(tok, "encode", held)
     with ThreadPoolExecutor(1) as pool:
@@ -666,6 +666,58 @@ def _prompt_is(template: dict[str, Any]) -> Callable[[Server, dict, bool, bool],
 PREFILL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
 
 
+def _prompt_ids(server: Server, body: dict, chat: bool) -> list[int]:
+    """The ids of ``body``'s prompt as the tokenizer gives them, with ``add_special_tokens`` as the
+    body says (vLLM's defaults: true for a completion's text, false for a chat)."""
+    tok = server.ingress.tokenizer
+    if chat:
+        return tok.encode_chat(body["messages"], add_special_tokens=body.get("add_special_tokens", False))
+    return tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+
+
+def _sends_prompt(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """The call's prompt is the tokenizer's with the body's ``add_special_tokens``, and the answer
+    the plain one (test_add_special_tokens_* shows a tokenizer that adds one)."""
+    assert server.replicas.calls[-1].prompt_token_ids == _prompt_ids(server, body, chat)
+    _no_effect(server, body, chat, stream)
+
+
+def _keeps(side: str) -> Callable[[Server, dict, bool, bool], None]:
+    """truncate_prompt_tokens: the call has the prompt's first ("right") or last ("left") tokens
+    (test_truncate_prompt_tokens_* below on long prompts)."""
+    def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
+        from router.tokenizer import kept
+
+        want = kept(_prompt_ids(server, body, chat), (body["truncate_prompt_tokens"], side))
+        assert server.replicas.calls[-1].prompt_token_ids == want and len(want) == 1
+    return check
+
+
+def _keeps_special_tokens(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """skip_special_tokens false: an output special token's text stays in the answer (by default
+    it is left out)."""
+    tok = server.ingress.tokenizer
+    server.replicas.script = tok.encode(WORDS) + [tok.eos_token_id]
+    try:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        n = len(server.replicas.script)
+        for skip, want in ((False, WORDS + tok.tok.eos_token), (True, WORDS)):
+            r = post(server, path, {**body, "max_tokens": n, "skip_special_tokens": skip, "stream": stream})
+            assert _text(r, chat, stream) == (want, "length")
+    finally:
+        server.replicas.script = tok.encode(WORDS)
+
+
+def _names_token_ids(server: Server, body: dict, chat: bool, stream: bool) -> None:
+    """return_tokens_as_token_ids: log probabilities name each token and alternative by its id."""
+    r = post(server, "/v1/chat/completions" if chat else "/v1/completions",
+             {**body, "logprobs": True if chat else 1, "stream": stream})
+    want = [(f"token_id:{t}", scripted_logprob(t, 1 - chat)[0],
+             [(f"token_id:{a}", v) for a, v in scripted_logprob(t, 1 - chat)[1]])
+            for t in server.ingress.tokenizer.encode(WORDS)]
+    assert _logprob_entries(r, chat, stream) == want
+
+
 class Needs(NamedTuple):
     """A field refused alone (a 400 naming ``param``, saying ``why``) that is honoured with
     ``extra`` fields (then checked by ``then``)."""
@@ -712,9 +764,20 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "logprobs": (1, lambda srv, b, c, s: _has_logprobs(srv, b, c, s, 1)),
     "structured_outputs": ({"choice": ["yes", "no"]}, _call_has(structured_output={"choice": ["yes", "no"]},
                                                                  structured_output_param="structured_outputs")),
+    "truncate_prompt_tokens": (1, _keeps("right")),  # the tokenizer's side by default
+    "truncation_side": ("left", Needs("truncation_side", "truncation_side goes with truncate_prompt_tokens",
+                                      {"truncate_prompt_tokens": 1}, _keeps("left"))),
+    "skip_special_tokens": (False, _keeps_special_tokens),
+    "spaces_between_special_tokens": (False, REFUSE),
+    "return_tokens_as_token_ids": (True, _names_token_ids),
+    "allowed_token_ids": ([42, 43], _call_has(allowed_token_ids=(42, 43))),  # the engine's (sim: test_sim_engine)
+    "bad_words": (["gamma"], _call_has(bad_words=("gamma",))),  # the engine's (the sim engine refuses them)
+    "prompt_logprobs": (1, REFUSE),  # echo with logprobs lists them (test_logprobs_* below)
 }
-COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE)}
+COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE),
+              "add_special_tokens": (False, _sends_prompt)}
 CHAT = {**COMMON, "messages": ([{"role": "user", "content": "hi"}], _no_effect),
+        "add_special_tokens": (True, _sends_prompt),
         "logprobs": (True, lambda srv, b, c, s: _has_logprobs(srv, b, c, s, 0)),
         "max_completion_tokens": (3, lambda srv, b, c, s: srv.replicas.calls[-1].max_tokens == 3 or pytest.fail()),
         "top_logprobs": (2, REFUSE),  # alone: it needs logprobs: true (test_logprobs_* below)
@@ -1332,13 +1395,139 @@ def test_tokenize_gives_the_ids_the_engine_gets_and_detokenize_their_text(server
             ("/tokenize", {"prompt": "a", "messages": messages}, 400, "a prompt or messages (one of them)"),
             ("/tokenize", {"model": MODEL}, 400, "a prompt or messages (one of them)"),
             ("/tokenize", {"prompt": "a", "tools": TOOLS}, 400, "go with messages"),
-            ("/tokenize", {"prompt": "a", "add_special_tokens": True}, 400, "add_special_tokens: Extra inputs"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": 1}, 400, "add_special_tokens"),
             ("/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "does not exist"),
             ("/tokenize", {"prompt": "word " * 10000}, 400, "maximum context length is 4096"),
             ("/detokenize", {"tokens": [10**6]}, 400, "out of the vocabulary"),
             ("/detokenize", {"tokens": [5] * 5000}, 400, "more than the context holds (4096)"),
             ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
         assert_clear_error(post(server, path, body), status, why)
+
+
+@pytest.fixture
+def bos_tokenizer(server, monkeypatch):
+    """The server's tokenizer with a BOS before every text it encodes with special tokens, as Llama
+    3's does (fairway-tiny's adds none); restored after the test."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = server.ingress.tokenizer
+    bos = tok.tok.bos_token
+    monkeypatch.setattr(tok.tok.backend_tokenizer, "post_processor",
+                        TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.tok.bos_token_id)]))
+    return tok
+
+
+def test_add_special_tokens_puts_the_tokenizers_own_around_the_prompt_as_vllm_does(server, bos_tokenizer):
+    """vLLM's add_special_tokens: a completion's text prompt gets the tokenizer's BOS by default
+    (false: none), token ids are sent as they are, and a chat's templated prompt (which writes its
+    own BOS) gets none unless asked (then two, as vLLM's would); /tokenize says the same ids."""
+    tok, bos = bos_tokenizer, bos_tokenizer.tok.bos_token_id
+    plain = tok.encode("hello there")
+    assert plain[0] != bos
+    chat = [{"role": "user", "content": "hi"}]
+    templated = tok.encode_chat(chat)
+    assert templated[0] == bos != templated[1]
+    for path, body, want in (
+            ("/v1/completions", {"prompt": "hello there"}, [bos, *plain]),
+            ("/v1/completions", {"prompt": "hello there", "add_special_tokens": False}, plain),
+            ("/v1/completions", {"prompt": plain}, plain),
+            ("/v1/completions", {"prompt": plain, "add_special_tokens": True}, plain),
+            ("/v1/chat/completions", {"messages": chat}, templated),
+            ("/v1/chat/completions", {"messages": chat, "add_special_tokens": True}, [bos, *templated])):
+        for stream in (False, True):
+            r = post(server, path, {"model": MODEL, "max_tokens": 2, "stream": stream, **body})
+            assert r.status_code == 200, r.text
+            assert server.replicas.calls[-1].prompt_token_ids == want, body
+    for body, want in (({"prompt": "hello there"}, [bos, *plain]),
+                       ({"prompt": "hello there", "add_special_tokens": False}, plain),
+                       ({"messages": chat}, templated), ({"messages": chat, "add_special_tokens": True},
+                                                         [bos, *templated])):
+        assert post(server, "/tokenize", body).json()["tokens"] == want, body
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_first_or_last_tokens_and_routes_on_them(server):
+    """vLLM's truncate_prompt_tokens: the call carries the kept tokens (the last with
+    truncation_side left, the first with right, the tokenizer's side by default; -1: the context
+    less one) and the block hashes of those, so the router estimates the cache on what the engine
+    will read; a text far over the context is served, tokenizing only its kept side; echo gives
+    the kept prompt's text; what cannot be kept is a 400 naming the field."""
+    from fairway.hashing import block_hashes
+
+    tok = server.ingress.tokenizer
+    long_text = " ".join(f"w{i}" for i in range(6000))  # about 12,000 tokens: 3x the context
+    full = tok.encode(long_text)
+    assert len(full) > 3 * 4096
+    base = {"model": MODEL, "prompt": long_text, "max_tokens": 2}
+    assert_clear_error(post(server, "/v1/completions", base), 400, "maximum context length is 4096")
+    for extra, want in (({"truncate_prompt_tokens": 100, "truncation_side": "left"}, full[-100:]),
+                        ({"truncate_prompt_tokens": 100, "truncation_side": "right"}, full[:100]),
+                        ({"truncate_prompt_tokens": 100}, full[:100]),  # the tokenizer's side: right
+                        ({"truncate_prompt_tokens": -1, "truncation_side": "left", "max_tokens": 1}, full[-4095:])):
+        r = post(server, "/v1/completions", {**base, **extra})
+        assert r.status_code == 200, r.text
+        call = server.replicas.calls[-1]
+        assert call.prompt_token_ids == want and r.json()["usage"]["prompt_tokens"] == len(want), extra
+        assert list(call.block_hashes) == block_hashes(want, server.ingress.block_size, call.cache_salt)
+    ids_prompt = {**base, "prompt": full[:300], "truncate_prompt_tokens": 10, "truncation_side": "left"}
+    assert post(server, "/v1/completions", ids_prompt).status_code == 200
+    assert server.replicas.calls[-1].prompt_token_ids == full[290:300]
+    r = post(server, "/v1/completions", {**base, "prompt": "hello there friend", "truncate_prompt_tokens": 2,
+                                         "truncation_side": "left", "echo": True, "max_tokens": 1})
+    kept = tok.encode("hello there friend")[-2:]
+    assert r.json()["choices"][0]["text"].startswith(tok.decode(kept))
+    assert server.replicas.calls[-1].prompt_token_ids == kept
+    messages = [{"role": "user", "content": long_text}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                              "truncate_prompt_tokens": 50, "truncation_side": "left"})
+    assert r.status_code == 200, r.text
+    assert server.replicas.calls[-1].prompt_token_ids == tok.encode_chat(messages)[-50:]
+    for extra, why in (({"truncate_prompt_tokens": 0}, "at least 1, or -1"),
+                       ({"truncate_prompt_tokens": -2}, "greater than or equal to -1"),
+                       ({"truncate_prompt_tokens": 5000}, "truncate_prompt_tokens (5000) is more than this model's "
+                                                          "context (4096 tokens)"),
+                       ({"truncation_side": "left"}, "truncation_side goes with truncate_prompt_tokens"),
+                       ({"truncate_prompt_tokens": 10, "truncation_side": "middle"}, "'left' or 'right'"),
+                       ({"truncate_prompt_tokens": 4000, "max_tokens": 200}, "maximum context length is 4096")):
+        r = post(server, "/v1/completions", {**base, **extra})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"] in ("truncate_prompt_tokens", "truncation_side", None), r.json()
+
+
+@pytest.mark.parametrize("text", [
+    " ".join(f"w{i}" for i in range(9000)),  # words: pieces cut at a whitespace
+    "é日本語 " * 4000 + "x" * 9000,  # multi-byte characters, then a long word where the cut falls
+    "a" * 60000,  # one word: no whitespace near any cut, so tokenized whole
+    ("line one\n\n  two<|eot_id|>three   four\t" * 1500),  # runs of whitespace and special tokens' text
+], ids=["words", "multibyte", "one-word", "mixed"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_the_kept_side_of_a_long_text_is_tokenized_as_the_whole_text_would_be(server, text, side):
+    """``Tokenizer.encode_kept`` gives exactly the first (right) or last (left) ``keep`` ids of the
+    whole text's tokenization, with and without special tokens added, for any ``keep``."""
+    from router.tokenizer import kept
+
+    tok = server.ingress.tokenizer
+    for special in (False, True):
+        whole = tok.encode(text, special)
+        for keep in (1, 37, 500, 3000, len(whole) + 5):
+            assert tok.encode_kept(text, keep, side, special) == kept(whole, (keep, side)), (keep, special)
+
+
+def test_sampling_constraints_are_checked_before_they_reach_the_engine(server):
+    """allowed_token_ids and bad_words go to the engine's sampler (vLLM's; the sim engine draws
+    from the allowed ids and refuses bad words: test_sim_engine); ids outside the vocabulary, an
+    empty list, blank words and more words than vLLM's engine takes are 400s naming the field."""
+    base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert post(server, "/v1/completions", {**base, "allowed_token_ids": [7, 9], "bad_words": ["x y"]}).ok
+    assert server.replicas.calls[-1].allowed_token_ids == (7, 9) and server.replicas.calls[-1].bad_words == ("x y",)
+    assert post(server, "/v1/completions", base).ok
+    assert server.replicas.calls[-1].allowed_token_ids is None and server.replicas.calls[-1].bad_words == ()
+    for extra, param, why in (({"allowed_token_ids": [10**6]}, "allowed_token_ids", "out of the vocabulary"),
+                              ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+                              ({"bad_words": ["ok", " "]}, "bad_words", "each with a character other than whitespace"),
+                              ({"bad_words": ["w"] * 65}, "bad_words", "at most 64 bad words")):
+        r = post(server, "/v1/completions", {**base, **extra})
+        assert_clear_error(r, 400, why)
+        assert r.json()["error"]["param"] == param
 
 
 def test_auth_refusals_are_counted(monkeypatch):
@@ -1670,11 +1859,11 @@ def test_the_exported_ttft_starts_when_the_headers_arrive_not_after_tokenization
     tok = server.ingress.tokenizer
     real, spans = tok.encode, []
 
-    def slow(text: str) -> list[int]:
+    def slow(text: str, *a: Any) -> list[int]:
         t0 = time.time()
         time.sleep(0.2)  # a long prompt's tokenization
         spans.append(time.time() - t0)
-        return real(text)
+        return real(text, *a)
 
     monkeypatch.setattr(tok, "encode", slow)
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 3})

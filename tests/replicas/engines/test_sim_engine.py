@@ -259,7 +259,8 @@ async def test_eos_mean_tokens_zero_runs_every_request_to_max_tokens_and_bad_val
 
 
 @pytest.mark.parametrize("field,value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0),
-                                         ("repetition_penalty", 1.1), ("logit_bias", {42: 3.0})])
+                                         ("repetition_penalty", 1.1), ("logit_bias", {42: 3.0}),
+                                         ("bad_words", ("gamma",))])
 async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine, field, value):
     c = call("p", [5] * 20)
     setattr(c, field, value)
@@ -269,6 +270,20 @@ async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine
     ok.frequency_penalty, ok.repetition_penalty, ok.logit_bias, ok.top_p = 0.0, 1.0, {}, 0.3
     tokens, _ = await run(engine, ok)
     assert len(tokens) == 3
+
+
+async def test_allowed_token_ids_are_the_only_ids_drawn_and_a_seed_still_fixes_them(engine):
+    """vLLM's allowed_token_ids: every output id is one of them (special ids below 16 included);
+    with a seed the same prompt gives the same ids."""
+    allowed = (3, 77, 4000)
+    c = call("a1", [5] * 20, max_tokens=60)
+    c.allowed_token_ids = allowed
+    tokens, _ = await run(engine, c)
+    assert len(tokens) == 60 and set(tokens) == set(allowed)  # 60 draws from 3: each seen
+    seeded = [call(f"s{i}", [5] * 20, max_tokens=20) for i in range(2)]
+    for c in seeded:
+        c.allowed_token_ids, c.seed = allowed, 11
+    assert (await run(engine, seeded[0]))[0] == (await run(engine, seeded[1]))[0]
 
 
 @pytest.mark.parametrize("param,what", [("response_format", "response_format json_object / json_schema"),

@@ -404,9 +404,9 @@ def test_engine_args_and_checks_before_start():
 
 
 def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
-    """seed, top_p, the penalties and logit_bias go to vLLM's SamplingParams as the call has them
-    (vLLM honours each natively); a value SamplingParams rejects is a 400 (UnsupportedParameter).
-    vLLM itself is faked: its SamplingParams records its arguments."""
+    """seed, top_p, the penalties, logit_bias, allowed_token_ids and bad_words go to vLLM's
+    SamplingParams as the call has them (vLLM honours each natively); a value SamplingParams
+    rejects is a 400 (UnsupportedParameter). vLLM itself is faked: its SamplingParams records its arguments."""
     seen: list[dict] = []
 
     class Params:
@@ -437,7 +437,8 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     eng._sampling, eng._client_errors, eng._kv_total = (Params, None), (LookupError,), 1000
     call = GenerateCall("r", [5] * 40, tuple(block_hashes([5] * 40)), 2, time.time(), seed=11, top_p=0.9,
                         top_k=4, min_p=0.05, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1,
-                        logit_bias={42: 3.0}, min_tokens=2, stop_token_ids=(9, 10))
+                        logit_bias={42: 3.0}, min_tokens=2, stop_token_ids=(9, 10), allowed_token_ids=(7, 8),
+                        bad_words=("no",))
 
     async def run(c: GenerateCall) -> list[int]:
         return [t async for out in eng.generate(c) for t in out.token_ids]
@@ -445,7 +446,8 @@ def test_the_calls_sampling_parameters_reach_vllms_sampling_params():
     assert asyncio.run(run(call)) == [7, 8]
     want = {"seed": 11, "top_p": 0.9, "top_k": 4, "min_p": 0.05,
             "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
-            "logit_bias": {42: 3.0}, "min_tokens": 2, "stop_token_ids": [9, 10]}
+            "logit_bias": {42: 3.0}, "min_tokens": 2, "stop_token_ids": [9, 10], "allowed_token_ids": [7, 8],
+            "bad_words": ["no"]}
     assert {k: seen[-1][k] for k in want} == want
     call.top_p = 0.0
     with pytest.raises(UnsupportedParameter, match="vLLM refused the sampling parameters: top_p"):
@@ -665,6 +667,21 @@ async def _scenario() -> dict:
         call = _call("min", m_ids, 16)
         call.ignore_eos, call.stop_token_ids, call.min_tokens = False, (free[at],), min(at + 3, 16)
         res["min_tokens"] = {"free": free, "at": at, "stopped": stopped, "min": await _collect(eng, call)}
+        # allowed_token_ids and bad_words reach vLLM's sampler: greedy, the same prompt as "free"
+        call = _call("allowed", m_ids, 16)
+        call.allowed_token_ids = (free[at], 300, 301)
+        allowed = [t for o in (await _collect(eng, call))["outs"] for t in o.token_ids]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+        word_at = next(i for i, t in enumerate(free) if t not in tok.all_special_ids and tok.decode([t]).strip()
+                       and [t] in (tok.encode(tok.decode([t]).lstrip(), add_special_tokens=False),
+                                   tok.encode(" " + tok.decode([t]).lstrip(), add_special_tokens=False)))
+        call = _call("bad", m_ids, 16)
+        call.bad_words = (tok.decode([free[word_at]]),)
+        res["constraints"] = {"allowed": allowed, "free": free,
+                              "word_at": word_at, "bad": [t for o in (await _collect(eng, call))["outs"]
+                                                          for t in o.token_ids]}
         res["can_fit_small"] = eng.can_fit(100, [])
         res["end_stats"] = eng.stats()
         # Too long for the context: the gate in front refuses it before vLLM sees it.
@@ -812,6 +829,19 @@ def test_vllm_stops_at_stop_token_ids_and_not_before_min_tokens(scenario):
     held = [t for o in m["min"]["outs"] for t in o.token_ids]
     bar = min(m["at"] + 3, 16)
     assert len(held) >= bar and stop not in held[:bar], (held, stop)
+
+
+@needs_vllm
+def test_vllm_samples_only_the_allowed_token_ids_and_never_a_bad_word(scenario):
+    """vLLM's allowed_token_ids and bad_words, passed through: greedy, the answer draws only from
+    the allowed ids, and with a word of the free answer banned, that token never comes, the answer
+    before it unchanged."""
+    c = scenario["constraints"]
+    allowed_ids = (c["free"][scenario["min_tokens"]["at"]], 300, 301)
+    assert c["allowed"] and set(c["allowed"]) <= set(allowed_ids)
+    banned = c["free"][c["word_at"]]
+    assert len(c["bad"]) == 16 and banned not in c["bad"], c
+    assert c["bad"][: c["word_at"]] == c["free"][: c["word_at"]], c
 
 
 @needs_vllm
