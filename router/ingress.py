@@ -428,25 +428,30 @@ class FairwayIngress:
                 chat = to_chat(body)
             except MappingError as e:
                 raise HTTPError(400, f"invalid request: {e}", reason="bad_request", param=e.param) from None
-            call = await self._chat_call(chat, request)
+            call = await self._chat_call(chat, request,
+                                         body.fixed_messages() if body.truncation == "auto" else None)
         except HTTPError as e:
             return self._rejected(e)
         return await self._respond(self._answers([call], chat, chat=True), chat, chat=True, request=request,
                                    responses=body)
 
-    async def _chat_call(self, body: ChatCompletionRequest, request: Request | None) -> GenerateCall:
+    async def _chat_call(self, body: ChatCompletionRequest, request: Request | None,
+                         fixed: int | None = None) -> GenerateCall:
         """A chat's engine call: its model, class and tool choice checked (its message count was, as
         the body was validated: ``BodyFacts.max_items``), its messages through the chat template and
-        tokenized; an HTTPError says what is wrong."""
+        tokenized; an HTTPError says what is wrong. ``fixed`` (the Responses API's ``truncation:
+        auto``): the oldest messages after the first ``fixed`` are dropped until the prompt leaves
+        room for ``max_tokens`` (one token without it) in the context."""
         self._check_model(body.model)
         priority_class = self._class_of(body, request)
         if body.tool_choice == AUTO and self.args.tool_call_parser is None:
             raise HTTPError(400, f"invalid request: tool_choice: {NO_AUTO}", reason="unsupported_parameter",
                             param="tool_choice")
         self._check_choices(1, body.n)
-        ids = await self._chat_ids(body.messages, body.tools, body.template_options(), body.add_special_tokens,
-                                   self._kept(body))
         max_tokens = body.max_completion_tokens or body.max_tokens
+        fit = None if fixed is None else (fixed, self.args.max_model_len - (max_tokens or 1))
+        ids = await self._chat_ids(body.messages, body.tools, body.template_options(), body.add_special_tokens,
+                                   self._kept(body), fit)
         if max_tokens is None:  # the rest of the context, as vLLM's and OpenAI's chat
             max_tokens = max(1, self.args.max_model_len - len(ids))
         return self._call(body, ids, max_tokens, principal_of(request), session_of(body, request),
@@ -537,14 +542,29 @@ class FairwayIngress:
                                                        add_special_tokens=add_special_tokens), text, len(text))
 
     async def _chat_ids(self, messages: list[ChatMessage], tools: list[Tool] | None, template: dict[str, Any],
-                        add_special_tokens: bool = False, keep: tuple[int, str] | None = None) -> list[int]:
+                        add_special_tokens: bool = False, keep: tuple[int, str] | None = None,
+                        fit: tuple[int, int] | None = None) -> list[int]:
         """A chat's prompt as the engine gets it: the messages and tools through the chat template
         (with the request's ``template`` options; ``add_special_tokens``: the tokenizer's own around
         it too), the byte bound first, tokenized off the loop; with ``keep``, the rendered prompt's
-        kept tokens (``_text_ids``)."""
+        kept tokens (``_text_ids``); with ``fit`` = (messages kept, budget), the oldest other
+        messages dropped until it is within the budget (``Tokenizer.encode_chat_fitting``)."""
         rendered = [m.for_template() for m in messages]
         text = "".join(m["content"] for m in rendered)
         tools_json = template_tools(tools)
+        if fit is not None:
+            fixed, budget = fit
+            try:
+                return await self._on_tokenizer(len(text), functools.partial(
+                    self.tokenizer.encode_chat_fitting, budget=budget, fixed=fixed, tools=tools_json,
+                    template=template, add_special_tokens=add_special_tokens), rendered)
+            except TooManyTokens as e:
+                limit = self.args.max_model_len
+                raise HTTPError(400, f"This model's maximum context length is {limit} tokens, {limit - budget} of "
+                                     f"them kept for the output. With truncation auto, the instructions and the "
+                                     f"input's last item alone still have at least {e.at_least} tokens. Please "
+                                     f"shorten them or lower max_output_tokens.", reason="too_long",
+                                param="input") from None
         if keep is not None:
             def encode_kept(rendered: list[dict[str, Any]]) -> list[int]:
                 prompt = self.tokenizer.render_chat(rendered, tools_json, template)

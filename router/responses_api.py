@@ -14,8 +14,11 @@ Nothing is kept between requests: this server stores no response. ``store: true`
 ``previous_response_id``, ``conversation`` and ``background`` need a stored response and are a
 400 that says so (send the history as ``input``), as are the built-in tools (web search, file
 search, ...), non-text inputs, ``reasoning`` settings, ``include`` other than the output
-text's log probabilities, and ``truncation: auto``; every other field is honoured or is a 400
-naming it (unknown fields too).
+text's log probabilities; every other field is honoured or is a 400 naming it (unknown fields
+too). ``truncation: auto`` drops the input's oldest items until the prompt and
+``max_output_tokens`` (one token without it) fit the context, as OpenAI's does: the instructions
+stay, and so does the last item; a cut never leaves a tool's answer without the call before it
+(``Tokenizer.encode_chat_fitting``).
 """
 
 from __future__ import annotations
@@ -58,8 +61,6 @@ RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
                                       "as input"),
     "background": (lambda v: not v, "background responses need a stored response, which this server does not keep"),
     "reasoning": (lambda v: not v, "this model does not reason; reasoning settings are not supported"),
-    "truncation": (lambda v: v in (None, "disabled"), "the input is never truncated here: an input over the context "
-                                                      "is a 400; send truncation: disabled (or omit it)"),
     "prompt": (lambda v: not v, "stored prompt templates are not supported; send instructions and input"),
     "service_tier": REFUSED["service_tier"],
     "prompt_cache_retention": REFUSED["prompt_cache_retention"],
@@ -230,7 +231,9 @@ class ResponsesRequest(_Sampling):
                                       "output token's log probability, on engines that sample from logits)")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with include "
                                      "message.output_text.logprobs: this many most likely tokens at each position")
-    truncation: str | None = None
+    truncation: Literal["auto", "disabled"] | None = Field(None, description="auto: an input over the context "
+                                                         "loses its oldest items until it fits (instructions kept); "
+                                                         "disabled (the default): it is a 400")
     prompt: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_retention: str | None = None
@@ -305,6 +308,11 @@ class ResponsesRequest(_Sampling):
                 raise ValueError("text.format json_schema needs a name")
             return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt.get("schema", {})}}
         raise ValueError(f"text.format type {kind!r} is not supported; use text, json_object or json_schema")
+
+    def fixed_messages(self) -> int:
+        """How many of ``messages()`` ``truncation: auto`` never drops: the instructions' system
+        message, when there are instructions."""
+        return 1 if self.instructions else 0
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat messages: ``instructions`` as the system message, then the input items in
@@ -402,7 +410,8 @@ def head(req: ResponsesRequest, rid: str) -> dict[str, Any]:
         "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
         "reasoning": None, "service_tier": "default", "store": False, "temperature": req.temperature,
         "text": {"format": fmt}, "tool_choice": tool_choice_echo(req), "tools": tools_echo(req),
-        "top_p": req.top_p, "top_logprobs": req.top_logprobs or 0, "truncation": "disabled", "usage": None,
+        "top_p": req.top_p, "top_logprobs": req.top_logprobs or 0, "truncation": req.truncation or "disabled",
+        "usage": None,
         "user": req.user,
         "metadata": req.metadata or {},
     }

@@ -207,6 +207,45 @@ class Tokenizer:
             self.check_within("\n".join(texts), limit)
         return self.encode_chat(messages, tools, template, add_special_tokens)
 
+    def encode_chat_fitting(self, messages: list[dict[str, Any]], budget: int, fixed: int = 0,
+                            tools: list[dict[str, Any]] | None = None, template: dict[str, Any] | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """The chat's prompt with as few of its oldest messages dropped as make it ``budget``
+        tokens or fewer (the Responses API's ``truncation: auto``): the first ``fixed`` messages
+        (the instructions) and the last one always stay, and the kept part never starts with a
+        tool's answer (its call would be gone). ``TooManyTokens`` when even the shortest such
+        prompt is over (its count, at least). A binary search over the cut, as dropping more never
+        lengthens the prompt: O(log messages) tokenizations, each bounded by
+        ``encode_chat_within``'s prefix check."""
+        head = messages[:fixed]
+        cuts = [i for i in range(fixed, len(messages)) if i == fixed or messages[i].get("role") != "tool"]
+        shortest: list[int] | None = None
+        over = 0
+
+        def fitting(i: int) -> list[int] | None:
+            nonlocal over
+            try:
+                ids = self.encode_chat_within(head + messages[i:], budget, tools, template, add_special_tokens)
+            except TooManyTokens as e:
+                over = e.at_least
+                return None
+            if len(ids) > budget:
+                over = len(ids)
+                return None
+            return ids
+
+        lo, hi = 0, len(cuts) - 1  # the first cut that fits is in cuts[lo..hi], if any
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ids = fitting(cuts[mid])
+            if ids is None:
+                lo = mid + 1
+            else:
+                shortest, hi = ids, mid - 1
+        if shortest is None:
+            raise TooManyTokens(over)
+        return shortest
+
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
         """The chat template's prompt for ``messages`` (and ``tools``, which templates render or

@@ -229,7 +229,7 @@ def test_a_json_text_format_is_the_calls_output_constraint(server, scripted):
     ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text.logprobs'"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs include"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-    ({"truncation": "auto"}, "truncation", "never truncated"),
+    ({"truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "'input_image' are not supported"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "type 'reasoning' are not supported"),
@@ -251,6 +251,59 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, param, needle
     r = post(server, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra})
     assert_clear_error(r, 400, needle)
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def _words(tokens: int, tag: str) -> str:
+    """A text of about ``tokens`` tokens (two per word with this tokenizer)."""
+    return " ".join(f"{tag}{i}" for i in range(tokens // 2))
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(server, scripted):
+    """truncation auto: an input over the context loses its oldest items, as few as make the prompt
+    and max_output_tokens fit, the instructions and the last item kept, never starting at a tool's
+    answer whose call was dropped (the next item instead); without it (or with disabled) the same
+    input is a 400; an input that fits is sent whole; when the last item alone is over, a 400
+    naming input. The Response object says which truncation it ran with."""
+    scripted(WORDS)
+    tok = server.ingress.tokenizer
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather",
+            "arguments": json.dumps({"city": _words(2100, "a")})}
+    items = [{"role": "user", "content": _words(1000, "u")}, call,
+             {"type": "function_call_output", "call_id": "c1", "output": _words(2000, "t")},
+             {"role": "user", "content": "thanks"}]
+    body = {"model": MODEL, "instructions": "Be brief.", "input": items, "tools": [FLAT_TOOL], "tool_choice": "none",
+            "max_output_tokens": 100}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": items[0]["content"]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": items[2]["output"]},
+            {"role": "user", "content": "thanks"}]
+    assert len(tok.encode_chat(chat, [CHAT_TOOL["function"]])) > 4096  # whole: over the context
+    assert len(tok.encode_chat(chat[:1] + chat[2:], [CHAT_TOOL["function"]])) > 4096 - 100  # without the first item
+    assert len(tok.encode_chat(chat[:1] + chat[3:], [CHAT_TOOL["function"]])) <= 4096 - 100  # a tool's orphan answer
+    for truncation in (None, "disabled"):
+        r = post(server, "/v1/responses", {**body, "truncation": truncation})
+        assert_clear_error(r, 400, "maximum context length is 4096")
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [chat[0], chat[4]], "tools": [CHAT_TOOL],
+                                              "tool_choice": "none", "max_tokens": 4})
+    want = server.replicas.calls[-1].prompt_token_ids  # the prompt of the instructions and the last item
+    n = len(server.replicas.calls)
+    for stream in (False, True):
+        r = post(server, "/v1/responses", {**body, "truncation": "auto", "stream": stream})
+        assert r.status_code == 200, r.text
+        assert server.replicas.calls[-1].prompt_token_ids == want
+        final = r.json() if not stream else events_of(r)[-1]["response"]
+        assert final["truncation"] == "auto" and final["usage"]["input_tokens"] == len(want)
+    assert len(server.replicas.calls) == n + 2
+    small = {**body, "input": [items[0], {"role": "user", "content": "thanks"}], "truncation": "auto"}
+    assert post(server, "/v1/responses", small).status_code == 200
+    kept_all = server.replicas.calls[-1].prompt_token_ids
+    assert post(server, "/v1/responses", {**small, "truncation": "disabled"}).json()["truncation"] == "disabled"
+    assert server.replicas.calls[-1].prompt_token_ids == kept_all  # nothing dropped from what fits
+    r = post(server, "/v1/responses", {**body, "input": [{"role": "user", "content": _words(5000, "x")}],
+                                       "truncation": "auto"})
+    assert_clear_error(r, 400, "With truncation auto, the instructions and the input's last item alone")
+    assert r.json()["error"]["param"] == "input"
 
 
 def test_vllms_ignore_eos_and_sampling_extensions_reach_the_call(server, scripted):
