@@ -96,14 +96,18 @@ async def wait_up(url: str, timeout_s: float = 60) -> None:
 
 
 #: The large body's shapes (``--shape``): what its megabytes are made of
-SHAPES = ("text", "members", "arrays", "batch")
+SHAPES = ("text", "members", "arrays", "batch", "kept", "kept-word")
 
 
 def large_body(shape: str, mb: float) -> bytes:
     """A body of about ``mb`` MB: a text prompt (``text``), or a short prompt with the rest in one
     structure: an object's members (``members``: a ``logit_bias`` of that many token ids), empty
     arrays (``arrays``: inside a ``response_format`` schema), or a batch of one-token prompts
-    (``batch``). The last three are what JSON parsing costs most per byte."""
+    (``batch``); or a text prompt served with ``truncate_prompt_tokens: -1`` (its last tokens
+    kept: ``kept``; ``kept-word``: one word of that many letters, whose kept side has no
+    whitespace to cut at). ``members``, ``arrays`` and ``batch`` are what JSON parsing costs most
+    per byte; the two ``kept`` shapes are answered 200, their tokenization bounded by what is
+    kept."""
     n = int(mb * 1e6)
     body: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     if shape == "text":
@@ -115,6 +119,9 @@ def large_body(shape: str, mb: float) -> bytes:
             "type": "object", "x": [[]] * (n // 4)}}}
     elif shape == "batch":
         body["prompt"] = [[1]] * (n // 5)
+    elif shape in ("kept", "kept-word"):
+        body["prompt"] = "word " * (n // 5) if shape == "kept" else "a" * n
+        body["truncate_prompt_tokens"], body["truncation_side"] = -1, "left"
     else:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     return json.dumps(body).encode()
