@@ -78,6 +78,11 @@ class FairwayRouterConfig:
       everyone queued behind it).
     - running_prefill, decode_batch, replicate, overtaking = True: the R_j term, the first-token
       step priced with j's running decodes, hot-prefix replication, the overtaken cold wait.
+    - seed_footprint = False: replication compares the T's without their footprint terms
+      (``_seed_target``): KV usage is not a wait, and since the footprint normalizes it by the
+      fullest replica's, a holder's stale usage alone on an idle cluster doubled its T and
+      copied the prefix. True compares them with it (the rule before 2026-12-05; every
+      yardstick run is the same with either).
     - sticky_match = 0 (off), sticky_slack = 3: with m > 0, a request that some replica caches at
       least m of (a continuation) stays on the best-T such replica unless its T is more than
       sticky_slack times the request's cold prefill above the minimum T, so a conversation's
@@ -120,6 +125,7 @@ class FairwayRouterConfig:
     class_view: bool = True
     fcfs_when_full: bool = False
     delay_weight: float = 0.0
+    seed_footprint: bool = False
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -152,7 +158,7 @@ class FairwayRouterConfig:
         for name in ("theta", "p_floor_s", "extra_work_weight", "delay_weight", "footprint_weight", "fast_share",
                      "sticky_match", "sticky_slack"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("running_prefill", "decode_batch", "replicate", "overtaking", "fcfs_when_full"):
+        for name in ("running_prefill", "decode_batch", "replicate", "overtaking", "fcfs_when_full", "seed_footprint"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
 
@@ -382,7 +388,8 @@ class FairwayRouter(RouterPolicy):
         """The non-holder that should get one more copy of the prefix ``req`` shares with its
         best-cached replicas (named by its last matched block), or None: the rule is the module
         docstring's "Hot-prefix replication", comparing the non-holders' T with the prefix
-        cached against the holders' best T, so an idle cluster makes no copy. O(R)."""
+        cached against the holders' best T (without the footprint terms unless
+        ``seed_footprint``), so an idle cluster makes no copy. O(R)."""
         now = self.clock.now()
         self.shares.observe(now)
         if best <= 0:
@@ -392,11 +399,15 @@ class FairwayRouter(RouterPolicy):
         if share is None or holders == len(cached) or share <= holders / len(cached):
             return None
         p_warm = self.cost.prefill_time(req.prompt_tokens - best, best)
+        # a holder's own prefill is p_warm too, so its footprint term is weight x p_warm x fullness
+        full = fullness if self.config.seed_footprint else dict.fromkeys(fullness, 0.0)
+        foot = self.config.footprint_weight * p_warm
         warm = {s.replica: self.expected_ttft(req, s, best, p_warm, self.expected_wait(s, p_warm, best),
-                                              fullness[s.replica])
+                                              full[s.replica])
                 for s in ss if cached[s.replica] < best}
         j = min(warm, key=lambda r: (warm[r], r))
-        held = min(t for r, t in ttft.items() if cached[r] == best)
+        scale = {s.replica: s.speed if self.config.speed_aware else 1.0 for s in ss}  # as ``_t`` divides T
+        held = min(t - foot * (fullness[r] - full[r]) / scale[r] for r, t in ttft.items() if cached[r] == best)
         return j if warm[j] < held else None
 
     def _sticky_target(self, req: RouteRequest, order: list[int], cached: dict[int, int], ttft: dict[int, float],

@@ -39,11 +39,10 @@ def url():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # replicate=false: one family is all the traffic here, which the router may copy to a second
-        # replica by design; these tests are about the shared view, so the holder must stay one
+        # the router's defaults, hot-prefix replication included: one family is all the traffic
+        # here, but the cluster is idle between the requests, so no copy would serve it sooner
         serve.run(build_app({"num_replicas": 3, "ingress_replicas": 2,
-                             "router": {"policy": "fairway", "policy_options": {"replicate": False},
-                                        "prefix_view": "events"},
+                             "router": {"policy": "fairway", "prefix_view": "events"},
                              "engine_args": {"kv_blocks": 4000, "host_kv_blocks": 4000}}),
                   name="fairway", route_prefix="/")
         yield f"http://127.0.0.1:{port}"

@@ -417,6 +417,25 @@ def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
         assert choice(ranked(off, req(1000), busy(t))) == 0
 
 
+def test_a_holders_kv_usage_alone_makes_a_copy_unless_the_seed_rule_leaves_the_footprint_out():
+    """The idle cluster of the two-ingress end-to-end test, as one of its routers saw it when it
+    sent a follow-up away (2026-12-05): nothing queued or running anywhere, the holder's KV usage
+    from a stats report taken while the previous request ran (0.063), the others' 0. The footprint
+    normalizes KV usage by the fullest replica's, so the holder's T doubled (P 0.21 + 0.21 against
+    a copy's 0.21) and the prefix, all of the traffic, was copied. With seed_footprint=False the
+    seed rule compares the T's without that term (the default): no copy; the decision is then the
+    affinity one."""
+    idle = [st(0, matched=50, kv=0.063), st(1), st(2)]
+    for seed_footprint, want in ((True, (1, "replicate")), (False, (0, "affinity"))):
+        r = router("fairway", seed_footprint=seed_footprint)
+        got = None
+        for t in (0.0, 1.0, 2.0):
+            r.clock.set(t)
+            got = (choice(ranked(r, req(1000), idle)), last(r).reason)
+        assert got == want, seed_footprint
+        assert last(r).scores[0] == pytest.approx(0.42)  # the holder's own T keeps its footprint term
+
+
 def test_another_routers_decisions_count_in_the_fairway_prefix_shares():
     """With a shared view, K routers replicate on the whole traffic: three decisions adopted
     from other routers (a 65-token prompt, 4 cacheable blocks, all matched) count as sightings
