@@ -378,7 +378,8 @@ class FairwayIngress:
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.logit_bias,
-            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            # a set of ids, sent once each: what reaches the engine is bounded by the vocabulary
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(sorted(set(body.allowed_token_ids))),
             bad_words=tuple(body.bad_words or ()),
             structured_output=constraint,
             structured_output_param=constraint_param,

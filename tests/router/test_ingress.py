@@ -1513,12 +1513,13 @@ def test_the_kept_side_of_a_long_text_is_tokenized_as_the_whole_text_would_be(se
 
 
 def test_sampling_constraints_are_checked_before_they_reach_the_engine(server):
-    """allowed_token_ids and bad_words go to the engine's sampler (vLLM's; the sim engine draws
-    from the allowed ids and refuses bad words: test_sim_engine); ids outside the vocabulary, an
+    """allowed_token_ids (as a set) and bad_words go to the engine's sampler (vLLM's; the sim
+    engine draws from the allowed ids and refuses bad words: test_sim_engine); ids outside the vocabulary, an
     empty list, blank words and more words than vLLM's engine takes are 400s naming the field."""
     base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    assert post(server, "/v1/completions", {**base, "allowed_token_ids": [7, 9], "bad_words": ["x y"]}).ok
-    assert server.replicas.calls[-1].allowed_token_ids == (7, 9) and server.replicas.calls[-1].bad_words == ("x y",)
+    assert post(server, "/v1/completions", {**base, "allowed_token_ids": [9, 7, 9] * 1000, "bad_words": ["x y"]}).ok
+    assert server.replicas.calls[-1].allowed_token_ids == (7, 9)  # a set: each id once
+    assert server.replicas.calls[-1].bad_words == ("x y",)
     assert post(server, "/v1/completions", base).ok
     assert server.replicas.calls[-1].allowed_token_ids is None and server.replicas.calls[-1].bad_words == ()
     for extra, param, why in (({"allowed_token_ids": [10**6]}, "allowed_token_ids", "out of the vocabulary"),
