@@ -101,7 +101,7 @@ class TokenChunk:
     accepted: bool = False  # no tokens: the gate has queued the request (asked for by ``GenerateCall.ack``)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
     # the prompt's, on the first output, when the call asked: None for its first token, which has no context
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 #: The lowest log probability an engine reports (vLLM's OpenAI server clamps alike: -inf is not
@@ -110,6 +110,9 @@ MIN_LOGPROB = -9999.0
 #: One output token's log probability and its top alternatives, most likely first:
 #: (logprob, ((token id, logprob), ...)); the alternatives are the call's ``logprobs`` most likely.
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+#: One prompt token's: its ``TokenLogprob`` and its rank among the vocabulary (1: the most likely),
+#: which vLLM's ``prompt_logprobs`` lists: (logprob, alternatives, rank)
+PromptLogprob = tuple[float, tuple[tuple[int, float], ...], int]
 
 
 @dataclass(slots=True)
@@ -122,7 +125,7 @@ class EngineOutput:
     cached_tokens: int | None = None  # known once prefill has been scheduled
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
     # the prompt's, on the first output, when the call asked: None for its first token, which has no context
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)

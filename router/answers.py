@@ -17,7 +17,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fairway.protocol import MIN_LOGPROB, GenerateCall, TokenChunk, TokenLogprob
+from fairway.protocol import MIN_LOGPROB, GenerateCall, PromptLogprob, TokenChunk, TokenLogprob
 from router.calls import ReplicaStream
 from router.detokenize import IncrementalDetokenizer, StopFilter
 from router.errors import HTTPError
@@ -80,6 +80,8 @@ class Replies:
             "usage": self.usage_of(answers, body.n),
             "fairway": self.fairway(first.first, first.last, first.stream),
         }
+        if chat and getattr(body, "prompt_logprobs", None) is not None:  # the chat's, once (vLLM's place)
+            out["prompt_logprobs"] = first.prompt_logprobs()
         if len(answers) > 1:
             out["fairway"]["choices"] = [self.fairway(a.first, a.last, a.stream) for a in answers]  # type: ignore
         return out
@@ -371,10 +373,32 @@ class Answer:
             choice = {"index": self.index, "text": self.echo + text, "finish_reason": reason,
                       "logprobs": None if call.logprobs is None else text_logprobs(self.text_of,
                           out.ids, out.lps, len(self.echo), (call.prompt_token_ids, self.first.prompt_logprobs))}
+            if getattr(body, "prompt_logprobs", None) is not None:  # each prompt's, on its choices (vLLM's place)
+                choice["prompt_logprobs"] = self.prompt_logprobs()
         if body.return_token_ids:
             choice["token_ids"] = out.ids
             choice["prompt_token_ids"] = call.prompt_token_ids
         return choice
+
+    def prompt_logprobs(self) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs`` of this answer's prompt: per prompt token, None for the first
+        (it has no context), else a map from token id to its log probability, rank and text: the
+        prompt token's own first, then the alternatives asked for (ranks 1 and on). O(prompt x top)."""
+        assert self.first is not None
+        ids, entries = self.call.prompt_token_ids, self.first.prompt_logprobs or []
+        text_of = self.text_of
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for i, t in enumerate(ids):
+            e = entries[i] if i < len(entries) else None
+            if e is None:
+                out.append(None)
+                continue
+            lp, top, rank = e
+            m = {str(t): {"logprob": lp, "rank": rank, "decoded_token": text_of(t)}}
+            for k, (a, v) in enumerate(top):
+                m.setdefault(str(a), {"logprob": v, "rank": k + 1, "decoded_token": text_of(a)})
+            out.append(m)
+        return out
 
 
 def token_id_text(token_id: int) -> str:
@@ -384,7 +408,7 @@ def token_id_text(token_id: int) -> str:
 
 
 def text_logprobs(text_of: Callable[[int], str], ids: list[int], lps: list[TokenLogprob], start: int,
-                   prompt: tuple[list[int], list[TokenLogprob | None] | None]) -> dict[str, Any]:
+                   prompt: tuple[list[int], list[PromptLogprob | None] | None]) -> dict[str, Any]:
     """A completion's ``logprobs`` for ``ids`` (OpenAI's legacy shape, as vLLM writes it): each
     token's text, log probability, top alternatives (None when none were asked for) and
     character offset from ``start``, the offsets adding up the tokens' own texts. ``prompt``:

@@ -7,10 +7,11 @@ OpenAI's schema follow vLLM's names where vLLM has them (``ignore_eos``, ``retur
 ``cache_salt``, ``stop_token_ids``, ``repetition_penalty``, ``top_k``, ``min_p``, ``min_tokens``,
 ``include_stop_str_in_output``, ``add_special_tokens``, ``truncate_prompt_tokens`` and
 ``truncation_side``, ``skip_special_tokens``, ``return_tokens_as_token_ids``, ``allowed_token_ids``,
-``bad_words``); Fairway's own figures travel in a ``fairway`` object next to ``usage``. The prompt
-and text options are the ingress's (it tokenizes, hashes the kept tokens and detokenizes), so they
-hold on every engine; ``allowed_token_ids`` and ``bad_words`` are the engine's (the sim engine
-draws from the allowed ids and refuses bad words).
+``bad_words``, ``prompt_logprobs``); Fairway's own figures travel in a ``fairway`` object next to
+``usage``. The prompt and text options are the ingress's (it tokenizes, hashes the kept tokens and
+detokenizes), so they hold on every engine; ``allowed_token_ids``, ``bad_words`` and
+``prompt_logprobs`` are the engine's (the sim engine draws from the allowed ids and refuses the
+other two).
 
 No parameter is silently ignored: a field the models do not name is a 400 naming it
 (``extra="forbid"``), and each documented OpenAI parameter is either honoured or refused with a
@@ -173,8 +174,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "prompt_cache_options": (lambda v: not v, "prompt cache options are not supported"),
     "spaces_between_special_tokens": (lambda v: v is not False, "this server's fast tokenizers decode special tokens "
                                       "as they are, as vLLM's do (true, the default, is accepted); omit it"),
-    "prompt_logprobs": (lambda v: v is None, "the prompt's log probabilities come with echo and logprobs on "
-                        "/v1/completions (listed before the output's in the logprobs object)"),
 }
 
 
@@ -341,7 +340,9 @@ class _Common(_Sampling):
                                                     "tokens")
     bad_words: list[str] | None = Field(None, description=f"vLLM's: never generate these words (at most "
                                         f"{MAX_BAD_WORDS})")
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's "
+                                        "log probability and rank, with this many alternatives (a whole answer "
+                                        "only)")
 
     @field_validator("stop")
     @classmethod
@@ -359,6 +360,13 @@ class _Common(_Sampling):
         if isinstance(v, list) and len(v) > MAX_STOPS:  # before the ids are read; each >= 0: ``TokenId``
             raise ValueError(f"at most {MAX_STOPS} stop token ids, each >= 0")
         return v or None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):  # as vLLM refuses them
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return v
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -404,8 +412,9 @@ class _Common(_Sampling):
         return None
 
     def prompt_logprob_count(self) -> int | None:
-        """The prompt tokens' log probabilities, with this many alternatives (None: none)."""
-        return None
+        """The prompt tokens' log probabilities, with this many alternatives (None: none):
+        vLLM's ``prompt_logprobs``."""
+        return self.prompt_logprobs
 
     def output_constraint(self) -> tuple[dict[str, Any] | None, str]:
         """The engine's output constraint (``GenerateCall.structured_output``; None: free text) and
@@ -489,8 +498,11 @@ class CompletionRequest(_Common):
         return self.logprobs  # type: ignore[no-any-return]  # ``_logprobs`` made it an int or None
 
     def prompt_logprob_count(self) -> int | None:
-        """With ``echo``: the prompt's log probabilities too (scoring a text, as evaluation
-        harnesses do); None otherwise."""
+        """vLLM's ``prompt_logprobs``; else, with ``echo``, the prompt's log probabilities too
+        (scoring a text, as evaluation harnesses do, with ``logprobs`` alternatives); None
+        otherwise."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None  # type: ignore[no-any-return]
 
     @field_validator("prompt")

@@ -108,6 +108,9 @@ def check_sim_params(call: GenerateCall) -> None:
     if call.logprobs is not None:
         raise UnsupportedParameter("logprobs is not supported by the sim engine (its tokens are not sampled "
                                    "from a distribution that has log probabilities); omit it", param="logprobs")
+    if call.prompt_logprobs is not None:
+        raise UnsupportedParameter("prompt_logprobs is not supported by the sim engine (it computes no "
+                                   "distribution over the prompt's tokens); omit it", param="prompt_logprobs")
     if call.bad_words:
         raise UnsupportedParameter("bad_words is not supported by the sim engine (its tokens have no text to "
                                    "keep a word out of); omit it", param="bad_words")

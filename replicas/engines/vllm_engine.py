@@ -70,6 +70,7 @@ from fairway.protocol import (
     EngineOutput,
     EngineStats,
     GenerateCall,
+    PromptLogprob,
     RequestTooLarge,
     TokenLogprob,
     UnsupportedParameter,
@@ -125,6 +126,16 @@ def token_logprob(token: int, step: Mapping[int, Any], top: int) -> TokenLogprob
     ranked = sorted((e.rank, t, max(e.logprob, MIN_LOGPROB)) for t, e in step.items()
                     if e.rank is not None and e.rank <= top)
     return lp, tuple((t, v) for _, t, v in ranked[:top])
+
+
+def prompt_logprob(token: int, step: Mapping[int, Any], top: int) -> PromptLogprob:
+    """One prompt token's entry: ``token_logprob``'s, and the token's rank as vLLM reports it (1 =
+    most likely; vLLM always lists the prompt token itself, and a token it gave no rank is put
+    past the alternatives listed)."""
+    lp, alternatives = token_logprob(token, step, top)
+    entry = step.get(token)
+    rank = getattr(entry, "rank", None)
+    return lp, alternatives, int(rank) if rank is not None else top + 1
 
 
 def step_logprobs(ids: Sequence[int], steps: Sequence[Mapping[int, Any] | None], top: int) -> list[TokenLogprob]:
@@ -460,7 +471,7 @@ class VllmEngine(Engine):
                     self._on_prefilled(rid, st, getattr(out, "num_cached_tokens", None),
                                        read_cache=call.prompt_logprobs is None)
                     if call.prompt_logprobs is not None:
-                        prompt_lps = [None if d is None else token_logprob(t, d, call.prompt_logprobs)
+                        prompt_lps = [None if d is None else prompt_logprob(t, d, call.prompt_logprobs)
                                       for t, d in zip(call.prompt_token_ids, out.prompt_logprobs or (), strict=False)]
                 st.generated += len(ids)
                 reason = comp.finish_reason if (comp is not None and out.finished) else None

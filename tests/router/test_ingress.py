@@ -79,6 +79,11 @@ def scripted_logprob(token: int, top: int) -> tuple[float, tuple[tuple[int, floa
     return lp, tuple((token + j, lp - j) for j in range(top))
 
 
+def scripted_prompt_logprob(token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...], int]:
+    """A prompt token's scripted entry: ``scripted_logprob``'s and a rank, 1 + token % 7."""
+    return (*scripted_logprob(token, top), 1 + token % 7)
+
+
 class _Gen:
     def __init__(self, owner: ScriptedReplicas, call: Any, refused: bool = False, fails: bool = False) -> None:
         self.owner = owner
@@ -91,7 +96,7 @@ class _Gen:
         self.top = call.logprobs  # asked for log probabilities: scripted_logprob's, with this many alternatives
         # and the prompt's (echo with logprobs), on the first chunk: None for its first token
         self.prompt_lps = None if call.prompt_logprobs is None else [None] + [
-            scripted_logprob(t, call.prompt_logprobs) for t in call.prompt_token_ids[1:]]
+            scripted_prompt_logprob(t, call.prompt_logprobs) for t in call.prompt_token_ids[1:]]
 
     def __aiter__(self) -> _Gen:
         return self
@@ -693,6 +698,26 @@ def _keeps(side: str) -> Callable[[Server, dict, bool, bool], None]:
     return check
 
 
+def _lists_prompt_logprobs(server: Server, body: dict, chat: bool, top: int) -> None:
+    """vLLM's prompt_logprobs: the call asks the engine for the prompt's log probabilities with
+    ``top`` alternatives, and the answer lists them in vLLM's shape (on the completion's choice,
+    on the chat's response): None for the first token, then token id -> logprob, rank, text, the
+    prompt token's own first."""
+    r = post(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+    call = server.replicas.calls[-1]
+    assert r.status_code == 200 and call.prompt_logprobs == top, r.text
+    got = r.json()["prompt_logprobs"] if chat else r.json()["choices"][0]["prompt_logprobs"]
+    text_of = server.ingress.tokenizer.token_text
+    want: list = [None]
+    for t in call.prompt_token_ids[1:]:
+        lp, alts, rank = scripted_prompt_logprob(t, top)
+        m = {str(t): {"logprob": lp, "rank": rank, "decoded_token": text_of(t)}}
+        for k, (a, v) in enumerate(alts):
+            m.setdefault(str(a), {"logprob": v, "rank": k + 1, "decoded_token": text_of(a)})
+        want.append(m)
+    assert got == want
+
+
 def _keeps_special_tokens(server: Server, body: dict, chat: bool, stream: bool) -> None:
     """skip_special_tokens false: an output special token's text stays in the answer (by default
     it is left out)."""
@@ -731,6 +756,13 @@ class Needs(NamedTuple):
 REFUSE = "400"
 YES_NO = {"type": "string", "enum": ["yes", "no"]}
 STREAM_ONLY = "stream only"  # 200 with stream=True, a 400 naming the field with stream=False
+
+
+class WholeOnly(NamedTuple):
+    """A field honoured in a whole answer (checked by ``then``) and refused on a stream with a 400
+    naming it."""
+
+    then: Callable[[Server, dict, bool, bool], None]
 #: Every field of the request models: (value to send, REFUSE or a check that it was honoured).
 #: Values that are the field's no-op default are accepted by both; the matrix sends a real use.
 COMMON: dict[str, tuple[Any, Any]] = {
@@ -772,7 +804,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "return_tokens_as_token_ids": (True, _names_token_ids),
     "allowed_token_ids": ([42, 43], _call_has(allowed_token_ids=(42, 43))),  # the engine's (sim: test_sim_engine)
     "bad_words": (["gamma"], _call_has(bad_words=("gamma",))),  # the engine's (the sim engine refuses them)
-    "prompt_logprobs": (1, REFUSE),  # echo with logprobs lists them (test_logprobs_* below)
+    "prompt_logprobs": (2, WholeOnly(lambda srv, b, c, s: _lists_prompt_logprobs(srv, b, c, 2))),
 }
 COMPLETION = {**COMMON, "prompt": ("hi", _no_effect), "echo": (True, _echoes), "suffix": ("end", REFUSE),
               "add_special_tokens": (False, _sends_prompt)}
@@ -958,6 +990,13 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, chat):
                 r = post(server, path, body)
                 assert_clear_error(r, 400, name)
                 assert r.json()["error"]["param"] == name
+                continue
+            if isinstance(expect, WholeOnly):
+                r = post(server, path, {**body, "stream": True})
+                assert_clear_error(r, 400, name)
+                assert r.json()["error"]["param"] == name
+                assert post(server, path, {**body, "stream": False}).status_code == 200
+                expect.then(server, body, chat, False)
                 continue
             if expect == STREAM_ONLY:
                 r = post(server, path, {**body, "stream": False})

@@ -260,7 +260,7 @@ async def test_eos_mean_tokens_zero_runs_every_request_to_max_tokens_and_bad_val
 
 @pytest.mark.parametrize("field,value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0),
                                          ("repetition_penalty", 1.1), ("logit_bias", {42: 3.0}),
-                                         ("bad_words", ("gamma",))])
+                                         ("bad_words", ("gamma",)), ("prompt_logprobs", 1)])
 async def test_penalties_and_logit_bias_are_refused_by_name_unless_no_ops(engine, field, value):
     c = call("p", [5] * 20)
     setattr(c, field, value)

@@ -640,7 +640,7 @@ async def _scenario() -> dict:
         before = eng.cache_estimate.predicted_hit_blocks(block_hashes(p_ids), len(p_ids))
         call = _call("plp", p_ids, 1)
         call.logprobs, call.prompt_logprobs = 1, 1
-        res["prompt_logprobs"] = {"out": await _collect(eng, call), "n": len(p_ids), "before": before,
+        res["prompt_logprobs"] = {"out": await _collect(eng, call), "n": len(p_ids), "ids": p_ids, "before": before,
                                   "after": eng.cache_estimate.predicted_hit_blocks(block_hashes(p_ids), len(p_ids))}
         # Output constrained to a JSON schema (OpenAI's response_format, vLLM's structured outputs):
         # the tiny model's random weights still answer only what the schema allows, then stop
@@ -786,6 +786,11 @@ def test_vllm_prompt_log_probabilities_on_the_first_output_and_the_estimate_kept
     first = r["out"]["outs"][0]
     plp = first.prompt_logprobs
     assert len(plp) == r["n"] and plp[0] is None and all(e[0] <= 0 and len(e[1]) == 1 for e in plp[1:])
+    # each prompt token's rank as vLLM reports it (vLLM's prompt_logprobs): 1 where it is the most likely
+    ids = r["ids"]
+    assert all(e[2] >= 1 for e in plp[1:])
+    assert all(e[2] == 1 for t, e in zip(ids[1:], plp[1:], strict=True) if e[1][0][0] == t)
+    assert any(e[2] > 1 for e in plp[1:])  # random prompt ids on a model: most are not its first pick
     assert all(o.prompt_logprobs is None for o in r["out"]["outs"][1:])
     assert first.cached_tokens == 0  # vLLM read no cached block for it
     assert r["before"] > 0 and r["after"] >= r["before"]  # the prefix is still predicted cached
