@@ -75,7 +75,7 @@ from router.openai_api import (
     template_tools,
 )
 from router.responses_api import AS_RESPONSES_PARAM, RESPONSES_REFUSED, MappingError, ResponsesRequest, to_chat
-from router.tokenizer import PREFIX_CHARS_PER_TOKEN, TooManyTokens, kept, utf8_len_over
+from router.tokenizer import DEFAULT_TRUNCATION_SIDE, PREFIX_CHARS_PER_TOKEN, TooManyTokens, kept, utf8_len_over
 from router.tool_calls import AUTO
 from router.work_pool import TOKENIZE_S_PER_CHAR, ShortestFirstPool
 
@@ -518,7 +518,7 @@ class FairwayIngress:
 
     def _kept(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[int, str] | None:
         """vLLM's ``truncate_prompt_tokens``: how many of the prompt's tokens are kept and from which
-        side ("left": the last ones; by default the tokenizer's side), or None to keep them all; more
+        side ("left", the default: the last ones; "right": the first), or None to keep them all; more
         than the context is a 400 naming it, -1 the context less one (room for one output token)."""
         k = body.truncate_prompt_tokens
         if k is None:
@@ -527,7 +527,7 @@ class FairwayIngress:
         if k > limit:
             raise HTTPError(400, f"truncate_prompt_tokens ({k}) is more than this model's context ({limit} tokens)",
                             reason="bad_request", param="truncate_prompt_tokens")
-        return (limit - 1 if k == -1 else k), body.truncation_side or self.tokenizer.truncation_side
+        return (limit - 1 if k == -1 else k), body.truncation_side or DEFAULT_TRUNCATION_SIDE
 
     async def _text_ids(self, text: str, add_special_tokens: bool = False,
                         keep: tuple[int, str] | None = None) -> list[int]:

@@ -330,8 +330,8 @@ class _Common(_Sampling):
     # and two sampling constraints (the engine's)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM's: keep only this many of the "
                                                "prompt's tokens (-1: the context less one), cut on truncation_side")
-    truncation_side: Literal["left", "right"] | None = Field(None, description="vLLM's: left keeps the prompt's "
-                                                             "last tokens, right its first (default: the tokenizer's)")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="vLLM's: left (the default) keeps "
+                                                             "the prompt's last tokens, right its first")
     skip_special_tokens: bool = Field(True, description="vLLM's: false keeps special tokens' text in the answer")
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = Field(False, description="vLLM's: log probabilities name each token "

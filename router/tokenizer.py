@@ -57,6 +57,11 @@ PREFIX_CHARS_PER_TOKEN = 8
 PREFIX_MARGIN = 256
 #: how far back from the cut a whitespace is looked for
 CUT_LOOKBACK = 4096
+#: The side ``truncate_prompt_tokens`` cuts without a ``truncation_side``: the start, keeping the
+#: prompt's last tokens, as vLLM's generation servers load every tokenizer (vllm-project/vllm,
+#: vllm/tokenizers/registry.py: ``truncation_side`` "left" unless configured; a tokenizer's own
+#: setting, "right" for most, does not count there)
+DEFAULT_TRUNCATION_SIDE = "left"
 
 
 class TooManyTokens(ValueError):  # noqa: N818 - it is what the caller refuses
@@ -174,12 +179,6 @@ class Tokenizer:
             if len(ids) > keep + PREFIX_MARGIN:
                 return kept(ids, (keep, side))
         return kept(self.encode(text, add_special_tokens), (keep, side))
-
-    @property
-    def truncation_side(self) -> str:
-        """The side a truncated prompt loses by default: "right" (its end) or "left" (its start),
-        as the tokenizer's configuration says (vLLM's default too)."""
-        return str(getattr(self.tok, "truncation_side", "right"))
 
     def check_within(self, text: str, limit: int) -> None:
         """Raise ``TooManyTokens`` when a prefix of ``text`` alone proves it has more than

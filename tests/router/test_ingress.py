@@ -688,8 +688,8 @@ def _sends_prompt(server: Server, body: dict, chat: bool, stream: bool) -> None:
 
 
 def _keeps(side: str) -> Callable[[Server, dict, bool, bool], None]:
-    """truncate_prompt_tokens: the call has the prompt's first ("right") or last ("left") tokens
-    (test_truncate_prompt_tokens_* below on long prompts)."""
+    """truncate_prompt_tokens: the call has the prompt's first ("right") or last ("left", the
+    default) tokens (test_truncate_prompt_tokens_* below on long prompts)."""
     def check(server: Server, body: dict, chat: bool, stream: bool) -> None:
         from router.tokenizer import kept
 
@@ -796,9 +796,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "logprobs": (1, lambda srv, b, c, s: _has_logprobs(srv, b, c, s, 1)),
     "structured_outputs": ({"choice": ["yes", "no"]}, _call_has(structured_output={"choice": ["yes", "no"]},
                                                                  structured_output_param="structured_outputs")),
-    "truncate_prompt_tokens": (1, _keeps("right")),  # the tokenizer's side by default
-    "truncation_side": ("left", Needs("truncation_side", "truncation_side goes with truncate_prompt_tokens",
-                                      {"truncate_prompt_tokens": 1}, _keeps("left"))),
+    "truncate_prompt_tokens": (1, _keeps("left")),  # the last tokens by default, as vLLM's
+    "truncation_side": ("right", Needs("truncation_side", "truncation_side goes with truncate_prompt_tokens",
+                                       {"truncate_prompt_tokens": 1}, _keeps("right"))),
     "skip_special_tokens": (False, _keeps_special_tokens),
     "spaces_between_special_tokens": (False, REFUSE),
     "return_tokens_as_token_ids": (True, _names_token_ids),
@@ -1486,7 +1486,7 @@ def test_add_special_tokens_puts_the_tokenizers_own_around_the_prompt_as_vllm_do
 
 def test_truncate_prompt_tokens_keeps_the_prompts_first_or_last_tokens_and_routes_on_them(server):
     """vLLM's truncate_prompt_tokens: the call carries the kept tokens (the last with
-    truncation_side left, the first with right, the tokenizer's side by default; -1: the context
+    truncation_side left, the default as in vLLM's server, the first with right; -1: the context
     less one) and the block hashes of those, so the router estimates the cache on what the engine
     will read; a text far over the context is served, tokenizing only its kept side; echo gives
     the kept prompt's text; what cannot be kept is a 400 naming the field."""
@@ -1500,7 +1500,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_first_or_last_tokens_and_route
     assert_clear_error(post(server, "/v1/completions", base), 400, "maximum context length is 4096")
     for extra, want in (({"truncate_prompt_tokens": 100, "truncation_side": "left"}, full[-100:]),
                         ({"truncate_prompt_tokens": 100, "truncation_side": "right"}, full[:100]),
-                        ({"truncate_prompt_tokens": 100}, full[:100]),  # the tokenizer's side: right
+                        ({"truncate_prompt_tokens": 100}, full[-100:]),  # vLLM's default side: left
                         ({"truncate_prompt_tokens": -1, "truncation_side": "left", "max_tokens": 1}, full[-4095:])):
         r = post(server, "/v1/completions", {**base, **extra})
         assert r.status_code == 200, r.text
