@@ -80,7 +80,7 @@ class Replies:
             "usage": self.usage_of(answers, body.n),
             "fairway": self.fairway(first.first, first.last, first.stream),
         }
-        if chat and getattr(body, "prompt_logprobs", None) is not None:  # the chat's, once (vLLM's place)
+        if chat and first.call.prompt_logprobs is not None:  # the chat's, once (vLLM's place)
             out["prompt_logprobs"] = first.prompt_logprobs()
         if len(answers) > 1:
             out["fairway"]["choices"] = [self.fairway(a.first, a.last, a.stream) for a in answers]  # type: ignore
@@ -373,7 +373,7 @@ class Answer:
             choice = {"index": self.index, "text": self.echo + text, "finish_reason": reason,
                       "logprobs": None if call.logprobs is None else text_logprobs(self.text_of,
                           out.ids, out.lps, len(self.echo), (call.prompt_token_ids, self.first.prompt_logprobs))}
-            if getattr(body, "prompt_logprobs", None) is not None:  # each prompt's, on its choices (vLLM's place)
+            if call.prompt_logprobs is not None:  # each prompt's, on its choices, also for echo (vLLM's place)
                 choice["prompt_logprobs"] = self.prompt_logprobs()
         if body.return_token_ids:
             choice["token_ids"] = out.ids

@@ -922,6 +922,10 @@ def test_logprobs_list_one_entry_per_counted_token_with_the_asked_alternatives_o
             lp = r.json()["choices"][0]["logprobs"] if not stream else json.loads(
                 r.text.split("\n")[0][6:])["choices"][0]["logprobs"]
             assert (lp["tokens"], lp["token_logprobs"]) == want and lp["top_logprobs"][0] is None
+            if not stream:  # and vLLM's prompt_logprobs beside, as its server answers echo with logprobs
+                plp = r.json()["choices"][0]["prompt_logprobs"]
+                assert plp[0] is None and [e[str(t)]["logprob"] for t, e in zip(prompt[1:], plp[1:], strict=True)] \
+                    == want[1][1:len(prompt)]
             assert lp["text_offset"][: len(prompt)] == [sum(len(t) for t in want[0][:i]) for i in range(len(prompt))]
         assert post(server, "/v1/completions", body).status_code == 200
         assert server.replicas.calls[-1].prompt_logprobs is None  # without echo: the output's only
