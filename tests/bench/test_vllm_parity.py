@@ -1,0 +1,18 @@
+"""``bench.vllm_parity``'s reading of an answer: what a client sees, refusals by their status."""
+
+from __future__ import annotations
+
+from bench.vllm_parity import CASES, seen
+
+
+def test_an_answer_is_read_as_a_client_reads_it_and_a_refusal_by_its_status():
+    whole = {"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"]},
+                          "prompt_logprobs": [None, {"7": {"logprob": -1.23456, "rank": 2, "decoded_token": "x"}}]}],
+             "usage": {"prompt_tokens": 2}}
+    assert seen(200, whole) == {"text": "ab", "prompt_tokens": 2, "logprob_tokens": ["a", "b"],
+                                "prompt_logprobs": [None, {"7": (-1.235, 2, "x")}]}
+    chat = {"choices": [{"message": {"content": "hi"}}], "usage": {"prompt_tokens": 5},
+            "prompt_logprobs": [None]}
+    assert seen(200, chat) == {"text": "hi", "prompt_tokens": 5, "prompt_logprobs": [None]}
+    assert seen(400, {"error": {"message": "no"}}) == 400
+    assert len({name for name, _, _ in CASES}) == len(CASES)  # each case named once
