@@ -7,6 +7,10 @@ both and compares what a client reads: the text, the prompt's token count, vLLM'
 the output log probabilities' token names, and the status of what both must refuse; then
 ``/tokenize``'s ids. It prints one line per case and exits 1 when any differs.
 
+Not compared: a forced tool call (vLLM 0.32 needs a tool-call parser for ``tool_choice:
+"required"``, and its ``llama3_json`` parser needs a ``<|python_tag|>`` token that fairway-tiny's
+tokenizer has not).
+
 vLLM's own server on the same tiny model (CPU, about a minute to start; the cluster:
 ``FAIRWAY_CONFIG=deploy/cluster-vllm-cpu.yaml scripts/run.sh up``):
 
@@ -53,6 +57,23 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
                                                        "stop_token_ids": [2754]}),
     ("prompt_logprobs on a stream (refused)", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True,
                                                                   "prompt_logprobs": 1}),
+    ("stop, include_stop_str_in_output", "/v1/completions", {"prompt": "hello there friend", "max_tokens": 12,
+                                                             "stop": ["extr"], "include_stop_str_in_output": True}),
+    ("logit_bias", "/v1/completions", {"prompt": "hello there friend", "max_tokens": 4, "logit_bias": {"2754": -100}}),
+    ("seeded sampling, top_k, min_p", "/v1/completions", {"prompt": "hello", "max_tokens": 8, "temperature": 1.0,
+                                                          "seed": 3, "top_k": 50, "min_p": 0.01}),
+    ("n = 2 with a seed", "/v1/completions", {"prompt": "hello", "max_tokens": 6, "temperature": 1.0, "seed": 11,
+                                              "n": 2}),
+    ("response_format json_schema", "/v1/chat/completions", {
+        "messages": CHAT, "max_tokens": 12, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "yn", "schema": {"type": "string", "enum": ["yes", "no"]}}}}),
+    ("structured_outputs choice", "/v1/completions", {"prompt": "hello", "max_tokens": 8,
+                                                      "structured_outputs": {"choice": ["red", "green"]}}),
+    ("continue_final_message", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}],
+        "max_tokens": 4, "continue_final_message": True, "add_generation_prompt": False}),
+    ("chat logprobs, top_logprobs", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True,
+                                                             "top_logprobs": 2}),
 ]
 TOKENIZE = [{"prompt": "hello there"}, {"prompt": "hello there", "add_special_tokens": False}, {"messages": CHAT}]
 
@@ -62,14 +83,23 @@ def seen(status: int, body: Any) -> Any:
     if status != 200:
         return status
     ch = body["choices"][0]
-    out: dict[str, Any] = {"text": ch["text"] if "text" in ch else ch["message"]["content"],
-                           "prompt_tokens": body["usage"]["prompt_tokens"]}
+    out: dict[str, Any] = {"texts": [c["text"] if "text" in c else c["message"]["content"] for c in body["choices"]],
+                           "finish": [c["finish_reason"] for c in body["choices"]],
+                           "prompt_tokens": body["usage"]["prompt_tokens"],
+                           "completion_tokens": body["usage"]["completion_tokens"]}
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in (ch.get("message") or {}).get("tool_calls")
+             or ()]
+    if calls:
+        out["tool_calls"] = calls
     plp = ch.get("prompt_logprobs") or body.get("prompt_logprobs")
     if plp is not None:
         out["prompt_logprobs"] = [None if e is None else {k: (round(v["logprob"], 3), v["rank"], v["decoded_token"])
                                                           for k, v in e.items()} for e in plp]
     if isinstance(ch.get("logprobs"), dict) and "tokens" in ch["logprobs"]:
         out["logprob_tokens"] = ch["logprobs"]["tokens"]
+    if isinstance(ch.get("logprobs"), dict) and "content" in ch["logprobs"]:
+        out["logprob_tokens"] = [(e["token"], round(e["logprob"], 3), [a["token"] for a in e["top_logprobs"]])
+                                 for e in ch["logprobs"]["content"]]
     return out
 
 
