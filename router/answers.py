@@ -310,11 +310,11 @@ class Answer:
     def __init__(self, tokenizer: Any, parser: str | None, call: GenerateCall, index: int, body: Any, chat: bool,
                  echo: str = "") -> None:
         # a log probability's token: its text, or vLLM's "token_id:<id>" (``return_tokens_as_token_ids``)
-        self.text_of = token_id_text if getattr(body, "return_tokens_as_token_ids", False) else tokenizer.token_text
+        self.text_of = token_id_text if body.return_tokens_as_token_ids else tokenizer.token_text
         self.call = call
         self.index = index
         self.echo = echo
-        self.out = Output(tokenizer.decoder(getattr(body, "skip_special_tokens", True)), body.stop_strings(),
+        self.out = Output(tokenizer.decoder(body.skip_special_tokens), body.stop_strings(),
                           body.stop_token_ids, body.min_tokens, body.include_stop_str_in_output)
         self.tools = tool_answer(body, chat, parser)
         self.offset = 0  # a completion's text so far, for its tokens' text_offset

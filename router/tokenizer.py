@@ -38,7 +38,6 @@ tokenized whole (the latter up to the body limit).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Callable
@@ -258,8 +257,7 @@ class Tokenizer:
         template writes them)."""
         if add_special_tokens:
             return self.encode(self.render_chat(messages, tools, template), True)
-        options = {"add_generation_prompt": True, **(template or {})}
-        out = self.tok.apply_chat_template(messages, tools=tools, tokenize=True, **options)
+        out = self._apply_template(messages, tools, template, tokenize=True)
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return list(out)
@@ -268,11 +266,20 @@ class Tokenizer:
                     template: dict[str, Any] | None = None) -> str:
         """The chat template's prompt as text (``encode_chat`` is its ids, tokenized without
         special tokens added)."""
+        return str(self._apply_template(messages, tools, template, tokenize=False))
+
+    def _apply_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        template: dict[str, Any] | None, tokenize: bool) -> Any:
+        """The chat template over ``messages`` with the request's ``template`` options (the
+        assistant's header by default)."""
         options = {"add_generation_prompt": True, **(template or {})}
-        return str(self.tok.apply_chat_template(messages, tools=tools, tokenize=False, **options))
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=tokenize, **options)
 
     def decode_all(self, ids: list[int]) -> str:
-        """``ids``' text with their special tokens (``/detokenize``)."""
+        """``ids``' text with their special tokens (``/detokenize``, ``skip_special_tokens``
+        false)."""
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=False)
         return self.tok.decode(ids, skip_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
@@ -283,11 +290,7 @@ class Tokenizer:
     def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
         """The decode an answer's text uses: ``decode``, or with ``skip_special_tokens`` false (vLLM's
         parameter) one that keeps the special tokens' text."""
-        if skip_special_tokens:
-            return self.decode
-        if self._fast_decode is not None:
-            return functools.partial(self._fast_decode, skip_special_tokens=False)
-        return self.decode_all
+        return self.decode if skip_special_tokens else self.decode_all
 
 
 def kept(ids: list[int], keep: tuple[int, str] | None) -> list[int]:
