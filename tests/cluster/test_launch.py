@@ -236,3 +236,19 @@ def test_the_kuberay_manifest_starts_every_node_with_the_same_settings():
     for pod in pods:
         env = {e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
         assert {k: env.get(k) for k in wanted} == wanted
+
+
+def test_the_wrapper_starts_haproxy_without_the_bound_when_it_cannot_add_it(tmp_path):
+    """Without ``flock`` (here: a PATH that lacks it) the edit fails: HAProxy still starts, with Ray's
+    configuration as Ray wrote it, and the reason goes to its stderr, which Ray logs."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "grep", "sed", "dirname", "cp", "echo"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    done = _run_bounded(tmp_path, RAY_CONFIG, PATH=str(bin_dir))
+    assert done.returncode == 0, done.stderr
+    assert "HAProxy starts without it" in done.stderr
+    assert (tmp_path / "seen.cfg").read_text() == RAY_CONFIG
+    assert (tmp_path / "args").read_text().split()[:2] == ["-db", "-f"]
