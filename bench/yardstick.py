@@ -165,6 +165,7 @@ def run_one(r: Run) -> dict[str, Any]:
         "point": r.point.label, "router": r.router, "view": r.view, "seed": r.seed,
         "ttft_s": {k: res["ttft_s"][k] for k in KEPT},
         "hit": res["cache_hit_ratio"], "hit_bound": res.get("hit_bound_infinite", 0.0),
+        "ttft_floor_s": {k: v for k, v in res.get("ttft_floor_s", {}).items() if k in KEPT},
         "n_finished": res["n_finished"], "n_requests": res["n_requests"], "sim_wall_s": res["sim_wall_s"],
         "guard_acts": res.get("guard_acts", 0),
     }
@@ -186,6 +187,17 @@ class Row:
     routers: dict[str, dict[str, float]] = field(default_factory=dict)  # every router's medians
     missing: list[str] = field(default_factory=list)  # anchors with no run at this point
     admissible: tuple[str, float] = ("", 0.0)  # the best p50 among anchors with p99 <= ADMISSIBLE_TAIL x best
+    floor: dict[str, float] = field(default_factory=dict)  # the TTFT floor's p50 / p99 (sim/ttft_floor.py)
+
+    def beyond_reach(self) -> list[str]:
+        """The targets no router can meet at this point: those whose bound on Fairway's p50 or
+        p99 (the ratio times the best anchor's figure) is under the TTFT floor of Fairway's own
+        requests, the least any router could give them."""
+        out = []
+        for k, targets in (("p50", (1.0, 1.05)), ("p99", (0.9, 1.05))):
+            if k in self.floor:
+                out += [f"{k} <= {t:g}x" for t in targets if self.floor[k] > t * self.best[k][1]]
+        return out
 
 
 def medians(runs: Iterable[dict[str, Any]]) -> dict[str, float]:
@@ -227,7 +239,9 @@ def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str], fairway
         admissible = (a, meds[a]["p50"])
         ratio["p50_admissible"] = fw["p50"] / admissible[1] if admissible[1] > 0 else float("inf")
         missing = [a for a in anchors if a not in meds]
-        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds, missing, admissible))
+        floors = [r["ttft_floor_s"] for r in by_router[fairway] if r.get("ttft_floor_s")]
+        floor = {k: statistics.median(f[k] for f in floors) for k in ("p50", "p99")} if floors else {}
+        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds, missing, admissible, floor))
     return rows
 
 
@@ -259,6 +273,11 @@ def verdict(rows: Sequence[Row]) -> Verdict:
                    statistics.median(adm), max(adm))
 
 
+def _floor(f: dict[str, float]) -> str:
+    """The TTFT floor's p50 / p99, or a dash for runs cached before it was kept."""
+    return f"{f['p50']:.3f} / {f['p99']:.2f}" if f else "-"
+
+
 def _ratio(x: float) -> str:
     """A ratio, in bold where Fairway is behind."""
     return f"**{x:.2f}**" if x > 1.0 else f"{x:.2f}"
@@ -277,18 +296,19 @@ def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[s
         out.append(f"View `{view}`, medians over {'/'.join(map(str, seeds))} seed(s):\n")
         out.append("| point | Fairway p50 / p99 s | best anchor p50 s | best anchor p99 s | p50 / p99 ratio "
                    f"| p50 ratio, anchors with p99 <= {ADMISSIBLE_TAIL:g}x best | Fairway hit | best anchor hit "
-                   "| hit bound |")
-        out.append("| --- | ---: | --- | --- | ---: | --- | ---: | --- | ---: |")
+                   "| hit bound | TTFT floor p50 / p99 s |")
+        out.append("| --- | ---: | --- | --- | ---: | --- | ---: | --- | ---: | ---: |")
         for r in vr:
             (a50, v50), (a99, v99), (ah, vh) = r.best["p50"], r.best["p99"], r.best["hit"]
             out.append(
                 f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | {v50:.3f} ({a50}) "
                 f"| {v99:.2f} ({a99}) | {_ratio(r.ratio['p50'])} / {_ratio(r.ratio['p99'])} "
                 f"| {_ratio(r.ratio['p50_admissible'])} ({r.admissible[0]}) "
-                f"| {r.fairway['hit']:.3f} | {vh:.3f} ({ah}) | {r.hit_bound:.3f} |")
+                f"| {r.fairway['hit']:.3f} | {vh:.3f} ({ah}) | {r.hit_bound:.3f} "
+                f"| {_floor(r.floor)} |")
         for r in partial:
             out.append(f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | incomplete: "
-                       f"{len(r.missing)} anchor(s) not run ({', '.join(r.missing)}) | | | | | | |")
+                       f"{len(r.missing)} anchor(s) not run ({', '.join(r.missing)}) | | | | | | | |")
         out.append("")
         if not vr:
             out.append("No point with every anchor run yet.\n")
@@ -301,6 +321,10 @@ def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[s
                    f"{'met' if v.met else 'not met'}. p50 against the anchors whose p99 is within "
                    f"{ADMISSIBLE_TAIL:g}x the best: median {v.median_p50_admissible:.2f}, "
                    f"max {v.max_p50_admissible:.2f}.\n")
+        reach = [f"{r.point} ({', '.join(r.beyond_reach())})" for r in vr if r.beyond_reach()]
+        if reach:
+            out.append("Beyond any router, the TTFT floor of Fairway's own requests being above the bound: "
+                       + "; ".join(reach) + ".\n")
     if not_run:
         out.append("Points not run yet: " + "; ".join(not_run) + ".\n")
     if missing:

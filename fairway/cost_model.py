@@ -279,6 +279,38 @@ class CostModel:
         attn = np.maximum(self._c * (n * c) + self._d * (n * n), self._e * c)
         return self._oh + np.maximum(self._floor, gemm + attn)
 
+    def least_ttft_array(self, prompt_tokens: np.ndarray, max_cached_tokens: np.ndarray,
+                         max_chunk_tokens: int) -> np.ndarray:
+        """A lower bound on each request's TTFT under any router and any schedule: its prompt's
+        prefill from arrival to first token, with no wait, at most ``max_cached_tokens`` of its
+        ``prompt_tokens`` cached, in chunks of at most ``max_chunk_tokens`` (the engine's token
+        budget), and no other work in its steps (docs/cost-model.md, "The TTFT floor", states the
+        argument; every term of ``step_time`` only grows with the batch around a chunk).
+
+        With x tokens computed (x in [a, P], a = max(1, P - max_cached): a request may cache less
+        than the most, and the attention term is not monotone in x), in k >= ceil(a / chunk)
+        steps: k * overhead + max(k * weight_read + q(x), b * x + q(x)), q(x) = A x^2 + c P x,
+        A = d - c + min(0, c - 2d) / 2 (the chunks' attention on each other, at its least); each
+        minimum over x is at an endpoint (A <= 0: concave) or at a (A > 0: increasing for x > 0).
+        The launch floor is left out (it only raises a step). O(len), vectorised."""
+        if max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be >= 1")
+        p = np.asarray(prompt_tokens, dtype=np.float64)
+        a = np.maximum(1.0, p - np.asarray(max_cached_tokens, dtype=np.float64))
+        c, d = self._c, self._d
+        big_a = d - c + min(0.0, c - 2.0 * d) / 2.0
+
+        def q(x: np.ndarray, lin: np.ndarray) -> np.ndarray:
+            return big_a * x * x + lin * x
+
+        lin_q, lin_h = c * p, self._b + c * p
+        if big_a <= 0.0:
+            q_min, h_min = np.minimum(q(a, lin_q), q(p, lin_q)), np.minimum(q(a, lin_h), q(p, lin_h))
+        else:
+            q_min, h_min = q(a, lin_q), q(a, lin_h)
+        k = np.ceil(a / max_chunk_tokens)
+        return k * self._oh + np.maximum(k * self._wr + q_min, h_min)
+
     def step_time(
         self,
         prefill_tokens: int,

@@ -15,11 +15,13 @@ from fairway.policies import make_policy, policy_class
 from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
+from fairway.summary import pct
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
 from sim.flow import FlowControl, flow_summary
 from sim.hit_bounds import References, hit_ratio_bounds
 from sim.metrics import summarize
 from sim.simulator import Simulation
+from sim.ttft_floor import ttft_floor
 from workloads.class_mix import ClassMix, parse_mix
 from workloads.registry import make_workload_from
 
@@ -266,6 +268,9 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         out["ceiling_hit_ratio"] = ceiling_hit_ratio(specs, capacity, cfg.block_size, refs)  # LRU replay
         out["hit_bound_capacity"], out["hit_bound_infinite"] = hit_ratio_bounds(specs, capacity, cfg.block_size,
                                                                                 refs)
+        # the least TTFT any router and queue order could give these requests (sim/ttft_floor.py)
+        out["ttft_floor_s"] = pct(ttft_floor(specs, sim.replicas[0].cost, cfg.block_size,
+                                             cfg.max_num_batched_tokens, refs))
         out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
     if cfg.classes:  # only with classes, so the default schema stays the one loadgen shares
         out["flow"] = flow_summary(res.finished, res.rejected, classes_of(cfg), sim.flow)

@@ -104,3 +104,26 @@ def test_a_candidate_is_judged_in_fairways_place():
     (row,) = summarise(rs, anchors=["a"], fairway="fairway[x=1]")
     assert row.ratio["p50"] == pytest.approx(0.5) and row.ratio["p99"] == pytest.approx(0.5)
     assert "Judged as Fairway: `fairway[x=1]`" in render([row], fairway="fairway[x=1]")
+
+
+def test_a_target_under_the_ttft_floor_is_named_beyond_any_router():
+    """The best anchor's p99 is 0.44 s and the floor of Fairway's requests 0.425 s: p99 <= 0.9x
+    (0.396 s) is out of any router's reach, 1.05x (0.462 s) is not; a run cached before the floor
+    was kept shows a dash."""
+    floor = {"p50": 0.006, "p99": 0.425, "mean": 0.03}
+    rs = [{**result(FAIRWAY, 0.014, 0.49, 0.8, seed=s), "ttft_floor_s": floor} for s in (0, 1)]
+    rs += [result("dynamo", 0.015, 0.44, 0.8, seed=s) for s in (0, 1)]
+    (row,) = summarise(rs, anchors=["dynamo"])
+    assert row.floor == {"p50": 0.006, "p99": 0.425}
+    assert row.beyond_reach() == ["p99 <= 0.9x"]
+    text = render([row])
+    assert "| 0.006 / 0.42 |" in text and "w @1 (p99 <= 0.9x)" in text
+    (old,) = summarise([result(FAIRWAY, 0.014, 0.49, 0.8), result("dynamo", 0.015, 0.44, 0.8)], anchors=["dynamo"])
+    assert old.floor == {} and old.beyond_reach() == [] and "| - |" in render([old])
+
+
+def test_the_floor_comes_with_every_real_run():
+    r = run_one(Run(Point("hotspot", "hotspot", 40, 10), FAIRWAY, "approx", 0, replicas=2))
+    f = r["ttft_floor_s"]
+    assert set(f) == {"p50", "p99", "mean"}
+    assert 0 < f["p50"] <= r["ttft_s"]["p50"] and 0 < f["p99"] <= r["ttft_s"]["p99"]
