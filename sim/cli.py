@@ -55,6 +55,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"(bound {res['hit_bound_capacity']:.3f} at this capacity, {res['hit_bound_infinite']:.3f} with no "
               f"eviction; LRU replay {res['ceiling_hit_ratio']:.3f}), reasons {res['routing_reasons']}, "
               f"prefill-busy {busy}")
+        f = res["ttft_floor_s"]
+        print(f"TTFT floor (no router or queue order does better): p50 {f['p50']:.3f} s, p99 {f['p99']:.3f} s")
     for name, c in (res.get("flow") or {}).get("classes", {}).items():
         print(f"class {name}: TTFT p50 {c['ttft_s']['p50']:.3f} s, p99 {c['ttft_s']['p99']:.3f} s, attainment "
               f"{c['attainment']:.3f} (objective {c['objective_s']:g} s), goodput {c['goodput_rps']:.2f} req/s, "
