@@ -58,17 +58,20 @@ class _One:
         return []
 
 
-@pytest.mark.parametrize("workload,rate,duration,router,policy", [
-    ("hotspot", 100, 20, "fairway", "fairway"),
-    ("hotspot", 100, 20, "dynamo", "fcfs"),
-    ("rag-spike", 60, 30, "fairway", "fairway"),
-    ("rag-spike", 60, 30, "round-robin", "lpm"),
-    ("agentic", 2, 60, "session-hash", "fairway"),
+@pytest.mark.parametrize("workload,rate,duration,router,policy,kv_blocks", [
+    ("hotspot", 100, 20, "fairway", "fairway", None),
+    ("hotspot", 100, 20, "dynamo", "fcfs", None),
+    ("rag-spike", 60, 30, "fairway", "fairway", None),
+    ("rag-spike", 60, 30, "round-robin", "lpm", None),
+    ("agentic", 2, 60, "session-hash", "fairway", None),
+    ("rag-spike", 60, 30, "fairway", "fairway", 3000),  # memory short: requests preempted and recomputed
 ])
-def test_no_request_is_faster_than_its_floor(workload, rate, duration, router, policy):
-    cfg = RunConfig(workload=workload, policy=policy, rate=rate, duration_s=duration, replicas=4, router=router)
+def test_no_request_is_faster_than_its_floor(workload, rate, duration, router, policy, kv_blocks):
+    cfg = RunConfig(workload=workload, policy=policy, rate=rate, duration_s=duration, replicas=4, router=router,
+                    kv_blocks=kv_blocks)
     sim, _ = build(cfg)
     res = sim.run()
+    assert kv_blocks is None or res.preemptions > 0
     order = sorted(res.finished, key=lambda r: (r.spec.arrival_s, r.spec.rid))
     floor = ttft_floor([r.spec for r in order], sim.replicas[0].cost, cfg.block_size, cfg.max_num_batched_tokens)
     ttft = np.array([r.first_token_s - r.spec.arrival_s for r in order])
