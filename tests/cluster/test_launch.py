@@ -252,3 +252,10 @@ def test_the_wrapper_starts_haproxy_without_the_bound_when_it_cannot_add_it(tmp_
     assert "HAProxy starts without it" in done.stderr
     assert (tmp_path / "seen.cfg").read_text() == RAY_CONFIG
     assert (tmp_path / "args").read_text().split()[:2] == ["-db", "-f"]
+
+
+def test_the_wrapper_says_so_when_rays_configuration_has_no_defaults_section_to_bound(tmp_path):
+    other = RAY_CONFIG.replace("defaults\n", "defaults http_defaults\n")  # a layout this wrapper does not know
+    done = _run_bounded(tmp_path, other)
+    assert done.returncode == 0 and "HAProxy starts without it" in done.stderr
+    assert (tmp_path / "seen.cfg").read_text() == other
