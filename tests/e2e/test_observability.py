@@ -191,3 +191,13 @@ def test_dashboards_on_live_cluster(prometheus_binary, tmp_path):
             assert got == {lane: float(n) for lane, n in want.items()}, (got, want)
             assert sum(got.values()) == n_finished
             assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+
+            # the committed config's haproxy job: the HTTP ingress's own answers, every request of the load
+            if cluster.serve_env(dict(os.environ)).get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+                ok_q = 'sum(haproxy_frontend_http_responses_total{job="haproxy",proxy="http_frontend",code="2xx"})'
+
+                def answered() -> float | None:
+                    v = sum(float(x["value"][1]) for x in prom.client.query(ok_q))
+                    return v if v >= n_finished else None
+
+                poll(answered, 30, interval_s=0.5, what="HAProxy's 2xx count through the haproxy job")
