@@ -40,7 +40,8 @@ class Query:
 
     ``expect_data``: a cluster under steady load (sim engine, no overload) must return at least
     one series for it; False for metrics that only appear on events (rejects, promotions).
-    ``metrics``: the fairway_* metric names it reads (checked against the exporter).
+    ``metrics``: the fairway_* metric names it reads (checked against the exporter), and the
+    HAProxy exporter's series it reads (checked against ``HAPROXY_SERIES``).
     """
 
     panel: str
@@ -51,7 +52,7 @@ class Query:
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return tuple(sorted(set(re.findall(r"\bfairway_[a-z0-9_]+", self.expr))))
+        return tuple(sorted(set(re.findall(r"\b(?:fairway|haproxy)_[a-z0-9_]+", self.expr))))
 
 
 def promql(expr: str, rate_interval: str = "30s") -> str:
@@ -85,6 +86,11 @@ DASHBOARDS: dict[str, dict[str, str]] = {
         "description": "Per-replica load: queued prefill work, engine running/waiting, KV usage, hits and TTFT.",
     },
 }
+
+#: The series of HAProxy's own exporter (Ray's HTTP ingress; the Prometheus job ``haproxy``) that
+#: the dashboards read: absent without HAProxy, so their queries expect no data.
+HAPROXY_SERIES = ("haproxy_frontend_current_sessions", "haproxy_frontend_http_responses_total",
+                  "haproxy_frontend_request_errors_total")
 
 PANELS: tuple[Panel, ...] = (
     # -- overview ---------------------------------------------------------------------------
@@ -165,6 +171,12 @@ PANELS: tuple[Panel, ...] = (
         stack="normal",
     ),
     Panel("overview", "rejects", "Rejects/s by reason", "timeseries", "reqps", "Routing and rejects", stack="normal"),
+    Panel("overview", "front_door", "HTTP ingress (HAProxy): open connections and its own refusals/s", "timeseries",
+          "short", "Routing and rejects",
+          description="From HAProxy's exporter (job haproxy): client connections (its limit: 4,096, "
+                      "RAY_SERVE_HAPROXY_MAXCONN), and the "
+                      "answers HAProxy gives itself, which reach no fairway_* metric: request errors such as the "
+                      "408 for a header that took over 10 s, and 4xx / 5xx answers by code (docs/reliability.md)."),
     Panel("overview", "class_ttft", "TTFT p50 / p99 per request class (router)", "timeseries", "s",
           "Request classes", description="With classes configured (docs/design.md, Flow control)."),
     Panel("overview", "class_attainment", "TTFT objective attainment per request class", "timeseries",
@@ -284,6 +296,12 @@ QUERIES: tuple[Query, ...] = (
         "{{level}} {{reason}}",
         expect_data=False,
     ),
+    Query("front_door", "A", 'sum(haproxy_frontend_current_sessions{proxy="http_frontend"})', "open connections",
+          expect_data=False),
+    Query("front_door", "B", f'sum(rate(haproxy_frontend_request_errors_total{{proxy="http_frontend"}}[{RATE}]))',
+          "request errors/s (e.g. 408)", expect_data=False),
+    Query("front_door", "C", 'sum by (code) (rate(haproxy_frontend_http_responses_total{proxy="http_frontend",'
+          f'code=~"4xx|5xx"}}[{RATE}]))', "{{code}}/s", expect_data=False),
     # -- replicas ---------------------------------------------------------------------------
     Query("queued_prefill", "A", "max by (level, replica) (fairway_queued_prefill_seconds)", "{{replica}} ({{level}})"),
     Query("queued_prefill", "B", "max by (replica) (fairway_queue_wait_estimate_seconds)", "{{replica}} (wait)"),

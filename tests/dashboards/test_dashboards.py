@@ -10,7 +10,7 @@ import pytest
 
 from dashboards import build
 from dashboards.prom import config_for, find_prometheus
-from dashboards.queries import DASHBOARDS, PANELS, QUERIES, RATE, promql
+from dashboards.queries import DASHBOARDS, HAPROXY_SERIES, PANELS, QUERIES, RATE, promql
 from dashboards.render import legend, parse_duration, rate_interval, render_all
 from observability.exporter import METRICS
 
@@ -43,9 +43,12 @@ def test_queries_read_only_exported_metrics():
         exported.add(m.name)
         if m.kind == "histogram":
             exported |= {m.name + "_bucket", m.name + "_count", m.name + "_sum"}
+    exported |= set(HAPROXY_SERIES)  # HAProxy's own exporter, Ray's HTTP ingress
     for q in QUERIES:
         assert q.metrics, q
         assert set(q.metrics) <= exported, (q.panel, q.metrics)
+        # HAProxy's series are absent without HAProxy: no query of them may expect data
+        assert not (q.expect_data and any(m.startswith("haproxy_") for m in q.metrics)), q
 
 
 def test_panels_and_queries_are_consistent():
