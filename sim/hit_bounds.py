@@ -44,7 +44,8 @@ class References:
     its block's first; ``count[x]``: references to block id x; ``starts``/``lens``: each request's
     slice of ``ids``; ``cacheable``: each request's reusable prompt blocks (all full blocks but
     the one holding its last token); ``counted[i]``: reference i is one of those;
-    ``prompt_tokens``: the sequence's prompt tokens. Built in O(B log B) (one sort of the hashes).
+    ``prompts``: each request's prompt tokens; ``prompt_tokens``: the sequence's. Built in
+    O(B log B) (one sort of the hashes).
     """
 
     ids: np.ndarray
@@ -54,6 +55,7 @@ class References:
     lens: np.ndarray
     cacheable: np.ndarray
     counted: np.ndarray
+    prompts: np.ndarray
     prompt_tokens: int
 
     @classmethod
@@ -71,10 +73,10 @@ class References:
         first = np.zeros(total, dtype=bool)
         first[first_idx] = True
         starts = np.cumsum(lens) - lens
-        cacheable = np.fromiter((max(0, (s.prompt_tokens - 1) // block_size) for s in order), np.int64, n)
+        prompts = np.fromiter((s.prompt_tokens for s in order), np.int64, n)
+        cacheable = np.maximum(0, (prompts - 1) // block_size)
         counted = (np.arange(total) - np.repeat(starts, lens)) < np.repeat(cacheable, lens)
-        prompt = sum(s.prompt_tokens for s in order)
-        return cls(ids, first, count, starts, lens, cacheable, counted, prompt)
+        return cls(ids, first, count, starts, lens, cacheable, counted, prompts, int(prompts.sum()))
 
 
 def _dense_ids(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -41,9 +41,7 @@ def ttft_floor(specs: Sequence[RequestSpec], cost: CostModel, block_size: int, m
     ``References.of(specs, block_size)`` if already built. O(B)."""
     if refs is None:
         refs = References.of(specs, block_size)
-    prompts = np.fromiter((s.prompt_tokens for s in sorted(specs, key=lambda x: (x.arrival_s, x.rid))),
-                          np.float64, len(specs))
-    return cost.least_ttft_array(prompts, shareable_tokens(refs, block_size), max_num_batched_tokens)
+    return cost.least_ttft_array(refs.prompts, shareable_tokens(refs, block_size), max_num_batched_tokens)
 
 
 __all__ = ["shareable_tokens", "ttft_floor"]
