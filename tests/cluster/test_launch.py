@@ -173,9 +173,11 @@ def _fake_haproxy(tmp_path):
     return fake
 
 
-def _run_bounded(tmp_path, config_text: str, **env: str) -> subprocess.CompletedProcess:
+def _run_bounded(tmp_path, config_text: str | None, **env: str) -> subprocess.CompletedProcess:
+    """The wrapper run as Ray runs it, on ``config_text`` (None: the configuration left from the last run)."""
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(config_text)
+    if config_text is not None:
+        cfg.write_text(config_text)
     return subprocess.run([str(HAPROXY_BOUNDED), "-db", "-f", str(cfg), "-sf", "123"], capture_output=True,
                           text=True, env={"PATH": os.environ["PATH"], "FAIRWAY_HAPROXY_BINARY":
                                           str(_fake_haproxy(tmp_path)), **env}, timeout=30)
@@ -201,9 +203,7 @@ def test_the_wrapper_adds_the_bound_to_the_defaults_and_runs_the_real_binary_wit
     assert lines[lines.index("defaults") + 1] == "    timeout http-request 10s"
     assert sum("timeout http-request" in ln for ln in lines) == 1
     # Ray's next reload runs it on the file again (or on a file Ray rewrote): still one bound
-    again = subprocess.run([str(HAPROXY_BOUNDED), "-db", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True,
-                           text=True, env={"PATH": os.environ["PATH"], "FAIRWAY_HAPROXY_BINARY":
-                                           str(tmp_path / "haproxy")}, timeout=30)
+    again = _run_bounded(tmp_path, None)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "seen.cfg").read_text().count("timeout http-request") == 1
 
