@@ -35,7 +35,7 @@ fi
 # pipeline's Prometheus takes a free port). The vLLM part mostly waits (on vLLM's start-up, on a
 # replica's replacement), so together they take about as long as it does alone.
 set +e
-python -m pytest tests/e2e
+python -m pytest tests/e2e --durations=12  # the slowest, so the suite's 15-minute budget stays in view
 rc=$(no_tests $? "tests/e2e")
 set -e
 if ! wait "$vllm_setup_pid"; then
