@@ -64,6 +64,7 @@ class SyntheticCluster:
             est = max(0, min(prompt, actual + rng.randint(-200, 200)))
             reason = rng.choice(REASONS)
             self.router.inc_routing_decision(reason, name)
+            self.router.observe_ttft_model(reason, rng.lognormvariate(0, 0.5) * load)  # the router's model, off by load
             self.router.observe_ttft(lane, ttft + 0.002, name)
             self.router.observe_ingress(0.001 * rng.random())
             self.router.observe_loop_lag(0.002 * rng.random())

@@ -170,6 +170,11 @@ PANELS: tuple[Panel, ...] = (
         "Routing and rejects",
         stack="normal",
     ),
+    Panel("overview", "router_model", "Router's TTFT model: first token / expected, p50 and p90 by reason",
+          "timeseries", "short", "Routing and rejects",
+          description="Per request, its time to first token at the replica over the time the router expected there "
+                      "when it chose it (fairway_router_ttft_model_ratio; 1: exact). Far above 1: waits the "
+                      "router's model does not see, e.g. for sequence slots in a burst (docs/observability.md)."),
     Panel("overview", "rejects", "Rejects/s by reason", "timeseries", "reqps", "Routing and rejects", stack="normal"),
     Panel("overview", "front_door", "HTTP ingress (HAProxy): open connections and its own refusals/s", "timeseries",
           "short", "Routing and rejects",
@@ -289,6 +294,8 @@ QUERIES: tuple[Query, ...] = (
     Query("estimate_error", "B", _q(0.9, "fairway_cache_estimate_error_ratio", "level", ""), "{{level}} p90"),
     # -- routing and rejects ----------------------------------------------------------------
     Query("routing", "A", f"sum by (reason) (rate(fairway_routing_decisions_total[{RATE}]))", "{{reason}}"),
+    Query("router_model", "A", _q(0.5, "fairway_router_ttft_model_ratio", "reason", ""), "{{reason}} p50"),
+    Query("router_model", "B", _q(0.9, "fairway_router_ttft_model_ratio", "reason", ""), "{{reason}} p90"),
     Query(
         "rejects",
         "A",

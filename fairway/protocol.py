@@ -46,6 +46,11 @@ class GenerateCall:
     received_s: float = 0.0  # wall time the ingress had the headers (0: unknown, take arrival_s)
     avoid: tuple[str, ...] = ()  # replicas (Serve ids) that refused it: routed elsewhere while one has room
     ack: bool = False  # the gate yields an ``accepted`` chunk once it has queued it (the router's held queue)
+    # Set by the ingress's request router when it routes the call, read back by the ingress: the
+    # router's expected seconds from routing to the first token on the replica it was sent to (0:
+    # the router predicts none) and its reason for the choice
+    expected_ttft_s: float = 0.0
+    routing_reason: str = ""
     # Sampling beyond temperature (OpenAI's names); an engine honours each or raises
     # ``UnsupportedParameter`` naming it. Defaults are the no-op values.
     seed: int | None = None  # same seed + prompt + parameters -> same output

@@ -119,6 +119,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "routing_decisions", "counter", "fairway_routing_decisions_total", "Routing decisions by reason and replica."
     ),
+    MetricSpec("ttft_model", "histogram", "fairway_router_ttft_model_ratio",
+               "Level router: a request's time to first token at its replica (from the ingress sending it) over "
+               "the time the router expected there when it chose it (1: exact; routers that predict one, e.g. "
+               "fairway), by routing reason."),
     MetricSpec("rejects", "counter", "fairway_rejects_total", "Rejected requests by reason."),
     MetricSpec("class_ttft", "histogram", "fairway_class_ttft_seconds",
                "Level router: time to first token by request class and lane (as fairway_ttft_seconds)."),

@@ -53,6 +53,9 @@ TTFT_BUCKETS_S: tuple[float, ...] = (
 QUEUE_WAIT_BUCKETS_S: tuple[float, ...] = (0.001, 0.005) + TTFT_BUCKETS_S
 # |estimated - actual| cached tokens / prompt tokens, in [0, 1].
 ERROR_RATIO_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, math.inf)
+#: A measured time over the router's expected one: factors of two around 1 (exact), with 0.8 and
+#: 1.25 for "about right"
+MODEL_RATIO_BUCKETS: tuple[float, ...] = (0.125, 0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)
 
 LEVELS = ("router", "replica")
 REQUEST_STATUSES = ("ok", "error", "rejected", "cancelled")
@@ -129,6 +132,7 @@ _HISTOGRAMS = {
     "cache_estimate_error": ERROR_RATIO_BUCKETS,  # (replica,)
     "class_ttft": TTFT_BUCKETS_S,  # (class, lane): level router, TTFT by request class and lane
     "hold": QUEUE_WAIT_BUCKETS_S,  # (class, status): level router, time held at the router, by how it left
+    "ttft_model": MODEL_RATIO_BUCKETS,  # (reason,): level router, the first token's time over the router's expected
 }
 # The label names of each series key, in key order.
 LABELS: dict[str, tuple[str, ...]] = {
@@ -165,6 +169,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "loop_lag": (),
     "cache_estimate_error": ("replica",),
     "class_ttft": ("class", "lane"),
+    "ttft_model": ("reason",),
 }
 COUNTERS = _COUNTERS
 GAUGES = _GAUGES
@@ -299,6 +304,12 @@ class FairwayStats:
         with self._lock:
             self._gauges["router_outstanding"][(replica,)] = outstanding
             self._gauges["queued_prefill"][(replica,)] = _clamp0(queued_prefill_s)
+
+    def observe_ttft_model(self, reason: str, ratio: float) -> None:
+        """How far the router's model was off for one request: its first token's time at the
+        replica (from the ingress sending it) over the time the router expected when it chose that
+        replica (``Ranking.expected_s``), under the decision's ``reason``."""
+        self._observe("ttft_model", (reason or "choice",), _clamp0(ratio))
 
     def inc_routing_decision(self, reason: str, replica: str = "") -> None:
         """One routing decision and why: "affinity" | "fair" | "fallback" | "least-load" ..."""

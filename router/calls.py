@@ -102,6 +102,9 @@ class ReplicaStream:
         self.replica = c.replica
         if self.stats is not None:
             self.stats.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
+            expected = self.call.expected_ttft_s
+            if expected > 0.0 and c.ttft_s > 0.0 and not self.held_s:  # held: routed after its clock started
+                self.stats.observe_ttft_model(self.call.routing_reason, c.ttft_s / expected)
         if sent:
             self.sent_first()
         if c.finished:

@@ -147,12 +147,17 @@ class Ranking:
         replicas (the Fairway router: its expected TTFT T_rj); empty otherwise.
     waits: replica id -> the expected wait W_rj, for the policies that model one (the Fairway
         router); empty otherwise.
+    expected_s: replica id -> the expected time from routing to the first token there, for the
+        policies that predict one (the Fairway router: the wait and the first step, without the
+        terms that only price a placement); empty otherwise. Hosts report how far off it was
+        (``fairway_router_ttft_model_ratio``).
     """
 
     ranks: list[list[int]]
     reason: str
     scores: Mapping[int, float] = field(default_factory=dict)
     waits: Mapping[int, float] = field(default_factory=dict)
+    expected_s: Mapping[int, float] = field(default_factory=dict)
 
 
 class RouterPolicy(ABC):

@@ -311,20 +311,22 @@ class FairwayRouter(RouterPolicy):
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
         wait: dict[int, float] = {}
         ttft: dict[int, float] = {}
+        first: dict[int, float] = {}
         expected_wait, t_of = self.expected_wait, self._t
         for s in ss:
             j = s.replica
             c, p = cached[j], prefill[j]
             w = wait[j] = expected_wait(s, p, c, None, now)
-            ttft[j] = t_of(req, s, c, p, w, fullness[j], least, now)
+            ttft[j], first[j] = t_of(req, s, c, p, w, fullness[j], least, now)
         if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
                 s.class_view is not None for s in ss):
             # no replica meets the class's objective by the whole queue: price the wait on the
             # queue the request's class sees (module docstring)
             wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
                 s, prefill[s.replica], cached[s.replica]) for s in ss}
-            ttft = {s.replica: t_of(req, s, cached[s.replica], prefill[s.replica], wait[s.replica],
-                                    fullness[s.replica], least, now) for s in ss}
+            for s in ss:
+                j = s.replica
+                ttft[j], first[j] = t_of(req, s, cached[j], prefill[j], wait[j], fullness[j], least, now)
         # equal T (idle replicas): more cache, then fewer outstanding, then the emptier cache
         # (SGLang's smallest tree for new prefixes, so sequential cold prompts spread over the
         # cluster's memory), then the id
@@ -346,23 +348,29 @@ class FairwayRouter(RouterPolicy):
             reason = "cold"
         else:
             reason = "affinity" if cached[pick] == best else "fair"
-        return Ranking(ranks_of([pick], (r for r in order if r != pick)), reason, ttft, wait)
+        return Ranking(ranks_of([pick], (r for r in order if r != pick)), reason, ttft, wait, first)
 
     def _t(self, req: RouteRequest, s: ReplicaState, cached: int, prefill: float, wait: float, fullness: float,
-           least: float, now: float) -> float:
-        """T_rj from its terms (the module docstring's rule). O(1)."""
+           least: float, now: float) -> tuple[float, float]:
+        """T_rj from its terms (the module docstring's rule), and the first token's expected time
+        on ``s`` (``Ranking.expected_s``): T_rj without the terms that only price a placement
+        (the footprint, the extra work, the delay to others). O(1)."""
         cfg = self.config
         t = self.expected_ttft(req, s, cached, prefill, wait, fullness)
+        first = t - cfg.footprint_weight * prefill * fullness  # the wait and the first step
         # each term skipped where it is exactly 0 (a speed of 1): the sum is the same to the bit
         if cfg.speed_aware:
             t = t / s.speed
+            first = first / s.speed
         if cfg.extra_work_weight:
             t = t + cfg.extra_work_weight * (prefill - least)
         if cfg.delay_weight and s.routed_prefills:
             t = t + cfg.delay_weight * self.arrivals_delay(s, prefill, now)
         if self.host_tier and s.host_blocks:
-            t = t + self.reload_s(req, s)
-        return t
+            reload = self.reload_s(req, s)
+            t = t + reload
+            first = first + reload
+        return t, first
 
     def class_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int) -> float:
         """W_rj as the request's class sees replica ``s`` (``ReplicaState.class_view``): the

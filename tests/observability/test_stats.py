@@ -108,6 +108,18 @@ def test_cached_tokens_and_estimate_error():
     assert err["buckets"][:7] == [1, 1, 1, 1, 1, 1, 2]
 
 
+def test_ttft_model_ratio_by_routing_reason():
+    s = FairwayStats("router", "ingress-0")
+    s.observe_ttft_model("affinity", 1.1)  # about right
+    s.observe_ttft_model("affinity", 6.0)  # the model missed a 6x longer wait
+    s.observe_ttft_model("", 0.5)  # a decision with no reason counts as the hosts count it
+    aff = _series(s.snapshot(), "histograms", "ttft_model", reason="affinity")
+    assert aff["count"] == 2 and aff["sum"] == pytest.approx(7.1)
+    # bounds (0.125, 0.25, 0.5, 0.8, 1, 1.25, 2, 4, 8, ...): 1.1 in (1, 1.25], 6 in (4, 8]
+    assert aff["buckets"][:9] == [0, 0, 0, 0, 0, 1, 1, 1, 2]
+    assert _series(s.snapshot(), "histograms", "ttft_model", reason="choice")["count"] == 1
+
+
 def test_engine_figures_and_monotonic_preemptions():
     s = FairwayStats("replica", "r0")
     s.set_engine("r0", running=3, waiting=1, kv_usage=0.4, preemptions_total=5)

@@ -56,6 +56,9 @@ class ScriptedReplicas:
         self.fail: set[int] = set()  # the calls (by their number in ``calls``) whose engine fails at their 2nd token
         self.finish = "length"  # the finish reason of a call's last chunk ("stop": the model ended it)
         self.token_delay_s = 0.001  # each token's wait (0: the next chunk at once, still yielding to the loop)
+        # (expected first-token seconds, routing reason) set on each call as the request router does; None: not set
+        self.routed: tuple[float, str] | None = None
+        self.replica_ttft_s = 0.0  # the first chunk's TTFT as the replica measured it (0: not measured)
 
     def options(self, **_: Any) -> ScriptedReplicas:
         return self
@@ -66,6 +69,8 @@ class ScriptedReplicas:
 
     def remote(self, call: Any) -> _Gen:
         self.calls.append(call)
+        if self.routed is not None:
+            call.expected_ttft_s, call.routing_reason = self.routed
         gen = _Gen(self, call, refused=self.refuse > 0, fails=len(self.calls) - 1 in self.fail)
         self.refuse -= 1
         self.open.add(id(gen))
@@ -122,6 +127,7 @@ class _Gen:
         tok = script[(self.i - 1) % len(script)] if script else 100 + self.i
         return TokenChunk(token_ids=[tok], finished=done, finish_reason=self.owner.finish if done else None,
                           prompt_tokens=self.prompt, completion_tokens=self.i, replica="r0",
+                          ttft_s=self.owner.replica_ttft_s if self.i == 1 else 0.0,
                           logprobs=None if self.top is None else [scripted_logprob(tok, self.top)],
                           prompt_logprobs=self.prompt_lps if self.i == 1 else None)
 
@@ -1922,6 +1928,28 @@ def test_the_exported_ttft_starts_when_the_headers_arrive_not_after_tokenization
     assert ingress["count"] == 1 and ingress["sum"] >= span
     (e2e,) = snap["histograms"]["e2e"]
     assert e2e["count"] == 1 and e2e["sum"] >= ttft
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_routers_expected_first_token_time_is_compared_with_the_replicas(server, monkeypatch, stream):
+    """The time the request router expected to the first token (set on the call as it routes it;
+    the scripted handle stands in for it) against the first token's time at the replica: their
+    ratio, by the routing reason. A call without an expectation (a router that predicts none)
+    adds nothing."""
+    from observability.stats import FairwayStats
+
+    stats = FairwayStats(level="router", component="ingress-test", policy="fairway")
+    monkeypatch.setattr(server.ingress, "stats", stats)
+    monkeypatch.setattr(server.replicas, "routed", (0.05, "affinity"))
+    monkeypatch.setattr(server.replicas, "replica_ttft_s", 0.2)
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": stream}
+    assert post(server, "/v1/completions", body).status_code == 200
+    (h,) = stats.snapshot()["histograms"]["ttft_model"]
+    assert h["labels"] == {"reason": "affinity"} and h["count"] == 1 and h["sum"] == pytest.approx(4.0)
+    monkeypatch.setattr(server.replicas, "routed", None)
+    assert post(server, "/v1/completions", body).status_code == 200
+    (h,) = stats.snapshot()["histograms"]["ttft_model"]
+    assert h["count"] == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -118,6 +118,38 @@ def test_a_request_routed_after_the_report_is_not_started_by_it():
 
 
 @pytest.mark.asyncio
+async def test_the_routed_call_carries_the_expected_first_token_time_of_the_replica_it_went_to():
+    """The Fairway router's expected time to the first token on the replica Ray sent the call to,
+    and the decision's reason, go back to the ingress on the call (``ReplicaStream.first`` compares
+    them with the first token's time). On an idle replica it is the cold prompt's first step;
+    sent to the other replica of the rank, behind a started 20,000-token prefill, that
+    replica's longer one. A router that predicts none leaves 0."""
+    r, _ = router("fairway")
+    reps = [replica("replica-0"), replica("replica-1")]
+    busy = r._index_of(reps[1].replica_id)
+    book(r, busy, "running", 20000, routed_at=T0 - 1.0)
+    r.bookings.apply_stats(busy, rstats(taken_at=T0 - 0.5, prefilling={"running": T0 - 0.5}, max_num_seqs=256))
+    c = call("a", 4096)
+    ranks = await r.choose_replicas(reps, pending(c))
+    assert [rep.replica_id.unique_id for rank in ranks for rep in rank] == ["replica-0", "replica-1"]
+    step = r.cost.step_time(4096, 0, 4096 * 4096, 0, 0)  # idle: its one step, no decodes beside it
+    r.on_request_routed(pending(c), reps[0].replica_id, None)
+    assert c.expected_ttft_s == pytest.approx(step) and c.routing_reason == "cold"
+    d = call("b", 4096)
+    await r.choose_replicas(reps, pending(d))
+    r.on_request_routed(pending(d), reps[1].replica_id, None)  # the pick refused it: the next rank's
+    # behind what is left of the running prefill (started 0.5 s ago), then its own step beside one decode
+    left = r.cost.prefill_time(20000, 0) - 0.5
+    assert d.expected_ttft_s == pytest.approx(left + step, abs=0.002) and left > 0.3
+    assert d.routing_reason == r.bookings.get("iid-b").reason
+    p, _ = router("pow2")
+    e = call("e", 4096)
+    await p.choose_replicas(reps, pending(e))
+    p.on_request_routed(pending(e), reps[0].replica_id, None)
+    assert e.expected_ttft_s == 0.0 and e.routing_reason == p.bookings.get("iid-e").reason
+
+
+@pytest.mark.asyncio
 async def test_choose_replicas_follows_the_prefix_and_books_the_pick():
     r, _ = router("ray-prefix")
     reps = [replica("replica-0"), replica("replica-1")]

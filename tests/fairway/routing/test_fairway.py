@@ -58,6 +58,21 @@ def test_fairway_footprint_term_sends_cold_work_to_the_emptier_cache():
     assert ranked(off, req(1000), states) == [[1], [0]]
 
 
+def test_fairway_expected_first_token_times_leave_out_the_terms_that_only_price():
+    # the footprint case above: T = 0.1 + 1.01 + 1.01 * fullness, the expected time 0.1 + 1.01 on both
+    states = [st(0, q=0.1, tree=100), st(1, q=0.1, tree=10)]
+    d = router("fairway", footprint="index", extra_work_weight=1.0)
+    ranked(d, req(1000), states)
+    assert last(d).scores == pytest.approx({0: 2.12, 1: 1.211})
+    assert last(d).expected_s == pytest.approx({0: 1.11, 1: 1.11})
+    # the extra work (fair case of fairway_states(3.0)) prices too: the expected times are T's without it
+    ranked(d, req(1000), fairway_states(3.0))
+    assert last(d).expected_s == pytest.approx({0: 3.21, 1: 1.51, 2: 1.85})
+    # policies that predict no time leave it empty
+    ranked(pow2 := router("pow2"), req(1000), states)
+    assert last(pow2).expected_s == {}
+
+
 def test_fairway_ties_cold_and_the_cacheable_cap():
     r = router("fairway", rule="affinity")
     # Equal best match: the smaller queue is j*.
