@@ -272,6 +272,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         out["ttft_floor_s"] = pct(ttft_floor(specs, sim.replicas[0].cost, cfg.block_size,
                                              cfg.max_num_batched_tokens, refs))
         out["routing_reasons"] = sim.router.reasons() if hasattr(sim.router, "reasons") else {}
+        if hasattr(sim.router, "model_ratios"):  # the router's expected TTFT against the run's
+            out["router_ttft_model"] = sim.router.model_ratios({r.spec.rid: r.ttft_s for r in res.finished})
     if cfg.classes:  # only with classes, so the default schema stays the one loadgen shares
         out["flow"] = flow_summary(res.finished, res.rejected, classes_of(cfg), sim.flow)
     if keep_samples:

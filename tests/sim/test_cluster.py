@@ -220,3 +220,25 @@ def test_routers_sharing_one_view_without_delay_route_as_one():
     assert reasons[1].get("replicate", 0) > 0 and reasons[1].get("fair", 0) + reasons[1].get("cold", 0) > 0
     assert picks[3] == picks[1]
     assert reasons[3] == reasons[1]
+
+
+def test_the_routers_expected_first_token_time_is_exact_for_a_request_alone():
+    """Requests far apart, each alone on an idle cluster: the Fairway router's expected time to
+    the first token is the engine's own first step, so each TTFT over it is 1. Eight arriving at
+    once on two replicas with a 256-token step budget: the router counts the queue its own
+    bookings make, and the ratio stays within the model's approximations. A router that predicts
+    no time reports nothing."""
+    alone = [spec(i, 10.0 * i, 200, 4, chain(f"u{i}", 12)) for i in range(4)]
+    sim, _, host = cluster("fairway", alone, n=2)
+    res = sim.run()
+    ratios = host.model_ratios({r.rid: r.ttft_s for r in res.finished})
+    assert list(ratios) == ["cold"] and ratios["cold"]["n"] == 4
+    assert ratios["cold"]["p50"] == pytest.approx(1.0) and ratios["cold"]["p99"] == pytest.approx(1.0)
+    together = [spec(i, 0.0, 200, 4, chain(f"v{i}", 12)) for i in range(8)]
+    sim, _, host = cluster("fairway", together, n=2)
+    res = sim.run()
+    burst = host.model_ratios({r.rid: r.ttft_s for r in res.finished})["cold"]
+    assert burst["n"] == 8 and 0.8 <= burst["p50"] <= burst["p99"] <= 1.5
+    sim, _, host = cluster("pow2", alone, n=2)
+    res = sim.run()
+    assert host.model_ratios({r.rid: r.ttft_s for r in res.finished}) == {}
