@@ -26,8 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -60,12 +59,6 @@ CATCH_UP_WAIT_S = 0.25
 #: A router that has seen no other router's event for this long routes alone: after an idle
 #: period it does not wait for an exchange (nothing but its own requests changes the caches).
 PEER_WINDOW_S = 30.0
-
-
-#: Decisions whose expected first-token times wait for Ray's routing report: a call is routed
-#: within milliseconds of its decision, so only callers that left before it (never routed) stay
-#: until the bound drops them (a few hundred bytes each)
-EXPECTED_KEPT = 4096
 
 
 def find_call(pending: PendingRequest | None) -> GenerateCall | None:
@@ -145,9 +138,6 @@ class FairwayRequestRouter(RequestRouter):
         self.router_id = uuid.uuid4().hex[:12]
         self.bookings = Bookings(self.host, self.clock, self.wall, source=self.router_id, exact=self.exact)
         self.decision_s: list[float] = []
-        # each call's expected first-token time per candidate (``Ranking.expected_s``), from the
-        # decision until Ray says where it went (milliseconds); the oldest dropped past EXPECTED_KEPT
-        self._expected: OrderedDict[str, Mapping[int, float]] = OrderedDict()
         self.stats = None
         self.exporter = None
         if metrics:
@@ -276,10 +266,6 @@ class FairwayRequestRouter(RequestRouter):
                                           call.block_hashes[:n_hash], sorted(by_idx), session=call.session or None,
                                           klass=call.priority_class)
         self._publish(changes)
-        if d.ranking is not None and d.ranking.expected_s:
-            self._expected[iid] = d.ranking.expected_s
-            if len(self._expected) > EXPECTED_KEPT:
-                self._expected.popitem(last=False)
         booked = changes.booking
         # A caller that goes away before Ray assigns a replica (a client that hung up) gets no
         # on_request_routed and no on_request_completed: its booking must not stay queued.
@@ -318,7 +304,7 @@ class FairwayRequestRouter(RequestRouter):
         b = changes.booking
         assert b is not None
         # what the ingress compares with the first token's time (ReplicaStream.first)
-        call.expected_ttft_s = self._expected.pop(pending_request.metadata.internal_request_id, {}).get(j, 0.0)
+        call.expected_ttft_s = b.expected_ttft_s
         call.routing_reason = b.reason
         if self.shared_view:
             self._outbox.append(self.bookings.routed_event(b))

@@ -44,6 +44,7 @@ from fairway.request import RequestSpec
 from fairway.routing import make_router
 from fairway.routing.bookings import REMOTE, Bookings
 from fairway.routing.host import RoutingHost
+from fairway.summary import pct
 from sim.flow import FlowControl
 from sim.hit_bounds import References
 
@@ -129,7 +130,7 @@ class ClusterRouter(EngineListener):
         self._inbox: list[deque[tuple[float, Callable[[Bookings], None]]]] = [deque() for _ in self.instances]
         self.engines: list[EngineModel] = []
         # request id -> (the decision's reason, its expected first-token time on the replica it was
-        # sent to), for the policies that predict one (``Ranking.expected_s``; ``model_ratios``)
+        # sent to: ``Booking.expected_ttft_s``), for the policies that predict one (``model_ratios``)
         self.expected: dict[int, tuple[str, float]] = {}
 
     def bind(self, engines: Sequence[EngineModel]) -> None:
@@ -196,8 +197,8 @@ class ClusterRouter(EngineListener):
             self.flow.placed(spec, pick)
         b = ledger.sent(key, pick, key, spec.prompt_tokens, hashes, spec.priority_class).booking
         assert b is not None
-        if d.ranking is not None and d.ranking.expected_s and not held:
-            self.expected[spec.rid] = (b.reason, d.ranking.expected_s[pick])
+        if b.expected_ttft_s > 0.0 and not held:
+            self.expected[spec.rid] = (b.reason, b.expected_ttft_s)
         if self.sync_delay_s > 0.0:
             event = ledger.routed_event(b)
             self._post(spec.rid, lambda lg: lg.apply_remote(event))
@@ -300,19 +301,14 @@ class ClusterRouter(EngineListener):
         """How far the router's expected first-token times were off, by decision reason: the
         requests' TTFT (``ttft_s``, by request id; each routed at its arrival) over what the
         policy expected on the replica it chose, as the live ingress exports it
-        (``fairway_router_ttft_model_ratio``): n, p50, p90, p99. Empty for a policy that predicts
-        none. O(n log n)."""
+        (``fairway_router_ttft_model_ratio``), as ``fairway.summary.pct``. Empty for a policy that
+        predicts none. O(n log n)."""
         by: dict[str, list[float]] = {}
         for rid, (reason, expected) in self.expected.items():
             t = ttft_s.get(rid)
-            if t is not None and expected > 0.0:
+            if t is not None:
                 by.setdefault(reason, []).append(t / expected)
-        out = {}
-        for reason, xs in sorted(by.items()):
-            xs.sort()
-            out[reason] = {"n": len(xs), **{f"p{q}": xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
-                                            for q in (50, 90, 99)}}
-        return out
+        return {reason: pct(xs) for reason, xs in sorted(by.items())}
 
     def reasons(self) -> dict[str, int]:
         total: Counter = Counter()

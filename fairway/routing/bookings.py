@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fairway.clock import Clock
@@ -62,7 +62,9 @@ class Booking:
     taken before it cannot have seen it); ``started``: a report showed it left the replica's queue;
     ``sent``: the send was seen; ``remote``: another router's; ``best_blocks``: the decision's
     longest match among the candidates (the policy's statistics); ``klass``: its request class
-    ("" without classes)."""
+    ("" without classes); ``expected_s``: the decision's expected first-token time per candidate
+    (``Ranking.expected_s``), kept until the send, which sets ``expected_ttft_s``: the one on the
+    replica it was sent to (0: the policy predicts none)."""
 
     rid: int
     request_id: str
@@ -77,6 +79,8 @@ class Booking:
     remote: bool = False
     best_blocks: int = 0
     klass: str = ""
+    expected_s: Mapping[int, float] | None = None
+    expected_ttft_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +182,9 @@ class Bookings:
         d = self.host.decide(rid, prompt_tokens, hashes, replicas=replicas, session=session, klass=klass)
         self._book(rid, key, request_id, d.pick, prompt_tokens, hashes, d.matched_blocks, d.reason,
                    d.best_blocks, self.wall(), changes, klass)
+        if d.ranking is not None and d.ranking.expected_s:
+            assert changes.booking is not None
+            changes.booking.expected_s = d.ranking.expected_s
         return d, changes
 
     def book(self, key: str, request_id: str, replica: int, prompt_tokens: int, hashes: Sequence[int],
@@ -202,14 +209,18 @@ class Bookings:
             reason = b.reason if b is not None else "choice"
             best = b.best_blocks if b is not None else 0
             klass = b.klass if b is not None else klass
+            expected = b.expected_s if b is not None else None
             changes.replicas += self.unbook(key).replicas
             hashes = tuple(hashes)
             self._book(next(self._rids), key, request_id, replica, prompt_tokens, hashes,
                        self.host.index.match_one(replica, hashes), reason, best, self.wall(), changes, klass)
             b = changes.booking
             assert b is not None
+            b.expected_s = expected
         b.routed_at = self.wall()
         b.sent = True
+        if b.expected_s is not None:
+            b.expected_ttft_s, b.expected_s = b.expected_s.get(replica, 0.0), None
         self.host.record_routed(replica, b.hashes, b.reason)
         changes.booking = b
         return changes
