@@ -147,8 +147,9 @@ def check_text(v: Any) -> Any:
         if v and not isinstance(v[0], int):
             for x in v:
                 check_text(x)
-    elif isinstance(v, dict):
-        for x in v.values():
+    elif isinstance(v, dict):  # its keys too: the answers echo some dicts (metadata), JSON schemas name them
+        for k, x in v.items():
+            check_text(k)
             check_text(x)
     return v
 

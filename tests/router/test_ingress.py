@@ -1296,6 +1296,25 @@ def test_tools_and_tool_choice_that_cannot_work_are_a_400_naming_the_problem(ser
         assert r.json()["error"]["param"] == param, r.json()
 
 
+def test_an_unpaired_surrogate_in_a_key_is_a_400_naming_the_field(server):
+    """A dict's keys are text too: the Responses API echoes ``metadata`` in its answer, which could
+    not be encoded (the fuzzer found a 500 there), and JSON schemas name their properties. A key
+    with half a surrogate pair is a 400 naming the field; a whole pair is served."""
+    for path, raw, param in (
+            ("/v1/responses", '{"input": "hi", "metadata": {"k\\ud800": "v"}, "max_output_tokens": 2}', "metadata"),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                                     '"response_format": {"type": "json_schema", "json_schema": {"name": "s", '
+                                     '"schema": {"type": "object", "properties": {"\\udc00": {}}}}}}',
+             "response_format")):
+        r = post(server, path, raw[:1] + f'"model": "{MODEL}", ' + raw[1:])
+        assert_clear_error(r, 400, "unpaired surrogate")
+        assert r.json()["error"]["param"] == param, r.json()
+    ok = {"model": MODEL, "input": "hi", "metadata": {"k\U0001F600": "v"}, "max_output_tokens": 2}
+    r = post(server, "/v1/responses", ok)
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == {"k\U0001F600": "v"}
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", '{"prompt": "ok \\ud800 x"}', "prompt"),
     ("/v1/completions", '{"prompt": ["\\udfff"]}', "prompt"),
