@@ -45,6 +45,9 @@ from fairway.spec import parse_spec, split_specs
 from sim.runner import RunConfig, run
 from workloads.traces import resolve_trace
 
+#: The engine's sequence slots per replica unless asked otherwise: the simulator's own default.
+DEFAULT_MAX_NUM_SEQS: int = RunConfig.model_fields["max_num_seqs"].default
+
 FAIRWAY = "fairway"
 
 #: The faithful anchors, each the upstream rule as its own source states it (docs/design.md,
@@ -137,6 +140,7 @@ class Run:
     replicas: int = 8
     policy: str = FAIRWAY  # the replicas' queue policy, under every router
     profile: str = DEFAULT_PROFILE  # the engine model's cost profile
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the engine's sequence slots per replica
 
     def config(self) -> RunConfig:
         p = self.point
@@ -146,7 +150,7 @@ class Run:
             workload=p.workload, policy=policy, policy_options=policy_options, rate=1.0 if p.scale else p.load,
             time_scale=p.load if p.scale else 1.0, duration_s=p.duration_s if p.duration_s else 1e9,
             replicas=self.replicas, router=router, router_options=options,
-            index_mode=self.view, seed=self.seed, profile=self.profile,
+            index_mode=self.view, seed=self.seed, profile=self.profile, max_num_seqs=self.max_num_seqs,
         )
 
     @property
@@ -171,7 +175,7 @@ def run_one(r: Run) -> dict[str, Any]:
         "hit": res["cache_hit_ratio"], "hit_bound": res.get("hit_bound_infinite", 0.0),
         "ttft_floor_s": {k: v for k, v in res.get("ttft_floor_s", {}).items() if k in KEPT},
         "n_finished": res["n_finished"], "n_requests": res["n_requests"], "sim_wall_s": res["sim_wall_s"],
-        "guard_acts": res.get("guard_acts", 0),
+        "guard_acts": res.get("guard_acts", 0), "slots": res.get("slots"),
     }
 
 
@@ -288,11 +292,14 @@ def _ratio(x: float) -> str:
 
 
 def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[str] = (),
-           fairway: str = FAIRWAY) -> str:
+           fairway: str = FAIRWAY, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> str:
     """The markdown table per view, with its verdict line over the complete points; ``missing``:
     traces not found; ``not_run``: points without a Fairway run and an anchor run yet;
-    ``fairway``: the router spec judged, named above the tables when it is not the shipped one."""
+    ``fairway``: the router spec judged, named above the tables when it is not the shipped one;
+    ``max_num_seqs``: the engines' sequence slots, named above the tables when not the default."""
     out = [] if fairway == FAIRWAY else [f"Judged as Fairway: `{fairway}`.\n"]
+    if max_num_seqs != DEFAULT_MAX_NUM_SEQS:
+        out.append(f"Engines with {max_num_seqs} sequence slots per replica (default {DEFAULT_MAX_NUM_SEQS}).\n")
     for view in dict.fromkeys(r.view for r in rows):
         vr = [r for r in rows if r.view == view and not r.missing]
         partial = [r for r in rows if r.view == view and r.missing]
@@ -366,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                       "'fairway[memory_guard=false]' (default: fairway)")
     ap.add_argument("--profile", default=DEFAULT_PROFILE,
                     help="the engine model's cost profile (e.g. h200-llama3-8b-graphs, measured steps)")
+    ap.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                    help="the engine's sequence slots per replica (vLLM's max_num_seqs; its own default on "
+                         "a GPU of 70 GiB or more is 1024)")
     ap.add_argument("--ablations", action="store_true", help="also run ABLATIONS (shown, never the best anchor)")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--out", default="out/yardstick", help="cache of the runs' summaries")
@@ -383,7 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.points != "all":
         want = split_specs(args.points)
         points = [p for p in points if any(p.label.startswith(w) for w in want)]
-    runs = [Run(p, r, v, s, policy=args.policy, profile=args.profile)
+    if args.max_num_seqs < 1:
+        ap.error("--max-num-seqs must be at least 1")
+    runs = [Run(p, r, v, s, policy=args.policy, profile=args.profile, max_num_seqs=args.max_num_seqs)
             for v in split_specs(args.views) for p in points for r in routers
             for s in (int(x) for x in split_specs(args.seeds))]
     cache = Path(args.out)
@@ -413,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.sort(key=lambda r: (order[r["point"]], r["view"], r["router"], r["seed"]))
     rows = summarise(results, anchors, args.fairway)
     shown = {r.point for r in rows}
-    text = render(rows, missing, [p.label for p in points if p.label not in shown], args.fairway)
+    text = render(rows, missing, [p.label for p in points if p.label not in shown], args.fairway, args.max_num_seqs)
     print(text)
     if args.md:
         Path(args.md).write_text(text)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fairway.cost_model import CostModel
+from fairway.engine.model import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 STATIC = "static"
 CONTINUOUS = "continuous"
@@ -61,8 +62,8 @@ class Budget:
 
     kv_blocks: int
     block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self) -> None:
         if min(self.kv_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:

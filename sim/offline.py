@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
+from fairway.engine.model import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from fairway.offline import MODES, PLANNERS, Budget, Job, execute, lower_bound
 from fairway.summary import pct
 from workloads.registry import make_workload
@@ -32,8 +33,8 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated planner names")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results JSON here")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from fairway.cost_model import DEFAULT_PROFILE
 from fairway.engine.block_pool import RETENTIONS
+from fairway.engine.model import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from fairway.routing.view_log import DEFAULT_SYNC_PERIOD_S
 from fairway.spec import parse_spec
 from sim.runner import RunConfig
@@ -37,8 +38,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help="engine sequence slots per replica (vLLM's default on an H200)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission", default="off",
                    help="engine admission gate: off, or session[cold_fraction=..;hold_factor=..;min_hold_s=..;"

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
-from fairway.engine.model import EngineConfig, EngineModel
+from fairway.engine.model import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig, EngineModel
 from fairway.policies import make_policy, policy_class
 from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
@@ -54,8 +54,8 @@ class RunConfig(BaseModel):
     profile: str = DEFAULT_PROFILE
     kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks per replica")
     block_size: int = Field(16, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1)
     seed: int = 0
     admission: Literal["off", "session"] = Field("off", description="engine admission gate (fairway.admission)")
     admission_options: dict[str, Any] = Field(default_factory=dict)
@@ -229,6 +229,14 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         # decisions Fairway's memory guard changed (0: the run is the one without the guard)
         "guard_acts": sum(getattr(p, "guard_acts", 0) for p in policies),
         "busy_fraction": [b / res.end_s if res.end_s else 0.0 for b in res.busy_s],
+        # whether the engines' sequence slots ever bound: a run whose peak is under max_num_seqs
+        # is the same at any larger slot count
+        "slots": {
+            "max_num_seqs": cfg.max_num_seqs,
+            "peak_running": max(e.peak_running for e in sim.replicas),
+            "bound_step_fraction": (sum(e.slot_bound_steps for e in sim.replicas)
+                                    / max(1, sum(e.steps for e in sim.replicas))),
+        },
         "sim_end_s": res.end_s,
         "sim_wall_s": res.wall_s,
     }

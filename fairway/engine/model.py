@@ -44,14 +44,21 @@ from fairway.memory_view import KVMemoryView
 from fairway.policies.base import QueuedRequest, QueuePolicy
 from fairway.request import RequestSpec
 
+#: vLLM's own defaults for its OpenAI server on a GPU with at least 70 GiB that is not an A100
+#: (H100, H200: the GPU the cost profiles are measured on): ``EngineArgs._set_default_args`` in
+#: vllm-project/vllm, vllm/engine/arg_utils.py. Smaller GPUs get 2048 tokens and 256 sequences
+#: there. Every host (the simulator, its CLIs, the simulated replica) defaults to these.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Engine limits (vLLM names and defaults).
+    """Engine limits (vLLM names, and its defaults on an H200: ``DEFAULT_*`` above).
 
     block_size: tokens per KV block (16).
     max_num_batched_tokens: per-step token budget for chunked prefill + decode (8192).
-    max_num_seqs: most requests running at once (256).
+    max_num_seqs: most requests running at once (1024; memory usually binds first).
     kv_blocks: KV capacity in blocks; None derives it from GPU memory via the cost profile.
     retention: the block pool's eviction strategy (``lru``, ``peek``, ``prism``, ``session``);
         None takes the queue policy's ``retention``.
@@ -67,8 +74,8 @@ class EngineConfig:
     """
 
     block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     kv_blocks: int | None = None
     retention: str | None = None
     host_kv_blocks: int = 0
@@ -228,6 +235,10 @@ class EngineModel:
         self.prefill_busy_s = 0.0  # time in steps that computed prompt tokens
         self.steps = 0
         self.preemptions = 0
+        # sequence slots: the most requests running at once, and the steps in which every slot
+        # was taken while requests waited (``max_num_seqs`` bound admission, not memory)
+        self.peak_running = 0
+        self.slot_bound_steps = 0
 
     # -- arrivals ----------------------------------------------------------------------------
 
@@ -377,6 +388,11 @@ class EngineModel:
         self._batch = batch
         self.policy.on_step(p_tok)
         self.steps += 1
+        n_running = len(self.running)
+        if n_running > self.peak_running:
+            self.peak_running = n_running
+        if n_running >= cfg.max_num_seqs and (len(self.policy) or len(self.held)):
+            self.slot_bound_steps += 1
         self.prefill_tokens += p_tok
         self.busy_s += dt
         if p_tok:

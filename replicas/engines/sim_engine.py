@@ -77,7 +77,14 @@ import numpy as np
 
 from fairway.clock import Clock, MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
-from fairway.engine.model import EngineConfig, EngineListener, EngineModel, EngineRequest
+from fairway.engine.model import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+    EngineListener,
+    EngineModel,
+    EngineRequest,
+)
 from fairway.hashing import HashState, salt_seed
 from fairway.policies import make_policy
 from fairway.policies.classes import ClassesConfig
@@ -151,8 +158,8 @@ class SimEngine(Engine, EngineListener):
         self,
         profile: str = DEFAULT_PROFILE,
         block_size: int = 16,
-        max_num_batched_tokens: int = 8192,
-        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         kv_blocks: int | None = None,
         max_model_len: int = 32768,
         speed: float = 1.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.yardstick import FAIRWAY, Point, Run, render, run_one, summarise, verdict
+from bench.yardstick import DEFAULT_MAX_NUM_SEQS, FAIRWAY, Point, Run, render, run_one, summarise, verdict
 
 
 def result(router: str, p50: float, p99: float, hit: float, seed: int = 0, point: str = "w @1",
@@ -71,6 +71,22 @@ def test_one_real_run_through_the_simulator():
     assert row.best["p99"][0] == "pow2"
     assert row.ratio["p99"] == pytest.approx(r1["ttft_s"]["p99"] / r2["ttft_s"]["p99"])
     assert Run(p, "pow2", "approx", 0).key != Run(p, "pow2", "events", 0).key
+
+
+def test_the_slot_count_reaches_the_engine_and_keeps_the_default_runs_cache():
+    p = Point("rag", "rag", 4, 20)
+    default, one = Run(p, FAIRWAY, "approx", 0, replicas=2), Run(p, FAIRWAY, "approx", 0, replicas=2, max_num_seqs=1)
+    assert default.config().max_num_seqs == DEFAULT_MAX_NUM_SEQS == 1024 and one.config().max_num_seqs == 1
+    assert default.key != one.key != Run(p, FAIRWAY, "approx", 0, replicas=2, max_num_seqs=256).key
+    # one slot per replica: every request waits for the one before it to finish decoding
+    r_default, r_one = run_one(default), run_one(one)
+    assert r_one["n_finished"] == r_default["n_finished"] > 0
+    assert r_one["ttft_s"]["p99"] > 2 * r_default["ttft_s"]["p99"]
+    assert r_one["slots"]["peak_running"] == 1 and r_default["slots"]["bound_step_fraction"] == 0
+    # a table of other engines says so above it
+    rows = summarise([r_one], anchors=[])
+    assert render(rows, max_num_seqs=1).startswith("Engines with 1 sequence slots per replica (default 1024)")
+    assert "sequence slots" not in render(rows)
 
 
 def test_a_point_missing_an_anchor_is_shown_incomplete_and_left_out_of_the_verdict():

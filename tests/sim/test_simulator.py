@@ -144,3 +144,21 @@ def test_seed_runs_combine_the_kv_memory_counts_as_sums_and_keep_its_settings():
     for k in KV_COUNTS:
         assert kv[k] == runs[0]["kv_memory"][k] + runs[1]["kv_memory"][k]
     assert runs[0]["kv_memory"]["tokens"]["host_hit"] > 0  # the tier was used, so the sums mean something
+
+
+def test_the_engine_counts_the_steps_its_sequence_slots_bound_admission():
+    # five 16-token prompts at once, 10 output tokens each, two slots, memory to spare: they run
+    # in waves of two, each wave 10 steps (the prefill step gives the first token); the first two
+    # waves leave requests waiting behind full slots, the last (one request) does not
+    clock, cost = ManualClock(), LinearCost()
+    e = EngineModel(EngineConfig(kv_blocks=400, max_num_seqs=2), cost, make_policy("fcfs", clock=clock, cost=cost),
+                    clock)
+    res = Simulation(ListWorkload([spec(i, 0.0, 16, 10, chain(f"p{i}", 1)) for i in range(5)]), [e], clock).run()
+    assert [r.rid for r in sorted(res.finished, key=lambda r: (r.finished_s, r.rid))] == [0, 1, 2, 3, 4]
+    assert (e.peak_running, e.slot_bound_steps, e.steps) == (2, 20, 30)
+    # the run's summary says so; with more slots than requests nothing binds
+    few = run(RunConfig(workload="rag", policy="fairway", rate=4, duration_s=20, max_num_seqs=1))
+    assert few["slots"]["peak_running"] == 1 and few["slots"]["bound_step_fraction"] > 0
+    many = run(RunConfig(workload="rag", policy="fairway", rate=4, duration_s=20))
+    assert many["slots"]["max_num_seqs"] == 1024
+    assert 1 < many["slots"]["peak_running"] < 1024 and many["slots"]["bound_step_fraction"] == 0
