@@ -40,13 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from fairway.cost_model import DEFAULT_PROFILE
+from fairway.engine.model import DEFAULT_MAX_NUM_SEQS
 from fairway.request import WorkloadError
 from fairway.spec import parse_spec, split_specs
 from sim.runner import RunConfig, run
 from workloads.traces import resolve_trace
-
-#: The engine's sequence slots per replica unless asked otherwise: the simulator's own default.
-DEFAULT_MAX_NUM_SEQS: int = RunConfig.model_fields["max_num_seqs"].default
 
 FAIRWAY = "fairway"
 
