@@ -11,10 +11,10 @@ TTFT / hit ratio, and the best p50 and p99 of each column in bold.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 from typing import Any
 
 from bench.tables import md_table
@@ -92,13 +92,29 @@ def side_by_side(folders: list[tuple[str, str]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    if args and args[0] == "--side-by-side":
-        pairs = [(a.partition("=")[0], a.partition("=")[2] or os.path.basename(a.rstrip("/"))) for a in args[1:]]
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (module docstring); every folder must hold a ``sweep.json``, else a
+    usage error that names it."""
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--side-by-side", action="store_true",
+                   help="every policy of the sweeps in one matrix; a folder may be DIR=LABEL")
+    p.add_argument("folders", nargs="+", metavar="DIR", help="a sweep folder (python -m sim sweep --out DIR)")
+    args = p.parse_args(argv)
+    for a in args.folders:
+        d = a.partition("=")[0] if args.side_by_side else a
+        if not os.path.isfile(os.path.join(d, "sweep.json")):
+            p.error(f"{d}: no sweep.json there (a folder written by python -m sim sweep --out)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.side_by_side:
+        pairs = [(a.partition("=")[0], a.partition("=")[2] or os.path.basename(a.rstrip("/"))) for a in args.folders]
         print(side_by_side(pairs))
         return
-    for d in args:
+    for d in args.folders:
         print(table(d))
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from bench.report import side_by_side
+import pytest
+
+from bench.report import parse_args, side_by_side
 
 
 def _row(policy: str, rate: float, p50: float, p99: float, hit: float = 0.5) -> dict:
@@ -24,3 +26,16 @@ def test_the_matrix_takes_seed_medians_and_bolds_the_best_non_oracle(tmp_path):
     assert lines[4] == "| fairway | 0.200 / **2.00** | **0.400** / **4.00** |"  # the median seed; alone at load 2
     assert lines[5] == "| lpm | **0.050** / 5.00 | - |"
     assert lines[6] == "| srpt-oracle | 0.010 / 0.50 | - |"  # never marked
+
+
+def test_the_command_line_names_a_folder_without_a_sweep(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args([str(tmp_path)])
+    assert e.value.code == 2
+    assert f"{tmp_path}: no sweep.json there" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--side-by-side", f"{tmp_path}=label"])
+    assert f"{tmp_path}: no sweep.json there" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_args([])  # no folder: a usage error, not an empty report
+    assert e.value.code == 2
