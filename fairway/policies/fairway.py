@@ -92,6 +92,14 @@ class FairwayConfig:
         default profile (0.3-0.6 s). Not the default: it wins on the closed agentic loops under
         the default step costs (not under the measured ones) and loses on the open-loop
         memory-bound spikes (docs/history/2026-12-04-guard-aging.md).
+    fast_ahead: in [0, 1), default 0.1. On the Fair lane's turn, the Fast lane's pick goes first
+        when its prefill is at most fast_ahead x the Fair pick's, charged to the Fast lane, while
+        the Fast lane's pass stays within one Fair quantum (the Fair pick's prefill / fair_share)
+        of the Fair lane's. Why: an engine with a per-step token budget runs the prefill it
+        admits in admission order, so a long Fair pick admitted first takes its step's whole
+        budget and the light requests behind it wait a step; ahead of it they cost it a few
+        tokens. The lanes' shares are the stride's; only the order within a quantum changes.
+        0: the Fair pick first on its turn (the rule before 2026-12-05).
     """
 
     theta: float = 12.0
@@ -106,8 +114,11 @@ class FairwayConfig:
     guard_horizon_s: float = 10.0
     guard_loss: float = 0.1
     guard_aging: float = 0.0
+    fast_ahead: float = 0.1
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.fast_ahead < 1.0:
+            raise ValueError("fast_ahead must be in [0, 1)")
         if not self.theta > 0:
             raise ValueError("theta must be > 0")
         if self.p_floor_s < 0:
@@ -168,6 +179,8 @@ class Fairway(QueuePolicy):
         self.guard_acts = 0  # decisions the guard changed (yields, Fast picks by cache kept, aged picks), at select
         self._n_fair = 0
         self._chosen = (-1, FAST, False)  # (slot, lane, whether the guard yielded) of the last select()
+        self._ahead_pick = -1  # the last select()'s pick when it went ahead of the Fair pick
+        self.aheads = 0  # admissions that went ahead of the Fair lane's pick (fast_ahead)
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -299,10 +312,31 @@ class Fairway(QueuePolicy):
         self.refresh_lanes()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
+        ahead = False
+        if lane == FAIR and self.config.fast_ahead > 0.0:
+            slot, lane = self._ahead(slot, now)
+            ahead = lane == FAST
         pick, lane = self._guard(slot, lane, now) if self._guarding() else (slot, lane)
         self.guard_acts += pick != slot
         self._chosen = (pick, lane, pick != slot)
+        self._ahead_pick = pick if ahead and pick == slot else -1
         return pick
+
+    def _ahead(self, slot: int, now: float) -> tuple[int, str]:
+        """``fast_ahead``: the Fair lane's pick ``slot`` or, ahead of it, the Fast lane's pick
+        when that one's prefill is at most ``fast_ahead`` of the Fair pick's and the Fast lane,
+        charged for it, stays within one Fair quantum (the Fair pick's prefill over its share)
+        of the Fair lane's pass: stride scheduling's own lag bound, so the lanes' shares hold
+        and only the order within a quantum changes. O(n) for the Fast lane's pick."""
+        if self.config.fast_scope != "all" and len(self) == self._n_fair:
+            return slot, FAIR
+        alt = self._choose_in(FAST, now)
+        p_fair, p_fast = float(self.prefill_s[slot]), float(self.prefill_s[alt])
+        if alt == slot or p_fast > self.config.fast_ahead * p_fair:
+            return slot, FAIR
+        if self.passes[FAST] + p_fast / self.shares[FAST] > self.passes[FAIR] + p_fair / self.shares[FAIR]:
+            return slot, FAIR
+        return alt, FAST
 
     def _aged_pick(self, now: float) -> int:
         """The memory guard's pick with ``guard_aging``: the most cached tokens plus
@@ -371,6 +405,8 @@ class Fairway(QueuePolicy):
         chosen, _, yielded = self._chosen
         self.yields += yielded and chosen == slot
         self._chosen = (-1, FAST, False)
+        self.aheads += self._ahead_pick == slot
+        self._ahead_pick = -1
         lane = adm.lane
         self.passes[lane] += adm.est_prefill_s / self.shares[lane]
         if self.config.memory_guard:  # guard_loss's decayed shares (about the last 100 admissions)

@@ -796,8 +796,9 @@ async def test_the_memory_guard_at_the_gate_reads_the_engines_free_blocks_and_it
     engine = ScriptedEngine(set(warm))
     engine.stats = lambda: EngineStats(running=0, prefilling=0, pending_prefill_tokens=0,  # type: ignore[method-assign]
                                        kv_blocks_total=400, kv_blocks_free=free)
+    # fast_ahead 0: the guard alone reorders (the warm picks would also pass the cold head by fast_ahead)
     pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, memory_guard=True,
-                      guard_loss=0.0, guard_aging=aging)
+                      guard_loss=0.0, guard_aging=aging, fast_ahead=0.0)
     cfg = GateConfig(max_queue_wait_s=None, prefill_budget_tokens=10_000)
     gate = AdmissionGate(engine, pol, clock, cfg, replica="r0")
     view = gate.memory

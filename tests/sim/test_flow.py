@@ -168,9 +168,13 @@ def test_the_routers_class_view_raises_the_interactive_attainment_at_no_cost_to_
     """4 replicas at about their capacity with the product's admission: the Fairway router with
     its class view (the default) places interactive requests that the whole queues would make
     late by the interactive work ahead of them; more of them meet their objective than without
-    it, and batch goodput does not fall."""
+    it, and batch goodput does not fall. The replicas' queues keep the Fair pick first on its turn
+    (``fast_ahead`` 0), so the router's rule alone differs: with the default's light picks ahead,
+    this 10 s run's margin is 0.006 (0.9815 against 0.9753), while the 8-replica flow benchmark
+    at 2x shows the class arm's attainment up with it (docs/benchmarks.md, section 8)."""
     def flow(view: bool) -> dict:
-        cfg = small(rate=80.0, duration_s=10.0, replicas=4, hold=True, router_options={"class_view": view})
+        cfg = small(rate=80.0, duration_s=10.0, replicas=4, hold=True, router_options={"class_view": view},
+                    policy_options={"inner_options": {"fast_ahead": 0.0}})
         return run(cfg)["flow"]["classes"]
 
     on, off = flow(True), flow(False)

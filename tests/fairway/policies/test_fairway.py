@@ -150,6 +150,9 @@ def test_config_bounds():
         FairwayConfig(fair_order="oldest")
     with pytest.raises(ValueError, match="guard_aging"):
         FairwayConfig(guard_aging=-1.0)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="fast_ahead"):
+            FairwayConfig(fast_ahead=bad)
 
 
 def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):
@@ -157,6 +160,7 @@ def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozense
     blocks as keep ``spare[0]`` of them needed by no waiting request; the cached blocks in
     ``held`` are held by running requests."""
     options.setdefault("guard_loss", 0.0)  # whenever memory binds, unless a test says otherwise
+    options.setdefault("fast_ahead", 0.0)  # the guard alone reorders (fast_ahead would let the warm picks by too)
     p, clock = policy_with_cache("fairway", cached, memory_guard=True, **options)
     view = KVMemoryView(lambda: spare[0] + view.n_free_wanted, clock)
     p.attach_memory(view)
@@ -185,7 +189,7 @@ def test_memory_guard_lets_warm_requests_pass_a_cold_fair_head_only_when_memory_
     assert order[0] == order[99] == [(1, FAST), (2, FAST), (0, FAIR)]
     # 100 spare blocks: r0 evicts nobody's context, so the lanes decide as without the guard
     assert order[100] == [(0, FAIR), (1, FAST), (2, FAST)]
-    p, clock = policy_with_cache("fairway", set(warm))  # no guard (and no memory view)
+    p, clock = policy_with_cache("fairway", set(warm), fast_ahead=0.0)  # no guard (and no memory view)
     _cold_head_and_two_warm(p, clock)
     assert [p.admit(p.select().rid).rid for _ in range(3)] == [0, 1, 2]
 
@@ -312,3 +316,41 @@ def test_memory_guard_with_guard_loss_acts_only_while_waiting_requests_lose_thei
         _cold_head_and_two_warm(p, clock)
         orders[lost] = [p.admit(p.select().rid).rid for _ in range(3)]
     assert orders == {False: [0, 1, 2], True: [1, 2, 0]}
+
+
+def _big_due_and_cheap(p, clock, n_cheap: int, cheap_tokens: int = 50):
+    p.add(queued(0, 0.0, 1000, chain("big", 62)))  # P 1.01, due at 12.12: promoted at t = 20
+    for i in range(1, n_cheap + 1):  # arrived at 19.0: due at 20.2 or later, still in the Fast lane
+        p.add(queued(i, 19.0, cheap_tokens, chain(f"c{i}", -(-cheap_tokens // 16))))
+    clock.set(20.0)
+
+
+def _drain(p) -> list[tuple[int, str]]:
+    out = []
+    while len(p):
+        a = p.admit(p.select().rid)
+        out.append((a.rid, a.lane))
+    return out
+
+
+def test_fast_ahead_lets_much_lighter_fast_picks_precede_the_fair_pick_within_one_fair_quantum():
+    """A Fair pick that an engine admits first takes its step's whole token budget, so light
+    requests behind it wait a step; with fast_ahead they go first, charged to the Fast lane,
+    while the Fast lane stays within one Fair quantum (P 1.01 / share 0.6 = 1.683) of the Fair
+    lane's pass: 11 cheap picks at 0.06 / 0.4 = 0.15 each (1.65), not 12 (1.80)."""
+    p, clock = policy_with_cache("fairway", set())  # the default, fast_ahead 0.1
+    assert FairwayConfig().fast_ahead == 0.1
+    _big_due_and_cheap(p, clock, 13)
+    assert p.prefill_s[:2].tolist() == pytest.approx([1.01, 0.06])
+    assert _drain(p) == [(i, FAST) for i in range(1, 12)] + [(0, FAIR), (12, FAST), (13, FAST)]
+    assert p.aheads == 11
+    off, clock = policy_with_cache("fairway", set(), fast_ahead=0.0)  # the Fair pick first on its turn
+    _big_due_and_cheap(off, clock, 13)
+    assert _drain(off) == [(0, FAIR)] + [(i, FAST) for i in range(1, 14)] and off.aheads == 0
+
+
+def test_fast_ahead_keeps_the_fair_pick_first_when_the_fast_pick_is_not_much_lighter():
+    p, clock = policy_with_cache("fairway", set())
+    _big_due_and_cheap(p, clock, 2, cheap_tokens=150)  # P 0.16 > 0.1 x 1.01
+    assert p.prefill_s[1] > 0.1 * p.prefill_s[0]
+    assert _drain(p) == [(0, FAIR), (1, FAST), (2, FAST)] and p.aheads == 0
