@@ -15,6 +15,10 @@
   the non-empty lane with the smaller pass, then add P / share to that lane's pass. A lane that
   was empty restarts at the other lane's pass (it banks no credit); an empty lane gives the other
   everything.
+- ``fast_ahead`` (0.1): on the Fair lane's turn, a Fast pick with at most that fraction of the
+  Fair pick's P goes first while the Fast lane stays within one Fair quantum of the Fair lane's
+  pass, so a long Fair pick does not take a whole engine step ahead of cached requests
+  (``FairwayConfig``).
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
 - ``memory_guard`` (on by default; reads the host's memory view, ``fairway/memory_view.py``,
