@@ -101,8 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every policy of the sweeps in one matrix; a folder may be DIR=LABEL")
     p.add_argument("folders", nargs="+", metavar="DIR", help="a sweep folder (python -m sim sweep --out DIR)")
     args = p.parse_args(argv)
-    for a in args.folders:
-        d = a.partition("=")[0] if args.side_by_side else a
+    # (folder, label) pairs: with --side-by-side a folder may carry its label after "="
+    args.pairs = [(d, label or os.path.basename(d.rstrip("/")))
+                  for d, _, label in (a.partition("=") if args.side_by_side else (a, "", "") for a in args.folders)]
+    for d, _ in args.pairs:
         if not os.path.isfile(os.path.join(d, "sweep.json")):
             p.error(f"{d}: no sweep.json there (a folder written by python -m sim sweep --out)")
     return args
@@ -111,10 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.side_by_side:
-        pairs = [(a.partition("=")[0], a.partition("=")[2] or os.path.basename(a.rstrip("/"))) for a in args.folders]
-        print(side_by_side(pairs))
+        print(side_by_side(args.pairs))
         return
-    for d in args.folders:
+    for d, _ in args.pairs:
         print(table(d))
 
 

@@ -332,11 +332,11 @@ class Fairway(QueuePolicy):
         charged for it, stays within one Fair quantum (the Fair pick's prefill over its share)
         of the Fair lane's pass: stride scheduling's own lag bound, so the lanes' shares hold
         and only the order within a quantum changes. O(n) for the Fast lane's pick."""
-        if self.config.fast_scope != "all" and len(self) == self._n_fair:
+        alt = self._fast_alternative(slot, now)
+        if alt is None:
             return slot, FAIR
-        alt = self._choose_in(FAST, now)
         p_fair, p_fast = float(self.prefill_s[slot]), float(self.prefill_s[alt])
-        if alt == slot or p_fast > self.config.fast_ahead * p_fair:
+        if p_fast > self.config.fast_ahead * p_fair:
             return slot, FAIR
         if self.passes[FAST] + p_fast / self.shares[FAST] > self.passes[FAIR] + p_fair / self.shares[FAIR]:
             return slot, FAIR
@@ -378,12 +378,19 @@ class Fairway(QueuePolicy):
             return alt, (FAIR if self.promoted[alt] else FAST)
         if lane != FAIR or not self._destroys(slot):
             return slot, lane
-        if self.config.fast_scope != "all" and len(self) == self._n_fair:
-            return slot, FAIR
-        alt = self._choose_in(FAST, now)
-        if alt == slot or self._destroys(alt):
+        alt = self._fast_alternative(slot, now)
+        if alt is None or self._destroys(alt):
             return slot, FAIR
         return alt, FAST
+
+    def _fast_alternative(self, slot: int, now: float) -> int | None:
+        """The Fast lane's pick as the alternative to the Fair lane's pick ``slot`` (for the
+        memory guard and ``fast_ahead``), or None when the Fast lane offers no other request.
+        O(n)."""
+        if self.config.fast_scope != "all" and len(self) == self._n_fair:
+            return None
+        alt = self._choose_in(FAST, now)
+        return None if alt == slot else alt
 
     def _choose_in(self, lane: str, now: float) -> int:
         hi = self._hi
