@@ -7,9 +7,9 @@ per point: Fairway's p50 / p99 / hit ratio, the best faithful anchor for each me
 median over seeds), the ratios, and the hit bound of an infinite cache. The last lines are the
 medians and maxima of the ratios over the points: the figures the issue's targets are stated in.
 The best anchor is taken per metric, so one anchor's median may be set beside another's tail; a
-second p50 ratio is therefore taken against the anchors whose p99 stays within ``ADMISSIBLE_TAIL``
-of the best anchor's. ``--fairway SPEC`` judges a candidate (a ``fairway[...]`` option set) in the
-shipped router's place.
+second p50 ratio, and a second best hit ratio, are therefore taken against the anchors whose p99
+stays within ``ADMISSIBLE_TAIL`` of the best anchor's. ``--fairway SPEC`` judges a candidate (a
+``fairway[...]`` option set) in the shipped router's place.
 
 Equal views: a view is the routers' prefix index, ``approx`` (each router's own decisions,
 corrected by the engines' cached-token reports) or ``events`` (the engines' KV events, exact);
@@ -193,6 +193,7 @@ class Row:
     routers: dict[str, dict[str, float]] = field(default_factory=dict)  # every router's medians
     missing: list[str] = field(default_factory=list)  # anchors with no run at this point
     admissible: tuple[str, float] = ("", 0.0)  # the best p50 among anchors with p99 <= ADMISSIBLE_TAIL x best
+    admissible_hit: tuple[str, float] = ("", 0.0)  # the best hit ratio among those anchors
     floor: dict[str, float] = field(default_factory=dict)  # the TTFT floor's p50 / p99 (sim/ttft_floor.py)
 
     def beyond_reach(self) -> list[str]:
@@ -243,11 +244,14 @@ def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str], fairway
         tail_ok = [n for n in present if meds[n]["p99"] <= ADMISSIBLE_TAIL * best["p99"][1]]
         a = min(tail_ok, key=lambda n: meds[n]["p50"])
         admissible = (a, meds[a]["p50"])
+        a = max(tail_ok, key=lambda n: meds[n]["hit"])
+        admissible_hit = (a, meds[a]["hit"])
         ratio["p50_admissible"] = fw["p50"] / admissible[1] if admissible[1] > 0 else float("inf")
         missing = [a for a in anchors if a not in meds]
         floors = [r["ttft_floor_s"] for r in by_router[fairway] if r.get("ttft_floor_s")]
         floor = {k: statistics.median(f[k] for f in floors) for k in ("p50", "p99")} if floors else {}
-        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds, missing, admissible, floor))
+        rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds, missing, admissible,
+                        admissible_hit, floor))
     return rows
 
 
@@ -262,6 +266,7 @@ class Verdict:
     hit_shortfalls: list[str]
     median_p50_admissible: float = 0.0
     max_p50_admissible: float = 0.0
+    hit_shortfalls_admissible: list[str] = field(default_factory=list)
 
     @property
     def met(self) -> bool:
@@ -275,8 +280,9 @@ def verdict(rows: Sequence[Row]) -> Verdict:
     p99 = [r.ratio["p99"] for r in rows]
     adm = [r.ratio["p50_admissible"] for r in rows]
     short = [r.point for r in rows if r.fairway["hit"] < r.best["hit"][1]]
+    short_adm = [r.point for r in rows if r.fairway["hit"] < r.admissible_hit[1]]
     return Verdict(statistics.median(p50), statistics.median(p99), max(p50), max(p99), short,
-                   statistics.median(adm), max(adm))
+                   statistics.median(adm), max(adm), short_adm)
 
 
 def _floor(f: dict[str, float]) -> str:
@@ -305,19 +311,20 @@ def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[s
         out.append(f"View `{view}`, medians over {'/'.join(map(str, seeds))} seed(s):\n")
         out.append("| point | Fairway p50 / p99 s | best anchor p50 s | best anchor p99 s | p50 / p99 ratio "
                    f"| p50 ratio, anchors with p99 <= {ADMISSIBLE_TAIL:g}x best | Fairway hit | best anchor hit "
-                   "| hit bound | TTFT floor p50 / p99 s |")
-        out.append("| --- | ---: | --- | --- | ---: | --- | ---: | --- | ---: | ---: |")
+                   f"| best hit, anchors with p99 <= {ADMISSIBLE_TAIL:g}x best | hit bound | TTFT floor p50 / p99 s |")
+        out.append("| --- | ---: | --- | --- | ---: | --- | ---: | --- | --- | ---: | ---: |")
         for r in vr:
             (a50, v50), (a99, v99), (ah, vh) = r.best["p50"], r.best["p99"], r.best["hit"]
             out.append(
                 f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | {v50:.3f} ({a50}) "
                 f"| {v99:.2f} ({a99}) | {_ratio(r.ratio['p50'])} / {_ratio(r.ratio['p99'])} "
                 f"| {_ratio(r.ratio['p50_admissible'])} ({r.admissible[0]}) "
-                f"| {r.fairway['hit']:.3f} | {vh:.3f} ({ah}) | {r.hit_bound:.3f} "
+                f"| {r.fairway['hit']:.3f} | {vh:.3f} ({ah}) | {r.admissible_hit[1]:.3f} ({r.admissible_hit[0]}) "
+                f"| {r.hit_bound:.3f} "
                 f"| {_floor(r.floor)} |")
         for r in partial:
             out.append(f"| {r.point} | {r.fairway['p50']:.3f} / {r.fairway['p99']:.2f} | incomplete: "
-                       f"{len(r.missing)} anchor(s) not run ({', '.join(r.missing)}) | | | | | | | |")
+                       f"{len(r.missing)} anchor(s) not run ({', '.join(r.missing)}) | | | | | | | | |")
         out.append("")
         if not vr:
             out.append("No point with every anchor run yet.\n")
@@ -330,7 +337,9 @@ def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[s
                    f"no point above {TARGET_MAX:g}, hit >= best): "
                    f"{'met' if v.met else 'not met'}. p50 against the anchors whose p99 is within "
                    f"{ADMISSIBLE_TAIL:g}x the best: median {v.median_p50_admissible:.2f}, "
-                   f"max {v.max_p50_admissible:.2f}.\n")
+                   f"max {v.max_p50_admissible:.2f}; hit below the best of those at "
+                   f"{len(v.hit_shortfalls_admissible)} point(s)"
+                   f"{': ' + ', '.join(v.hit_shortfalls_admissible) if v.hit_shortfalls_admissible else ''}.\n")
         reach = [f"{r.point} ({', '.join(r.beyond_reach())})" for r in vr if r.beyond_reach()]
         if reach:
             out.append("Beyond any router, the TTFT floor of Fairway's own requests being above the bound: "

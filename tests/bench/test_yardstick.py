@@ -115,6 +115,25 @@ def test_admissible_p50_leaves_out_anchors_that_buy_the_median_with_the_tail():
     assert "**1.25** (mid)" in render([row])
 
 
+def test_admissible_hit_leaves_out_anchors_that_buy_the_hit_with_the_tail():
+    rs = [result(FAIRWAY, 1.0, 10, 0.40),
+          result("hoarder", 2.0, 500, 0.60),  # best hit, p99 50x the best: not admissible
+          result("tail", 1.2, 10, 0.30),  # best p99
+          result("sticky", 1.1, 20, 0.45)]  # p99 exactly 2x the best: admissible, more hit than Fairway
+    (row,) = summarise(rs, anchors=["hoarder", "tail", "sticky"])
+    assert row.best["hit"] == ("hoarder", 0.60)
+    assert row.admissible_hit == ("sticky", 0.45)
+    v = verdict([row])
+    assert v.hit_shortfalls == v.hit_shortfalls_admissible == ["w @1"]
+    assert "| 0.600 (hoarder) | 0.450 (sticky) |" in render([row])
+    # without the admissible anchor, Fairway's hit is the best of those left
+    (row,) = summarise(rs[:3], anchors=["hoarder", "tail"])
+    assert row.admissible_hit == ("tail", 0.30)
+    v = verdict([row])
+    assert (v.hit_shortfalls, v.hit_shortfalls_admissible) == (["w @1"], [])
+    assert "hit below the best of those at 0 point(s)." in render([row])
+
+
 def test_a_candidate_is_judged_in_fairways_place():
     rs = [result(FAIRWAY, 1.0, 10, 0.3), result("fairway[x=1]", 0.5, 5, 0.3), result("a", 1.0, 10, 0.3)]
     (row,) = summarise(rs, anchors=["a"], fairway="fairway[x=1]")
