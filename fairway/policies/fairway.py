@@ -184,6 +184,7 @@ class Fairway(QueuePolicy):
         self._n_fair = 0
         self._chosen = (-1, FAST, False)  # (slot, lane, whether the guard yielded) of the last select()
         self._ahead_pick = -1  # the last select()'s pick when it went ahead of the Fair pick
+        self._alt_for, self._alt = -1, None  # this select()'s Fast alternative, for the Fair pick _alt_for
         self.aheads = 0  # admissions that went ahead of the Fair lane's pick (fast_ahead)
 
     # -- columns ---------------------------------------------------------------------------
@@ -314,6 +315,7 @@ class Fairway(QueuePolicy):
 
     def _choose(self, now: float) -> int:
         self.refresh_lanes()
+        self._alt_for = -1  # no Fast alternative worked out yet in this select()
         lane = self._pick_lane()
         slot = self._choose_in(lane, now)
         ahead = False
@@ -386,11 +388,16 @@ class Fairway(QueuePolicy):
     def _fast_alternative(self, slot: int, now: float) -> int | None:
         """The Fast lane's pick as the alternative to the Fair lane's pick ``slot`` (for the
         memory guard and ``fast_ahead``), or None when the Fast lane offers no other request.
-        O(n)."""
-        if self.config.fast_scope != "all" and len(self) == self._n_fair:
-            return None
-        alt = self._choose_in(FAST, now)
-        return None if alt == slot else alt
+        Worked out once per select(): ``fast_ahead`` and the guard ask for the same one, and the
+        Fast lane's choice counts its own guard act. O(n), then O(1)."""
+        if self._alt_for == slot:
+            return self._alt
+        alt: int | None = None
+        if self.config.fast_scope == "all" or len(self) != self._n_fair:
+            alt = self._choose_in(FAST, now)
+            alt = None if alt == slot else alt
+        self._alt_for, self._alt = slot, alt
+        return alt
 
     def _choose_in(self, lane: str, now: float) -> int:
         hi = self._hi

@@ -246,6 +246,22 @@ def test_memory_guard_orders_the_fast_lane_by_cache_kept_when_memory_binds():
     assert order[10] == [(0, FAST), (1, FAST)]  # r0 fits in the spare blocks: least work first
 
 
+def test_fast_ahead_and_the_guard_share_one_fast_alternative_per_decision():
+    """On the Fair lane's turn both ``fast_ahead`` and the guard look at the Fast lane's pick; it
+    is worked out once, so the guard's act on it (the least-work pick evicts, the most cached one
+    is taken) counts once, as without ``fast_ahead``."""
+    shared, warm = chain("sys", 20), chain("w", 30)
+    seen = {}
+    for ahead in (0.0, 0.1):
+        p, clock = _guarded([0], set(shared) | set(warm), held=frozenset(shared), fast_ahead=ahead)
+        p.add(queued(9, 0.0, 1600, chain("cold", 100)))  # the Fair head once promoted: evicts 100 blocks
+        p.add(queued(0, 25.0, 336, shared + chain("new", 1)))  # least work, saves nothing
+        p.add(queued(1, 25.0, 640, warm + chain("w-new", 10)))  # 30 own blocks at risk
+        clock.set(30.0)
+        seen[ahead] = (p.select().rid, p.guard_acts)
+    assert seen == {0.0: (1, 2), 0.1: (1, 2)}
+
+
 def test_memory_guard_with_aging_lets_an_overdue_head_through_once_it_is_late_enough():
     """A cold head r0 (due 19.32, 100 new blocks, no spare block: it evicts) and two warm
     requests (20 of 21 blocks cached, 320 tokens) that arrived 0.5 s before ``at``, not yet due.
