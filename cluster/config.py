@@ -84,6 +84,10 @@ class ClusterArgs(ServedModel, ServedEngine):
     classes: list[ClassSpec] = Field(default_factory=list, description="request classes (docs/design.md, Flow "
                                      "control): name, tier (strict, lower first), weight, objective_s, max_wait_s")
     default_class: str = Field("", description="the class of a request that names none (default: the last)")
+    stream_channel: bool = Field(True, description="each ingress replica opens one stream channel per replica, "
+                                 "which carries the middle chunks of all its streams there, merged per flush "
+                                 "(replicas/channel.py); with router.policy ray-default, off (it is pinned by "
+                                 "Fairway's request router)")
 
     @model_validator(mode="after")
     def _resolve_policies(self) -> ClusterArgs:
@@ -149,7 +153,8 @@ class ClusterArgs(ServedModel, ServedEngine):
         return IngressArgs(**served, router_policy=self.router.policy, metrics=self.metrics, limits=self.limits,
                            auth=self.auth, cors=self.cors, classes=self.request_classes(), hold=self.router.hold,
                            hold_policy=self.replica.policy, hold_policy_options=self.replica.policy_options,
-                           profile=self.profile, gate_wait_s=self.replica.max_queue_wait_s)
+                           profile=self.profile, gate_wait_s=self.replica.max_queue_wait_s,
+                           stream_channel=self.stream_channel and self.router.policy != RAY_DEFAULT_ROUTER)
 
     def replica_engine_args(self) -> dict[str, Any]:
         """The engine options every replica builds its engine with: the YAML's ``engine_args``,

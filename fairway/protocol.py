@@ -75,6 +75,9 @@ class GenerateCall:
     # The prompt tokens' log probabilities too, with this many alternatives (a completion's echo
     # with logprobs: scoring a text); None: none. The engine then computes the whole prompt
     prompt_logprobs: int | None = None
+    # The ingress replica whose stream channel may carry this call's middle chunks (its Serve
+    # id; "" for none: every chunk on the call). ``replicas/channel.py``
+    channel: str = ""
 
     @property
     def waited_from(self) -> float:
@@ -107,6 +110,22 @@ class TokenChunk:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the call asked for them
     # the prompt's, on the first output, when the call asked: None for its first token, which has no context
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    offset: int = 0  # output tokens before this chunk's (a stream channel's chunks and the call's interleave)
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelCall:
+    """An ingress replica opens its stream channel to one replica (``replicas/channel.py``): the
+    request router sends it to ``replica`` (a Serve replica id) alone, books no load for it, and
+    a replica with another id ends it at once."""
+
+    ingress: str
+    replica: str
+
+
+#: One stream's tokens on a channel: (request id, offset, token ids), ``offset`` as
+#: ``TokenChunk.offset``
+ChannelPiece = tuple[str, int, list[int]]
 
 
 #: The lowest log probability an engine reports (vLLM's OpenAI server clamps alike: -inf is not

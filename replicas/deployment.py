@@ -5,6 +5,8 @@ drive it without Ray. Methods Ray Serve calls:
 
 - ``generate(call)``: an async generator of ``TokenChunk``s (the ingress calls it through a
   streaming handle); errors the client must see as HTTP statuses are ``ReplicaError``s;
+- ``channel(call)``: an ingress replica's stream channel (``replicas/channel.py``), which carries
+  the middle chunks of that ingress's streams here;
 - ``record_routing_stats()``: the ``ReplicaRoutingStats`` the request routers read (Ray polls it
   every ``request_routing_stats_period_s``);
 - ``check_health()``: raises if the engine died, so Ray replaces the replica.
@@ -23,9 +25,10 @@ from fairway.clock import MonotonicClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.policies import make_policy
 from fairway.policies.classes import ClassesConfig
-from fairway.protocol import GenerateCall, ReplicaRoutingStats, TokenChunk
+from fairway.protocol import ChannelCall, ChannelPiece, GenerateCall, ReplicaRoutingStats, TokenChunk
 from fairway.routing.view_log import DEFAULT_KV_PERIOD_S
 from fairway.spec import resolve_spec
+from replicas.channel import Channels
 from replicas.engines import make_engine
 from replicas.gate import AdmissionGate, GateConfig
 from replicas.stream import DEFAULT_STREAM_INTERVAL_S, coalesce
@@ -123,6 +126,7 @@ class FairwayReplica:
         # a stream's tokens are merged once: by an engine that coalesces, else by the replica
         self._coalesce_s = 0.0 if self.engine.coalesces else a.stream_interval_s
         self.clock = clock = MonotonicClock()
+        self.channels = Channels(clock)
         block_size = self.engine.block_size
         cost = CostModel.from_profile(a.profile)
 
@@ -198,8 +202,16 @@ class FairwayReplica:
         return pub
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[TokenChunk]:
-        async for chunk in coalesce(self.gate.submit(call), self._coalesce_s, self.clock):
+        async for chunk in self.channels.relay(call, coalesce(self.gate.submit(call), self._coalesce_s, self.clock)):
             yield chunk
+
+    async def channel(self, call: ChannelCall) -> AsyncIterator[list[ChannelPiece]]:
+        """``call.ingress``'s stream channel; ends at once when ``call`` was meant for another
+        replica (the request router pins it, unless a router that does not know channels sent it)."""
+        if call.replica != self.name:
+            return
+        async for batch in self.channels.serve(call.ingress):
+            yield batch
 
     def record_routing_stats(self) -> ReplicaRoutingStats:
         return self.gate.routing_stats()

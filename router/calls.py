@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -66,9 +67,16 @@ class ReplicaStream:
     """One call's token stream from its replica, with error mapping (``map_error``) and the
     router's metrics: TTFT when the first token reaches the client, requests by status, e2e.
     ``holder``: the held queue, told of room at the first token and at the end; ``stats``: the
-    router's metrics (None: none); ``classes``: the request classes (their objectives)."""
+    router's metrics (None: none); ``classes``: the request classes (their objectives);
+    ``channels``: the ingress's stream channels (``router/channels.py``; None: every chunk comes
+    on the call), which feed ``piece``.
 
-    def __init__(self, call: GenerateCall, gen: Any, holder: Any, stats: Any, classes: ClassesConfig) -> None:
+    With channels, the chunks after the first come from two places, the call and its replica's
+    channel, each with its offset in the output; ``rest`` passes each token on once, in order:
+    a piece past a gap waits for it, and what the call carries again is dropped."""
+
+    def __init__(self, call: GenerateCall, gen: Any, holder: Any, stats: Any, classes: ClassesConfig,
+                 channels: Any = None) -> None:
         self.holder = holder
         self.stats = stats
         self.classes = classes
@@ -80,17 +88,31 @@ class ReplicaStream:
         self.done = False
         self._early: TokenChunk | None = None  # a first chunk read by ``accepted``
         self.held_s = 0.0  # how long the router held it before a gate took it
+        self.channels = channels
+        self._emitted = 0  # output tokens passed on
+        self._box: deque[Any] = deque()  # channel pieces (offset, ids), the call's chunks and its failure
+        self._waiter: asyncio.Future[None] | None = None
+        self._pump: asyncio.Task[None] | None = None
+        if channels is not None:
+            channels.register(call.request_id, self)
 
     async def _next(self) -> TokenChunk:
         try:
             return await self.gen.__anext__()
         except StopAsyncIteration:
+            self._unregister()
             raise HTTPError(503, "replica ended the stream without finishing the request", 1.0,
                             "engine_failed") from None
         except HTTPError:
+            self._unregister()
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP status
+            self._unregister()  # a refused call is not closed (nothing runs): it gets no more pieces either
             raise map_error(e) from e
+
+    def _unregister(self) -> None:
+        if self.channels is not None:
+            self.channels.unregister(self.call.request_id, self)
 
     async def first(self, sent: bool = True) -> TokenChunk:
         """The first chunk. Its TTFT is taken now when the answer is a whole one (``sent``), else
@@ -100,6 +122,9 @@ class ReplicaStream:
         self.holder.room()  # a prefill ended at its replica: that queue moved
         self.lane = c.lane
         self.replica = c.replica
+        self._emitted = c.offset + len(c.token_ids)
+        if self.channels is not None and not c.finished:
+            self.channels.watch(c.replica)
         if self.stats is not None:
             self.stats.observe_queue_wait(c.lane, c.queue_wait_s, replica=c.replica)
             expected = self.call.expected_ttft_s
@@ -131,6 +156,10 @@ class ReplicaStream:
     async def rest(self) -> AsyncIterator[TokenChunk]:
         if self.done:
             return
+        if self.channels is not None:
+            async for c in self._merged():
+                yield c
+            return
         try:
             while True:
                 c = await self._next()
@@ -141,6 +170,81 @@ class ReplicaStream:
         except HTTPError:
             self._finish("error")
             raise
+
+    def piece(self, offset: int, token_ids: list[int]) -> None:
+        """A channel's piece of this stream's output. O(1)."""
+        if not self.done:
+            self._box.append((offset, token_ids))
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _pump_call(self) -> None:
+        """The call's chunks into the box, to its last chunk or its failure."""
+        try:
+            while True:
+                c = await self._next()
+                self._box.append(c)
+                self._wake()
+                if c.finished:
+                    return
+        except HTTPError as e:
+            self._box.append(e)
+            self._wake()
+
+    async def _merged(self) -> AsyncIterator[TokenChunk]:
+        """``rest`` with a channel: the call's chunks and the channel's pieces, each token once,
+        in order (the class docstring). O(1) per chunk, plus the pieces held past a gap."""
+        loop = asyncio.get_running_loop()
+        self._pump = asyncio.ensure_future(self._pump_call())
+        ahead: dict[int, list[int]] = {}  # pieces past a gap, by offset
+        box = self._box
+        try:
+            while True:
+                while not box:
+                    self._waiter = loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                item = box.popleft()
+                if isinstance(item, HTTPError):
+                    self._finish("error")
+                    raise item
+                if isinstance(item, TokenChunk):
+                    skip = self._emitted - item.offset
+                    if skip > 0:
+                        item = dataclasses.replace(item, token_ids=item.token_ids[skip:], offset=self._emitted)
+                    self._emitted = item.offset + len(item.token_ids)
+                    if item.finished:
+                        yield item
+                        self._finish("ok")
+                        return
+                    if item.token_ids:
+                        yield item
+                    if not ahead or (nxt := ahead.pop(self._emitted, None)) is None:
+                        continue
+                    item = (self._emitted, nxt)
+                offset, ids = item
+                if offset > self._emitted:
+                    ahead[offset] = ids
+                    continue
+                while True:  # this piece, then any held piece it reaches
+                    skip = self._emitted - offset
+                    if skip < len(ids):
+                        ids = ids[skip:] if skip else ids
+                        self._emitted += len(ids)
+                        yield TokenChunk(token_ids=ids, offset=self._emitted - len(ids), lane=self.lane,
+                                         replica=self.replica, completion_tokens=self._emitted)
+                    if not ahead or (nxt := ahead.pop(self._emitted, None)) is None:
+                        break
+                    offset, ids = self._emitted, nxt
+        finally:
+            if not self._pump.done():
+                self._pump.cancel()
 
     def stop(self) -> None:
         """End the call because its output is complete (a stop string or token ended it): the
@@ -158,6 +262,8 @@ class ReplicaStream:
         self._cancel()
 
     def _cancel(self) -> None:
+        if self._pump is not None and not self._pump.done():
+            self._pump.cancel()
         try:
             self.gen.cancel()
         except Exception as e:  # noqa: BLE001 - the replica may already be gone
@@ -167,6 +273,9 @@ class ReplicaStream:
         if self.done:
             return
         self.done = True
+        if self.channels is not None:
+            self._unregister()
+            self._box.clear()
         self.holder.room()
         st = self.stats
         if st is not None:

@@ -54,6 +54,7 @@ from fairway.routing.held import HeldQueue
 from router.answers import Answer, Output, Replies
 from router.auth import NO_AUTH, AuthArgs, AuthGuard, KeyTable, Principal
 from router.calls import CLIENT_GONE_STATUS, ClientGone, ReplicaStream, own_serve_request_id, unless_gone
+from router.channels import StreamChannels
 from router.cors import CorsArgs, CorsGuard
 from router.errors import HTTPError
 from router.hold import HoldArgs, Holder, HoldRefused
@@ -209,6 +210,9 @@ class IngressArgs(ServedModel):
     profile: str = Field(DEFAULT_PROFILE, description="the cost profile of the held queue's prefill estimates")
     gate_wait_s: float | None = Field(None, description="the replicas' max_queue_wait_s: the held queue leaves it "
                                                         "of each request's wait bound for the gate")
+    stream_channel: bool = Field(False, description="one stream channel per replica carries the middle chunks of "
+                                                    "every stream (router/channels.py; needs Fairway's request router, "
+                                                    "which pins it)")
 
 
 #: the period of ``watch_loop``'s timer, seconds
@@ -252,6 +256,8 @@ class FairwayIngress:
         self.block_size = a.block_size
         self.keys = KeyTable(a.auth)
         self.name = ingress_name()
+        # one stream channel per replica (router/channels.py): the middle chunks of every stream
+        self.channels = StreamChannels(self.name, lambda c: self.handle.channel.remote(c)) if a.stream_channel else None
         self.stats = None
         self.exporter = None
         self._loop_watch: asyncio.Task | None = None
@@ -627,8 +633,13 @@ class FairwayIngress:
         return stream
 
     def _stream(self, call: GenerateCall) -> ReplicaStream:
-        """``call`` sent to a replica through the handle (its request router picks which), as a stream."""
-        return ReplicaStream(call, self.handle.generate.remote(call), self.holder, self.stats, self.args.classes)
+        """``call`` sent to a replica through the handle (its request router picks which), as a
+        stream; its middle chunks on the replica's stream channel, when this ingress has them and
+        the call asks for no log probabilities (they stay beside their tokens, on the call)."""
+        channels = self.channels if call.logprobs is None and call.prompt_logprobs is None else None
+        call.channel = channels.name if channels is not None else ""
+        return ReplicaStream(call, self.handle.generate.remote(call), self.holder, self.stats, self.args.classes,
+                             channels)
 
     def _hold_bound(self, call: GenerateCall) -> float:
         """How long after its headers ``call`` may wait for a replica's queue: its class's wait

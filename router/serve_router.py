@@ -37,7 +37,7 @@ from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.load_view import LoadView
 from fairway.policies.classes import ClassesConfig, ClassSpec
 from fairway.prefix_index import PrefixIndex
-from fairway.protocol import GenerateCall, ReplicaRoutingStats
+from fairway.protocol import ChannelCall, GenerateCall, ReplicaRoutingStats
 from fairway.routing import make_router
 from fairway.routing.bookings import MAX_TRACKED, Booking, Bookings, Changes
 from fairway.routing.fallback_index import FallbackIndex
@@ -67,6 +67,17 @@ def find_call(pending: PendingRequest | None) -> GenerateCall | None:
         return None
     for a in list(pending.args) + list(pending.kwargs.values()):
         if isinstance(a, GenerateCall):
+            return a
+    return None
+
+
+def find_channel(pending: PendingRequest | None) -> ChannelCall | None:
+    """The ``ChannelCall`` among a pending request's arguments (an ingress opening its stream
+    channel to one replica, ``replicas/channel.py``), if any. O(args)."""
+    if pending is None:
+        return None
+    for a in pending.args:
+        if isinstance(a, ChannelCall):
             return a
     return None
 
@@ -225,6 +236,9 @@ class FairwayRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pin = find_channel(pending_request)
+        if pin is not None:  # to its replica, whatever its load; gone: any (which ends it at once)
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin.replica] or candidate_replicas]
         t0 = time.perf_counter()
         by_idx: dict[int, RunningReplica] = {}
         stalled, full = [], []

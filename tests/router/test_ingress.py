@@ -35,6 +35,7 @@ import router.ingress as ingress_mod
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import EngineFailed, Overloaded, TokenChunk
 from router.auth import AuthArgs
+from router.channels import StreamChannels
 from router.cors import CorsArgs
 from router.hold import HoldArgs
 from router.ingress import FairwayIngress, IngressArgs, app
@@ -1054,6 +1055,11 @@ class SimReplicas:
         self.calls.append(call)
         return _SimGen(self, call)
 
+    async def open_channel(self, call: Any) -> Any:
+        """The replica's stream channel (``FairwayReplica.channel``), as the handle's call gives it."""
+        async for batch in (await self.started()).channel(call):
+            yield batch
+
 
 class _SimGen:
     def __init__(self, owner: SimReplicas, call: Any) -> None:
@@ -1070,6 +1076,27 @@ class _SimGen:
     def cancel(self) -> None:
         if self.it is not None:
             asyncio.ensure_future(self.it.aclose())
+
+
+def test_streams_through_the_replicas_stream_channel_are_the_whole_answers():
+    """With the stream channel (router/channels.py, replicas/channel.py) a stream's middle chunks
+    come on the replica's channel and its first and last on the call: the streamed tokens are the
+    whole answer's, token for token, and the channel carried some of them."""
+    srv = Server(RequestLimits())
+    sim = srv.replicas = srv.ingress.handle = SimReplicas()
+    srv.ingress.channels = channels = StreamChannels(srv.ingress.name, sim.open_channel)
+    with srv:
+        for seed in range(3):
+            body = {"model": MODEL, "prompt": f"hi there {seed}", "max_tokens": 60, "return_token_ids": True,
+                    "seed": seed, "temperature": 1.0, "ignore_eos": True}
+            whole = post(srv, "/v1/completions", body).json()["choices"][0]
+            r = post(srv, "/v1/completions", {**body, "stream": True})
+            events = [json.loads(ln[6:]) for ln in r.text.split("\n") if ln.startswith("data: {")]
+            ids = [t for e in events for ch in e["choices"] for t in ch.get("token_ids") or []]
+            assert ids == whole["token_ids"] and len(ids) == 60
+            assert "".join(ch["text"] for e in events for ch in e["choices"]) == whole["text"]
+        assert all(c.channel == srv.ingress.name for c in sim.calls)
+        assert channels.pieces > 0 and sim.replica.channels.flushes > 0
 
 
 def test_the_engine_parameters_on_the_sim_engine_behind_its_gate():
