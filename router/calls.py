@@ -93,6 +93,7 @@ class ReplicaStream:
         self._box: deque[Any] = deque()  # channel pieces (offset, ids), the call's chunks and its failure
         self._waiter: asyncio.Future[None] | None = None
         self._pump: asyncio.Task[None] | None = None
+        self._pump_stopped = False
         if channels is not None:
             channels.register(call.request_id, self)
 
@@ -194,6 +195,16 @@ class ReplicaStream:
         except HTTPError as e:
             self._box.append(e)
             self._wake()
+        except asyncio.CancelledError:
+            if not self._pump_stopped:  # the call was cancelled under it, not by this stream: never a hang
+                self._box.append(HTTPError(503, "the replica's stream was cancelled", 1.0, "engine_failed"))
+                self._wake()
+            raise
+
+    def _stop_pump(self) -> None:
+        if self._pump is not None and not self._pump.done():
+            self._pump_stopped = True
+            self._pump.cancel()
 
     async def _merged(self) -> AsyncIterator[TokenChunk]:
         """``rest`` with a channel: the call's chunks and the channel's pieces, each token once,
@@ -243,8 +254,7 @@ class ReplicaStream:
                         break
                     offset, ids = self._emitted, nxt
         finally:
-            if not self._pump.done():
-                self._pump.cancel()
+            self._stop_pump()
 
     def stop(self) -> None:
         """End the call because its output is complete (a stop string or token ended it): the
@@ -262,8 +272,7 @@ class ReplicaStream:
         self._cancel()
 
     def _cancel(self) -> None:
-        if self._pump is not None and not self._pump.done():
-            self._pump.cancel()
+        self._stop_pump()
         try:
             self.gen.cancel()
         except Exception as e:  # noqa: BLE001 - the replica may already be gone

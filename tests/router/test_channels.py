@@ -207,3 +207,15 @@ async def test_a_refused_or_failed_call_leaves_no_registration_behind():
     with pytest.raises(HTTPError):
         await s.first()
     assert chans._sinks == {}  # not closed (a refusal runs nothing), and no longer fed
+
+
+@pytest.mark.asyncio
+async def test_a_call_cancelled_under_the_stream_ends_it_with_an_error_not_a_hang():
+    chans = StreamChannels("ing-1", Opened())
+    s, gen = stream(chans)
+    gen.send(0, [1])
+    await s.first()
+    gen.q.put_nowait(asyncio.CancelledError())
+    with pytest.raises(HTTPError):
+        await asyncio.wait_for(s.rest().__anext__(), DEADLINE_S)
+    assert s.done
