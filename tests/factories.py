@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
 
 from fairway.clock import ManualClock
 from fairway.policies import QueuedRequest, QueuePolicy, make_policy
@@ -95,3 +96,15 @@ class ListWorkload(Workload):
 
     def initial(self) -> Iterator[RequestSpec]:
         return iter(self.specs)
+
+
+async def until(cond: Callable[[], bool], what: str, deadline_s: float = 5.0) -> None:
+    """Poll ``cond`` on the running loop until it holds, or fail naming ``what`` after
+    ``deadline_s`` (the loop turns between polls: the tasks under test run)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"not within {deadline_s} s: {what}")
+        await asyncio.sleep(0.001)
+

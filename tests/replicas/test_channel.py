@@ -10,6 +10,7 @@ import pytest
 from fairway.clock import ManualClock
 from fairway.protocol import GenerateCall, TokenChunk
 from replicas.channel import Channels
+from tests.factories import until
 
 pytestmark = pytest.mark.asyncio
 
@@ -39,16 +40,6 @@ class Steps:
 
     def step(self) -> None:
         self.go.put_nowait(None)
-
-
-async def until(cond, what: str) -> None:
-    """Poll ``cond`` with a deadline (the loop turns between polls)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + DEADLINE_S
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        await asyncio.sleep(0.001)
 
 
 async def drain_into(out: list, agen) -> None:

@@ -18,6 +18,7 @@ from router.calls import ReplicaStream
 from router.channels import StreamChannels
 from router.errors import HTTPError
 from router.serve_router import FairwayRequestRouter
+from tests.factories import until
 
 DEADLINE_S = 5.0
 
@@ -77,15 +78,6 @@ class Opened:
 def gcall(rid: str = "r1") -> GenerateCall:
     return GenerateCall(request_id=rid, prompt_token_ids=[1] * 4, block_hashes=(), max_tokens=8, arrival_s=0.0,
                         channel="ing-1")
-
-
-async def until(cond, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + DEADLINE_S
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        await asyncio.sleep(0.001)
 
 
 def stream(channels: StreamChannels, rid: str = "r1") -> tuple[ReplicaStream, CallGen]:
