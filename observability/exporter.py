@@ -138,6 +138,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "gone, failed)."),
     MetricSpec("retries", "counter", "fairway_retries_total",
                "Requests the ingress sent once more, to another replica, after one refused them (by reason)."),
+    MetricSpec("stream_tokens", "counter", "fairway_stream_tokens_total",
+               "Level router: output tokens the ingress passed on, by how they reached it (path: call, the "
+               "request's own call; channel, its replica's stream channel)."),
     MetricSpec("router_outstanding", "gauge", "fairway_router_outstanding_requests",
                "Requests a request router counts on each replica: booked or sent, not yet completed."),
     MetricSpec("view_syncs", "counter", "fairway_router_view_syncs_total",

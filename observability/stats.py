@@ -106,6 +106,7 @@ _COUNTERS = (
     "engine_preemptions",  # (replica,), set from the engine's own running total
     "view_syncs",  # (status,): the request router's exchanges with the shared view
     "retries",  # (reason,): level router, requests the ingress sent again after a replica refused them
+    "stream_tokens",  # (path,): level router, output tokens passed on, by how they came: call | channel
     "class_objective",  # (class, objective): level router, first tokens within ("met") or past ("missed") it
     "class_rejects",  # (class, reason): level router, requests of a class answered with an error, and why
 )
@@ -154,6 +155,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_kv_usage": ("replica",),
     "view_syncs": ("status",),
     "retries": ("reason",),
+    "stream_tokens": ("path",),
     "class_objective": ("class", "objective"),
     "class_rejects": ("class", "reason"),
     "held": ("class",),
@@ -341,6 +343,12 @@ class FairwayStats:
         """The ingress sent a request again, once, after a replica refused it for ``reason``
         (``queue_full``: its gate was full, its engine never saw the request)."""
         self._inc("retries", (reason,), 1)
+
+    def inc_stream_tokens(self, by_call: int, by_channel: int) -> None:
+        """One answer's output tokens as the ingress passed them on: those that came on the
+        request's own call and those that came on its replica's stream channel."""
+        self._inc("stream_tokens", ("call",), by_call)
+        self._inc("stream_tokens", ("channel",), by_channel)
 
     def inc_view_sync(self, status: str) -> None:
         """One exchange of the request router with the shared view: "ok" | "failed"."""

@@ -94,6 +94,7 @@ class ReplicaStream:
         self._waiter: asyncio.Future[None] | None = None
         self._pump: asyncio.Task[None] | None = None
         self._pump_stopped = False
+        self._by_channel = 0  # of ``_emitted``: the tokens that came on the channel
         if channels is not None:
             channels.register(call.request_id, self)
 
@@ -164,6 +165,7 @@ class ReplicaStream:
         try:
             while True:
                 c = await self._next()
+                self._emitted += len(c.token_ids)
                 yield c
                 if c.finished:
                     self._finish("ok")
@@ -248,6 +250,7 @@ class ReplicaStream:
                     if skip < len(ids):
                         ids = ids[skip:] if skip else ids
                         self._emitted += len(ids)
+                        self._by_channel += len(ids)
                         yield TokenChunk(token_ids=ids, offset=self._emitted - len(ids), lane=self.lane,
                                          replica=self.replica, completion_tokens=self._emitted)
                     if not ahead or (nxt := ahead.pop(self._emitted, None)) is None:
@@ -288,6 +291,7 @@ class ReplicaStream:
         self.holder.room()
         st = self.stats
         if st is not None:
+            st.inc_stream_tokens(self._emitted - self._by_channel, self._by_channel)
             st.inc_requests(self.lane, status)
             if status == "ok":
                 st.observe_e2e(self.lane, time.time() - self.call.waited_from,

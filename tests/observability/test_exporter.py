@@ -21,8 +21,9 @@ from observability.exporter import (
 )
 from observability.stats import TTFT_BUCKETS_S, FairwayStats
 
-# "class": the configured request classes only (an unknown one is refused before any metric); "objective": met | missed
-ALLOWED_LABELS = {"level", "lane", "replica", "policy", "status", "reason", "class", "objective"}
+# "class": the configured request classes only (an unknown one is refused before any metric); "objective": met | missed;
+# "path": call | channel (fairway_stream_tokens_total)
+ALLOWED_LABELS = {"level", "lane", "replica", "policy", "status", "reason", "class", "objective", "path"}
 
 
 def _filled() -> list[FairwayStats]:

@@ -14,6 +14,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 from fairway.clock import ManualClock
 from fairway.policies.classes import ClassesConfig
 from fairway.protocol import ChannelCall, GenerateCall, TokenChunk
+from observability.stats import FairwayStats
 from router.calls import ReplicaStream
 from router.channels import StreamChannels
 from router.errors import HTTPError
@@ -94,7 +95,9 @@ async def collect(s: ReplicaStream, out: list) -> None:
 async def test_pieces_pass_in_order_and_the_calls_last_chunk_adds_only_what_is_new():
     opened = Opened()
     chans = StreamChannels("ing-1", opened)
-    s, gen = stream(chans)
+    stats = FairwayStats(level="router", component="ing-1", policy="fairway")
+    gen = CallGen()
+    s = ReplicaStream(gcall(), gen, Holder(), stats, ClassesConfig(), chans)
     gen.send(0, [1])
     first = await s.first()
     await until(lambda: len(opened.calls) == 1, "the channel opened at the first chunk")
@@ -108,6 +111,8 @@ async def test_pieces_pass_in_order_and_the_calls_last_chunk_adds_only_what_is_n
     await reader
     assert out == [(1, [2, 3], False), (3, [4], False), (4, [5], True)]
     assert (chans.pieces, chans.dropped) == (2, 1)
+    # tokens 1 and 5 came on the call, 2-4 on the channel
+    assert stats.counter("stream_tokens", path="call") == 2 and stats.counter("stream_tokens", path="channel") == 3
     opened.feeds[0].put_nowait([("r1", 5, [6])])  # after its end: dropped
     await until(lambda: chans.dropped == 2, "a late piece dropped")
 
