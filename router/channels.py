@@ -45,7 +45,7 @@ class StreamChannels:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
         self._sinks: dict[str, PieceSink] = {}
-        self.pieces = 0  # pieces delivered to a stream (tests; a benchmark's count)
+        self.pieces = 0  # pieces delivered to a stream (tests read it; fairway_stream_tokens_total counts tokens)
         self.dropped = 0  # pieces for no registered stream
 
     def __len__(self) -> int:
@@ -88,7 +88,3 @@ class StreamChannels:
             logger.info("ingress %s: stream channel to %s ended: %s", self.name, replica, e)
         finally:
             del self._tasks[replica]
-
-    def close(self) -> None:
-        for t in self._tasks.values():
-            t.cancel()

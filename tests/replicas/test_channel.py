@@ -47,6 +47,14 @@ async def drain_into(out: list, agen) -> None:
         out.append(item)
 
 
+async def opened(ch: Channels, ingress: str = "ing-1") -> tuple[list, asyncio.Future]:
+    """``ingress``'s channel served into a list of batches, once it is open; and its task."""
+    batches: list = []
+    served = asyncio.ensure_future(drain_into(batches, ch.serve(ingress)))
+    await until(lambda: ingress in ch._open, "the channel opened")
+    return batches, served
+
+
 async def test_without_an_open_channel_every_chunk_goes_on_the_call_with_its_offset():
     ch = Channels(ManualClock(), min_gap_s=0.0)
     s = Steps([[1], [2, 3], [4], [5]])
@@ -60,9 +68,7 @@ async def test_without_an_open_channel_every_chunk_goes_on_the_call_with_its_off
 
 async def test_the_first_and_last_chunks_go_on_the_call_the_middle_ones_on_the_channel():
     ch = Channels(ManualClock(), min_gap_s=0.0)
-    batches: list = []
-    served = asyncio.ensure_future(drain_into(batches, ch.serve("ing-1")))
-    await until(lambda: len(ch) == 1, "the channel opened")
+    batches, served = await opened(ch)
     s = Steps([[1], [2, 3], [4], [5, 6]])
     out: list[TokenChunk] = []
     relay = asyncio.ensure_future(drain_into(out, ch.relay(gcall(), s.gen())))
@@ -80,9 +86,7 @@ async def test_the_first_and_last_chunks_go_on_the_call_the_middle_ones_on_the_c
 
 async def test_pieces_of_several_streams_leave_in_one_flush():
     ch = Channels(ManualClock(), min_gap_s=0.0)
-    batches: list = []
-    served = asyncio.ensure_future(drain_into(batches, ch.serve("ing-1")))
-    await until(lambda: len(ch) == 1, "the channel opened")
+    batches, served = await opened(ch)
     streams = [Steps([[10 * k], [10 * k + 1], [10 * k + 2]]) for k in range(3)]
     outs: list[list] = [[], [], []]
     relays = [asyncio.ensure_future(drain_into(outs[k], ch.relay(gcall(f"r{k}"), s.gen())))
@@ -104,9 +108,7 @@ async def test_pieces_of_several_streams_leave_in_one_flush():
 
 async def test_a_channel_gone_mid_stream_leaves_the_call_with_every_token_since_the_first_piece():
     ch = Channels(ManualClock(), min_gap_s=0.0)
-    batches: list = []
-    served = asyncio.ensure_future(drain_into(batches, ch.serve("ing-1")))
-    await until(lambda: len(ch) == 1, "the channel opened")
+    batches, served = await opened(ch)
     s = Steps([[1], [2], [3], [4], [5]])
     out: list[TokenChunk] = []
     relay = asyncio.ensure_future(drain_into(out, ch.relay(gcall(), s.gen())))
@@ -125,9 +127,7 @@ async def test_a_channel_gone_mid_stream_leaves_the_call_with_every_token_since_
 
 async def test_a_call_that_asks_for_log_probabilities_keeps_every_chunk():
     ch = Channels(ManualClock(), min_gap_s=0.0)
-    batches: list = []
-    served = asyncio.ensure_future(drain_into(batches, ch.serve("ing-1")))
-    await until(lambda: len(ch) == 1, "the channel opened")
+    batches, served = await opened(ch)
     s = Steps([[1], [2], [3]])
     for _ in s.chunks:
         s.step()
@@ -138,10 +138,8 @@ async def test_a_call_that_asks_for_log_probabilities_keeps_every_chunk():
 
 async def test_an_idle_channel_ends_but_not_while_a_stream_uses_it():
     ch = Channels(ManualClock(), min_gap_s=0.0, idle_s=0.02)
-    batches: list = []
     s = Steps([[1], [2], [3]])
-    served = asyncio.ensure_future(drain_into(batches, ch.serve("ing-1")))
-    await until(lambda: len(ch) == 1, "the channel opened")
+    batches, served = await opened(ch)
     relay = asyncio.ensure_future(drain_into([], ch.relay(gcall(), s.gen())))
     s.step()
     s.step()

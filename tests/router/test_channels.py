@@ -172,7 +172,8 @@ async def test_a_failed_channel_is_opened_again_only_after_the_retry_period():
     await until(lambda: len(chans) == 0, "the idle channel forgotten")
     chans.watch("rep-a")
     await until(lambda: len(opened.calls) == 3, "opened again after an idle end")
-    chans.close()
+    opened.feeds[2].put_nowait(None)
+    await until(lambda: len(chans) == 0, "ended")
 
 
 def _replica(uid: str) -> SimpleNamespace:
