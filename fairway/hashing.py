@@ -107,10 +107,17 @@ def expand_trace_block(parent: int, trace_block_id: int, n_sub: int) -> list[int
     """
     out: list[int] = []
     h = xxhash.xxh3_64_intdigest
-    for j in range(n_sub):
-        parent = h(trace_block_id.to_bytes(8, "little") + j.to_bytes(4, "little"), seed=parent)
+    tid = trace_block_id.to_bytes(8, "little")
+    subs = _SUB_BYTES[:n_sub] if n_sub <= len(_SUB_BYTES) else [j.to_bytes(4, "little") for j in range(n_sub)]
+    for sub in subs:
+        parent = h(tid + sub, seed=parent)
         out.append(parent)
     return out
+
+
+# The sub-block indices' bytes for expand_trace_block (a constant table: 512-token trace blocks
+# of 16-token engine blocks are 32 sub-blocks; longer expansions build their own).
+_SUB_BYTES = tuple(j.to_bytes(4, "little") for j in range(64))
 
 
 def longest_cached_prefix(

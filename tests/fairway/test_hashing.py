@@ -60,3 +60,21 @@ def test_trace_block_expansion_chains():
     c = expand_trace_block(2, 46, 32)
     assert a == b and len(a) == 32 and len(set(a)) == 32
     assert not set(a) & set(c)  # a different parent gives different blocks
+
+
+def test_trace_block_expansion_is_the_documented_chain():
+    """Each sub-block hashes (trace id as 8 little-endian bytes, sub-block index as 4) seeded by
+    the previous hash: the definition the trace replays' hashes depend on, for short expansions
+    and for ones past the precomputed index table."""
+    import xxhash
+
+    def chain(parent: int, tid: int, n: int) -> list[int]:
+        out = []
+        for j in range(n):
+            parent = xxhash.xxh3_64_intdigest(tid.to_bytes(8, "little") + j.to_bytes(4, "little"), seed=parent)
+            out.append(parent)
+        return out
+
+    for n in (1, 32, 64, 65, 200):
+        assert expand_trace_block(7, 12345, n) == chain(7, 12345, n)
+    assert expand_trace_block(7, 12345, 0) == []
