@@ -5,6 +5,13 @@ separately, on p50, all run side by side in the same invocation. A variant's sco
 max(p99 / (1.05 * best p99), p50 / (1.10 * best p50)): 1.0 or less means within 5% of the best
 tail and 10% of the best median there. The worst scenario is the variant's score. This is the
 sensitivity-sweep tool behind docs/benchmarks.md.
+
+It also prints issue 22's queue-policy target: the variant's p99 and mean TTFT over the better of
+``lpm``'s and ``fcfs``'s. A fixed-concurrency scenario (a closed loop) holds the same number of
+requests at the engine under every policy, so a policy that serves them more slowly sends fewer
+per second, and its TTFT alone reads as if it were better: there the ratios are also given
+against the simple policies that serve at least 0.9x the variant's request rate, with each one's
+served rate and end-to-end p99 beside them.
 """
 
 from __future__ import annotations
@@ -43,10 +50,34 @@ SCENARIOS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+#: Issue 22's queue-policy target: p99 and mean TTFT within this factor of the better of these.
+SIMPLE = ("lpm", "fcfs")
+TARGET = 1.1
+#: In a fixed-concurrency loop a policy's TTFT is compared with the simple ones' that serve at
+#: least this fraction of its request rate (module docstring).
+SERVED_FRACTION = 0.9
+
+
 def _one(cfg_json: str) -> dict[str, Any]:
     r = run(RunConfig.model_validate_json(cfg_json))
     return {"p50": r["ttft_s"]["p50"], "p99": r["ttft_s"]["p99"], "mean": r["ttft_s"]["mean"],
-            "hit": r["cache_hit_ratio"], "n": r["n_finished"]}
+            "hit": r["cache_hit_ratio"], "n": r["n_finished"], "served_rps": r["served_rps"],
+            "e2e_p99": r["e2e_s"]["p99"], "tpot_p99": r["tpot_s"]["p99"]}
+
+
+def target_ratios(row: dict[str, dict[str, Any]], variant: str, closed_loop: bool) -> dict[str, Any]:
+    """The variant's p99 and mean TTFT over the better of ``SIMPLE``'s. In a closed loop, also
+    over the better of those serving at least ``SERVED_FRACTION`` of its rate (None if none
+    does), and its served rate and end-to-end p99 beside theirs. O(len(SIMPLE))."""
+    v = row[variant]
+    out: dict[str, Any] = {"p99": v["p99"] / min(row[b]["p99"] for b in SIMPLE),
+                           "mean": v["mean"] / min(row[b]["mean"] for b in SIMPLE)}
+    if closed_loop and "served_rps" in v:
+        peers = [b for b in SIMPLE if row[b]["served_rps"] >= SERVED_FRACTION * v["served_rps"]]
+        out["peers"] = peers
+        out["p99_at_rate"] = v["p99"] / min(row[b]["p99"] for b in peers) if peers else None
+        out["mean_at_rate"] = v["mean"] / min(row[b]["mean"] for b in peers) if peers else None
+    return out
 
 
 def main() -> None:
@@ -101,9 +132,24 @@ def main() -> None:
             cells.append(f"{r['p50'] / b50:5.2f}x50 {r['p99'] / b99:5.2f}x99 s{s:5.2f}")
         print(f"{label:<18} {b50:>9.3f} {b99:>9.2f}  " + "  ".join(f"{c:>26}" for c in cells))
     print("worst-case score: " + ", ".join(f"{v} {worst[v]:.2f}" for v in variants))
+    print(f"\nissue 22's target: p99 and mean TTFT <= {TARGET}x the better of {' and '.join(SIMPLE)}")
+    ratios: dict[str, dict[str, Any]] = {}
+    for label, fields in scen:
+        row, closed = table[label], fields.get("concurrency") is not None
+        for v in variants:
+            t = ratios.setdefault(label, {})[v] = target_ratios(row, v, closed)
+            line = f"{label:<18} {v[:26]:<26} p99 {t['p99']:5.2f}x  mean {t['mean']:5.2f}x"
+            if "peers" in t:
+                at = (f"p99 {t['p99_at_rate']:5.2f}x  mean {t['mean_at_rate']:5.2f}x against {', '.join(t['peers'])}"
+                      if t["peers"] else "no simple policy serves its rate")
+                served = ", ".join(f"{b} {row[b]['served_rps']:.2f} req/s e2e p99 {row[b]['e2e_p99']:.1f} s"
+                                   for b in (v, *SIMPLE))
+                line += f"  | closed loop, at >= {SERVED_FRACTION}x its served rate: {at}  ({served})"
+            print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"scenarios": [k for k, _ in scen], "table": table, "worst": worst}, f, indent=1)
+            json.dump({"scenarios": [k for k, _ in scen], "table": table, "worst": worst, "target": ratios},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

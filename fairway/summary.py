@@ -10,6 +10,9 @@ cached tokens, and a "work" number that splits cheap from expensive requests) an
 - ``ttft_by_class_s``: ``expensive`` = the top ``EXPENSIVE_FRACTION`` by ``work`` (all samples
   tied at the cut when none exceeds it), ``cheap`` = the rest.
 - ``cache_hit_ratio``: sum of cached tokens / sum of prompt tokens (0 when there are none).
+- ``e2e_s``: arrival (send) to the last token, over samples that know it; ``tpot_s``: per request
+  with two or more output tokens, (e2e - TTFT) / (output tokens - 1), the time per output token
+  after the first as ``vllm bench serve`` reports TPOT. Both ``pct`` dicts.
 
 Complexity: O(n log n) (percentiles).
 """
@@ -31,7 +34,8 @@ class RequestSample:
 
     ``work``: uncached work at arrival in any unit (the simulator uses its estimated prefill
     seconds, the HTTP load generator ``prompt_tokens - cached_tokens``); only its order matters.
-    Invariant: ``0 <= cached_tokens <= prompt_tokens``.
+    ``e2e_s``: arrival to the last token (None: unknown); ``output_tokens``: tokens generated
+    (0: unknown). Invariant: ``0 <= cached_tokens <= prompt_tokens``.
     """
 
     ttft_s: float
@@ -40,6 +44,8 @@ class RequestSample:
     prompt_tokens: int
     cached_tokens: int
     work: float
+    e2e_s: float | None = None
+    output_tokens: int = 0
 
 
 def pct(values: Sequence[float] | np.ndarray) -> dict[str, float]:
@@ -87,7 +93,21 @@ def summarize_samples(samples: Sequence[RequestSample]) -> dict[str, Any]:
     prompt = sum(s.prompt_tokens for s in samples)
     cached = sum(s.cached_tokens for s in samples)
     out["cache_hit_ratio"] = cached / prompt if prompt else 0.0
+    out["e2e_s"] = pct([s.e2e_s for s in samples if s.e2e_s is not None])
+    out["tpot_s"] = pct([(s.e2e_s - s.ttft_s) / (s.output_tokens - 1) for s in samples
+                         if s.e2e_s is not None and s.output_tokens > 1])
     return out
+
+
+def served_rate(start_s: Sequence[float], finish_s: Sequence[float]) -> float:
+    """Finished requests per second from the first arrival (``start_s``) to the last finish:
+    the rate a run delivered. In a fixed-concurrency loop the offered rate follows it, so two
+    policies' latencies compare only at their served rates (docs/benchmarks.md, 2.3). 0 for no
+    request or an empty span. O(n)."""
+    if not len(finish_s):
+        return 0.0
+    span = max(finish_s) - min(start_s)
+    return len(finish_s) / span if span > 0 else 0.0
 
 
 def realized_rate(send_times_s: Sequence[float]) -> float:

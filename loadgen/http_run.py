@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fairway.clock import Clock, MonotonicClock
 from fairway.request import RequestSpec, Workload
-from fairway.summary import RequestSample, pct, realized_rate, summarize_samples
+from fairway.summary import RequestSample, pct, realized_rate, served_rate, summarize_samples
 from loadgen.accounting import Ledger, classify
 from loadgen.http_client import ServerError, StreamResult, first_model, reuse_tracing, stream_completion
 from loadgen.progress import ProgressLine
@@ -50,7 +50,7 @@ from workloads.registry import make_workload_from
 
 #: Keys ``loadgen run`` writes that ``sim run`` does not.
 HTTP_ONLY_KEYS = frozenset(
-    {"itl_s", "e2e_s", "send_lag_s", "errors_by_status", "n_retries", "url", "model", "wall_s", "accounting"}
+    {"itl_s", "send_lag_s", "errors_by_status", "n_retries", "url", "model", "wall_s", "accounting"}
 )
 
 #: Keys of ``sim run`` that only a simulator knows: null over HTTP.
@@ -308,6 +308,7 @@ class HttpLoadRun:
             "replicas": len(replicas) or None,
             "rate_rps": cfg.rate,
             "realized_rate_rps": realized_rate([r.sent_s for r in done]),
+            "served_rps": served_rate([r.sent_s for r in done], [r.finish_s for r in done]),
             "concurrency": cfg.concurrency,
             "seed": cfg.seed,
             "n_requests": len(self.records),
@@ -322,7 +323,6 @@ class HttpLoadRun:
                 for name, (n, p, c) in sorted(replicas.items())
             ],
             "itl_s": pct(np.concatenate([np.asarray(r.result.itl_s, dtype=float) for r in done] or [np.empty(0)])),
-            "e2e_s": pct([r.result.e2e_s for r in done if r.result.e2e_s is not None]),
             "send_lag_s": pct([r.sent_s - r.arrival_s for r in self.records]),
             "errors_by_status": dict(sorted(errors.items())),
             "n_retries": sum(r.result.retries for r in self.records),
@@ -363,5 +363,6 @@ def _sample(r: RequestRecord) -> RequestSample:
     cached = min(max(0, res.cached_tokens or 0), prompt)
     ttft = res.ttft_s if res.ttft_s is not None else (res.e2e_s or 0.0)  # no token at all: the whole wait
     return RequestSample(ttft_s=ttft, queue_wait_s=res.queue_wait_s, lane=res.lane, prompt_tokens=prompt,
-                         cached_tokens=cached, work=float(prompt - cached))
+                         cached_tokens=cached, work=float(prompt - cached), e2e_s=res.e2e_s,
+                         output_tokens=res.completion_tokens or 0)
 

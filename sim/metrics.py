@@ -27,6 +27,8 @@ def sample_of(r: EngineRequest) -> RequestSample:
         prompt_tokens=r.spec.prompt_tokens,
         cached_tokens=max(0, r.cached_tokens),
         work=r.est_prefill_at_arrival_s,
+        e2e_s=r.finished_s - r.spec.arrival_s,
+        output_tokens=r.generated,
     )
 
 

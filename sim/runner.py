@@ -15,7 +15,7 @@ from fairway.policies import make_policy, policy_class
 from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
 from fairway.routing.fairway import router_options_for
-from fairway.summary import pct
+from fairway.summary import pct, served_rate
 from sim.cluster import ClusterRouter, ceiling_hit_ratio
 from sim.flow import FlowControl, flow_summary
 from sim.hit_bounds import References, hit_ratio_bounds
@@ -214,6 +214,7 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "sync_delay_s": cfg.sync_delay_s,
         "rate_rps": cfg.rate,
         "realized_rate_rps": (len(res.finished) - 1) / (last - first) if last > first else 0.0,
+        "served_rps": served_rate([r.spec.arrival_s for r in res.finished], [r.finished_s for r in res.finished]),
         "concurrency": cfg.concurrency,
         "seed": cfg.seed,
         "profile": cfg.profile,

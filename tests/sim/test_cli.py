@@ -121,3 +121,19 @@ def test_several_routers_default_to_the_clusters_shared_view(extra, view, delay)
     args = make_parser().parse_args(["run", "--workload", "rag", "--policy", "fcfs", *extra])
     cfg = config_from(args, args.policy, args.rate, args.seed)
     assert (cfg.router_view, cfg.sync_delay_s) == (view, delay)
+
+
+def test_run_reports_end_to_end_time_tpot_and_served_rate():
+    """The closed loop's delivered rate and each request's end-to-end time and TPOT, from the
+    engine's records (a run's summary is what ``sim run --json`` writes)."""
+    from sim.runner import RunConfig, build, run
+
+    cfg = RunConfig(workload="agentic", policy="fcfs", rate=0.5, concurrency=4, duration_s=20, seed=1)
+    res = run(cfg)
+    sim, _ = build(cfg)
+    done = sim.run().finished
+    e2e = sorted(r.finished_s - r.spec.arrival_s for r in done)
+    span = max(r.finished_s for r in done) - min(r.spec.arrival_s for r in done)
+    assert res["served_rps"] == pytest.approx(len(done) / span)
+    assert res["e2e_s"]["n"] == len(done) and res["e2e_s"]["max"] == pytest.approx(e2e[-1])
+    assert res["e2e_s"]["max"] >= res["ttft_s"]["max"] and res["tpot_s"]["n"] > 0
