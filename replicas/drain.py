@@ -15,10 +15,14 @@ it enters, not after seconds in which nothing seemed to finish (which would read
 engine and refuse requests for nothing).
 
 The rate is a ratio of two exponentially decayed sums, the work admitted and the busy time,
-decayed by busy time (half-life ``half_life_s``): an idle replica keeps what it learned, and a
-busy one follows a change of workload within a few half-lives. A prior of ``prior`` (1.0: the
-cost model is right) counts as ``prior_weight_s`` of busy time, so a replica that has measured
-nothing trusts the cost model, and one that has been busy for a few seconds trusts itself.
+decayed by busy time (half-life ``half_life_s``): a busy replica follows a change of workload
+within a few half-lives. A prior of ``prior`` (1.0: the cost model is right) counts as
+``prior_weight_s`` of busy time, so a replica that has measured nothing trusts the cost model,
+and one that has been busy for a few seconds trusts itself. While nothing waits, both sums decay
+by wall time too (half-life ``idle_half_life_s``), so the rate returns to the prior: what a
+replica measured is the pace of the mix it was working off then (decode-heavy steps admit less
+prefill a second), and kept through an idle spell it would make an equal replica look slow to
+the next burst; a replica that is really slow shows it again within a second or two of backlog.
 
 Complexity: O(1) per call; two floats of state.
 """
@@ -34,13 +38,15 @@ class DrainRate:
     Invariants: ``rate() > 0``; the decayed sums are >= 0.
     """
 
-    __slots__ = ("half_life_s", "prior", "prior_weight_s", "floor", "_work", "_busy", "_last", "_was_busy")
+    __slots__ = ("half_life_s", "idle_half_life_s", "prior", "prior_weight_s", "floor", "_work", "_busy", "_last",
+                 "_was_busy")
 
     def __init__(self, half_life_s: float = 5.0, prior: float = 1.0, prior_weight_s: float = 1.0,
-                 floor: float = 0.01) -> None:
-        if not (half_life_s > 0 and prior > 0 and prior_weight_s > 0 and floor > 0):
-            raise ValueError("half_life_s, prior, prior_weight_s and floor must be > 0")
+                 floor: float = 0.01, idle_half_life_s: float = 5.0) -> None:
+        if not (half_life_s > 0 and prior > 0 and prior_weight_s > 0 and floor > 0 and idle_half_life_s > 0):
+            raise ValueError("half_life_s, prior, prior_weight_s, floor and idle_half_life_s must be > 0")
         self.half_life_s = half_life_s
+        self.idle_half_life_s = idle_half_life_s
         self.prior = prior
         self.prior_weight_s = prior_weight_s
         self.floor = floor
@@ -50,13 +56,18 @@ class DrainRate:
         self._was_busy = False
 
     def observe(self, now: float, busy: bool) -> None:
-        """Account the time since the last call (busy if requests were waiting then) and record
-        whether requests wait from ``now`` on."""
-        if self._last is not None and self._was_busy and now > self._last:
+        """Account the time since the last call (busy if requests were waiting then, else idle:
+        both sums decay toward the prior) and record whether requests wait from ``now`` on."""
+        if self._last is not None and now > self._last:
             dt = now - self._last
-            keep = math.exp2(-dt / self.half_life_s)
-            self._work *= keep
-            self._busy = self._busy * keep + dt
+            if self._was_busy:
+                keep = math.exp2(-dt / self.half_life_s)
+                self._work *= keep
+                self._busy = self._busy * keep + dt
+            else:
+                keep = math.exp2(-dt / self.idle_half_life_s)
+                self._work *= keep
+                self._busy *= keep
         self._last = now
         self._was_busy = busy
 

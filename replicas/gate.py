@@ -560,6 +560,7 @@ class AdmissionGate:
     def routing_stats(self) -> ReplicaRoutingStats:
         st = self.engine.stats()
         queued = self.policy.queued_prefill_s()
+        self.drain.observe(self.clock.now(), bool(self._waiting))  # an idle spell's decay, up to now
         return ReplicaRoutingStats(
             taken_at=time.time(),
             kv_usage=st.kv_usage,

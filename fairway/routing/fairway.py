@@ -94,9 +94,12 @@ class FairwayRouterConfig:
     - class_view = True: with request classes, a request that no replica serves within its
       class's objective by the whole queue is placed by the queue its class sees
       (``class_wait``; module docstring).
-    - speed_aware = False: True divides T_rj by the replica's measured speed (module docstring).
-      Off by default: a replica's rate is learned only while requests wait there and kept while
-      it is idle, so a rate learned under a heavy mix goes stale and skews a later cold burst.
+    - speed_aware = True: divides T_rj by the replica's measured speed (module docstring), so a
+      replica that works off its queue slower than the cost model says (a slower GPU, a noisy
+      neighbour, a wrong profile) gets less. The rate is learned while requests wait at the
+      replica and returns to the cost model's while none does (``replicas/drain.py``), so a rate
+      learned under a heavy mix does not skew a later burst. The simulator's replicas report no
+      speed (1.0), where on and off decide the same to the bit.
     - host_tier = True (price a host-tier hit as a reload; the host asks the index for the tier
       split), host_link_bytes_per_s = 50e9 (the engines' host-to-GPU copy bandwidth, as
       ``EngineConfig``'s default; checked with the cost model by ``reload_s_per_token``). Without
@@ -118,7 +121,7 @@ class FairwayRouterConfig:
     replicate: bool = True
     overtaking: bool = True
     host_tier: bool = True
-    speed_aware: bool = False
+    speed_aware: bool = True
     host_link_bytes_per_s: float = 50e9
     sticky_match: float = 0.0
     sticky_slack: float = 3.0

@@ -34,11 +34,9 @@ def cluster(tmp_path_factory) -> tuple[str, Path]:
     # max_queue_wait_s 30 (default 5): these loads keep the KV memory full, so at the default the
     # gates refuse a share with 429 for waits of 5-10 s (docs/reliability.md, Overload); here the
     # refusals are to come from the faults alone
-    # speed_aware: the router divides a replica's expected wait by its measured pace, which is what
-    # tells it a slow replica; without it (the default) the slow replica's share over 15 runs on
-    # 2026-12-06 was 0.22-0.51, as a load-blind router's at worst (docs/reliability.md, Replica faults)
+    # the router's defaults: its speed awareness (a replica's expected wait over its measured
+    # pace) is what tells it a slow replica (docs/reliability.md, Replica faults)
     with running_cluster(num_replicas=2, engine_args={"kv_blocks": 4000},
-                         router={"policy_options": {"speed_aware": True}},
                          replica={"stall_timeout_s": STALL_TIMEOUT_S, "fault_file": str(faults),
                                   "max_queue_wait_s": 30.0}) as url:
         yield url, faults
