@@ -84,7 +84,8 @@ def format_summary(res: dict[str, Any]) -> str:
         f"requests {res['n_requests']}: ok {res['n_finished']}, rejected {res['n_rejected']}, "
         f"unfinished {res['n_unfinished']}; errors {errors}\n"
         f"ttft p50 {t['p50']:.3f} p90 {t['p90']:.3f} p99 {t['p99']:.3f} s | itl p50 {itl['p50'] * 1e3:.1f} ms "
-        f"| e2e p50 {e2e['p50']:.2f} s | hit {res['cache_hit_ratio']:.3f} | lanes {lanes}\n"
+        f"| tpot p50 {res['tpot_s']['p50'] * 1e3:.1f} ms | e2e p50 {e2e['p50']:.2f} s "
+        f"| served {res['served_rps']:.2f} req/s | hit {res['cache_hit_ratio']:.3f} | lanes {lanes}\n"
         f"accounting: {format_report(res['accounting'])}"
     )
 

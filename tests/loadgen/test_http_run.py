@@ -496,7 +496,9 @@ async def test_cli_json_has_the_simulator_keys_plus_http_ones(serve, tmp_path, c
     n = len(list(make_workload("rag", rate=8, duration_s=1, seed=4).initial()))
     assert res["n_requests"] == res["n_finished"] == n and res["workload"] == "rag" and res["seed"] == 4
     assert res["url"] == fake.url and res["rate_rps"] == 8
-    assert "ttft p50" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ttft p50" in out and "tpot p50" in out and "served" in out
+    assert res["tpot_s"]["n"] > 0 and res["served_rps"] > 0  # the fake server reports usage
 
 
 @pytest.mark.parametrize(
