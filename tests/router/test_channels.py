@@ -142,15 +142,16 @@ async def test_a_piece_before_the_first_chunk_waits_and_a_gap_waits_for_the_call
 
 
 @pytest.mark.asyncio
-async def test_a_calls_failure_ends_the_stream_with_its_error():
+@pytest.mark.parametrize("error", [RuntimeError("replica died"), asyncio.CancelledError()],
+                         ids=["failed", "cancelled"])
+async def test_a_call_failed_or_cancelled_under_the_stream_ends_it_with_an_error_not_a_hang(error):
     chans = StreamChannels("ing-1", Opened())
     s, gen = stream(chans)
     gen.send(0, [1])
     await s.first()
-    gen.q.put_nowait(RuntimeError("replica died"))
+    gen.q.put_nowait(error)
     with pytest.raises(HTTPError):
-        async for _ in s.rest():
-            pass
+        await asyncio.wait_for(s.rest().__anext__(), DEADLINE_S)
     assert s.done
 
 
@@ -205,15 +206,3 @@ async def test_a_refused_or_failed_call_leaves_no_registration_behind():
     with pytest.raises(HTTPError):
         await s.first()
     assert chans._sinks == {}  # not closed (a refusal runs nothing), and no longer fed
-
-
-@pytest.mark.asyncio
-async def test_a_call_cancelled_under_the_stream_ends_it_with_an_error_not_a_hang():
-    chans = StreamChannels("ing-1", Opened())
-    s, gen = stream(chans)
-    gen.send(0, [1])
-    await s.first()
-    gen.q.put_nowait(asyncio.CancelledError())
-    with pytest.raises(HTTPError):
-        await asyncio.wait_for(s.rest().__anext__(), DEADLINE_S)
-    assert s.done
