@@ -322,6 +322,8 @@ class FairwayRequestRouter(RequestRouter):
         call.routing_reason = b.reason
         if self.shared_view:
             self._outbox.append(self.bookings.routed_event(b))
+            if changes.ended:  # its completion came first (see Bookings.complete): end it there too
+                self._outbox.append(self.bookings.finished_event(b))
         if self.stats is not None:
             self.stats.inc_routing_decision(b.reason, replica=self.bookings.names[j])
 
@@ -329,7 +331,7 @@ class FairwayRequestRouter(RequestRouter):
         changes = self.bookings.complete(internal_request_id, self.bookings.index_of(replica_id.unique_id))
         if changes.booking is None:
             return  # not booked, or an earlier attempt on another replica (refused, then routed again)
-        if self.shared_view:
+        if self.shared_view and changes.booking.sent:  # unsent: the others never saw it routed
             self._outbox.append(self.bookings.finished_event(changes.booking))
             self._last_active = self.clock.now()  # the engine's KV events for it come after
         self._publish(changes)

@@ -99,11 +99,13 @@ class CachedTokens:
 class Changes:
     """What one call changed: ``replicas`` whose load changed (in order, possibly repeated),
     ``cached`` reports to count, and ``booking``: the booking the call made, sent or completed
-    (None when there was none)."""
+    (None when there was none); ``ended``: a send whose request had already ended (Ray reported
+    its completion first), so the booking is sent and finished at once."""
 
     replicas: list[int] = field(default_factory=list)
     cached: list[CachedTokens] = field(default_factory=list)
     booking: Booking | None = None
+    ended: bool = False
 
 
 class Bookings:
@@ -133,6 +135,8 @@ class Bookings:
         self._ids: dict[str, int] = {uid: j for j, uid in enumerate(self.names)}
         self._routed: OrderedDict[str, Booking] = OrderedDict()  # key -> booking, oldest first
         self._done: OrderedDict[str, Booking] = OrderedDict()  # request id -> finished, awaiting feedback
+        # key -> a booking that ended before its send was reported (see ``complete``)
+        self._ended_unsent: OrderedDict[str, Booking] = OrderedDict()
         self._seen_stats: dict[int, float] = {}  # replica -> the last report's taken_at
         self._rids = itertools.count() if rids is None else rids  # the host's request ids
 
@@ -202,8 +206,18 @@ class Bookings:
              klass: str = "") -> Changes:
         """The request was sent to ``replica``: its booking moves there if it was booked
         elsewhere in the rank (or was not booked), is dated now, and the index records the
-        prompt there. ``Changes.booking`` is the sent booking."""
+        prompt there. ``Changes.booking`` is the sent booking. A request whose completion came
+        first (``complete`` of an unsent booking on this replica) is not booked again: the send
+        dates it and the index records the prompt, and ``Changes.ended`` says it is finished."""
         changes = Changes()
+        ended = self._ended_unsent.pop(key, None)
+        if ended is not None and ended.replica == replica and key not in self._routed:
+            ended.routed_at = self.wall()
+            ended.sent = True
+            if ended.expected_s is not None:
+                ended.expected_ttft_s, ended.expected_s = ended.expected_s.get(replica, 0.0), None
+            self.host.record_routed(replica, ended.hashes, ended.reason)
+            return Changes(booking=ended, ended=True)
         b = self._routed.get(key)
         if b is None or b.replica != replica:  # sent to another replica of the rank than booked
             reason = b.reason if b is not None else "choice"
@@ -229,11 +243,22 @@ class Bookings:
         """The request ended on ``replica``: it leaves the load view and awaits its cached-token
         report. A completion from another replica than booked (an earlier attempt, refused and
         routed again) or of an unknown key changes nothing. ``Changes.booking``: the finished
-        booking."""
+        booking.
+
+        The completion can come before the send is reported: Ray registers its completion
+        callback before it awaits the replica's acceptance, and a short request can end in
+        between. Such a booking (not yet sent) is remembered, bounded by
+        ``max_awaiting_feedback``, so that the late ``sent`` does not book it again: booked again,
+        it would count on its replica, here and through the shared view, with no completion to
+        come."""
         b = self._routed.get(key)
         if b is None or b.replica != replica:
             return Changes()
         del self._routed[key]
+        if not b.sent and not b.remote:
+            self._ended_unsent[key] = b
+            while len(self._ended_unsent) > self.max_awaiting_feedback:
+                self._ended_unsent.popitem(last=False)
         return self._finished(b)
 
     def unbook(self, key: str) -> Changes:
@@ -418,6 +443,7 @@ class Bookings:
     def _book(self, rid: int, key: str, request_id: str, replica: int, prompt_tokens: int, hashes: tuple[int, ...],
               estimated_blocks: int, reason: str, best_blocks: int, routed_at: float, changes: Changes,
               klass: str = "") -> None:
+        self._ended_unsent.pop(key, None)  # a new attempt: an earlier one's end is not its end
         self.host.book(rid, replica, prompt_tokens, estimated_blocks, hashes, klass)
         b = Booking(rid, request_id, replica, hashes, estimated_blocks, prompt_tokens, routed_at, reason=reason,
                     best_blocks=max(best_blocks, estimated_blocks), klass=klass)

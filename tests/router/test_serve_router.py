@@ -434,6 +434,26 @@ async def test_a_second_router_sees_the_firsts_routing_and_sends_the_sibling_to_
 
 
 @pytest.mark.asyncio
+async def test_a_request_reported_ended_before_routed_counts_nowhere_here_or_on_another_router():
+    """Ray's completion callback can run before ``on_request_routed`` (a short request ends while
+    Ray awaits the replica's acceptance): neither this router nor, through the shared view, another
+    one may keep counting it on its replica."""
+    (a, b), _ = shared_pair()
+    reps = [replica("replica-0"), replica("replica-1")]
+    c = call("a", 4096, family="doc")
+    p = pending(c)
+    pick = (await a.choose_replicas(reps, p))[0][0]
+    a.on_request_completed(pick.replica_id, p.metadata.internal_request_id)
+    a.on_request_routed(p, pick.replica_id, None)
+    assert [type(e).__name__ for e in a._outbox] == ["RequestRouted", "RequestFinished"]
+    assert await a.sync_once() and await b.sync_once()
+    j = b.bookings.index_of(pick.replica_id.unique_id)
+    assert a.load.live().outstanding == (0, 0) and b.load.live().outstanding[j] == 0
+    assert len(a.bookings) == 0 and len(b.bookings) == 0
+    assert b.index.match(c.block_hashes)[j] == 256  # the other router still learns where it went
+
+
+@pytest.mark.asyncio
 async def test_a_router_that_starts_late_replays_the_log_before_its_first_decision():
     (a, b), log = shared_pair()
     reps = [replica("replica-0"), replica("replica-1")]

@@ -116,6 +116,36 @@ def test_a_completion_ends_the_booking_only_on_its_replica():
     assert "k" not in b and b.awaiting_feedback("a") and outstanding(b) == (0, 0)
 
 
+def test_a_completion_reported_before_its_send_is_not_booked_again():
+    """Ray registers its completion callback before it awaits the replica's acceptance, so a
+    short request can be reported ended before it is reported sent: the late send must not book
+    it again (nothing would ever end that booking)."""
+    b, _ = ledger()
+    hashes = chain("a", 4)
+    d, _ = b.choose("k", "a", 4 * BS, hashes, [0, 1])
+    done = b.complete("k", d.pick)
+    assert done.replicas == [d.pick] and not done.booking.sent and outstanding(b) == (0, 0)
+    late = b.sent("k", d.pick, "a", 4 * BS, hashes)
+    assert late.ended and late.booking is done.booking and late.booking.sent and late.replicas == []
+    assert "k" not in b and outstanding(b) == (0, 0) and b.awaiting_feedback("a")
+    expected = [0, 0]
+    expected[d.pick] = 4
+    assert b.host.index.match(hashes) == expected  # the send still tells the index where it went
+    assert b.sent("k", d.pick, "a", 4 * BS, hashes).booking.sent and outstanding(b)[d.pick] == 1  # once only
+
+
+def test_a_retry_after_a_refused_attempt_is_booked_and_counted():
+    """A refused attempt ends unsent (Ray cancels it), then the retry is chosen and sent: the retry
+    is a new booking, counted until its own completion, even on the same replica."""
+    b, _ = ledger()
+    b.choose("k", "a", 64, chain("a", 4), [0])
+    assert b.complete("k", 0).booking is not None  # the refusal
+    b.choose("k", "a", 64, chain("a", 4), [0])  # the retry
+    sent = b.sent("k", 0, "a", 64, chain("a", 4))
+    assert not sent.ended and sent.booking is b.get("k") and outstanding(b) == (1, 0)
+    assert b.complete("k", 0).replicas == [0] and outstanding(b) == (0, 0)
+
+
 def test_an_unsent_booking_goes_only_while_it_is_the_keys_booking():
     b, _ = ledger()
     first = b.book("k", "a", 0, 64, chain("a", 4), 0).booking
