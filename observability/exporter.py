@@ -145,6 +145,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests a request router counts on each replica: booked or sent, not yet completed."),
     MetricSpec("view_syncs", "counter", "fairway_router_view_syncs_total",
                "Exchanges of a request router with the shared routing view, by status (ok, failed)."),
+    MetricSpec("bookings_expired", "counter", "fairway_router_bookings_expired_total",
+               "Requests a request router stopped counting on a replica because the replica's report, taken "
+               "over 15 s after the routing, no longer held them: completions the router never heard. 0 "
+               "normally."),
     MetricSpec("view_degraded", "gauge", "fairway_router_view_degraded",
                "1 while a request router routes on its own view because the shared view is unreachable."),
     MetricSpec("prefix_view_exact", "gauge", "fairway_router_prefix_view_exact",

@@ -105,6 +105,7 @@ _COUNTERS = (
     "rejects",  # (reason, replica)
     "engine_preemptions",  # (replica,), set from the engine's own running total
     "view_syncs",  # (status,): the request router's exchanges with the shared view
+    "bookings_expired",  # (replica,): level router, bookings a replica's report showed ended unheard
     "retries",  # (reason,): level router, requests the ingress sent again after a replica refused them
     "stream_tokens",  # (path,): level router, output tokens passed on, by how they came: call | channel
     "class_objective",  # (class, objective): level router, first tokens within ("met") or past ("missed") it
@@ -154,6 +155,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "engine_waiting": ("replica",),
     "engine_kv_usage": ("replica",),
     "view_syncs": ("status",),
+    "bookings_expired": ("replica",),
     "retries": ("reason",),
     "stream_tokens": ("path",),
     "class_objective": ("class", "objective"),
@@ -353,6 +355,11 @@ class FairwayStats:
     def inc_view_sync(self, status: str) -> None:
         """One exchange of the request router with the shared view: "ok" | "failed"."""
         self._inc("view_syncs", (status,), 1)
+
+    def inc_bookings_expired(self, n: int, replica: str = "") -> None:
+        """Bookings a request router dropped because ``replica``'s report showed them ended without
+        the router hearing it (``Bookings.apply_stats``): 0 unless a completion was lost."""
+        self._inc("bookings_expired", (self._replica(replica),), n)
 
     def set_view_degraded(self, degraded: bool) -> None:
         """Whether the request router routes on its own view because the shared one is unreachable."""

@@ -149,6 +149,7 @@ class FairwayRequestRouter(RequestRouter):
         self.router_id = uuid.uuid4().hex[:12]
         self.bookings = Bookings(self.host, self.clock, self.wall, source=self.router_id, exact=self.exact)
         self.decision_s: list[float] = []
+        self._expired_logged = False  # bookings a replica's report showed ended unheard (logged once)
         self.stats = None
         self.exporter = None
         if metrics:
@@ -225,7 +226,21 @@ class FairwayRequestRouter(RequestRouter):
         for rep in replicas:
             stats = routing_stats(rep)
             if stats is not None:
-                self._publish(self.bookings.apply_stats(self._index_of(rep.replica_id), stats))
+                self._apply_stats(self._index_of(rep.replica_id), stats)
+
+    def _apply_stats(self, j: int, stats: ReplicaRoutingStats) -> None:
+        """Replica ``j``'s report into the ledger, its gauges published; the bookings it showed
+        ended unheard are counted and logged (once per router: a lost completion is a bug)."""
+        changes = self.bookings.apply_stats(j, stats)
+        self._publish(changes)
+        if changes.expired:
+            if self.stats is not None:
+                self.stats.inc_bookings_expired(changes.expired, replica=self.bookings.names[j])
+            if not self._expired_logged:
+                self._expired_logged = True
+                logger.warning("fairway router %s: %d request(s) counted on replica %s had ended unheard; "
+                               "no longer counted (fairway_router_bookings_expired_total)", self.router_id,
+                               changes.expired, self.bookings.names[j])
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -247,7 +262,7 @@ class FairwayRequestRouter(RequestRouter):
             by_idx[j] = rep
             stats = routing_stats(rep)
             if stats is not None:
-                self._publish(self.bookings.apply_stats(j, stats))
+                self._apply_stats(j, stats)
                 if stats.stalled:
                     stalled.append(j)
                 elif stats.full:

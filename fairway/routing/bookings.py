@@ -49,6 +49,11 @@ from fairway.routing.view_log import (
 
 MAX_AWAITING_FEEDBACK = 4096  # finished requests kept until their cached-token report arrives
 MAX_TRACKED = 65536  # outstanding requests tracked per router
+#: A booking whose replica, in a report taken this long after the booking was routed, holds the
+#: request nowhere (not waiting, not in its engine, not among its recently finished) has ended
+#: without this router hearing it: it leaves the load view (``Bookings.apply_stats``). Far longer
+#: than a request takes to reach its replica (milliseconds), so only a lost completion matches.
+STALE_AFTER_S = 15.0
 SPEED_RANGE = (0.05, 20.0)  # a replica's reported drain rate is clamped into this before it is used
 REMOTE = "remote:"  # the key prefix of another router's requests
 
@@ -100,12 +105,14 @@ class Changes:
     """What one call changed: ``replicas`` whose load changed (in order, possibly repeated),
     ``cached`` reports to count, and ``booking``: the booking the call made, sent or completed
     (None when there was none); ``ended``: a send whose request had already ended (Ray reported
-    its completion first), so the booking is sent and finished at once."""
+    its completion first), so the booking is sent and finished at once; ``expired``: bookings a
+    replica's report showed ended unheard (``Bookings.apply_stats``)."""
 
     replicas: list[int] = field(default_factory=list)
     cached: list[CachedTokens] = field(default_factory=list)
     booking: Booking | None = None
     ended: bool = False
+    expired: int = 0
 
 
 class Bookings:
@@ -120,9 +127,12 @@ class Bookings:
     def __init__(self, host: RoutingHost, clock: Clock, wall: Callable[[], float], source: str = "",
                  exact: bool = False, max_tracked: int = MAX_TRACKED,
                  max_awaiting_feedback: int = MAX_AWAITING_FEEDBACK, known: Sequence[str] = (),
-                 rids: Iterator[int] | None = None) -> None:
+                 rids: Iterator[int] | None = None, stale_after_s: float = STALE_AFTER_S) -> None:
         if max_tracked < 1 or max_awaiting_feedback < 1:
             raise ValueError("max_tracked and max_awaiting_feedback must be >= 1")
+        if not stale_after_s > 0:
+            raise ValueError("stale_after_s must be > 0")
+        self.stale_after_s = stale_after_s
         self.host = host
         self.clock = clock
         self.wall = wall
@@ -286,7 +296,15 @@ class Bookings:
         ignored). Capacity, KV usage and drain rate go to the index and load view; this router's
         requests booked before ``taken_at`` that left the replica's queue are started (dated from
         their admission if still prefilling; past their prefill otherwise); the finished
-        requests' cached tokens correct the index. O(tracked requests + the report's lists)."""
+        requests' cached tokens correct the index.
+
+        Reconciliation: a booking on this replica routed more than ``stale_after_s`` before
+        ``taken`` that the report lists nowhere (not waiting, not admitted, not recently
+        finished) ended without this router hearing of it (a lost or misordered completion,
+        another router's finish that never came): it leaves the load view, so a leak heals
+        within ``stale_after_s`` and a report period instead of skewing the replica's load until
+        the router restarts. Only with ``admitted_ids`` reported. O(tracked requests + the
+        report's lists)."""
         taken = float(stats.taken_at)
         if not taken or self._seen_stats.get(replica) == taken:
             return Changes()
@@ -308,10 +326,13 @@ class Bookings:
         # a request in none of the replica's lists had not reached it at ``taken`` (still in
         # transit from this router): it stays queued, or a burst would look already served
         seen = None if stats.admitted_ids is None else set(stats.admitted_ids) | set(stats.recent_cached)
-        for b in self._routed.values():
+        stale: list[str] = []
+        for key, b in self._routed.items():
             if b.replica != replica or b.routed_at >= taken or b.request_id in waiting or b.rid not in load:
                 continue
             if seen is not None and b.request_id not in seen:
+                if taken - b.routed_at > self.stale_after_s:
+                    stale.append(key)
                 continue
             admitted = prefilling.get(b.request_id)
             if not b.started:
@@ -319,7 +340,11 @@ class Bookings:
                 host.on_started(b.rid, started_at=started_by if admitted is None else wall_to_clock + admitted)
             if admitted is None:
                 load.on_prefill_done(b.rid)
-        changes = Changes()
+        changes = Changes(expired=len(stale))
+        for key in stale:  # ended unheard: no cached-token report will come for it
+            b = self._routed.pop(key)
+            self.host.on_finished(b.rid)
+            self.host.release(b.replica, b.hashes)
         for request_id, got in stats.recent_cached.items():
             changes.cached += self.report_cached(request_id, replica, int(got)).cached
         changes.replicas.append(replica)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from types import SimpleNamespace
 
@@ -222,6 +223,28 @@ def test_replica_updates_apply_stats_without_another_decision(monkeypatch):
     assert r.load.snapshot().kv_usage[j] == 0.25
     r.update_replicas([replica("replica-1")])  # a replica without stats yet: nothing to apply
     assert r.bookings.index_of("replica-1") is None
+
+
+def test_a_booking_a_replica_report_shows_ended_unheard_is_counted_and_logged_once(monkeypatch, caplog):
+    """The ledger's reconciliation (``Bookings.apply_stats``) through Ray's stats broadcast: the
+    lost completion leaves the gauge, counts in ``fairway_router_bookings_expired_total`` and is
+    logged once."""
+    from observability.stats import FairwayStats
+
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)
+    r, _, j = one_replica()
+    r.stats = FairwayStats(level="router", component="test")
+    for rid in ("a", "b"):
+        book(r, j, rid, 4096, routed_at=T0 - 60.0)
+        r.bookings.get("iid-" + rid).sent = True
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        r.update_replicas([replica("replica-0", rstats(taken_at=T0, admitted_ids=["b"]))])
+        assert r.load.snapshot().outstanding[j] == 1
+        r.update_replicas([replica("replica-0", rstats(taken_at=T0 + 1.0, admitted_ids=[]))])
+    assert r.load.snapshot().outstanding[j] == 0 and len(r.bookings) == 0
+    assert r.stats.gauge("router_outstanding", replica="replica-0") == 0
+    assert r.stats.counter("bookings_expired", replica="replica-0") == 2
+    assert sum("ended unheard" in m for m in caplog.messages) == 1
 
 
 async def settle() -> None:

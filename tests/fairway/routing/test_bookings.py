@@ -202,6 +202,31 @@ def test_stats_start_the_requests_that_left_the_queue_and_date_their_prefill():
     assert b.host.load.snapshot().prefill_ends[0] == ()  # "a" and "late" past their prefill too
 
 
+def test_a_booking_its_replica_no_longer_holds_long_after_routing_is_expired():
+    """Reconciliation: a request the replica lists nowhere (not waiting, not admitted, not
+    recently finished) in a report taken more than ``stale_after_s`` after it was routed ended
+    unheard (a lost completion): it leaves the load view. Younger, listed, or without the
+    replica's admitted list, it stays."""
+    b, _ = ledger(stale_after_s=15.0)
+    hashes = tuple(chain("a", 4))
+    for key, rid, j in (("k", "a", 0), ("held", "h", 0), ("other", "o", 1)):
+        b.sent(key, j, rid, 4 * BS, hashes)
+    b.apply_remote(RequestRouted("r0", "peer:1", hashes, 4 * BS, 0, "p", T0, 0))
+    assert outstanding(b) == (3, 1)
+    young = b.apply_stats(0, stats(T0 + 10.0, admitted_ids=["h"]))
+    assert young.expired == 0 and outstanding(b) == (3, 1)  # in transit, as far as 10 s can tell
+    blind = b.apply_stats(0, stats(T0 + 20.0))  # no admitted list: nothing can be told
+    assert blind.expired == 0 and outstanding(b) == (3, 1)
+    c = b.apply_stats(0, stats(T0 + 30.0, admitted_ids=["h"]))
+    assert c.expired == 2 and c.replicas == [0] and list(b) == ["held", "other"] and outstanding(b) == (1, 1)
+    assert not b.awaiting_feedback("a")  # no report will come for it
+    assert b.complete("k", 0) == Changes()  # its completion, if it ever comes, changes nothing
+    assert b.apply_stats(0, stats(T0 + 40.0, waiting_ids=["h"], admitted_ids=[])).expired == 0  # waiting
+    assert b.apply_stats(0, stats(T0 + 50.0, admitted_ids=[], recent_cached={"h": 0})).expired == 0
+    with pytest.raises(ValueError):
+        ledger(stale_after_s=0)
+
+
 def test_a_request_in_none_of_the_replicas_lists_is_still_in_transit():
     b, _ = ledger(replicas=1)
     b.book("k", "a", 0, 20000, chain("a", 4), 0, routed_at=T0 - 5.0)
