@@ -98,7 +98,7 @@ class SyntheticCluster:
             q_s = 0.05 * self.queued[j] * load
             rep.set_queued_prefill(q_s)
             rep.set_queue_wait_estimate(3 * q_s)
-            self.router.set_queued_prefill(q_s * 1.1, rep.component)
+            self.router.set_router_load(rep.component, self.queued[j], q_s * 1.1)
             rep.set_engine("", running=rng.randint(4, 32), waiting=rng.randint(0, 4), kv_usage=0.3 + 0.5 * rng.random())
         self.router.set_held("batch", max(0, round(20 * (load - 1.4))))
 

@@ -175,6 +175,12 @@ PANELS: tuple[Panel, ...] = (
           description="Per request, its time to first token at the replica over the time the router expected there "
                       "when it chose it (fairway_router_ttft_model_ratio; 1: exact). Far above 1: waits the "
                       "router's model does not see, e.g. for sequence slots in a burst (docs/observability.md)."),
+    Panel("overview", "router_state", "Router ledgers: requests counted per replica, expired bookings and failed "
+          "view syncs", "timeseries", "short", "Routing and rejects", main=False,
+          description="What the request routers count on each replica (fairway_router_outstanding_requests, "
+                      "summed over routers; 0 on an idle cluster), bookings a replica's report showed ended "
+                      "unheard (fairway_router_bookings_expired_total, per minute; 0 normally, a lost completion "
+                      "otherwise) and failed exchanges with the shared routing view (docs/reliability.md)."),
     Panel("overview", "rejects", "Rejects/s by reason", "timeseries", "reqps", "Routing and rejects", stack="normal"),
     Panel("overview", "front_door", "HTTP ingress (HAProxy): open connections and its own refusals/s", "timeseries",
           "short", "Routing and rejects",
@@ -296,6 +302,12 @@ QUERIES: tuple[Query, ...] = (
     Query("routing", "A", f"sum by (reason) (rate(fairway_routing_decisions_total[{RATE}]))", "{{reason}}"),
     Query("router_model", "A", _q(0.5, "fairway_router_ttft_model_ratio", "reason", ""), "{{reason}} p50"),
     Query("router_model", "B", _q(0.9, "fairway_router_ttft_model_ratio", "reason", ""), "{{reason}} p90"),
+    Query("router_state", "A", 'sum by (replica) (fairway_router_outstanding_requests{level="router"})',
+          "{{replica}} counted"),
+    Query("router_state", "B", "sum by (replica) (increase(fairway_router_bookings_expired_total[1m]))",
+          "{{replica}} expired/min", expect_data=False),
+    Query("router_state", "C", f'sum(rate(fairway_router_view_syncs_total{{status="failed"}}[{RATE}]))',
+          "view syncs failed/s", expect_data=False),
     Query(
         "rejects",
         "A",
