@@ -19,6 +19,7 @@ import pytest
 from cluster.launch import post_json
 from fairway.routing.view_log import Event, SourceGone
 from observability.exporter import free_port
+from observability.probe import total
 from tests.e2e.probes import wait_routers_idle
 from tests.factories import prompt_ids
 
@@ -184,3 +185,6 @@ def test_killing_one_ingress_replica_loses_no_request(url):
     assert len(served) >= 4
     for body in served:
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == SHARED, (holder, body["fairway"])
+    # every router heard every completion: none had to expire a booking its replica no longer held
+    # (Bookings.apply_stats), which would hide a lost completion behind the idle wait above
+    assert total(url, "router", "fairway_router_bookings_expired_total") == 0
