@@ -1,0 +1,39 @@
+"""The route anatomy (``bench/route_anatomy.py``): the decision classes, and one real run that the
+instrumentation leaves exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.route_anatomy import CLASSES, anatomy, classify, main, render
+from bench.yardstick import Point, Run, run_one
+
+
+def test_a_decision_is_cold_on_the_holder_or_away_by_the_engines_true_matches():
+    assert classify([0, 0, 0], 1) == "cold"
+    assert classify([10, 0], 0) == "holder"
+    assert classify([10, 9], 1) == "holder"  # within NEAR (0.9) of the longest match
+    assert classify([10, 8], 1) == "away"
+    assert classify([0, 8], 0) == "away"
+
+
+def test_one_real_run_is_classed_whole_and_unchanged_by_the_instrumentation():
+    p = Point("rag", "rag", 4, 20)
+    blind, fairway = Run(p, "round-robin", "approx", 0, replicas=2), Run(p, "fairway", "approx", 0, replicas=2)
+    a, b = anatomy(blind), anatomy(fairway)
+    plain = run_one(blind)
+    assert sum(a.counts.values()) == len(a.ttft) == plain["n_finished"] > 0
+    assert a.hit == pytest.approx(plain["hit"]) and a.quantiles()["p50"] == pytest.approx(plain["ttft_s"]["p50"])
+    # a cache-blind router leaves the holder and recomputes; the Fairway router keeps more on it
+    assert a.counts["away"] > 0 and a.recomputed_blocks["away"] > 0
+    assert a.recomputed_blocks["cold"] == 0  # nothing to recompute where nothing was cached
+    assert b.counts["away"] < a.counts["away"] and b.hit > a.hit
+    text = render("rag @4", {"fairway": [b], "round-robin": [a]})
+    assert "| fairway | " in text and "| round-robin | " in text and "fairway / round-robin" in text
+    assert all(c in text for c in CLASSES)
+
+
+def test_an_unknown_point_is_refused_with_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["--point", "nowhere @1"])
+    assert "known:" in capsys.readouterr().err
