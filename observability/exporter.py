@@ -98,6 +98,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "Estimated wall seconds until a replica has started everything waiting at its gate.",
     ),
     MetricSpec(
+        "drain_rate",
+        "gauge",
+        "fairway_replica_drain_rate",
+        "A replica's learned pace: cost-model prefill seconds its engine works off per wall second while "
+        "requests wait (1: the cost profile's pace); the routers divide their expected TTFT there by it.",
+    ),
+    MetricSpec(
         "estimated_cached_tokens",
         "counter",
         "fairway_estimated_cached_tokens_total",

@@ -6,7 +6,7 @@ that say whether anything is left in a replica: requests in its engine, requests
 gate, and KV blocks in use; ``wait_idle`` waits until nothing is. ``router_outstanding(url)``
 sums, over the request routers, the requests each still counts on a replica.
 ``histograms(url, level, names)`` sums histograms' buckets over the processes of a level, one scrape each;
-``total(url, level, name)`` one counter or gauge.
+``total(url, level, name)`` one counter or gauge; ``per_replica(url, name)`` one replica by one.
 """
 
 from __future__ import annotations
@@ -48,6 +48,19 @@ def total(url: str, level: str, name: str) -> float:
     """The samples of ``name`` (a counter's ``..._total``, or a gauge) summed over the ``level``
     processes listed at ``{url}/metrics/targets`` and over their labels."""
     return _sum_gauges(url, level, (name,))[1][name]
+
+
+def per_replica(url: str, name: str) -> dict[str, float]:
+    """``name``'s samples on each replica listed at ``{url}/metrics/targets`` (by its
+    ``component``), summed over its other labels: one scrape of each."""
+    out: dict[str, float] = {}
+    for e in _targets(url, "replica"):
+        total_ = 0.0
+        for t in e["targets"]:
+            for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
+                total_ += sum(smp.value for smp in fam.samples if smp.name == name)
+        out[e["labels"]["component"]] = total_
+    return out
 
 
 def replica_names(url: str) -> list[str]:

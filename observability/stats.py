@@ -116,6 +116,7 @@ _GAUGES = (
     "queued_prefill",  # (replica,): the gate's queued work, or (level router) the router's estimate
     "router_outstanding",  # (replica,): requests a request router counts on each replica
     "queue_wait_estimate",  # (replica,)
+    "drain_rate",  # (replica,): the gate's learned pace, cost-model prefill seconds per wall second
     "engine_running",  # (replica,)
     "engine_waiting",  # (replica,)
     "engine_kv_usage",  # (replica,)
@@ -151,6 +152,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "queued_prefill": ("replica",),
     "router_outstanding": ("replica",),
     "queue_wait_estimate": ("replica",),
+    "drain_rate": ("replica",),
     "engine_running": ("replica",),
     "engine_waiting": ("replica",),
     "engine_kv_usage": ("replica",),
@@ -286,6 +288,11 @@ class FairwayStats:
     def set_queued_prefill(self, seconds: float, replica: str = "") -> None:
         """Estimated prefill seconds of the work routed to / waiting at a replica (Q_j)."""
         self._set("queued_prefill", (self._replica(replica),), max(0.0, seconds))
+
+    def set_drain_rate(self, rate: float, replica: str = "") -> None:
+        """The gate's learned pace (``replicas/drain.py``): cost-model prefill seconds its engine
+        works off per wall second; the request routers divide their expected TTFT there by it."""
+        self._set("drain_rate", (self._replica(replica),), max(0.0, rate))
 
     def set_queue_wait_estimate(self, seconds: float, replica: str = "") -> None:
         """The gate's estimated wait of its queue (wall seconds; the bound ``max_queue_wait_s`` reads it)."""

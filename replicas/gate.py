@@ -552,7 +552,9 @@ class AdmissionGate:
             self.stats.set_queue_depth(lane, k, replica=self.replica)
         queued = self.policy.queued_prefill_s()
         self.stats.set_queued_prefill(queued, replica=self.replica)
+        self.drain.observe(self.clock.now(), bool(self._waiting))  # an idle spell's decay, up to now
         self.stats.set_queue_wait_estimate(self.drain.wait_s(queued), replica=self.replica)
+        self.stats.set_drain_rate(self.drain.rate(), replica=self.replica)
         st = self.engine.stats()
         self.stats.set_engine(self.replica, running=st.running, waiting=len(self.policy),
                               kv_usage=st.kv_usage, preemptions_total=self.engine.preemptions)
