@@ -101,7 +101,7 @@ def anatomy(run: Run) -> Anatomy:
         a.ttft.append(r.ttft_s)
         prompt += r.spec.prompt_tokens
         cached += max(0, r.cached_tokens)
-        cls, lost = picks.get(r.rid, ("cold", 0))
+        cls, lost = picks[r.rid]  # every request is routed once: a missing one is a bug here
         a.counts[cls] += 1
         a.recomputed_blocks[cls] += lost
         a.ttft_by_class[cls].append(r.ttft_s)
