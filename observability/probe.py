@@ -37,11 +37,19 @@ def _sum_gauges(url: str, level: str, names: tuple[str, ...]) -> tuple[int, dict
     targets = [t for e in _targets(url, level) for t in e["targets"]]
     out = dict.fromkeys(names, 0.0)
     for t in targets:
-        for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
-            for s in fam.samples:
-                if s.name in out:
-                    out[s.name] += s.value
+        for name, v in _scrape(t, names).items():
+            out[name] += v
     return len(targets), out
+
+
+def _scrape(target: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The samples of ``names`` in one process's metrics (``host:port``), each summed over its labels."""
+    out = dict.fromkeys(names, 0.0)
+    for fam in text_string_to_metric_families(_get(f"http://{target}/metrics")):
+        for s in fam.samples:
+            if s.name in out:
+                out[s.name] += s.value
+    return out
 
 
 def total(url: str, level: str, name: str) -> float:
@@ -53,14 +61,8 @@ def total(url: str, level: str, name: str) -> float:
 def per_replica(url: str, name: str) -> dict[str, float]:
     """``name``'s samples on each replica listed at ``{url}/metrics/targets`` (by its
     ``component``), summed over its other labels: one scrape of each."""
-    out: dict[str, float] = {}
-    for e in _targets(url, "replica"):
-        total_ = 0.0
-        for t in e["targets"]:
-            for fam in text_string_to_metric_families(_get(f"http://{t}/metrics")):
-                total_ += sum(smp.value for smp in fam.samples if smp.name == name)
-        out[e["labels"]["component"]] = total_
-    return out
+    return {e["labels"]["component"]: sum(_scrape(t, (name,))[name] for t in e["targets"])
+            for e in _targets(url, "replica")}
 
 
 def replica_names(url: str) -> list[str]:

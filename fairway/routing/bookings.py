@@ -221,14 +221,8 @@ class Bookings:
         dates it and the index records the prompt, and ``Changes.ended`` says it is finished."""
         changes = Changes()
         ended = self._ended_unsent.pop(key, None)
-        if ended is not None and ended.replica == replica and key not in self._routed:
-            ended.routed_at = self.wall()
-            ended.sent = True
-            if ended.expected_s is not None:
-                ended.expected_ttft_s, ended.expected_s = ended.expected_s.get(replica, 0.0), None
-            self.host.record_routed(replica, ended.hashes, ended.reason)
-            return Changes(booking=ended, ended=True)
-        b = self._routed.get(key)
+        changes.ended = ended is not None and ended.replica == replica and key not in self._routed
+        b = ended if changes.ended else self._routed.get(key)
         if b is None or b.replica != replica:  # sent to another replica of the rank than booked
             reason = b.reason if b is not None else "choice"
             best = b.best_blocks if b is not None else 0
