@@ -69,7 +69,9 @@ class FairwayRouterConfig:
       for the prompt's first block after the match; "kv": the lowest KV usage, then the better T).
     - footprint_weight = 1, footprint = "kv" (fullness = KV usage over the highest replica's;
       "index": index blocks over the largest index; "kv-abs": the KV usage itself, so the term
-      fades when memory is idle).
+      fades when memory is idle); footprint_floor = 0 ("kv" only: over the highest usage or the
+      floor, whichever is larger, so a sliver of memory in use does not read as full; 1 is
+      "kv-abs").
     - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
       adds beyond the cheapest one).
     - delay_weight = 0 (k > 0 adds k * D_rj, ``arrivals_delay``: the delay the placement's
@@ -112,6 +114,7 @@ class FairwayRouterConfig:
     extra_work_weight: float = 0.0
     footprint_weight: float = 1.0
     footprint: str = "kv"
+    footprint_floor: float = 0.0
     affinity_ties: str = "ttft"
     wait_model: str = "queue"
     fast_share: float = DEFAULT_FAST_SHARE
@@ -147,6 +150,8 @@ class FairwayRouterConfig:
             raise ValueError("footprint_weight must be >= 0")
         if self.footprint not in ("index", "kv", "kv-abs"):
             raise ValueError("footprint must be 'index', 'kv' or 'kv-abs'")
+        if not 0.0 <= self.footprint_floor <= 1.0:
+            raise ValueError("footprint_floor must be in [0, 1]")
         if self.affinity_ties not in ("id", "ttft", "hash", "kv"):
             raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
         if self.wait_model not in ("queue", "fcfs"):
@@ -159,7 +164,7 @@ class FairwayRouterConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         for name in ("theta", "p_floor_s", "extra_work_weight", "delay_weight", "footprint_weight", "fast_share",
-                     "sticky_match", "sticky_slack"):
+                     "sticky_match", "sticky_slack", "footprint_floor"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("running_prefill", "decode_batch", "replicate", "overtaking", "fcfs_when_full", "seed_footprint"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -310,7 +315,7 @@ class FairwayRouter(RouterPolicy):
             biggest = max([s.index_blocks for s in ss]) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
         else:  # x / 1.0 is x: "kv-abs" is the KV usage itself
-            kmax = (max([s.kv_usage for s in ss]) or 1.0) if cfg.footprint == "kv" else 1.0
+            kmax = (max(cfg.footprint_floor, *[s.kv_usage for s in ss]) or 1.0) if cfg.footprint == "kv" else 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
         wait: dict[int, float] = {}
         ttft: dict[int, float] = {}

@@ -185,6 +185,25 @@ def test_fairway_kv_footprint_prices_placement_by_kv_usage():
         router("fairway", affinity_ties="nope")
 
 
+def test_fairway_footprint_floor_keeps_a_sliver_of_memory_from_reading_full():
+    # Two cold replicas, one running a 4,000-token prompt (0.4% of its KV memory), the other
+    # empty but with 0.1 s more queued. Relative to the fullest, 0.004 reads as full: 0.5 + 1.01 * 2
+    # against 0.6 + 1.01, so the request goes behind the longer queue. Normalised by at least
+    # footprint_floor (0.05), the sliver is 0.08 of full: 0.5 + 1.01 * 1.08 < 0.6 + 1.01.
+    states = [st(0, q=0.5, kv=0.004), st(1, q=0.6, kv=0.0)]
+    assert ranked(router("fairway", footprint_floor=0.0), req(1000), states) == [[1], [0]]
+    f = router("fairway", footprint_floor=0.05)
+    assert ranked(f, req(1000), states) == [[0], [1]]
+    assert last(f).scores == pytest.approx({0: 0.5 + 1.01 * 1.08, 1: 0.6 + 1.01})
+    # At or above the floor the fullest replica is the measure, as without it.
+    busy = [st(0, q=0.5, kv=0.4), st(1, q=0.6, kv=0.1)]
+    assert ranked(f, req(1000), busy) == [[1], [0]]
+    assert last(f).scores == pytest.approx({0: 0.5 + 1.01 * 2, 1: 0.6 + 1.01 * 1.25})
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError):
+            router("fairway", footprint_floor=bad)
+
+
 def test_fairway_queue_wait_model_counts_only_the_work_ahead_in_the_fast_lane():
     # LinearCost: a 1000-token prompt with 800 cached on replica 0 has P = 0.21; cold P = 1.01;
     # with 160 cached (replica 2) P = 0.85. Replica 0's 3.0 s queue holds two requests lighter
