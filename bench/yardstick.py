@@ -195,6 +195,8 @@ class Row:
     admissible: tuple[str, float] = ("", 0.0)  # the best p50 among anchors with p99 <= ADMISSIBLE_TAIL x best
     admissible_hit: tuple[str, float] = ("", 0.0)  # the best hit ratio among those anchors
     floor: dict[str, float] = field(default_factory=dict)  # the TTFT floor's p50 / p99 (sim/ttft_floor.py)
+    # the anchors no worse than Fairway on p50, p99 and hit at once, and better on one (``dominating``)
+    dominated_by: list[str] = field(default_factory=list)
 
     def beyond_reach(self) -> list[str]:
         """The targets no router can meet at this point: those whose bound on Fairway's p50 or
@@ -214,6 +216,21 @@ def medians(runs: Iterable[dict[str, Any]]) -> dict[str, float]:
     out["hit"] = statistics.median(r["hit"] for r in rs)
     out["seeds"] = len(rs)
     return out
+
+
+#: The figures a router is compared on as a whole: lower TTFT quantiles, higher hit.
+FRONT = (("p50", -1), ("p99", -1), ("hit", 1))
+
+
+def dominating(fw: dict[str, float], meds: dict[str, dict[str, float]], names: Sequence[str]) -> list[str]:
+    """Of ``names``, those whose medians are no worse than ``fw``'s on every figure of ``FRONT``
+    and better on one: a router that beats Fairway on every count at once. An empty list puts
+    Fairway on the point's front of (p50, p99, hit), whatever each figure's best. O(len(names))."""
+    def no_worse(m: dict[str, float], k: str, sign: int) -> bool:
+        return sign * m[k] >= sign * fw[k]
+
+    return [n for n in names if all(no_worse(meds[n], k, sg) for k, sg in FRONT)
+            and any(meds[n][k] != fw[k] for k, _ in FRONT)]
 
 
 def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str], fairway: str = FAIRWAY) -> list[Row]:
@@ -251,7 +268,7 @@ def summarise(results: Sequence[dict[str, Any]], anchors: Sequence[str], fairway
         floors = [r["ttft_floor_s"] for r in by_router[fairway] if r.get("ttft_floor_s")]
         floor = {k: statistics.median(f[k] for f in floors) for k in ("p50", "p99")} if floors else {}
         rows.append(Row(point, view, fw, best, ratio, bound[(point, view)], meds, missing, admissible,
-                        admissible_hit, floor))
+                        admissible_hit, floor, dominating(fw, meds, present)))
     return rows
 
 
@@ -267,6 +284,7 @@ class Verdict:
     median_p50_admissible: float = 0.0
     max_p50_admissible: float = 0.0
     hit_shortfalls_admissible: list[str] = field(default_factory=list)
+    dominated: list[str] = field(default_factory=list)  # points where an anchor beats Fairway on all three
 
     @property
     def met(self) -> bool:
@@ -281,8 +299,9 @@ def verdict(rows: Sequence[Row]) -> Verdict:
     adm = [r.ratio["p50_admissible"] for r in rows]
     short = [r.point for r in rows if r.fairway["hit"] < r.best["hit"][1]]
     short_adm = [r.point for r in rows if r.fairway["hit"] < r.admissible_hit[1]]
+    dom = [f"{r.point} ({', '.join(r.dominated_by)})" for r in rows if r.dominated_by]
     return Verdict(statistics.median(p50), statistics.median(p99), max(p50), max(p99), short,
-                   statistics.median(adm), max(adm), short_adm)
+                   statistics.median(adm), max(adm), short_adm, dom)
 
 
 def _floor(f: dict[str, float]) -> str:
@@ -339,7 +358,9 @@ def render(rows: Sequence[Row], missing: Sequence[str] = (), not_run: Sequence[s
                    f"{ADMISSIBLE_TAIL:g}x the best: median {v.median_p50_admissible:.2f}, "
                    f"max {v.max_p50_admissible:.2f}; hit below the best of those at "
                    f"{len(v.hit_shortfalls_admissible)} point(s)"
-                   f"{': ' + ', '.join(v.hit_shortfalls_admissible) if v.hit_shortfalls_admissible else ''}.\n")
+                   f"{': ' + ', '.join(v.hit_shortfalls_admissible) if v.hit_shortfalls_admissible else ''}. "
+                   f"An anchor no worse on p50, p99 and hit at once, and better on one, at "
+                   f"{len(v.dominated)} point(s){': ' + '; '.join(v.dominated) if v.dominated else ''}.\n")
         reach = [f"{r.point} ({', '.join(r.beyond_reach())})" for r in vr if r.beyond_reach()]
         if reach:
             out.append("Beyond any router, the TTFT floor of Fairway's own requests being above the bound: "

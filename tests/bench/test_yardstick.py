@@ -162,3 +162,19 @@ def test_the_floor_comes_with_every_real_run():
     f = r["ttft_floor_s"]
     assert set(f) == {"p50", "p99", "mean"}
     assert 0 < f["p50"] <= r["ttft_s"]["p50"] and 0 < f["p99"] <= r["ttft_s"]["p99"]
+
+
+def test_an_anchor_better_on_every_count_at_once_is_named():
+    rs = [result(FAIRWAY, 1.0, 10, 0.40),
+          result("hoarder", 2.0, 50, 0.60),  # more hit, worse quantiles: not dominating
+          result("fast", 0.5, 12, 0.40),  # better p50 only: not dominating
+          result("equal", 1.0, 10, 0.40),  # the same on all three: not dominating
+          result("better", 1.0, 9, 0.40)]  # no worse anywhere, better p99: dominating
+    (row,) = summarise(rs, anchors=["hoarder", "fast", "equal", "better"])
+    assert row.dominated_by == ["better"]
+    v = verdict([row])
+    assert v.dominated == ["w @1 (better)"]
+    assert "and better on one, at 1 point(s): w @1 (better)." in render([row])
+    (row,) = summarise(rs[:4], anchors=["hoarder", "fast", "equal"])
+    assert row.dominated_by == [] and verdict([row]).dominated == []
+    assert "and better on one, at 0 point(s)." in render([row])
