@@ -8,8 +8,9 @@ median over seeds), the ratios, and the hit bound of an infinite cache. The last
 medians and maxima of the ratios over the points: the figures the issue's targets are stated in.
 The best anchor is taken per metric, so one anchor's median may be set beside another's tail; a
 second p50 ratio, and a second best hit ratio, are therefore taken against the anchors whose p99
-stays within ``ADMISSIBLE_TAIL`` of the best anchor's. ``--fairway SPEC`` judges a candidate (a
-``fairway[...]`` option set) in the shipped router's place.
+stays within ``ADMISSIBLE_TAIL`` of the best anchor's, and the verdict names any anchor no worse
+than Fairway on p50, p99 and hit at once and better on one (``dominating``). ``--fairway SPEC``
+judges a candidate (a ``fairway[...]`` option set) in the shipped router's place.
 
 Equal views: a view is the routers' prefix index, ``approx`` (each router's own decisions,
 corrected by the engines' cached-token reports) or ``events`` (the engines' KV events, exact);
