@@ -152,6 +152,8 @@ class FairwayRouterConfig:
             raise ValueError("footprint must be 'index', 'kv' or 'kv-abs'")
         if not 0.0 <= self.footprint_floor <= 1.0:
             raise ValueError("footprint_floor must be in [0, 1]")
+        if self.footprint_floor and self.footprint != "kv":
+            raise ValueError("footprint_floor applies to footprint='kv' only")
         if self.affinity_ties not in ("id", "ttft", "hash", "kv"):
             raise ValueError("affinity_ties must be 'id', 'ttft', 'hash' or 'kv'")
         if self.wait_model not in ("queue", "fcfs"):
