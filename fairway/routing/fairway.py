@@ -133,6 +133,13 @@ class FairwayRouterConfig:
     delay_weight: float = 0.0
     seed_footprint: bool = False
 
+    @property
+    def kv_floor(self) -> float:
+        """The least a KV footprint divides a replica's usage by (the highest usage when that is
+        more): 1 for "kv-abs", which is the usage itself (usages are at most 1), else
+        ``footprint_floor``."""
+        return 1.0 if self.footprint == "kv-abs" else self.footprint_floor
+
     def __post_init__(self) -> None:
         if not self.theta > 0:
             raise ValueError("theta must be > 0")
@@ -316,8 +323,8 @@ class FairwayRouter(RouterPolicy):
         if cfg.footprint == "index":
             biggest = max([s.index_blocks for s in ss]) or 1
             fullness = {s.replica: s.index_blocks / biggest for s in ss}
-        else:  # x / 1.0 is x: "kv-abs" is the KV usage itself
-            kmax = (max(cfg.footprint_floor, *[s.kv_usage for s in ss]) or 1.0) if cfg.footprint == "kv" else 1.0
+        else:
+            kmax = max(cfg.kv_floor, *[s.kv_usage for s in ss]) or 1.0
             fullness = {s.replica: s.kv_usage / kmax for s in ss}
         wait: dict[int, float] = {}
         ttft: dict[int, float] = {}
