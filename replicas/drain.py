@@ -16,7 +16,10 @@ engine and refuse requests for nothing).
 
 The rate is a ratio of two exponentially decayed sums, the work admitted and the busy time,
 decayed by busy time (half-life ``half_life_s``): a busy replica follows a change of workload
-within a few half-lives. A prior of ``prior`` (1.0: the cost model is right) counts as
+within a few half-lives. The busy sum is the exact integral of the decay over each busy span, so
+the rate is a function of the admissions and of when requests waited, not of how often the gate
+happens to look (each look used to add its span undecayed: at the 5 s half-life, one look after
+1 s counted 6% more busy time than ten looks 0.1 s apart). A prior of ``prior`` (1.0: the cost model is right) counts as
 ``prior_weight_s`` of busy time, so a replica that has measured nothing trusts the cost model,
 and one that has been busy for a few seconds trusts itself. While nothing waits, both sums decay
 by wall time too (half-life ``idle_half_life_s``), so the rate returns to the prior: what a
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+LN2 = math.log(2.0)
 
 class DrainRate:
     """Cost-model prefill seconds admitted per busy wall second (see the module docstring).
@@ -61,9 +65,13 @@ class DrainRate:
         if self._last is not None and now > self._last:
             dt = now - self._last
             if self._was_busy:
-                keep = math.exp2(-dt / self.half_life_s)
+                x = -dt * LN2 / self.half_life_s
+                keep = math.exp(x)
                 self._work *= keep
-                self._busy = self._busy * keep + dt
+                # the span's busy seconds, each decayed from its instant to now: integral of
+                # 2^(-(now - t) / h) over the span = (1 - keep) * h / ln 2 (expm1 keeps it exact
+                # for spans far shorter than the half-life)
+                self._busy = self._busy * keep - math.expm1(x) * self.half_life_s / LN2
             else:
                 keep = math.exp2(-dt / self.idle_half_life_s)
                 self._work *= keep
