@@ -2,8 +2,9 @@
 stated once, in docs/design.md, Fairway router.
 
 Rule: rank replica j for request r by T_rj = (W_rj + S_rj + footprint_weight * P_rj *
-fullness_j) / s_j + reload_rj (+ extra_work_weight * (P_rj - min_j P_rj)) (+ delay_weight *
-D_rj) and pick the minimum, unless hot-prefix replication seeds a non-holder (``replicate``);
+fullness_j + overtake_weight * P_rj * N_rj) / s_j + reload_rj (+ extra_work_weight * (P_rj -
+min_j P_rj)) (+ delay_weight * D_rj) and pick the minimum, unless hot-prefix replication seeds
+a non-holder (``replicate``);
 ``rule="affinity"`` keeps the reference design's test instead; ``sticky_match`` (off by default)
 keeps a request on a replica that holds most of its prompt while that costs at most
 ``sticky_slack`` cold prefills of T.
@@ -14,10 +15,11 @@ R_j the prefill still to run of the requests j has started (``running_prefill``)
 (``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit on j, A_rj the queued work no
 heavier than P_rj, whether or not j has a free sequence slot; R_j + Q_j with
 ``wait_model="fcfs"``; cold: ``overtaken_wait``); S_rj the first-token step with j's decodes
-(``decode_batch``); fullness_j per ``footprint``; reload_rj the host-tier hits' reload
+(``decode_batch``); N_rj the requests waiting on j heavier than P_rj, which the request passes
+and delays by P_rj each; fullness_j per ``footprint``; reload_rj the host-tier hits' reload
 (``host_tier``); s_j the measured pace (``speed_aware``, else 1). With request classes
-(``class_view``): while some replica's T_rj meets the request's class's objective, nothing
-changes (the whole queue keeps the cluster balanced for every class); when none does, W_rj is
+(``class_view``): while some replica's T_rj (without the N_rj term) meets the request's class's
+objective, nothing changes (the whole queue keeps the cluster balanced for every class); when none does, W_rj is
 priced on the queue its class sees (``class_wait``: Q_j and A_rj its class's, plus the other
 classes' work its gate serves first), so an interactive request behind a batch flood is placed
 by the interactive work ahead of it.
@@ -74,6 +76,11 @@ class FairwayRouterConfig:
       "kv-abs").
     - extra_work_weight = 0 (w > 0 adds w * (P_rj - min_j P_rj) to T_rj: the prefill a placement
       adds beyond the cheapest one).
+    - overtake_weight = 1 (k adds k * P_rj * N_rj: the wait the placement adds to the N_rj
+      requests waiting on j with more prefill than P_rj, which the Fast lane passes; with 1 the
+      rank is the placement's increase of the sum of first-token times; 0: the rule before
+      2026-12-06, the request's own T alone). Not with ``wait_model="fcfs"`` (nobody is
+      passed), nor on the class view's pricing (a class passes the lower tiers by design).
     - delay_weight = 0 (k > 0 adds k * D_rj, ``arrivals_delay``: the delay the placement's
       prefill adds to the requests that reach j while j's backlog drains; it vanishes on an
       idle cluster and grows in a burst, where a placement that recomputes a prefix delays
@@ -131,6 +138,7 @@ class FairwayRouterConfig:
     class_view: bool = True
     fcfs_when_full: bool = False
     delay_weight: float = 0.0
+    overtake_weight: float = 1.0
     seed_footprint: bool = False
 
     @property
@@ -149,6 +157,8 @@ class FairwayRouterConfig:
             raise ValueError("extra_work_weight must be >= 0")
         if not self.delay_weight >= 0:
             raise ValueError("delay_weight must be >= 0")
+        if not self.overtake_weight >= 0:
+            raise ValueError("overtake_weight must be >= 0")
         if not 0.0 <= self.sticky_match <= 1.0:
             raise ValueError("sticky_match must be in [0, 1]")
         if not self.sticky_slack >= 0:
@@ -172,8 +182,8 @@ class FairwayRouterConfig:
         for name in ("host_tier", "speed_aware", "class_view"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
-        for name in ("theta", "p_floor_s", "extra_work_weight", "delay_weight", "footprint_weight", "fast_share",
-                     "sticky_match", "sticky_slack", "footprint_floor"):
+        for name in ("theta", "p_floor_s", "extra_work_weight", "delay_weight", "overtake_weight", "footprint_weight",
+                     "fast_share", "sticky_match", "sticky_slack", "footprint_floor"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("running_prefill", "decode_batch", "replicate", "overtaking", "fcfs_when_full", "seed_footprint"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -263,6 +273,15 @@ class FairwayRouter(RouterPolicy):
             now = self.clock.now()
         return sum(e - now for e in s.prefill_ends if e > now)
 
+    def passed_delay(self, s: ReplicaState, prefill_s: float) -> float:
+        """overtake_weight * P_rj * N_rj (over the pace with ``speed_aware``): the wait a
+        placement of ``prefill_s`` seconds adds to the N_rj requests waiting on ``s`` with more
+        prefill, which the Fast lane's order lets it pass (the module docstring's rule).
+        O(log n) for the bisect over the n waiting estimates."""
+        qp = s.queued_prefills
+        d = self.config.overtake_weight * prefill_s * (len(qp) - bisect.bisect_right(qp, prefill_s))
+        return d / s.speed if self.config.speed_aware else d
+
     def arrivals_delay(self, s: ReplicaState, prefill_s: float, now: float | None = None) -> float:
         """D_rj: the delay ``prefill_s`` seconds of prefill placed on ``s`` add to the requests
         that reach ``s`` while its backlog drains (the module docstring's ``delay_weight``
@@ -330,15 +349,19 @@ class FairwayRouter(RouterPolicy):
         ttft: dict[int, float] = {}
         first: dict[int, float] = {}
         expected_wait, t_of = self.expected_wait, self._t
+        own: dict[int, float] = {}  # T_rj without the wait it adds to the requests it passes
+        passed = self.passed_delay if cfg.overtake_weight and cfg.wait_model == "queue" else None  # FCFS: none passed
         for s in ss:
             j = s.replica
             c, p = cached[j], prefill[j]
             w = wait[j] = expected_wait(s, p, c, None, now)
-            ttft[j], first[j] = t_of(req, s, c, p, w, fullness[j], least, now)
-        if req.objective_s > 0.0 and min(ttft.values()) > req.objective_s and any(
+            own[j], first[j] = t_of(req, s, c, p, w, fullness[j], least, now)
+            ttft[j] = own[j] + passed(s, p) if passed is not None and s.queued_prefills else own[j]
+        if req.objective_s > 0.0 and min(own.values()) > req.objective_s and any(
                 s.class_view is not None for s in ss):
             # no replica meets the class's objective by the whole queue: price the wait on the
-            # queue the request's class sees (module docstring)
+            # queue the request's class sees (module docstring); it passes the lower tiers by
+            # design, so the wait it adds to them is not charged
             wait = {s.replica: (self.expected_wait if s.class_view is None else self.class_wait)(
                 s, prefill[s.replica], cached[s.replica]) for s in ss}
             for s in ss:
@@ -371,7 +394,8 @@ class FairwayRouter(RouterPolicy):
            least: float, now: float) -> tuple[float, float]:
         """T_rj from its terms (the module docstring's rule), and the first token's expected time
         on ``s`` (``Ranking.expected_s``): T_rj without the terms that only price a placement
-        (the footprint, the extra work, the delay to others). O(1)."""
+        (the footprint, the extra work, the delay to others). The wait added to the requests it
+        passes is ``passed_delay``'s, added by the caller. O(1)."""
         cfg = self.config
         t = self.expected_ttft(req, s, cached, prefill, wait, fullness)
         first = t - cfg.footprint_weight * prefill * fullness  # the wait and the first step

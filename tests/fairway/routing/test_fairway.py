@@ -216,7 +216,9 @@ def test_fairway_queue_wait_model_counts_only_the_work_ahead_in_the_fast_lane():
     # queued 0.5 + 0.5 are lighter than 0.85: W = min(1.0, 2.5) = 1.0.
     assert ranked(r, req(1000), states) == [[0], [1], [2]] and last(r).reason == "affinity"
     assert last(r).waits == pytest.approx({0: 0.75, 1: 0.5, 2: 1.0})
-    assert last(r).scores == pytest.approx({0: 0.96, 1: 1.51, 2: 1.85})
+    # T_0 = 0.96 plus the 0.21 s this request adds to each of the two heavier ones it passes there
+    # (overtake_weight); nothing waiting on 1 or 2 is heavier than this request there
+    assert last(r).scores == pytest.approx({0: 0.96 + 2 * 0.21, 1: 1.51, 2: 1.85})
     # W = Q for FCFS replicas: replica 0 waits 3.0 s, so the minimum T is replica 1's.
     f = router("fairway", wait_model="fcfs")
     assert ranked(f, req(1000), states) == [[1], [2], [0]] and last(f).reason == "fair"
@@ -405,11 +407,11 @@ def test_states_from_load_view_and_index_feed_a_router():
     assert last(k).scores == pytest.approx({0: 1.32, 2: 0.67})
     # The default (queue wait model, minimum T): the one request queued on replica 2 is heavier
     # (0.65 s) than this one there (0.02 s), so the Fast lane puts this one first: W = 0, and
-    # replica 2 wins with T = 0.02.
+    # replica 2 wins with T = 0.02, plus the 0.02 s it adds to the request it passes.
     dflt = router("fairway")
     assert ranked(dflt, rq, states) == [[2], [0]] and last(dflt).reason == "affinity"
     assert last(dflt).waits == pytest.approx({0: 0.0, 2: 0.0})
-    assert last(dflt).scores == pytest.approx({0: 1.32, 2: 0.02})
+    assert last(dflt).scores == pytest.approx({0: 1.32, 2: 0.04})
 
 
 def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
@@ -517,15 +519,19 @@ def test_fairway_prefers_a_host_hit_to_a_miss_unless_the_link_is_slower_than_rec
 
 def test_fairway_divides_a_replicas_expected_ttft_by_its_measured_speed():
     """Replica 0 has 0.2 s of queued prefill, replica 1 none: at the cost model's pace 1 goes
-    first. Replica 1 reporting a fifth of that pace (its gate drains 0.2 cost-model s per s) makes
-    its T five times as long, 0.17 / 0.2 = 0.85 s against 0.2 + 0.17 = 0.37 s: 0 goes first."""
+    first (on 0 the 0.17 s request would also pass the 0.2 s one: T = 0.2 + 0.17 + 0.17).
+    Replica 1 reporting a fifth of that pace (its gate drains 0.2 cost-model s per s) makes its T
+    five times as long, 0.17 / 0.2 = 0.85 s against 0.54 s: 0 goes first."""
     r = router("fairway", replicate=False, speed_aware=True)
     states = [st(0, outstanding=1, qp=(0.2,)), st(1)]
     assert ranked(r, req(160), states) == [[1], [0]]
-    assert last(r).scores == pytest.approx({0: 0.37, 1: 0.17})
+    assert last(r).scores == pytest.approx({0: 0.54, 1: 0.17})
     states[1].speed = 0.2
     assert ranked(r, req(160), states) == [[0], [1]]
-    assert last(r).scores == pytest.approx({0: 0.37, 1: 0.85})
+    assert last(r).scores == pytest.approx({0: 0.54, 1: 0.85})
+    states[0].speed = 0.5  # the wait it adds to the request it passes is at the replica's pace too
+    assert ranked(r, req(160), states) == [[1], [0]]
+    assert last(r).scores == pytest.approx({0: 0.54 / 0.5, 1: 0.85})
     blind = router("fairway", replicate=False, speed_aware=False)
     assert ranked(blind, req(160), states) == [[1], [0]]
     with pytest.raises(ValueError):
@@ -568,3 +574,31 @@ def test_fairway_sticky_match_keeps_a_continuation_within_the_slack():
         router("fairway", sticky_match=1.5)
     with pytest.raises(ValueError, match="sticky_slack"):
         router("fairway", sticky_slack=-1)
+
+
+def test_fairway_overtake_weight_charges_a_placement_the_wait_it_adds_to_heavier_requests_waiting():
+    # Replica 0 holds 800 of the 1000 tokens (P = 0.21); waiting there: one 0.1 s request and three
+    # cold 3 s prompts. The request waits for the lighter one only (0.1 / fast_share 0.4 = 0.25 s):
+    # T_0 = 0.46. Idle replica 1: cold, T_1 = 1.01. But on 0 it goes ahead of the three heavier
+    # requests and delays each by its own 0.21 s: with weight 1 the sum of first-token times
+    # grows by 0.46 + 3 * 0.21 = 1.09 there against 1.01 on replica 1, which then gets it.
+    states = [st(0, matched=50, qp=(0.1, 3.0, 3.0, 3.0)), st(1)]
+    plain = router("fairway", overtake_weight=0.0)  # the rule before 2026-12-06
+    assert ranked(plain, req(1000), states) == [[0], [1]] and last(plain).reason == "affinity"
+    assert last(plain).scores == pytest.approx({0: 0.46, 1: 1.01})
+    r = router("fairway")  # overtake_weight 1, the default
+    assert ranked(r, req(1000), states) == [[1], [0]] and last(r).reason == "fair"
+    assert last(r).scores == pytest.approx({0: 0.46 + 3 * 0.21, 1: 1.01})
+    assert last(r).expected_s == pytest.approx({0: 0.46, 1: 1.01})  # a price, not a wait
+    # half the weight keeps it on the holder (0.46 + 0.315 < 1.01); a request no waiting one is
+    # heavier than adds nothing: the cold 1.01 s prompt on 1 overtakes nobody
+    half = router("fairway", overtake_weight=0.5)
+    assert ranked(half, req(1000), states) == [[0], [1]]
+    assert ranked(r, req(1000), [st(0, qp=(0.5, 0.9)), st(1, qp=(1.0,))]) == [[1], [0]]
+    assert last(r).scores == pytest.approx({0: 1.01 + 1.4, 1: 1.01 + 1.0})
+    # FCFS replicas: the request passes nobody, so nothing is added to its wait for all 9.1 s
+    fcfs = router("fairway", wait_model="fcfs")
+    assert ranked(fcfs, req(1000), states) == [[1], [0]]
+    assert last(fcfs).scores == pytest.approx({0: 9.1 + 0.21, 1: 1.01})
+    with pytest.raises(ValueError):
+        router("fairway", overtake_weight=-1.0)
