@@ -18,8 +18,7 @@ The rate is a ratio of two exponentially decayed sums, the work admitted and the
 decayed by busy time (half-life ``half_life_s``): a busy replica follows a change of workload
 within a few half-lives. The busy sum is the exact integral of the decay over each busy span, so
 the rate is a function of the admissions and of when requests waited, not of how often the gate
-happens to look (each look used to add its span undecayed: at the 5 s half-life, one look after
-1 s counted 6% more busy time than ten looks 0.1 s apart). A prior of ``prior`` (1.0: the cost model is right) counts as
+happens to look. A prior of ``prior`` (1.0: the cost model is right) counts as
 ``prior_weight_s`` of busy time, so a replica that has measured nothing trusts the cost model,
 and one that has been busy for a few seconds trusts itself. While nothing waits, both sums decay
 by wall time too (half-life ``idle_half_life_s``), so the rate returns to the prior: what a
@@ -35,6 +34,7 @@ from __future__ import annotations
 import math
 
 LN2 = math.log(2.0)
+
 
 class DrainRate:
     """Cost-model prefill seconds admitted per busy wall second (see the module docstring).
