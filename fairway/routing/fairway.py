@@ -20,9 +20,9 @@ and delays by P_rj each; fullness_j per ``footprint``; reload_rj the host-tier h
 (``host_tier``); s_j the measured pace (``speed_aware``, else 1). With request classes
 (``class_view``): while some replica's T_rj (without the N_rj term) meets the request's class's
 objective, nothing changes (the whole queue keeps the cluster balanced for every class); when
-none does, W_rj is priced on the queue its class sees (``class_wait``: Q_j and A_rj its class's, plus the other
-classes' work its gate serves first), so an interactive request behind a batch flood is placed
-by the interactive work ahead of it.
+none does, W_rj is priced on the queue its class sees (``class_wait``: Q_j and A_rj its class's,
+plus the other classes' work its gate serves first), so an interactive request behind a batch
+flood is placed by the interactive work ahead of it.
 
 Ranks: the pick, then the others by T (ties: more cache, fewer outstanding, smaller index, lower
 id). The ``Ranking``'s reason: ``"replicate"``, ``"cold"``, ``"affinity"`` (the pick is
