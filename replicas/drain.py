@@ -14,36 +14,38 @@ at which the queue is worked off, the very wait being estimated; and a long pref
 it enters, not after seconds in which nothing seemed to finish (which would read as a slow
 engine and refuse requests for nothing).
 
-The rate is a ratio of two exponentially decayed sums, the work admitted and the busy time,
-decayed by busy time (half-life ``half_life_s``): a busy replica follows a change of workload
-within a few half-lives. The busy sum is the exact integral of the decay over each busy span, so
-the rate is a function of the admissions and of when requests waited, not of how often the gate
-happens to look. A prior of ``prior`` (1.0: the cost model is right) counts as
-``prior_weight_s`` of busy time, so a replica that has measured nothing trusts the cost model,
-and one that has been busy for a few seconds trusts itself. While nothing waits, both sums decay
-by wall time too (half-life ``idle_half_life_s``), so the rate returns to the prior: what a
-replica measured is the pace of the mix it was working off then (decode-heavy steps admit less
-prefill a second), and kept through an idle spell it would make an equal replica look slow to
-the next burst; a replica that is really slow shows it again within a second or two of backlog.
+Admissions come in lumps, so the rate is kept per interval: the busy seconds between two
+admission instants out of a backlog and the work admitted at the second are one sample, added to
+two sums when the interval closes, the older samples first decayed by the interval's busy time
+(half-life ``half_life_s``). The rate is the ratio of the sums, so at a steady pace it reads that
+pace at every instant, whatever the spacing of the admissions and whenever the gate looks. The
+interval still open counts only once it outlasts the mean closed interval: up to then an
+admission is not yet due, beyond it every busy second without one is evidence of a slower
+engine (a stalled one reads the floor). A prior of ``prior`` (1.0: the cost model is right)
+counts as ``prior_weight_s`` of busy time, so a replica that has measured nothing trusts the
+cost model, and one that has been busy for a few seconds trusts itself. While nothing waits, the
+sums decay by wall time too (half-life ``idle_half_life_s``), so the rate returns to the prior:
+what a replica measured is the pace of the mix it was working off then (decode-heavy steps
+admit less prefill a second), and kept through an idle spell it would make an equal replica look
+slow to the next burst; a replica that is really slow shows it again within a second or two of
+backlog.
 
-Complexity: O(1) per call; two floats of state.
+Complexity: O(1) per call; five floats of state.
 """
 
 from __future__ import annotations
 
 import math
 
-LN2 = math.log(2.0)
-
 
 class DrainRate:
     """Cost-model prefill seconds admitted per busy wall second (see the module docstring).
 
-    Invariants: ``rate() > 0``; the decayed sums are >= 0.
+    Invariants: ``rate() > 0``; the sums and the open interval are >= 0.
     """
 
-    __slots__ = ("half_life_s", "idle_half_life_s", "prior", "prior_weight_s", "floor", "_work", "_busy", "_last",
-                 "_was_busy")
+    __slots__ = ("half_life_s", "idle_half_life_s", "prior", "prior_weight_s", "floor", "_work", "_busy", "_count",
+                 "_open", "_last", "_was_busy")
 
     def __init__(self, half_life_s: float = 5.0, prior: float = 1.0, prior_weight_s: float = 1.0,
                  floor: float = 0.01, idle_half_life_s: float = 5.0) -> None:
@@ -54,42 +56,51 @@ class DrainRate:
         self.prior = prior
         self.prior_weight_s = prior_weight_s
         self.floor = floor
-        self._work = 0.0  # decayed cost-model seconds admitted out of a backlog
-        self._busy = 0.0  # decayed busy wall seconds
+        self._work = 0.0  # decayed cost-model seconds admitted out of a backlog, closed intervals
+        self._busy = 0.0  # decayed busy wall seconds of the closed intervals
+        self._count = 0.0  # decayed number of closed intervals (their mean is _busy / _count)
+        self._open = 0.0  # busy seconds since the last admission out of a backlog
         self._last: float | None = None
         self._was_busy = False
 
     def observe(self, now: float, busy: bool) -> None:
-        """Account the time since the last call (busy if requests were waiting then, else idle:
-        both sums decay toward the prior) and record whether requests wait from ``now`` on."""
+        """Account the time since the last call (busy if requests were waiting then: the open
+        interval grows; else idle: everything decays toward the prior) and record whether
+        requests wait from ``now`` on."""
         if self._last is not None and now > self._last:
             dt = now - self._last
             if self._was_busy:
-                x = -dt * LN2 / self.half_life_s
-                keep = math.exp(x)
-                self._work *= keep
-                # the span's busy seconds, each decayed from its instant to now: integral of
-                # 2^(-(now - t) / h) over the span = (1 - keep) * h / ln 2 (expm1 keeps it exact
-                # for spans far shorter than the half-life)
-                self._busy = self._busy * keep - math.expm1(x) * self.half_life_s / LN2
+                self._open += dt
             else:
                 keep = math.exp2(-dt / self.idle_half_life_s)
                 self._work *= keep
                 self._busy *= keep
+                self._count *= keep
+                self._open *= keep
         self._last = now
         self._was_busy = busy
 
     def took(self, now: float, work_s: float) -> None:
         """The gate admitted a request of ``work_s`` cost-model seconds of prefill at ``now``. Counted
-        only out of a backlog: a request admitted at once is paced by the arrivals, not the engine."""
+        only out of a backlog: a request admitted at once is paced by the arrivals, not the engine.
+        The first admission at an instant closes the open interval; the others at the same instant
+        add their work to it."""
         self.observe(now, self._was_busy)
-        if self._was_busy:
-            self._work += max(0.0, work_s)
+        if not self._was_busy:
+            return
+        if self._open > 0.0:
+            keep = math.exp2(-self._open / self.half_life_s)
+            self._work *= keep
+            self._busy = self._busy * keep + self._open
+            self._count = self._count * keep + 1.0
+            self._open = 0.0
+        self._work += max(0.0, work_s)
 
     def rate(self) -> float:
         """Cost-model seconds of queued prefill the engine works off per wall second."""
         w0 = self.prior_weight_s
-        return max(self.floor, (self._work + self.prior * w0) / (self._busy + w0))
+        overdue = self._open - (self._busy / self._count if self._count > 0.0 else 0.0)
+        return max(self.floor, (self._work + self.prior * w0) / (self._busy + w0 + max(0.0, overdue)))
 
     def wait_s(self, queued_work_s: float) -> float:
         """Estimated wall seconds to work off ``queued_work_s`` cost-model seconds of queue."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from replicas.drain import DrainRate
@@ -29,22 +27,23 @@ def test_rate_counts_only_busy_time():
 
 
 def test_old_measures_decay_with_busy_time():
-    """A half-life of 1 busy second: the first 1 s at rate 0.1 weighs half as much after 1 s more
-    at rate 1.0. The busy sum is the decayed integral over the 2 busy seconds, (1 - 1/4) / ln 2 =
-    1.082 s, so the rate is (0.05 + 1 + 1) / (1.082 + 1) with the prior."""
+    """A half-life of 1 busy second: the first interval (1 s, 0.1 s of work) weighs half as much
+    once the second (1 s, 1.0 s of work) closes, so the rate is (0.05 + 1 + 1) / (0.5 + 1 + 1)
+    with the prior."""
     d = DrainRate(half_life_s=1.0, prior=1.0, prior_weight_s=1.0)
     d.observe(0.0, busy=True)
     d.took(1.0, 0.1)
     d.took(2.0, 1.0)
-    assert d.rate() == pytest.approx((0.05 + 1.0 + 1.0) / (0.75 / math.log(2) + 1.0), rel=1e-12)
+    assert d.rate() == pytest.approx((0.05 + 1.0 + 1.0) / (0.5 + 1.0 + 1.0), rel=1e-12)
 
 
 def test_the_rate_does_not_depend_on_how_often_it_is_observed():
     """The same timeline (busy 0-7 s with admissions at 2, 5 and 7 s, idle 7-9 s, busy 9-12 s with
-    one at 11 s; both half-lives 5 s, so everything decays by wall time) read by a gate that looks
-    only at those instants and by one that also looks every 10 ms: both read the hand-computed
-    rate, the decayed work over the decayed integral of the busy spans, each with the prior.
-    Before the busy sum was an integral, each look added its span undecayed: 0.587 and 0.657."""
+    one at 11 s; both half-lives 5 s) read by a gate that looks only at those instants and by one
+    that also looks every 10 ms: both read the hand-computed rate. Each interval closes at its
+    admission, the older ones decayed by its busy seconds; the idle spell decays everything by
+    wall time; the interval open at 12 s (1 s) is shorter than the mean closed one, so it does not
+    count yet."""
     def timeline(extra_looks: bool) -> float:
         d = DrainRate(half_life_s=5.0, prior=1.0, prior_weight_s=1.0, idle_half_life_s=5.0)
         marks = {0.0: ("busy", 0.0), 2.0: ("took", 1.0), 5.0: ("took", 0.5), 7.0: ("idle", 2.0),
@@ -68,11 +67,55 @@ def test_the_rate_does_not_depend_on_how_often_it_is_observed():
             d.observe(t, busy)
         return d.rate()
 
-    work = 1.0 * 2 ** -2 + 0.5 * 2 ** -1.4 + 2.0 * 2 ** -1 + 1.5 * 2 ** -0.2  # each decayed to 12 s
-    busy = 5.0 / math.log(2) * ((2 ** -1 - 2 ** -2.4) + (1.0 - 2 ** -0.6))  # spans 0-7 s and 9-12 s
-    expected = (work + 1.0) / (busy + 1.0)  # 0.658
+    sums = [1.0, 2.0, 1.0]  # work, busy seconds and count of the closed intervals: 0-2 s
+
+    def decay(keep: float) -> None:
+        sums[:] = [x * keep for x in sums]
+
+    for open_s, idle_before_s, took in ((3.0, 0.0, 0.5), (2.0, 0.0, 2.0), (2.0, 2.0, 1.5)):
+        decay(2 ** (-idle_before_s / 5.0))  # 7-9 s idle, by wall time
+        decay(2 ** (-open_s / 5.0))  # the older intervals, by the closing one's busy seconds
+        sums[0] += took
+        sums[1] += open_s
+        sums[2] += 1.0
+    work, busy, count = sums
+    assert 1.0 < busy / count  # the open second is not overdue
+    expected = (work + 1.0) / (busy + 1.0)
     assert timeline(False) == pytest.approx(expected, rel=1e-9)
     assert timeline(True) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_steady_pace_reads_the_same_between_lumps():
+    """One admission of 2 s of work every 10 busy seconds (a pace of 0.2; half-life 5 s, so each
+    older interval keeps a quarter): after 12 intervals the rate is the steady (W + 1) / (B + 1)
+    with the prior (0.256), the same just after an admission and just before the next. A busy sum
+    decayed over each span instead read 0.446 just after each admission and 0.203 before the next."""
+    d = DrainRate(half_life_s=5.0, prior=1.0, prior_weight_s=1.0)
+    d.observe(0.0, busy=True)
+    for i in range(1, 13):
+        d.took(10.0 * i, 2.0)
+    after = d.rate()
+    d.observe(129.99, busy=True)
+    before = d.rate()
+    q = 0.25
+    w, b = 2.0 * (1 - q ** 12) / (1 - q), 10.0 * (1 - q ** 12) / (1 - q)
+    assert after == pytest.approx((w + 1.0) / (b + 1.0), rel=1e-12)
+    assert before == after
+
+
+def test_an_overdue_interval_counts_beyond_the_mean_one():
+    """Three requests admitted at one instant close one interval (2 s), not three: the mean closed
+    interval stays 2 s. Busy 5 s more with no admission, 3 s of it past the mean: the rate is
+    (3 + 1) / (2 + 1 + 3)."""
+    d = DrainRate(half_life_s=1e9, prior=1.0, prior_weight_s=1.0)
+    d.observe(0.0, busy=True)
+    for _ in range(3):
+        d.took(2.0, 1.0)
+    assert d.rate() == pytest.approx(4.0 / 3.0)
+    d.observe(3.5, busy=True)
+    assert d.rate() == pytest.approx(4.0 / 3.0)  # 1.5 s open: not yet due
+    d.observe(7.0, busy=True)
+    assert d.rate() == pytest.approx(4.0 / 6.0)
 
 
 def test_an_idle_spell_returns_the_rate_to_the_prior():

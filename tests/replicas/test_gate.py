@@ -8,7 +8,6 @@ tokens exactly when it wants, so orders are exact.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
@@ -171,30 +170,28 @@ async def test_full_queue_refuses_at_once_with_retry_after(bound, tokens, why):
 
 
 async def test_wait_bound_uses_the_measured_drain_rate():
-    """An engine slower than its cost model: b (0.51 s of prefill) waited 20 s behind a to be
-    admitted. The gate learns the rate, (0.51 + 1 prior) / (6.76 + 1) = 0.195 cost-model s per s,
-    where 6.76 s is the 20 busy seconds decayed at the 5 s half-life, (1 - 2^-4) * 5 / ln 2 (a,
-    admitted at once, does not count: arrivals paced it), so one 500-token
-    request queued is a 2.6 s wait (d is taken) and two are 5.2 s (e is refused), where the cost
-    model alone would call them 1.02 s and accept both."""
+    """An engine slower than its cost model: b (0.51 s of prefill) waited 9 s behind a to be
+    admitted. The gate learns the rate, (0.51 + 1 prior) / (9 + 1) = 0.151 cost-model s per s (a,
+    admitted at once, does not count: arrivals paced it), so one 500-token request queued is a
+    3.4 s wait (d is taken) and two are 6.8 s (e is refused), where the cost model alone would
+    call them 1.02 s and accept both."""
     gate, engine, clock = make_gate("fcfs", prefill_budget_tokens=1, max_queue_wait_s=5.0)
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(r, 500), out)) for r in "abc"]
     await settle()
     assert engine.started == ["a"] and gate.queue_wait_s() == pytest.approx(1.02)
-    clock.advance(20.0)
+    clock.advance(9.0)
     engine.release("a")
     await settle()
     assert engine.started == ["a", "b"]
-    busy = (1 - 2 ** -4) * 5.0 / math.log(2)
-    assert gate.drain.rate() == pytest.approx(1.51 / (busy + 1))
-    assert gate.queue_wait_s() == pytest.approx(0.51 * (busy + 1) / 1.51)
+    assert gate.drain.rate() == pytest.approx(1.51 / 10.0)
+    assert gate.queue_wait_s() == pytest.approx(0.51 * 10.0 / 1.51)
     tasks.append(asyncio.create_task(consume(gate, call("d", 500), out)))
     await settle()
     with pytest.raises(Overloaded) as e:
         async for _ in gate.submit(call("e", 500)):
             pass
-    assert "an estimated 5.2 s of queue, the bound is 5 s" in e.value.message and e.value.retry_after_s == 5.2
+    assert "an estimated 6.8 s of queue, the bound is 5 s" in e.value.message and e.value.retry_after_s == 6.8
     for r in "bcd":
         engine.release(r)
         await settle()
