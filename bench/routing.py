@@ -42,7 +42,8 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
     cost = CostModel.from_profile(DEFAULT_PROFILE)
     policy = make_router(name, clock=clock, cost=cost, block_size=bs, rng=np.random.default_rng(1))
     events = index_mode == EVENTS
-    index = PrefixIndex(replicas, mode=index_mode, capacity_blocks=None if events else cost.default_kv_blocks(bs))
+    index = PrefixIndex(replicas, mode=index_mode, capacity_blocks=None if events else cost.default_kv_blocks(bs),
+                        pin_in_flight=True)  # the live router's approx index
     load = LoadView(replicas, clock, cost, block_size=bs)
     host = RoutingHost(policy, index, load, block_size=bs,
                        classes=ClassesConfig.parse(CLASSES if classes else ""))
@@ -61,8 +62,9 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
             cut = half - int(half * host_share)
             if cut < half:
                 index.on_tier_events(k % replicas, [(True, h) for h in p[cut:half]])
-        else:
+        else:  # routed and reported: the free pool of a pinned approx index
             index.record_routed(k % replicas, p)
+            index.on_feedback(k % replicas, p, 0, bs)
     times: list[int] = []
     choose: list[int] = []  # decide + book: what the Ray host's choose_replicas runs before the request is sent
     record: list[int] = []  # the index learns the prompt: the Ray host's on_request_routed, after the send
@@ -82,8 +84,7 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
         record.append(t2 - t1)
         sent.append((d.pick, hashes))
         if k >= 64:
-            host.on_finished(k - 64)  # keep ~64 requests in flight
-            host.release(*sent[k - 64])
+            host.finished(k - 64, *sent[k - 64], cached_tokens=0, estimated_blocks=None)  # keep ~64 in flight
     us = np.array(times) / 1e3
     return {"p50_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)),
             "choose_p50_us": float(np.median(choose)) / 1e3, "record_p50_us": float(np.median(record)) / 1e3}

@@ -13,7 +13,13 @@ Two modes:
   request's prompt blocks for its replica; each replica has a capacity in blocks with LRU aging
   (the oldest-touched blocks are dropped first); ``on_feedback`` corrects the estimate with the
   cached-token count the engine reports. This is what Ray's ``PrefixCacheAffinityRouter``,
-  SGLang's router and AIBrix do (with characters or hashes of characters).
+  SGLang's router and AIBrix do (with characters or hashes of characters). With
+  ``pin_in_flight``, the index models the engine's two kinds of block instead of one LRU over
+  both: a prompt routed and not yet reported is held (pinned) where it was sent, as an engine
+  keeps a running request's blocks whatever else it needs, and only finished prompts age, in a
+  free pool of the capacity less the blocks in flight. An engine whose memory is nearly all
+  held by running requests evicts a finished prompt within a few admissions; one LRU over both
+  kept it for as long as the capacity lasted and over-promised it to the next turn.
 - ``"events"``: exact. ``on_kv_events`` applies the engine's (stored, hash) events (the shape
   ``fairway.engine.block_pool.BlockPool`` and vLLM's KV events emit), so each replica's set equals its
   engine's prefix cache. On top of it, the prompts routed and not yet finished count as held
@@ -85,30 +91,35 @@ class PrefixIndex:
     """For each replica, an estimate of the block hashes it holds.
 
     Invariants (checked in tests): a hash is a key of ``_where`` iff at least one replica holds
-    it; bit j of ``_where[h]`` is set iff ``h`` is in ``_lru[j]`` or (events mode) in flight to j
-    (``_fly[j][h] > 0``); in approx mode, ``len(_lru[j]) <= capacity[j]`` after every call
-    (when a capacity is set).
+    it; bit j of ``_where[h]`` is set iff ``h`` is in ``_lru[j]`` or (events mode, or approx with
+    ``pin_in_flight``) in flight to j (``_fly[j][h] > 0``); in approx mode,
+    ``len(_lru[j]) <= capacity[j]`` after every call (when a capacity is set), and with
+    ``pin_in_flight`` ``len(_lru[j]) <= max(0, capacity[j] - len(_fly[j]))``.
 
     Replica ids are 0..num_replicas-1 and stable; ``add_replica`` appends one and
     ``clear_replica`` empties one (a replica that died, or vLLM's "all blocks cleared" event).
     """
 
-    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all", "_fly", "_hwhere", "_host")
+    __slots__ = ("_mode", "_where", "_lru", "_cap", "_max_cap", "_all", "_fly", "_hwhere", "_host", "_pin")
 
     def __init__(
         self,
         num_replicas: int,
         mode: str = APPROX,
         capacity_blocks: int | Sequence[int | None] | None = None,
+        pin_in_flight: bool = False,
     ) -> None:
         """``capacity_blocks``: per-replica capacity of the approx index in blocks (one value
         for all, one per replica, or None for unbounded). Ignored in events mode, where the
-        engine's own evictions age the index. O(num_replicas)."""
+        engine's own evictions age the index. ``pin_in_flight`` (approx mode): prompts in flight
+        are held until reported, and only finished ones age (the module docstring).
+        O(num_replicas)."""
         if mode not in MODES:
             raise ValueError(f"unknown prefix index mode {mode!r}; known: {', '.join(MODES)}")
         if num_replicas < 0:
             raise ValueError("num_replicas must be >= 0")
         self._mode = mode
+        self._pin = pin_in_flight and mode == APPROX
         self._where: dict[int, int] = {}
         self._lru: list[OrderedDict[int, None]] = []
         self._cap: list[int | None] = []
@@ -241,7 +252,7 @@ class PrefixIndex:
 
     def holds(self, replica: int, h: int) -> bool:
         """Whether ``replica`` is thought to hold block ``h``. O(1)."""
-        return h in self._lru[replica]
+        return h in self._lru[replica] or h in self._fly[replica]
 
     def blocks(self, replica: int) -> KeysView[int]:
         """The hashes ``replica`` holds, least recently touched first (a live view). O(1)."""
@@ -249,10 +260,12 @@ class PrefixIndex:
 
     def size(self, replica: int) -> int:
         """Blocks ``replica`` holds: the "tree size" the smallest-tree rules compare. O(1)."""
-        return len(self._lru[replica])
+        return len(self._lru[replica]) + (len(self._fly[replica]) if self._pin else 0)
 
     def sizes(self) -> list[int]:
         """``size`` of every replica. O(num_replicas)."""
+        if self._pin:
+            return [len(lru) + len(fly) for lru, fly in zip(self._lru, self._fly, strict=True)]
         return [len(lru) for lru in self._lru]
 
     def __len__(self) -> int:
@@ -270,11 +283,13 @@ class PrefixIndex:
         request's tail ages out before its head: vLLM frees a request's blocks tail first for
         the same reason (a lost head block makes the rest of the chain unreachable). Blocks the
         replica already held are refreshed, which is how a lookup hit refreshes its blocks.
-        In events mode the blocks are held in flight until ``release`` (returns 0).
+        In events mode the blocks are held in flight until ``release`` (returns 0); in approx
+        mode with ``pin_in_flight`` too, and they leave the free pool (in use again), whose
+        capacity shrinks by the blocks newly in flight.
 
         Complexity: O(len(hashes) + blocks aged out), amortised O(len(hashes)).
         """
-        if self._mode != APPROX:
+        if self._mode != APPROX or self._pin:
             fly, where, bit = self._fly[replica], self._where, 1 << replica
             if len(set(hashes)) < len(hashes):  # a hash twice: count each routing of it
                 for h in hashes:
@@ -282,14 +297,19 @@ class PrefixIndex:
             else:  # the same updates, in bulk (a prompt is hundreds of blocks)
                 fly.update(zip(hashes, map((1).__add__, map(fly.get, hashes, repeat(0))), strict=True))
             where.update(zip(hashes, map(bit.__or__, map(where.get, hashes, repeat(0))), strict=True))
-            return 0
+            if not self._pin:
+                return 0
+            lru = self._lru[replica]
+            deque(map(lru.pop, hashes, repeat(None)), maxlen=0)  # in use from now on: out of the free pool
+            return self._age(replica)
         return self._touch(replica, hashes)
 
     def release(self, replica: int, hashes: Sequence[int]) -> None:
         """A request routed to ``replica`` with prompt blocks ``hashes`` finished (or failed): in
         events mode its blocks stop counting as in flight (the engine's events say what it
-        keeps). No-op in approx mode. O(len(hashes))."""
-        if self._mode == APPROX:
+        keeps); in approx mode with ``pin_in_flight`` likewise, with nothing added to the free
+        pool (no report says what was computed). No-op in plain approx mode. O(len(hashes))."""
+        if self._mode == APPROX and not self._pin:
             return
         fly, lru = self._fly[replica], self._lru[replica]
         if all(map((1).__eq__, map(fly.get, hashes, repeat(0)))) and len(set(hashes)) == len(hashes):
@@ -327,13 +347,17 @@ class PrefixIndex:
         (not below 1/8 of its configured capacity) and its oldest blocks age out; a hit at least
         as long as estimated grows the capacity back by 1/8 of the request's blocks, up to the
         configured capacity (additive decrease by the observed error, slow additive increase).
-        In events mode it only releases the request's blocks from flight (returns 0).
+        In events mode it only releases the request's blocks from flight (returns 0). With
+        ``pin_in_flight`` the prompt leaves flight first and joins the free pool as its most
+        recent blocks (the capacity then bounds the free pool and the blocks in flight together).
 
         Complexity: O(len(hashes) + blocks aged out).
         """
         if self._mode != APPROX:
             self.release(replica, hashes)
             return 0
+        if self._pin:
+            self.release(replica, hashes)
         if cached_tokens < 0 or block_size < 1:
             raise ValueError("cached_tokens must be >= 0 and block_size >= 1")
         hit = min(cached_tokens // block_size, len(hashes))
@@ -343,6 +367,20 @@ class PrefixIndex:
                 self._cap[replica] = max(max(1, top // 8), cap - (estimated_blocks - hit))
             else:
                 self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
+        return self._touch(replica, hashes)
+
+    def on_abandoned(self, replica: int, hashes: Sequence[int]) -> int:
+        """A request sent to ``replica`` will get no report (the router dropped its booking: a
+        retry, a router gone, the ledger's limit), though its prompt is likely computed there:
+        in events mode it stops counting in flight (the engine's events tell the rest); a pinned
+        approx index moves it from flight into the free pool, as a finished prompt; a plain
+        approx index keeps it as routed. Returns blocks aged out. O(len(hashes) + aged)."""
+        if self._mode != APPROX:
+            self.release(replica, hashes)
+            return 0
+        if not self._pin:
+            return 0
+        self.release(replica, hashes)
         return self._touch(replica, hashes)
 
     def set_capacity(self, replica: int, capacity_blocks: int) -> None:
@@ -485,13 +523,15 @@ class PrefixIndex:
         cap = self._cap[replica]
         if cap is None:
             return 0
-        lru = self._lru[replica]
-        n = len(lru) - cap
+        lru, fly = self._lru[replica], self._fly[replica]
+        n = len(lru) - max(0, cap - len(fly)) if self._pin else len(lru) - cap
         if n <= 0:
             return 0
         where, keep = self._where, ~(1 << replica)
         for h in list(islice(lru, n)):  # the n oldest; _unset, inlined
             del lru[h]
+            if h in fly:
+                continue
             m = where[h] & keep
             if m:
                 where[h] = m

@@ -139,7 +139,7 @@ class FairwayRequestRouter(RequestRouter):
         self.host = RoutingHost(
             make_router(policy, clock=self.clock, cost=self.cost, block_size=block_size,
                         rng=np.random.default_rng(seed), **(policy_options or {})),
-            FallbackIndex(0) if self.exact else PrefixIndex(0),
+            FallbackIndex(0) if self.exact else PrefixIndex(0, pin_in_flight=True),
             LoadView(0, self.clock, self.cost, block_size=block_size),
             block_size=block_size,
             classes=ClassesConfig(tuple(ClassSpec(**c) for c in classes or ()), default_class),

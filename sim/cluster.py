@@ -52,9 +52,12 @@ OWN = "own"  # each router instance learns only from its own decisions (Ray Serv
 SHARED = "shared"  # every instance sees every instance's decisions, after sync_delay_s
 VIEWS = (OWN, SHARED)
 #: The router's prefix index: ``approx`` (its decisions, corrected by the engines' cached-token
-#: reports), ``decisions`` (its decisions only, as most originals know them) or ``events`` (exact).
+#: reports, the prompts in flight pinned: ``PrefixIndex`` ``pin_in_flight``), ``lru`` (the same
+#: with one LRU over the prompts in flight and finished: the approx index until 2026-12-06),
+#: ``decisions`` (its decisions only, as most originals know them) or ``events`` (exact).
+LRU = "lru"
 DECISIONS = "decisions"
-INDEX_MODES = (APPROX, DECISIONS, EVENTS)
+INDEX_MODES = (APPROX, LRU, DECISIONS, EVENTS)
 
 
 class ClusterRouter(EngineListener):
@@ -94,14 +97,15 @@ class ClusterRouter(EngineListener):
         self.block_size = block_size
         self.index_mode = index_mode
         feedback = index_mode != DECISIONS
-        index_mode = APPROX if index_mode == DECISIONS else index_mode
+        pin = index_mode == APPROX  # without feedback nothing would ever leave flight
+        index_mode = APPROX if index_mode in (LRU, DECISIONS) else index_mode
         self.view = view
         self.clock = clock
         self.sync_delay_s = sync_delay_s if view == SHARED else 0.0
         rngs = np.random.default_rng(seed).spawn(routers)
 
         def index() -> PrefixIndex:
-            return PrefixIndex(n_replicas, mode=index_mode, capacity_blocks=capacity_blocks)
+            return PrefixIndex(n_replicas, mode=index_mode, capacity_blocks=capacity_blocks, pin_in_flight=pin)
 
         def load() -> LoadView:
             return LoadView(n_replicas, clock, cost, block_size=block_size, stale_s=stale_s)

@@ -30,10 +30,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-delay", type=float, default=None,
                    help="shared view: seconds before one instance's decisions and reports reach the others "
                         f"(default: the cluster's sync period, {DEFAULT_SYNC_PERIOD_S} s, with --routers > 1)")
-    p.add_argument("--index-mode", default=None, choices=["approx", "decisions", "events"],
-                   help="router prefix index: own decisions + the engines' cached-token feedback, own decisions "
-                        "only (what most anchors' originals know), or engine KV events (exact); default: the "
-                        "router's own, events for dynamo, else approx")
+    p.add_argument("--index-mode", default=None, choices=["approx", "lru", "decisions", "events"],
+                   help="router prefix index: own decisions + the engines' cached-token feedback with the prompts "
+                        "in flight pinned, the same with one LRU over all (the approx index until 2026-12-06), own "
+                        "decisions only (what most anchors' originals know), or engine KV events (exact); default: "
+                        "the router's own, events for dynamo, else approx")
     p.add_argument("--stale", type=float, default=0.0, help="router load-view staleness (s)")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")

@@ -43,7 +43,7 @@ class RunConfig(BaseModel):
     router: str = Field("round-robin", description="router policy (used when replicas > 1)")
     router_options: dict[str, Any] = Field(default_factory=dict)
     routers: int = Field(1, ge=1, description="independent router instances, each sees 1/K")
-    index_mode: Literal["approx", "decisions", "events"] | None = Field(
+    index_mode: Literal["approx", "lru", "decisions", "events"] | None = Field(
         None, description="router prefix index; None = the router's own default "
                           "(RouterPolicy.default_index_mode: events for dynamo, else approx)")
     router_view: Literal["own", "shared"] = Field(

@@ -479,8 +479,11 @@ class Bookings:
             changes.replicas += self._drop(old).replicas
 
     def _drop(self, b: Booking) -> Changes:
-        """Forget a booking that will never complete here (not sent, evicted, its router gone)."""
+        """Forget a booking that will never complete here (not sent, evicted, its router gone);
+        the index stops counting a sent one in flight."""
         self.host.unbook(b.rid)
+        if b.sent or b.remote:
+            self.host.abandon(b.replica, b.hashes)
         return Changes([b.replica])
 
     def _finished(self, b: Booking) -> Changes:

@@ -35,7 +35,7 @@ class FallbackIndex:
 
     def __init__(self, num_replicas: int = 0, capacity_blocks: int | None = None) -> None:
         self.exact = PrefixIndex(num_replicas, mode=EVENTS)
-        self.approx = PrefixIndex(num_replicas, mode=APPROX, capacity_blocks=capacity_blocks)
+        self.approx = PrefixIndex(num_replicas, mode=APPROX, capacity_blocks=capacity_blocks, pin_in_flight=True)
         self._active = self.approx
 
     # -- which view ----------------------------------------------------------------------------
@@ -99,6 +99,11 @@ class FallbackIndex:
 
     def release(self, replica: int, hashes: Sequence[int]) -> None:
         self.exact.release(replica, hashes)
+        self.approx.release(replica, hashes)
+
+    def on_abandoned(self, replica: int, hashes: Sequence[int]) -> int:
+        self.exact.on_abandoned(replica, hashes)
+        return self.approx.on_abandoned(replica, hashes)
 
     def on_feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, block_size: int,
                     estimated_blocks: int | None = None) -> int:

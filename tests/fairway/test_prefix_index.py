@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
@@ -335,6 +336,105 @@ def test_approx_mode_release_is_a_no_op():
 
 
 # -- events mode: host-tier hits (tier events) ---------------------------------------------------
+
+
+# -- approx mode, in-flight prompts pinned ----------------------------------------------------
+
+
+def test_pinned_prompts_hold_while_in_flight_and_the_free_pool_gets_what_is_left():
+    """Capacity 4 blocks. Two prompts of 3 blocks in flight are both held (6 > 4: an engine
+    keeps a running request's blocks whatever its cache's size). A finished prompt joins the
+    free pool, which holds the capacity less the blocks in flight: 1 block while B runs (A's
+    head: the tail goes first), then all of B when it finishes too."""
+    idx = PrefixIndex(1, capacity_blocks=4, pin_in_flight=True)
+    idx.record_routed(0, A[:3])
+    idx.record_routed(0, B[:3])
+    assert idx.match(A) == [3] and idx.match(B) == [3] and idx.size(0) == 6
+    check_invariants(idx)
+    assert idx.on_feedback(0, A[:3], 0, block_size=16) == 2
+    assert idx.match(A) == [1] and idx.match(B) == [3] and list(idx.blocks(0)) == [A[0]]
+    check_invariants(idx)
+    assert idx.on_feedback(0, B[:3], 0, block_size=16) == 0
+    assert list(idx.blocks(0)) == [A[0], B[2], B[1], B[0]] and idx.match(A) == [1] and idx.size(0) == 4
+    check_invariants(idx)
+
+
+def test_a_routed_prompt_leaves_the_free_pool_and_a_failed_one_is_forgotten():
+    """A's blocks in the free pool are in use again once a request with them is routed (held
+    once, not twice); a request that ends without a report (``release``) leaves nothing."""
+    idx = PrefixIndex(2, capacity_blocks=8, pin_in_flight=True)
+    idx.record_routed(0, A[:4])
+    idx.on_feedback(0, A[:4], 0, block_size=16)
+    assert list(idx.blocks(0)) == A[3::-1] and idx.size(0) == 4
+    idx.record_routed(0, A[:6])
+    assert list(idx.blocks(0)) == [] and idx.size(0) == 6 and idx.match(A) == [6, 0]
+    idx.release(0, A[:6])
+    assert idx.match(A) == [0, 0] and idx.size(0) == 0
+    check_invariants(idx)
+
+
+def test_a_block_in_flight_twice_survives_aging_out_of_the_free_pool():
+    """Two requests share A's head; the first finishes (its blocks join the free pool while the
+    head is still in flight for the second); the pool then ages everything out (capacity 3,
+    3 blocks in flight): the shared head is still held, in flight."""
+    idx = PrefixIndex(1, capacity_blocks=3, pin_in_flight=True)
+    idx.record_routed(0, A[:2])
+    idx.record_routed(0, A[:1] + B[:2])
+    idx.on_feedback(0, A[:2], 0, block_size=16)
+    assert list(idx.blocks(0)) == [] and idx.match(A) == [1] and idx.match(A[:1] + B[:2]) == [3]
+    check_invariants(idx)
+
+
+def test_pinned_approx_equals_a_one_by_one_model_after_random_operations():
+    """Random routings, reports and failures on 3 replicas (capacity 12 blocks, prompts from
+    three families sharing heads) against a plain model: per replica, counts of the prompts in
+    flight and a free pool (an OrderedDict touched block by block, tail first, aged to the
+    capacity less the blocks in flight)."""
+    rng = np.random.default_rng(7)
+    fams = [chain(f, 10) for f in "xyz"]
+    idx = PrefixIndex(3, capacity_blocks=12, pin_in_flight=True)
+    fly: list[dict[int, int]] = [{} for _ in range(3)]
+    pool: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(3)]
+    live: list[tuple[int, list[int]]] = []
+
+    def age(j: int) -> None:
+        while len(pool[j]) > max(0, 12 - len(fly[j])):
+            pool[j].popitem(last=False)
+
+    for _ in range(600):
+        op = rng.integers(3)
+        if op == 0 or not live:
+            j, hs = int(rng.integers(3)), fams[int(rng.integers(3))][: int(rng.integers(1, 11))]
+            idx.record_routed(j, hs)
+            for h in hs:
+                fly[j][h] = fly[j].get(h, 0) + 1
+                pool[j].pop(h, None)
+            age(j)
+            live.append((j, hs))
+            continue
+        j, hs = live.pop(int(rng.integers(len(live))))
+        for h in hs:
+            fly[j][h] -= 1
+            if not fly[j][h]:
+                del fly[j][h]
+        if op == 1:
+            idx.on_feedback(j, hs, 0, block_size=16)
+            for h in reversed(hs):
+                pool[j][h] = None
+                pool[j].move_to_end(h)
+            age(j)
+        else:
+            idx.release(j, hs)
+        check_invariants(idx)
+        for f in fams:
+            want = []
+            for k in range(3):
+                n = 0
+                while n < len(f) and (f[n] in fly[k] or f[n] in pool[k]):
+                    n += 1
+                want.append(n)
+            assert idx.match(f) == want
+        assert [list(idx.blocks(k)) for k in range(3)] == [list(p) for p in pool]
 
 
 def test_match_tiers_splits_gpu_and_host_hits_per_replica():

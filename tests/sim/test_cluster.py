@@ -188,19 +188,22 @@ def test_a_shared_view_with_a_delay_delivers_kv_events_after_the_delay():
 
 
 def test_decisions_index_ignores_the_engines_reports_and_approx_corrects_itself():
-    # 30 families of 10 blocks on 3 replicas of 80 blocks: the engines evict, so the engines'
-    # cached-token reports shrink the approx index's capacity estimate; the decisions-only index
-    # (what most anchors' originals know) keeps its configured capacity and every routed block
+    # 30 families of 10 blocks on 3 replicas of 80 blocks: the engines evict. One LRU over the
+    # prompts in flight and finished (``lru``) keeps finished prompts the engines dropped, so the
+    # engines' cached-token reports shrink its capacity estimate; the pinned approx index ages
+    # only finished prompts, in what the prompts in flight leave, and never over-promised here
+    # (its capacity holds); the decisions-only index (what most anchors' originals know) keeps
+    # its configured capacity and every routed block
     specs = [spec(i, 0.05 * i, 200, 4, chain(f"fam{i % 30}", 10) + chain(f"u{i}", 2)) for i in range(90)]
     caps = {}
-    for mode in ("approx", "decisions"):
+    for mode in ("approx", "lru", "decisions"):
         sim, engines, host = cluster("round-robin", specs, index_mode=mode)
         res = sim.run()
         assert len(res.finished) == len(specs)
-        assert [h.feedback_on for h in host.instances] == [mode == "approx"]
+        assert [h.feedback_on for h in host.instances] == [mode != "decisions"]
         caps[mode] = [host.instances[0].index.capacity(j) for j in range(3)]
-    assert caps["decisions"] == [80, 80, 80]
-    assert all(c < 80 for c in caps["approx"])
+    assert caps["decisions"] == [80, 80, 80] and caps["approx"] == [80, 80, 80]
+    assert all(c < 80 for c in caps["lru"])
     with pytest.raises(ValueError, match="unknown index mode"):
         cluster("pow2", specs, index_mode="exact")
 

@@ -166,6 +166,24 @@ def test_beyond_max_tracked_the_oldest_booking_is_forgotten():
     assert c.replicas == [0, 1] and list(b) == ["k1", "k2"] and outstanding(b) == (0, 2)
 
 
+def test_a_sent_booking_forgotten_stops_counting_in_flight():
+    """Beyond ``max_tracked`` a sent booking is forgotten with no report to come: the exact index
+    no longer counts its prompt in flight, and the pinned approximate one keeps it as a finished
+    prompt (likely computed there); an unsent booking was never in flight."""
+    b, _ = ledger(exact=True, max_tracked=1)
+    index = b.host.index
+    b.book("k0", "a", 0, 64, chain("a", 4), 0)
+    b.sent("k0", 0, "a", 64, chain("a", 4))
+    assert index.exact.match(chain("a", 4)) == [4, 0] and index.approx.match(chain("a", 4)) == [4, 0]
+    assert list(index.approx.blocks(0)) == []  # in flight, not in the free pool
+    b.book("k1", "b", 1, 64, chain("b", 4), 0)
+    assert list(b) == ["k1"]
+    assert index.exact.match(chain("a", 4)) == [0, 0] and index.approx.match(chain("a", 4)) == [4, 0]
+    assert index.approx.size(0) == 4 and list(index.approx.blocks(0)) == chain("a", 4)[::-1]
+    b.book("k2", "c", 0, 64, chain("c", 4), 0)
+    assert index.exact.match(chain("b", 4)) == [0, 0]
+
+
 def test_beyond_max_awaiting_feedback_the_oldest_finished_request_gets_none():
     b, _ = ledger(max_awaiting_feedback=1)
     for k in ("a", "b"):
