@@ -489,9 +489,9 @@ class Bookings:
     def _finished(self, b: Booking) -> Changes:
         self.host.on_finished(b.rid)
         self._done[b.request_id] = b
-        while len(self._done) > self.max_awaiting_feedback:
+        while len(self._done) > self.max_awaiting_feedback:  # finished, its report lost: likely computed
             _, old = self._done.popitem(last=False)
-            self.host.release(old.replica, old.hashes)
+            self.host.abandon(old.replica, old.hashes)
         return Changes([b.replica], booking=b)
 
 

@@ -193,6 +193,20 @@ def test_beyond_max_awaiting_feedback_the_oldest_finished_request_gets_none():
     assert b.apply_stats(0, stats(T0, recent_cached={"a": 64})).cached == []
 
 
+def test_a_finished_request_whose_report_never_comes_leaves_flight_as_computed():
+    """Beyond ``max_awaiting_feedback`` the oldest finished request gets no report: the exact
+    index stops counting its prompt in flight, the pinned approximate one keeps it as finished
+    (in the free pool)."""
+    b, _ = ledger(exact=True, max_awaiting_feedback=1)
+    index = b.host.index
+    for k in ("a", "b"):
+        b.book(k, k, 0, 64, chain(k, 4), 0)
+        b.sent(k, 0, k, 64, chain(k, 4))
+        b.complete(k, 0)
+    assert index.exact.match(chain("a", 4)) == [0, 0] and index.exact.match(chain("b", 4)) == [4, 0]
+    assert list(index.approx.blocks(0)) == chain("a", 4)[::-1] and index.approx.match(chain("b", 4)) == [4, 0]
+
+
 def test_limits_must_be_positive():
     with pytest.raises(ValueError):
         ledger(max_tracked=0)
