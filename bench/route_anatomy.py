@@ -10,9 +10,11 @@ the longest prefix of the prompt it holds, free-but-cached blocks included. The 
 - *holder*: sent where at least ``NEAR`` of the longest match is;
 - *away*: sent elsewhere.
 
-For each class it prints the count, the blocks it recomputed, and its TTFT median. Then come the
-TTFT quantiles from p30 to p99, the mean, the share under 100 ms and the hit ratio, each a
-median over seeds.
+For each class it prints the count, the blocks it recomputed, and its TTFT median, and how many
+decisions were *over-promised* (the router's index matched more of the prompt on the pick than
+that engine held: the view's error that costs most, work the router did not price) with the
+blocks promised beyond the engine's. Then come the TTFT quantiles from p30 to p99, the mean, the
+share under 100 ms and the hit ratio, each a median over seeds.
 
 Why: the yardstick's p50 says who is ahead, not whether a gap is a knife edge between the cached
 and the uncached mode or a shift of the whole distribution, nor which decisions make it
@@ -62,6 +64,8 @@ class Anatomy:
     ttft_by_class: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CLASSES})
     ttft: list[float] = field(default_factory=list)
     hit: float = 0.0
+    over_promised: int = 0  # decisions whose index match on the pick exceeded the engine's
+    over_blocks: int = 0  # the blocks matched beyond the engine's, summed over those
 
     def quantiles(self) -> dict[str, float]:
         t = np.asarray(self.ttft)
@@ -79,7 +83,7 @@ def anatomy(run: Run) -> Anatomy:
     if not instances:
         raise ValueError("route anatomy needs a routed cluster (replicas > 1)")
     engines = sim.replicas
-    picks: dict[int, tuple[str, int]] = {}  # request id -> (class, blocks recomputed)
+    picks: dict[int, tuple[str, int, int]] = {}  # request id -> (class, blocks recomputed, over-promised)
 
     def wrap(host: Any) -> None:
         inner = host.decide
@@ -87,7 +91,7 @@ def anatomy(run: Run) -> Anatomy:
         def decide(rid: int, prompt_tokens: int, hashes: Sequence[int], *args: Any, **kwargs: Any) -> Any:
             d = inner(rid, prompt_tokens, hashes, *args, **kwargs)
             truth = [len(e.pool.longest_hit(hashes)) for e in engines]
-            picks[rid] = (classify(truth, d.pick), max(truth) - truth[d.pick])
+            picks[rid] = (classify(truth, d.pick), max(truth) - truth[d.pick], max(0, d.matched_blocks - truth[d.pick]))
             return d
 
         host.decide = decide  # this run's instances only
@@ -101,7 +105,9 @@ def anatomy(run: Run) -> Anatomy:
         a.ttft.append(r.ttft_s)
         prompt += r.spec.prompt_tokens
         cached += max(0, r.cached_tokens)
-        cls, lost = picks[r.rid]  # every request is routed once: a missing one is a bug here
+        cls, lost, over = picks[r.rid]  # every request is routed once: a missing one is a bug here
+        a.over_promised += over > 0
+        a.over_blocks += over
         a.counts[cls] += 1
         a.recomputed_blocks[cls] += lost
         a.ttft_by_class[cls].append(r.ttft_s)
@@ -113,8 +119,9 @@ def render(point: str, results: dict[str, list[Anatomy]]) -> str:
     """The two tables: decisions by class (summed over seeds), and the quantiles (medians over
     seeds) with the first router's ratio to each other's."""
     lines = [f"{point}: decisions by the engines' true caches (summed over seeds)", "",
-             "| router | " + " | ".join(f"{c} n (blocks recomputed), TTFT p50 s" for c in CLASSES) + " |",
-             "| --- |" + " --- |" * len(CLASSES)]
+             "| router | " + " | ".join(f"{c} n (blocks recomputed), TTFT p50 s" for c in CLASSES)
+             + " | over-promised n (blocks) |",
+             "| --- |" + " --- |" * (len(CLASSES) + 1)]
     for router, runs in results.items():
         cells = []
         for c in CLASSES:
@@ -122,6 +129,7 @@ def render(point: str, results: dict[str, list[Anatomy]]) -> str:
             lost = sum(a.recomputed_blocks[c] for a in runs)
             ts = [t for a in runs for t in a.ttft_by_class[c]]
             cells.append(f"{n} ({lost:,}), {statistics.median(ts):.3f}" if ts else f"{n}")
+        cells.append(f"{sum(a.over_promised for a in runs)} ({sum(a.over_blocks for a in runs):,})")
         lines.append(f"| {router} | " + " | ".join(cells) + " |")
     keys = [f"p{q}" for q in QUANTILES] + ["mean", "fast_share", "hit"]
     med = {router: {k: statistics.median(a.quantiles()[k] for a in runs) for k in keys}
@@ -143,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--point", required=True, help="a yardstick point's label, e.g. 'mooncake-synthetic x3'")
     ap.add_argument("--routers", default="fairway,llmd", help="router specs; ratios: the first's over each other's")
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--view", default="approx", choices=("approx", "events"))
+    ap.add_argument("--view", default="approx", choices=("approx", "lru", "events"))
     args = ap.parse_args(argv)
     points, _ = default_points()
     found: list[Point] = [p for p in points if p.label == args.point]

@@ -28,8 +28,10 @@ def test_one_real_run_is_classed_whole_and_unchanged_by_the_instrumentation():
     assert a.counts["away"] > 0 and a.recomputed_blocks["away"] > 0
     assert a.recomputed_blocks["cold"] == 0  # nothing to recompute where nothing was cached
     assert b.counts["away"] < a.counts["away"] and b.hit > a.hit
+    assert 0 <= a.over_promised <= sum(a.counts.values()) and (a.over_blocks > 0) == (a.over_promised > 0)
     text = render("rag @4", {"fairway": [b], "round-robin": [a]})
     assert "| fairway | " in text and "| round-robin | " in text and "fairway / round-robin" in text
+    assert f"| {b.over_promised} ({b.over_blocks:,}) |" in text
     assert all(c in text for c in CLASSES)
 
 
