@@ -32,7 +32,8 @@ CLASSES = "interactive:tier=0:objective=1,batch:tier=1:objective=30"
 def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int = 16, index_mode: str = "approx",
             host_share: float = 0.0, classes: bool = False) -> dict[str, float]:
     """Median and p99 of one decision through ``RoutingHost`` (match, states, rank, book,
-    record). ``index_mode="events"``: the exact index, fed the warm-up prompts as stored KV
+    record). ``index_mode``: ``"approx"`` the live router's approximate index (prompts in flight
+    pinned), ``"lru"`` one LRU over all, ``"events"`` the exact index, fed the warm-up prompts as stored KV
     events; ``host_share`` > 0 (events only): that share of the tail of each warm prompt's
     shared half (what later prompts match) is host-only (tier events), so the tier-aware
     lookup splits real host hits; ``classes``: every request in one of two classes (module
@@ -42,8 +43,10 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
     cost = CostModel.from_profile(DEFAULT_PROFILE)
     policy = make_router(name, clock=clock, cost=cost, block_size=bs, rng=np.random.default_rng(1))
     events = index_mode == EVENTS
-    index = PrefixIndex(replicas, mode=index_mode, capacity_blocks=None if events else cost.default_kv_blocks(bs),
-                        pin_in_flight=True)  # the live router's approx index
+    # approx: the live router's approximate index (prompts in flight pinned); lru: one LRU over all
+    index = PrefixIndex(replicas, mode=EVENTS if events else "approx",
+                        capacity_blocks=None if events else cost.default_kv_blocks(bs),
+                        pin_in_flight=index_mode == "approx")
     load = LoadView(replicas, clock, cost, block_size=bs)
     host = RoutingHost(policy, index, load, block_size=bs,
                        classes=ClassesConfig.parse(CLASSES if classes else ""))
@@ -96,7 +99,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--routers", default=",".join(sorted(ROUTERS)))
-    ap.add_argument("--index", default="approx", choices=["approx", "events"], help="prefix index mode")
+    ap.add_argument("--index", default="approx", choices=["approx", "lru", "events"],
+                    help="prefix index: approx (prompts in flight pinned), lru (one LRU over all), events")
     ap.add_argument("--host-share", type=float, default=0.0,
                     help="events index: share of the tail of each held prompt's shared half that is host-only")
     ap.add_argument("--classes", action="store_true", help="two request classes (20%% interactive, 80%% batch)")
