@@ -356,10 +356,10 @@ class PrefixIndex:
         if self._mode != APPROX:
             self.release(replica, hashes)
             return 0
-        if self._pin:
-            self.release(replica, hashes)
         if cached_tokens < 0 or block_size < 1:
             raise ValueError("cached_tokens must be >= 0 and block_size >= 1")
+        if self._pin:
+            self._unfly(replica, hashes)  # their bits stay: the touch below keeps them held
         hit = min(cached_tokens // block_size, len(hashes))
         cap, top = self._cap[replica], self._max_cap[replica]
         if cap is not None and top is not None and estimated_blocks is not None:
@@ -380,7 +380,7 @@ class PrefixIndex:
             return 0
         if not self._pin:
             return 0
-        self.release(replica, hashes)
+        self._unfly(replica, hashes)
         return self._touch(replica, hashes)
 
     def set_capacity(self, replica: int, capacity_blocks: int) -> None:
@@ -490,6 +490,20 @@ class PrefixIndex:
             self._where[h] = m
         else:
             del self._where[h]
+
+    def _unfly(self, replica: int, hashes: Sequence[int]) -> None:
+        """One routing of ``hashes`` to ``replica`` leaves flight, their ``_where`` bits left as
+        they are: the caller touches them into the free pool next. O(len(hashes))."""
+        fly = self._fly[replica]
+        if all(map((1).__eq__, map(fly.get, hashes, repeat(0)))) and len(set(hashes)) == len(hashes):
+            deque(map(fly.__delitem__, hashes), maxlen=0)  # the usual case, in bulk
+            return
+        for h in hashes:
+            left = fly.get(h, 0) - 1
+            if left > 0:
+                fly[h] = left
+            elif left == 0:
+                del fly[h]
 
     def _touch(self, replica: int, hashes: Sequence[int]) -> int:
         """Mark ``hashes`` present on ``replica``, tail first (the head ends most recent), then
