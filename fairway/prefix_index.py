@@ -311,21 +311,9 @@ class PrefixIndex:
         pool (no report says what was computed). No-op in plain approx mode. O(len(hashes))."""
         if self._mode == APPROX and not self._pin:
             return
-        fly, lru = self._fly[replica], self._lru[replica]
-        if all(map((1).__eq__, map(fly.get, hashes, repeat(0)))) and len(set(hashes)) == len(hashes):
-            # the usual case, in bulk: each block in flight once, for this request only
-            deque(map(fly.__delitem__, hashes), maxlen=0)
-            for h in filterfalse(lru.__contains__, hashes):
-                self._unset(replica, h)
-            return
-        for h in hashes:
-            left = fly.get(h, 0) - 1
-            if left > 0:
-                fly[h] = left
-            elif left == 0:
-                del fly[h]
-                if h not in lru:
-                    self._unset(replica, h)
+        lru = self._lru[replica]
+        for h in filterfalse(lru.__contains__, self._unfly(replica, hashes)):
+            self._unset(replica, h)
 
     def on_feedback(
         self,
@@ -491,19 +479,24 @@ class PrefixIndex:
         else:
             del self._where[h]
 
-    def _unfly(self, replica: int, hashes: Sequence[int]) -> None:
-        """One routing of ``hashes`` to ``replica`` leaves flight, their ``_where`` bits left as
-        they are: the caller touches them into the free pool next. O(len(hashes))."""
+    def _unfly(self, replica: int, hashes: Sequence[int]) -> Sequence[int]:
+        """One routing of ``hashes`` to ``replica`` leaves flight; returns the hashes no longer in
+        flight there, their ``_where`` bits left as they are (the caller unsets or keeps them).
+        O(len(hashes))."""
         fly = self._fly[replica]
         if all(map((1).__eq__, map(fly.get, hashes, repeat(0)))) and len(set(hashes)) == len(hashes):
-            deque(map(fly.__delitem__, hashes), maxlen=0)  # the usual case, in bulk
-            return
+            # the usual case, in bulk: each block in flight once, for this request only
+            deque(map(fly.__delitem__, hashes), maxlen=0)
+            return hashes
+        gone = []
         for h in hashes:
             left = fly.get(h, 0) - 1
             if left > 0:
                 fly[h] = left
             elif left == 0:
                 del fly[h]
+                gone.append(h)
+        return gone
 
     def _touch(self, replica: int, hashes: Sequence[int]) -> int:
         """Mark ``hashes`` present on ``replica``, tail first (the head ends most recent), then
