@@ -251,8 +251,9 @@ class PrefixIndex:
         return n
 
     def holds(self, replica: int, h: int) -> bool:
-        """Whether ``replica`` is thought to hold block ``h``. O(1)."""
-        return h in self._lru[replica] or h in self._fly[replica]
+        """Whether ``replica`` is thought to hold block ``h`` (with ``pin_in_flight``, in flight
+        there too). O(1)."""
+        return h in self._lru[replica] or (self._pin and h in self._fly[replica])
 
     def blocks(self, replica: int) -> KeysView[int]:
         """The hashes ``replica`` holds, least recently touched first (a live view). O(1)."""

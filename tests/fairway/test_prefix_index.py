@@ -349,7 +349,7 @@ def test_pinned_prompts_hold_while_in_flight_and_the_free_pool_gets_what_is_left
     idx = PrefixIndex(1, capacity_blocks=4, pin_in_flight=True)
     idx.record_routed(0, A[:3])
     idx.record_routed(0, B[:3])
-    assert idx.match(A) == [3] and idx.match(B) == [3] and idx.size(0) == 6
+    assert idx.match(A) == [3] and idx.match(B) == [3] and idx.size(0) == 6 and idx.holds(0, B[2])
     check_invariants(idx)
     assert idx.on_feedback(0, A[:3], 0, block_size=16) == 2
     assert idx.match(A) == [1] and idx.match(B) == [3] and list(idx.blocks(0)) == [A[0]]
