@@ -22,7 +22,7 @@ from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
 from fairway.load_view import LoadView
 from fairway.policies.classes import ClassesConfig
-from fairway.prefix_index import EVENTS, PrefixIndex
+from fairway.prefix_index import APPROX, EVENTS, PrefixIndex
 from fairway.routing import ROUTERS, make_router
 from fairway.routing.host import RoutingHost
 
@@ -44,7 +44,7 @@ def measure(name: str, replicas: int, prompt_tokens: int, cycles: int, bs: int =
     policy = make_router(name, clock=clock, cost=cost, block_size=bs, rng=np.random.default_rng(1))
     events = index_mode == EVENTS
     # approx: the live router's approximate index (prompts in flight pinned); lru: one LRU over all
-    index = PrefixIndex(replicas, mode=EVENTS if events else "approx",
+    index = PrefixIndex(replicas, mode=EVENTS if events else APPROX,
                         capacity_blocks=None if events else cost.default_kv_blocks(bs),
                         pin_in_flight=index_mode == "approx")
     load = LoadView(replicas, clock, cost, block_size=bs)

@@ -339,6 +339,8 @@ class PrefixIndex:
         In events mode it only releases the request's blocks from flight (returns 0). With
         ``pin_in_flight`` the prompt leaves flight first and joins the free pool as its most
         recent blocks (the capacity then bounds the free pool and the blocks in flight together).
+        ``estimated_blocks=None`` leaves the capacity as it is: how a router reports a prompt
+        that finished, or was sent, with no report to come (likely computed there).
 
         Complexity: O(len(hashes) + blocks aged out).
         """
@@ -356,20 +358,6 @@ class PrefixIndex:
                 self._cap[replica] = max(max(1, top // 8), cap - (estimated_blocks - hit))
             else:
                 self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
-        return self._touch(replica, hashes)
-
-    def on_abandoned(self, replica: int, hashes: Sequence[int]) -> int:
-        """A request sent to ``replica`` will get no report (the router dropped its booking: a
-        retry, a router gone, the ledger's limit), though its prompt is likely computed there:
-        in events mode it stops counting in flight (the engine's events tell the rest); a pinned
-        approx index moves it from flight into the free pool, as a finished prompt; a plain
-        approx index keeps it as routed. Returns blocks aged out. O(len(hashes) + aged)."""
-        if self._mode != APPROX:
-            self.release(replica, hashes)
-            return 0
-        if not self._pin:
-            return 0
-        self._unfly(replica, hashes)
         return self._touch(replica, hashes)
 
     def set_capacity(self, replica: int, capacity_blocks: int) -> None:

@@ -482,8 +482,8 @@ class Bookings:
         """Forget a booking that will never complete here (not sent, evicted, its router gone);
         the index stops counting a sent one in flight."""
         self.host.unbook(b.rid)
-        if b.sent or b.remote:
-            self.host.abandon(b.replica, b.hashes)
+        if b.sent or b.remote:  # no report to come; its prompt is likely computed there
+            self.host.feedback(b.replica, b.hashes, 0, None)
         return Changes([b.replica])
 
     def _finished(self, b: Booking) -> Changes:
@@ -491,7 +491,7 @@ class Bookings:
         self._done[b.request_id] = b
         while len(self._done) > self.max_awaiting_feedback:  # finished, its report lost: likely computed
             _, old = self._done.popitem(last=False)
-            self.host.abandon(old.replica, old.hashes)
+            self.host.feedback(old.replica, old.hashes, 0, None)
         return Changes([b.replica], booking=b)
 
 

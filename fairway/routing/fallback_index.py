@@ -101,10 +101,6 @@ class FallbackIndex:
         self.exact.release(replica, hashes)
         self.approx.release(replica, hashes)
 
-    def on_abandoned(self, replica: int, hashes: Sequence[int]) -> int:
-        self.exact.on_abandoned(replica, hashes)
-        return self.approx.on_abandoned(replica, hashes)
-
     def on_feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, block_size: int,
                     estimated_blocks: int | None = None) -> int:
         self.exact.on_feedback(replica, hashes, cached_tokens, block_size, estimated_blocks)

@@ -167,11 +167,6 @@ class RoutingHost:
         exact index stops counting its blocks as in flight."""
         self.index.release(replica, hashes)
 
-    def abandon(self, replica: int, hashes: Sequence[int]) -> None:
-        """A request sent to ``replica`` will never be reported (its booking was dropped): the
-        index stops counting it in flight (``PrefixIndex.on_abandoned``)."""
-        self.index.on_abandoned(replica, hashes)
-
     def feedback(self, replica: int, hashes: Sequence[int], cached_tokens: int, estimated_blocks: int | None) -> None:
         """The engine reported ``cached_tokens`` for a prompt the index estimated at
         ``estimated_blocks`` on ``replica``: the index corrects itself (an exact index only
