@@ -213,6 +213,13 @@ class ClusterRouter(EngineListener):
         return pick
 
     @property
+    def reads_engines(self) -> bool:
+        """Whether a decision reads the engines' state (flow control's room checks); without
+        it the router learns only from the engines' reports, so the simulator may take plain
+        decode steps in bulk (sim/simulator.py)."""
+        return self.flow is not None
+
+    @property
     def holds(self) -> bool:
         """Whether this router may hold requests (flow control with a held queue; it also sheds
         requests past their class's bound at ``release``)."""

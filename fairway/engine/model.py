@@ -446,6 +446,70 @@ class EngineModel:
         self._flush_events()
         return done
 
+    # -- plain decode steps, taken in bulk by a host that knows nobody reads the engine between ----
+
+    def plain_steps(self) -> int:
+        """Right after ``start_step``: how many of the coming step boundaries (the end of the
+        step in flight, then the start of the next, at one instant) are plain, given that no
+        request arrives meanwhile. A boundary is plain when ``finish_step`` then ``start_step``
+        would only add one token to every running request and schedule the same batch again:
+        each running request decodes one token in the step in flight (the batch is the whole
+        running list, in order), nothing waits or is held, none reaches its output length,
+        fills a block with a prompt hash to cache or needs a new block, and the engine has no
+        admission gate, no host tier and no demand-aware retention. Such boundaries touch
+        nothing outside the engine (no listener call, no KV event, no pool change), so a host
+        may apply them later in one ``skip_plain`` call, up to the first that is not plain.
+
+        Why: at a light load most steps decode one or two requests and do nothing else; the
+        simulator takes those in bulk instead of one event each (sim/simulator.py).
+        Complexity: O(running)."""
+        batch, running = self._batch, self.running
+        if (not batch or len(batch) != len(running) or len(self.policy) or len(self.held)
+                or self.gate is not None or self._track or self.pool.host_capacity):
+            return 0
+        bs = self.config.block_size
+        k = self.config.max_num_batched_tokens  # a bound only: each plain step is decode-only
+        for (r, n), x in zip(batch, running, strict=True):
+            spec = r.spec
+            c = r.num_computed
+            if r is not x or n != 1 or not r.generated or c + 1 != spec.prompt_tokens + r.generated:
+                return 0
+            # after boundary i the request holds c + i tokens and has generated generated + i
+            k = min(k, spec.output_tokens - r.generated - 1, bs * len(r.blocks) - c - 1)
+            if len(spec.block_hashes) > r.n_hashed:  # a block with a prompt hash fills at c + i
+                k = min(k, bs * (r.n_hashed + 1) - c - 1)
+        return max(0, k)
+
+    def plain_step_times(self, k: int) -> list[float]:
+        """Durations of the steps that plain boundaries 1..``k`` of the batch in flight start:
+        ``step_time`` of their decode tokens on the same integers ``start_step`` would use
+        (every request one token further at each). O(batch + k)."""
+        d = len(self._batch)
+        ctx = sum(r.num_computed for r, _ in self._batch)
+        step_time = self.cost.step_time
+        return [step_time(0, 0, 0, d, ctx + i * d) for i in range(1, k + 1)]
+
+    def skip_plain(self, dts: Sequence[float], finish: bool = False) -> None:
+        """Apply ``len(dts)`` plain boundaries (``plain_steps``), the steps they start lasting
+        ``dts``: exactly the effects ``finish_step`` then ``start_step`` would have there, in
+        their order. ``finish``: then the end of the step in flight too, without starting the
+        next (an arrival at that very instant is to be admitted with it): the engine is left
+        between steps. O(batch + len(dts))."""
+        m = len(dts)
+        add = m + 1 if finish else m
+        for r, _ in self._batch:
+            r.num_computed += add
+            r.generated += add
+        self.steps += m
+        busy = self.busy_s
+        on_step = self.policy.on_step
+        for dt in dts:
+            busy += dt
+            on_step(0)
+        self.busy_s = busy
+        if finish:
+            self._batch = []
+
     def abort(self, rid: int) -> bool:
         """Stop request ``rid`` wherever it is (waiting, running, or in the step now in flight;
         the step's cost is already spent, its work on this request is dropped): its queue entry
