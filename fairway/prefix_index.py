@@ -290,7 +290,16 @@ class PrefixIndex:
 
         Complexity: O(len(hashes) + blocks aged out), amortised O(len(hashes)).
         """
-        if self._mode != APPROX or self._pin:
+        if self._pin:  # in use from now on: out of the free pool, in flight there
+            fly, where, bit = self._fly[replica], self._where, 1 << replica
+            fget, wget, out = fly.get, where.get, self._lru[replica].pop
+            for h in hashes:  # one pass (an interpreted loop beats chained maps over these dicts)
+                c = fget(h, 0)
+                fly[h] = c + 1
+                if out(h, 1) is not None and not c:  # neither free nor in flight there: a new bit
+                    where[h] = wget(h, 0) | bit
+            return self._age(replica)
+        if self._mode != APPROX:
             fly, where, bit = self._fly[replica], self._where, 1 << replica
             if len(set(hashes)) < len(hashes):  # a hash twice: count each routing of it
                 for h in hashes:
@@ -298,11 +307,7 @@ class PrefixIndex:
             else:  # the same updates, in bulk (a prompt is hundreds of blocks)
                 fly.update(zip(hashes, map((1).__add__, map(fly.get, hashes, repeat(0))), strict=True))
             where.update(zip(hashes, map(bit.__or__, map(where.get, hashes, repeat(0))), strict=True))
-            if not self._pin:
-                return 0
-            lru = self._lru[replica]
-            deque(map(lru.pop, hashes, repeat(None)), maxlen=0)  # in use from now on: out of the free pool
-            return self._age(replica)
+            return 0
         return self._touch(replica, hashes)
 
     def release(self, replica: int, hashes: Sequence[int]) -> None:
@@ -349,8 +354,6 @@ class PrefixIndex:
             return 0
         if cached_tokens < 0 or block_size < 1:
             raise ValueError("cached_tokens must be >= 0 and block_size >= 1")
-        if self._pin:
-            self._unfly(replica, hashes)  # their bits stay: the touch below keeps them held
         hit = min(cached_tokens // block_size, len(hashes))
         cap, top = self._cap[replica], self._max_cap[replica]
         if cap is not None and top is not None and estimated_blocks is not None:
@@ -358,7 +361,25 @@ class PrefixIndex:
                 self._cap[replica] = max(max(1, top // 8), cap - (estimated_blocks - hit))
             else:
                 self._cap[replica] = min(top, cap + max(1, len(hashes) // 8))
-        return self._touch(replica, hashes)
+        if not self._pin:
+            return self._touch(replica, hashes)
+        # Pinned: each block leaves flight once and is touched, tail first, in one pass: the
+        # same end state as ``_unfly`` then ``_touch`` (the touch reads no flight count). A
+        # block in flight there, or in the free pool, has its bit; only one in neither (a prompt
+        # reported twice) needs it set.
+        fly, lru, where, bit = self._fly[replica], self._lru[replica], self._where, 1 << replica
+        fpop, wget, mte = fly.pop, where.get, lru.move_to_end
+        for h in hashes[::-1]:
+            c = fpop(h, 0)
+            if c > 1:
+                fly[h] = c - 1
+            if h in lru:
+                mte(h)
+            else:
+                lru[h] = None
+                if not c:
+                    where[h] = wget(h, 0) | bit
+        return self._age(replica)
 
     def set_capacity(self, replica: int, capacity_blocks: int) -> None:
         """Set a replica's configured capacity once it becomes known (a live replica reports

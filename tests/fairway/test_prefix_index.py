@@ -387,11 +387,13 @@ def test_a_block_in_flight_twice_survives_aging_out_of_the_free_pool():
 
 def test_pinned_approx_equals_a_one_by_one_model_after_random_operations():
     """Random routings, reports and failures on 3 replicas (capacity 12 blocks, prompts from
-    three families sharing heads) against a plain model: per replica, counts of the prompts in
-    flight and a free pool (an OrderedDict touched block by block, tail first, aged to the
-    capacity less the blocks in flight)."""
+    three families sharing heads, some with a block twice, and reports of prompts never routed)
+    against a plain model: per replica, counts of the prompts in flight and a free pool (an
+    OrderedDict touched block by block, tail first, aged to the capacity less the blocks in
+    flight)."""
     rng = np.random.default_rng(7)
     fams = [chain(f, 10) for f in "xyz"]
+    stray = chain("w", 10)  # blocks never routed
     idx = PrefixIndex(3, capacity_blocks=12, pin_in_flight=True)
     fly: list[dict[int, int]] = [{} for _ in range(3)]
     pool: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(3)]
@@ -401,10 +403,23 @@ def test_pinned_approx_equals_a_one_by_one_model_after_random_operations():
         while len(pool[j]) > max(0, 12 - len(fly[j])):
             pool[j].popitem(last=False)
 
-    for _ in range(600):
-        op = rng.integers(3)
+    def prompt() -> list[int]:
+        hs = fams[int(rng.integers(3))][: int(rng.integers(1, 11))]
+        return hs + hs[:2] if rng.random() < 0.15 else hs  # a block twice
+
+    for _ in range(1500):
+        op = rng.integers(4)
+        if op == 3:  # a report of a prompt never routed there (nothing leaves flight)
+            j, hs = int(rng.integers(3)), stray[: int(rng.integers(1, 11))]
+            idx.on_feedback(j, hs, 0, block_size=16)
+            for h in reversed(hs):
+                pool[j][h] = None
+                pool[j].move_to_end(h)
+            age(j)
+            check_invariants(idx)
+            continue
         if op == 0 or not live:
-            j, hs = int(rng.integers(3)), fams[int(rng.integers(3))][: int(rng.integers(1, 11))]
+            j, hs = int(rng.integers(3)), prompt()
             idx.record_routed(j, hs)
             for h in hs:
                 fly[j][h] = fly[j].get(h, 0) + 1
