@@ -48,10 +48,10 @@ Beyond vLLM (engine model only, off by default):
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import partial
-from itertools import repeat, takewhile
+from itertools import islice, takewhile
 from operator import is_not
 
 _FOUND = partial(is_not, None)  # x -> x is not None, without a Python frame per probe
@@ -278,17 +278,20 @@ class BlockPool:
         host = self.host_capacity > 0
         lru = self.retention == "lru"
         free, block_hash, cached, ref = self.free, self.block_hash, self.cached, self.ref
-        if lru and not track and not host:  # the default engine: the same steps, a sweep each
-            popitem = free.popitem
-            out = [popitem(False)[0] for _ in range(n)]
-            gone = [h for h in map(block_hash.__getitem__, out) if h is not None]
-            if gone:
-                deque(map(cached.__delitem__, gone), maxlen=0)
-                self.evictions += len(gone)
-                self.events.extend(zip(repeat(False), gone))
+        if lru and not track and not host:  # the default engine: the same steps, in one loop
+            out = list(islice(free, n))  # the LRU head's n blocks (popped below, in order)
+            ev = self.events.append
+            evicted = 0
             for b in out:
-                block_hash[b] = None
+                del free[b]
+                h = block_hash[b]
+                if h is not None:
+                    del cached[h]
+                    ev((False, h))
+                    block_hash[b] = None
+                    evicted += 1
                 ref[b] = 1
+            self.evictions += evicted
             return out
         for _ in range(n):
             b = free.popitem(last=False)[0] if lru else self._pop_victim()
@@ -331,18 +334,18 @@ class BlockPool:
             for b, h in zip(blocks, hashes, strict=True):
                 self.cache_block(b, h)
             return
-        events = self.events
+        ev = self.events.append
         for b, h in zip(blocks, hashes, strict=True):  # cache_block with no host tier, LRU, no demand
             if block_hash[b] is not None or h in cached:
                 continue
             block_hash[b] = h
             cached[h] = b
-            events.append((True, h))
+            ev((True, h))
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop a request's references, tail block first, so its tail is evicted first.
         O(len(blocks)); the default pool's usual case (no block shared with another request)
-        appends them to the free queue in one ``update``."""
+        appends them to the free queue after one check of their counts."""
         track = self.tracking
         heap_mode = self.retention != "lru"
         ref, free = self.ref, self.free
@@ -350,8 +353,8 @@ class BlockPool:
             rev = blocks[::-1]
             if list(map(ref.__getitem__, rev)).count(1) == len(rev):
                 n_free = len(free)
-                free.update(zip(rev, repeat(None)))
                 for b in rev:
+                    free[b] = None
                     ref[b] = 0
                 if len(free) - n_free != len(rev):
                     raise RuntimeError("a block released twice")
