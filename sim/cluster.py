@@ -282,6 +282,11 @@ class ClusterRouter(EngineListener):
             for load in self._loads:
                 load.report_kv_usage(replica, min(1.0, max(0.0, usage)))
 
+    @property
+    def hears_kv_events(self) -> bool:
+        """Only the exact view reads the engines' KV events."""
+        return self.index_mode == EVENTS
+
     def on_kv_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
         """Events mode: the engine's stored / removed blocks reach every instance's index, after
         ``sync_delay_s`` in a shared view with a delay (a replica's events travel through the

@@ -34,6 +34,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from fairway.admission import AdmissionConfig, Candidate, HeldQueue, SessionAdmission, WaitingSessions
@@ -171,6 +173,12 @@ class EngineListener:
 
     def on_kv_tier_events(self, replica: int, events: Sequence[tuple[bool, int]]) -> None:
         """Host tier only: ``(host_only, hash)`` transitions, after the same flush's KV events."""
+
+    @property
+    def hears_kv_events(self) -> bool:
+        """Whether ``on_kv_events`` does anything: when not, an engine's KV events may reach it
+        late (``EngineModel.plain_steps``). True unless a listener says otherwise."""
+        return True
 
 
 class EngineModel:
@@ -452,33 +460,48 @@ class EngineModel:
         """Right after ``start_step``: how many of the coming step boundaries (the end of the
         step in flight, then the start of the next, at one instant) are plain, given that no
         request arrives meanwhile. A boundary is plain when ``finish_step`` then ``start_step``
-        would only add one token to every running request and schedule the same batch again:
-        each running request decodes one token in the step in flight (the batch is the whole
-        running list, in order), nothing waits or is held, none reaches its output length,
-        fills a block with a prompt hash to cache or needs a new block, and the engine has no
-        admission gate, no host tier and no demand-aware retention. Such boundaries touch
-        nothing outside the engine (no listener call, no KV event, no pool change), so a host
-        may apply them later in one ``skip_plain`` call, up to the first that is not plain.
+        would only add one token to every running request, cache the blocks that fill, give
+        a new block to those that need one, and schedule the same batch again: each running
+        request decodes one token in the step in flight (the batch is the whole running list,
+        in order), nothing waits or is held, none reaches its output length, the free blocks
+        cover the new ones, and the engine has no admission gate, no host tier and no
+        demand-aware retention. Such boundaries reach nothing outside the engine but KV events
+        (blocks cached, blocks evicted for new ones), so with a listener that hears KV events
+        (``EngineListener.hears_kv_events``) none may cache or take a block. A host may apply
+        plain boundaries later in one ``skip_plain`` call, up to the first that is not.
 
         Why: at a light load most steps decode one or two requests and do nothing else; the
         simulator takes those in bulk instead of one event each (sim/simulator.py).
-        Complexity: O(running)."""
+        Complexity: O(running x log(max_num_batched_tokens))."""
         batch, running = self._batch, self.running
         if (not batch or len(batch) != len(running) or len(self.policy) or len(self.held)
                 or self.gate is not None or self._track or self.pool.host_capacity):
             return 0
         bs = self.config.block_size
+        hears = self.listener is not None and self.listener.hears_kv_events
         k = self.config.max_num_batched_tokens  # a bound only: each plain step is decode-only
+        first: list[int] = []  # per request, the boundary at which it takes a new block
         for (r, n), x in zip(batch, running, strict=True):
             spec = r.spec
             c = r.num_computed
             if r is not x or n != 1 or not r.generated or c + 1 != spec.prompt_tokens + r.generated:
                 return 0
             # after boundary i the request holds c + i tokens and has generated generated + i
-            k = min(k, spec.output_tokens - r.generated - 1, bs * len(r.blocks) - c - 1)
-            if len(spec.block_hashes) > r.n_hashed:  # a block with a prompt hash fills at c + i
+            k = min(k, spec.output_tokens - r.generated - 1)
+            if hears and len(spec.block_hashes) > r.n_hashed:  # a hashed block fills at c + i
                 k = min(k, bs * (r.n_hashed + 1) - c - 1)
-        return max(0, k)
+            first.append(bs * len(r.blocks) - c)  # c + i + 1 tokens need a block more there
+        if hears:
+            return max(0, min(k, min(first) - 1))
+        free = self.pool.num_free
+        lo, hi = 0, max(0, k)  # the most boundaries whose new blocks the free ones cover
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sum(1 + (mid - f) // bs for f in first if f <= mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def plain_step_times(self, k: int) -> list[float]:
         """Durations of the steps that plain boundaries 1..``k`` of the batch in flight start:
@@ -492,12 +515,38 @@ class EngineModel:
     def skip_plain(self, dts: Sequence[float], finish: bool = False) -> None:
         """Apply ``len(dts)`` plain boundaries (``plain_steps``), the steps they start lasting
         ``dts``: exactly the effects ``finish_step`` then ``start_step`` would have there, in
-        their order. ``finish``: then the end of the step in flight too, without starting the
-        next (an arrival at that very instant is to be admitted with it): the engine is left
-        between steps. O(batch + len(dts))."""
+        their order (at each boundary the blocks that filled are cached, in batch order, and
+        flushed once; then each new block is taken and flushed, in batch order). ``finish``:
+        then the end of the step in flight too, without starting the next (an arrival at that
+        very instant is to be admitted with it): the engine is left between steps.
+        O(batch + len(dts) + blocks cached or taken)."""
         m = len(dts)
-        add = m + 1 if finish else m
-        for r, _ in self._batch:
+        batch = self._batch
+        bs = self.config.block_size
+        last = m + 1 if finish else m  # the boundaries whose step end applies
+        marks: list[tuple[int, int, int]] = []  # (boundary, 0 cache / 1 new block, batch index)
+        for idx, (r, _) in enumerate(batch):
+            c, top = r.num_computed, len(r.spec.block_hashes)
+            if top > r.n_hashed:  # block n_hashed fills at boundary bs * (n_hashed + 1) - c, ...
+                marks.extend((i, 0, idx) for i in range(bs * (r.n_hashed + 1) - c, min(last, bs * top - c) + 1, bs))
+            marks.extend((i, 1, idx) for i in range(bs * len(r.blocks) - c, m + 1, bs))
+        if marks:
+            marks.sort()
+            pool = self.pool
+            for (i, kind), group in groupby(marks, key=itemgetter(0, 1)):
+                if kind == 0:  # a step end: the filled blocks, then one flush
+                    for _, _, idx in group:
+                        r = batch[idx][0]
+                        full = (r.num_computed + i) // bs
+                        pool.cache_blocks(r.blocks[r.n_hashed : full], r.spec.block_hashes[r.n_hashed : full])
+                        r.n_hashed = full
+                    self._flush_events()
+                    continue
+                for _, _, idx in group:  # a step start: each new block, flushed
+                    batch[idx][0].blocks.extend(pool.allocate(1))
+                    self._flush_events()
+        add = last
+        for r, _ in batch:
             r.num_computed += add
             r.generated += add
         self.steps += m

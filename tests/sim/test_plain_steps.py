@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fairway.clock import ManualClock
-from fairway.engine.model import EngineConfig, EngineModel
+from fairway.engine.model import EngineConfig, EngineListener, EngineModel
 from fairway.policies import POLICIES, make_policy
 from sim.cluster import ClusterRouter
 from sim.runner import RunConfig, run
@@ -19,16 +19,38 @@ from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
 
 
+class KVLog(EngineListener):
+    """Keeps each engine's KV event flushes, one entry per flush. ``hears``: it reads them at
+    once, so it keeps their time too (then no plain boundary may take a new block); else a
+    plain boundary may, and only the flushes' order is kept."""
+
+    def __init__(self, clock: ManualClock, hears: bool) -> None:
+        self.clock = clock
+        self.hears = hears
+        self.flushes: list[tuple[int, float, tuple[tuple[bool, int], ...]]] = []
+
+    @property
+    def hears_kv_events(self) -> bool:
+        return self.hears
+
+    def on_kv_events(self, replica, events):
+        self.flushes.append((replica, self.clock.now() if self.hears else 0.0, tuple(events)))
+
+
 def build(specs, *, bulk: bool, replicas: int = 1, kv_blocks: int = 60, policy: str = "fairway",
-          max_time_s: float | None = None, block_size: int = 16):
+          max_time_s: float | None = None, block_size: int = 16, hears: bool = False):
     clock = ManualClock()
     cost = LinearCost()
+    log = KVLog(clock, hears)
     engines = [
         EngineModel(EngineConfig(kv_blocks=kv_blocks, block_size=block_size, max_num_batched_tokens=256),
                     cost, make_policy(policy, clock=clock, cost=cost), clock, replica=j)
         for j in range(replicas)
     ]
+    for e in engines:
+        e.listener = log
     sim = Simulation(ListWorkload(specs), engines, clock, max_time_s=max_time_s)
+    sim.kv_log = log
     assert sim.bulk  # round robin reads no engine
     sim.bulk = bulk
     return sim, engines
@@ -57,7 +79,9 @@ def outcome(sim: Simulation, engines: list[EngineModel]) -> dict:
             [(r.rid, r.num_computed, r.generated, list(r.blocks), r.n_hashed) for r in e.running],
             sorted(e.reqs), [(r.rid, n) for r, n in e._batch])
            for e in engines]
-    return {"reqs": reqs, "engines": eng, "end": res.end_s, "busy": res.busy_s, "n": res.n_unfinished}
+    flushes = sorted(sim.kv_log.flushes, key=lambda f: f[0]) if hasattr(sim, "kv_log") else []  # per replica, in order
+    return {"reqs": reqs, "engines": eng, "end": res.end_s, "busy": res.busy_s, "n": res.n_unfinished,
+            "kv": flushes}
 
 
 request_st = st.tuples(
@@ -81,11 +105,12 @@ def specs_of(reqs):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(request_st, min_size=1, max_size=25), st.sampled_from(sorted(POLICIES)),
-       st.integers(1, 3), st.sampled_from([40, 60, 200]), st.sampled_from([None, 1.5, 4.0]))
-def test_bulk_steps_give_the_same_run_as_one_event_per_step(reqs, policy, replicas, kv_blocks, cut):
+       st.integers(1, 3), st.sampled_from([40, 60, 200]), st.sampled_from([None, 1.5, 4.0]), st.booleans())
+def test_bulk_steps_give_the_same_run_as_one_event_per_step(reqs, policy, replicas, kv_blocks, cut, hears):
     specs = specs_of(reqs)
-    one = outcome(*build(specs, bulk=False, replicas=replicas, kv_blocks=kv_blocks, policy=policy, max_time_s=cut))
-    bulk = outcome(*build(specs, bulk=True, replicas=replicas, kv_blocks=kv_blocks, policy=policy, max_time_s=cut))
+    kw = {"replicas": replicas, "kv_blocks": kv_blocks, "policy": policy, "max_time_s": cut, "hears": hears}
+    one = outcome(*build(specs, bulk=False, **kw))
+    bulk = outcome(*build(specs, bulk=True, **kw))
     assert bulk == one
 
 
@@ -108,13 +133,14 @@ def test_long_decodes_are_taken_in_bulk():
     assert set(bulk_ends) <= set(one_ends)  # each handled step end is one of the real ones
 
 
-@pytest.mark.parametrize("nth", [3, 20, 40])
+@pytest.mark.parametrize("nth", [3, 8, 20, 24, 40])
 def test_an_arrival_on_a_boundarys_instant_joins_that_step(nth):
     """A request arriving exactly when a plain boundary falls is admitted at that instant, into
-    the step that starts there, as with one event per step."""
+    the step that starts there, as with one event per step (at the 8th and 24th step end an
+    output block fills and is cached)."""
     clock = ManualClock()
     cost = LinearCost()
-    solo = [spec(0, 0.0, 40, 100, chain("a", 2))]
+    solo = [spec(0, 0.0, 40, 100, chain("a", 8))]  # its output hashed too, as a later turn's prefix
     eng = EngineModel(EngineConfig(kv_blocks=200, max_num_batched_tokens=256), cost,
                       make_policy("fcfs", clock=clock, cost=cost), clock)
     probe = StepLog(ListWorkload(solo), [eng], clock)
@@ -128,6 +154,17 @@ def test_an_arrival_on_a_boundarys_instant_joins_that_step(nth):
     assert b == a
     late = [r for r in a["reqs"] if r[0] == 1][0]
     assert late[2] == t  # admitted at its arrival instant
+
+
+@pytest.mark.parametrize("kv_blocks", [12, 13, 14, 20])
+def test_decodes_that_run_out_of_blocks_preempt_as_with_one_event_per_step(kv_blocks):
+    """Two decodes outgrow the KV cache: the last plain boundary is the one whose new blocks
+    the free ones still cover, and the next step preempts as before."""
+    specs = [spec(0, 0.0, 40, 100, chain("a", 2)), spec(1, 0.0, 40, 100, chain("b", 2))]
+    one = outcome(*build(specs, bulk=False, kv_blocks=kv_blocks, policy="fcfs"))
+    bulk = outcome(*build(specs, bulk=True, kv_blocks=kv_blocks, policy="fcfs"))
+    assert bulk == one
+    assert one["engines"][0][5] > 0 or kv_blocks == 20  # preemptions (20 blocks hold both)
 
 
 def cluster_cfg(**kw) -> RunConfig:
