@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sim.cluster import ceiling_hit_ratio
-from sim.hit_bounds import infinite_cache_hit_ratio, optimal_eviction_hit_ratio
+from sim.hit_bounds import _stable_order, infinite_cache_hit_ratio, optimal_eviction_hit_ratio
 from tests.factories import chain, spec
 
 
@@ -115,3 +115,12 @@ def test_dense_ids_are_numpy_unique_without_the_values():
             assert ids.tolist() == u_ids.tolist()
             assert count.tolist() == u_count.tolist()
     assert [a.tolist() for a in _dense_ids(np.zeros(0, dtype=np.uint64))] == [[], [], []]
+
+
+@pytest.mark.parametrize("hi", [1, 3, 1000, 1 << 40])
+def test_stable_order_is_the_stable_argsort(hi):
+    """Ids with many repeats, a few, and ids too wide to pack (the fallback)."""
+    rng = np.random.default_rng(hi % 97)
+    for n in (0, 1, 7, 5000):
+        r = rng.integers(0, hi, n).astype(np.int64)
+        assert np.array_equal(_stable_order(r), np.argsort(r, kind="stable"))
