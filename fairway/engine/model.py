@@ -478,7 +478,7 @@ class EngineModel:
                 or self.gate is not None or self._track or self.pool.host_capacity):
             return 0
         bs = self.config.block_size
-        hears = self.listener is not None and self.listener.hears_kv_events
+        hears = self.listener is not None and getattr(self.listener, "hears_kv_events", True)  # no flag: hears
         k = self.config.max_num_batched_tokens  # a bound only: each plain step is decode-only
         first: list[int] = []  # per request, the boundary at which it takes a new block
         for (r, n), x in zip(batch, running, strict=True):
