@@ -14,7 +14,7 @@ next boundaries are plain (``EngineModel.plain_steps``: one more token each, not
 loop pushes one event for the end of the last of them instead of one per step, and applies the
 plain ones (``EngineModel.skip_plain``) when that event comes or, earlier, before a request is
 added to that replica. Nothing else reads an engine between events when the router reads none
-(``Router.reads_engines`` False: the cluster router without flow control, round robin), so every
+(its ``reads_engines`` False: the cluster router without flow control, round robin), so every
 result is the same to the bit as one event per step (tests/sim/test_plain_steps.py).
 """
 

@@ -479,7 +479,7 @@ class EngineModel:
             return 0
         bs = self.config.block_size
         hears = self.listener is not None and getattr(self.listener, "hears_kv_events", True)  # no flag: hears
-        k = self.config.max_num_batched_tokens  # a bound only: each plain step is decode-only
+        k = self.config.max_num_batched_tokens  # a cap on one bulk (the next is planned at its end)
         first: list[int] = []  # per request, the boundary at which it takes a new block
         for (r, n), x in zip(batch, running, strict=True):
             spec = r.spec
