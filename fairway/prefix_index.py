@@ -290,25 +290,21 @@ class PrefixIndex:
 
         Complexity: O(len(hashes) + blocks aged out), amortised O(len(hashes)).
         """
-        if self._pin:  # in use from now on: out of the free pool, in flight there
-            fly, where, bit = self._fly[replica], self._where, 1 << replica
-            fget, wget, out = fly.get, where.get, self._lru[replica].pop
-            for h in hashes:  # one pass (an interpreted loop beats chained maps over these dicts)
-                c = fget(h, 0)
-                fly[h] = c + 1
-                if out(h, 1) is not None and not c:  # neither free nor in flight there: a new bit
-                    where[h] = wget(h, 0) | bit
-            return self._age(replica)
-        if self._mode != APPROX:
-            fly, where, bit = self._fly[replica], self._where, 1 << replica
-            if len(set(hashes)) < len(hashes):  # a hash twice: count each routing of it
-                for h in hashes:
-                    fly[h] = fly.get(h, 0) + 1
-            else:  # the same updates, in bulk (a prompt is hundreds of blocks)
-                fly.update(zip(hashes, map((1).__add__, map(fly.get, hashes, repeat(0))), strict=True))
-            where.update(zip(hashes, map(bit.__or__, map(where.get, hashes, repeat(0))), strict=True))
-            return 0
-        return self._touch(replica, hashes)
+        if self._mode == APPROX and not self._pin:
+            return self._touch(replica, hashes)
+        # In flight there from now on (pinned: out of the free pool too). A block already in
+        # flight there, or held there, has its bit: only the others need it set. One pass (an
+        # interpreted loop beats chained maps over these dicts); ``take(h, 1)`` is None for a
+        # held block (``pop`` takes it out of the free pool, ``get`` leaves the events' cache).
+        fly, lru, where, bit = self._fly[replica], self._lru[replica], self._where, 1 << replica
+        fget, wget = fly.get, where.get
+        take = lru.pop if self._pin else lru.get
+        for h in hashes:
+            c = fget(h, 0)
+            fly[h] = c + 1
+            if take(h, 1) is not None and not c:
+                where[h] = wget(h, 0) | bit
+        return self._age(replica) if self._pin else 0
 
     def release(self, replica: int, hashes: Sequence[int]) -> None:
         """A request routed to ``replica`` with prompt blocks ``hashes`` finished (or failed): in
