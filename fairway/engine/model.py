@@ -545,10 +545,9 @@ class EngineModel:
                 for _, _, idx in group:  # a step start: each new block, flushed
                     batch[idx][0].blocks.extend(pool.allocate(1))
                     self._flush_events()
-        add = last
         for r, _ in batch:
-            r.num_computed += add
-            r.generated += add
+            r.num_computed += last
+            r.generated += last
         self.steps += m
         busy = self.busy_s
         on_step = self.policy.on_step
