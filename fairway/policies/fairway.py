@@ -19,6 +19,11 @@
   Fair pick's P goes first while the Fast lane stays within one Fair quantum of the Fair lane's
   pass, so a long Fair pick does not take a whole engine step ahead of cached requests
   (``FairwayConfig``).
+- ``lost_blocks`` (65,536): the deadline counts as cached the prefix this replica computed and
+  evicted before the request arrived (a bounded memory of recently evicted block hashes), as
+  ``sticky_due`` does for what is evicted while it waits: losing a conversation's context between
+  its turns is the queue's doing, not the request's, so a follow-up turn is due as if its context
+  were still there (``FairwayConfig``).
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
 - ``memory_guard`` (on by default; reads the host's memory view, ``fairway/memory_view.py``,
@@ -36,11 +41,13 @@
   memory binds.
 
 Complexity: ``select`` is O(n) vectorised over the live slots (a few numpy passes); promotion is
-found in the same pass; ``admit`` is O(1) plus the base class's removal.
+found in the same pass; ``admit`` is O(1) plus the base class's removal; ``add`` walks the
+prompt's blocks past its hit once (the evicted prefix); an eviction event is O(1) per block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +56,7 @@ from fairway.clock import Clock
 from fairway.cost_model import CostModel
 from fairway.memory_view import KVMemoryView
 from fairway.policies.base import FAIR, FAST, Admission, QueuedRequest, QueuePolicy, grow_column
+from fairway.policies.evicted import EvictedBlocks
 
 LOSS_DECAY = 0.99  # guard_loss: each admission's weight in the decayed shares decays by this per admission
 
@@ -104,6 +112,15 @@ class FairwayConfig:
         budget and the light requests behind it wait a step; ahead of it they cost it a few
         tokens. The lanes' shares are the stride's; only the order within a quantum changes.
         0: the Fair pick first on its turn (the rule before 2026-12-05).
+    lost_blocks: with ``sticky_due``, how many recently evicted block hashes the queue remembers
+        (>= 0; oldest forgotten first), so that a request's deadline counts the prefix this
+        replica computed and evicted before the request arrived as cached: arrival + theta *
+        max(P with that prefix cached, floor). Why: in a memory-bound agentic load a session's
+        context is evicted between its turns while other requests run, and its next turn then
+        arrives with a prefill many times its own new tokens' and a deadline as late; the
+        expensive, late-due turns made the tail (docs/design.md, Lost context). The default is
+        about one GPU pool of an 8B model on an H200 (55,291 blocks): remember as much as the
+        cache holds, as ARC's ghost lists do. 0: no memory (the rule before 2026-12-06).
     """
 
     theta: float = 12.0
@@ -119,8 +136,11 @@ class FairwayConfig:
     guard_loss: float = 0.1
     guard_aging: float = 0.0
     fast_ahead: float = 0.1
+    lost_blocks: int = 65536
 
     def __post_init__(self) -> None:
+        if self.lost_blocks < 0:
+            raise ValueError("lost_blocks must be >= 0")
         if not 0.0 <= self.fast_ahead < 1.0:
             raise ValueError("fast_ahead must be in [0, 1)")
         if not self.theta > 0:
@@ -186,6 +206,12 @@ class Fairway(QueuePolicy):
         self._ahead_pick = -1  # the last select()'s pick when it went ahead of the Fair pick
         self._alt_for, self._alt = -1, None  # this select()'s Fast alternative, for the Fair pick _alt_for
         self.aheads = 0  # admissions that went ahead of the Fair lane's pick (fast_ahead)
+        # recently evicted block hashes (lost_blocks, with sticky_due), and whether this queue records
+        # them (a group's queues share one, recorded by one of them: share_evicted)
+        self.evicted = EvictedBlocks(base.lost_blocks) if base.lost_blocks and base.sticky_due else None
+        self._records_evictions = True
+        self._contains: Callable[[int], bool] | None = None
+        self.lost_credits = 0  # requests whose deadline counted an evicted prefix as cached
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -202,10 +228,51 @@ class Fairway(QueuePolicy):
         """The deadline of ``slot`` with prefill estimate ``p``: arrival + theta * max(P, floor)."""
         return float(self.arrival[slot]) + self.config.theta * max(p, self.config.p_floor_s)
 
+    def attach_cache(self, contains: Callable[[int], bool]) -> None:
+        super().attach_cache(contains)
+        self._contains = contains
+
+    def share_evicted(self, evicted: EvictedBlocks) -> None:
+        """Read another queue's memory of evicted blocks from now on (it records them; this one
+        no longer does): the per-tenant or per-class queues of one replica share one. A queue
+        configured without the memory keeps none."""
+        if self.evicted is not None:
+            self.evicted, self._records_evictions = evicted, False
+
+    def on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        """The cache dropped ``hashes``: remember them (``lost_blocks``), then the hit tracking's
+        update. O(1) per block for the memory."""
+        if self.evicted is not None and self._records_evictions:
+            hashes = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
+            self.evicted.add(hashes)
+        super().on_blocks_removed(hashes)
+
     def _on_add(self, slot: int, req: QueuedRequest) -> None:
         self.promoted[slot] = False
         self.due[slot] = self._due_now(slot)
         self.peak[slot] = self.cached[slot]
+        if self.evicted:
+            self._credit_lost(slot, req)
+
+    def _credit_lost(self, slot: int, req: QueuedRequest) -> None:
+        """Pull ``slot``'s deadline in to what it would be had this replica kept the prefix it
+        computed and evicted: the prompt's blocks past its hit while each is cached or
+        remembered as evicted (``lost_blocks``). O(blocks past the hit that count)."""
+        lost, contains = self.evicted, self._contains
+        hashes = self._cacheable(req)
+        hit = int(self.cached[slot]) // self.block_size
+        k = hit
+        for h in hashes[hit:]:
+            if h in lost or (contains is not None and contains(h)):
+                k += 1
+            else:
+                break
+        if k == hit:
+            return
+        c = k * self.block_size
+        p = self.cost.prefill_time(int(self.prompt[slot]) - c, c)
+        self.due[slot] = min(float(self.due[slot]), self._due_for(slot, p))
+        self.lost_credits += 1
 
     def _on_hit_change(self, rid: int, old: int, new: int) -> None:
         super()._on_hit_change(rid, old, new)

@@ -3,7 +3,9 @@ replica's gate, ``replicas/tenants.py``; per request class, ``classes.py``) pass
 queue or sums over them: the engine's cache events and memory view, the lanes, the promotions and
 the memory guard's yields and acts, and the queued work.
 
-Why one piece: the groupings differ in how they pick the next group, not in this fan-out.
+Why one piece: the groupings differ in how they pick the next group, not in this fan-out. The
+inner queues that remember the blocks the cache evicted (Fairway's ``lost_blocks``) share one such
+memory (``_share_evicted``).
 Complexity: O(G) per call for G groups (cache events: O(G * hashes)).
 """
 
@@ -26,9 +28,29 @@ class QueueGroup:
             q.on_blocks_stored(hs)
 
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
+        if len(self.queues) != self._evicted_shared:
+            self._share_evicted()
         hs = hashes if len(self.queues) == 1 else list(hashes)
         for q in self.queues.values():
             q.on_blocks_removed(hs)
+
+    _evicted_shared = 1  # inner queues reading one memory of evicted blocks (one queue: its own)
+
+    def _share_evicted(self) -> None:
+        """Let every inner queue that keeps a memory of evicted blocks (Fairway's ``lost_blocks``)
+        read the first such queue's, which alone records them: one replica's cache, one memory,
+        however many tenants or classes. Queues are only ever added, so this runs once per
+        queue added. O(G)."""
+        shared = None
+        for q in self.queues.values():
+            mine = getattr(q, "evicted", None)
+            if mine is None:
+                continue
+            if shared is None:
+                shared = mine
+            elif mine is not shared:
+                q.share_evicted(shared)  # type: ignore[attr-defined]
+        self._evicted_shared = len(self.queues)
 
     def wants_memory_view(self) -> bool:
         return any(q.wants_memory_view() for q in self.queues.values())

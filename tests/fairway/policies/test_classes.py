@@ -203,3 +203,17 @@ def test_a_requests_wait_bound_is_its_classes_or_the_default_without_classes():
     c = ClassesConfig.parse("interactive:objective=1,batch:tier=1:objective=30:max_wait=60")
     assert c.wait_bound_for("interactive", None) == 1.0 and c.wait_bound_for("", None) == 60.0
     assert ClassesConfig().wait_bound_for("", 10.0) == 10.0 and ClassesConfig().wait_bound_for("", None) is None
+
+
+def test_the_classes_fairway_queues_share_one_memory_of_evicted_blocks():
+    cache = set(chain("d", 30))
+    p, _ = policy_with_cache("classes", cache, classes="a,b", inner="fairway")
+    a, b = p.queues["a"], p.queues["b"]
+    assert a.evicted is not b.evicted  # each its own until the first eviction
+    cache.clear()
+    p.on_blocks_removed(chain("d", 30))
+    assert a.evicted is b.evicted and a.evicted.oldest_first() == chain("d", 30)
+    # class b's queue credits the prefix evicted before its request arrived (theta 12, P floor .1)
+    p.add(req(0, 0.0, 500, "b", chain("d", 31)))
+    assert b.due[b._slot_of[0]] == pytest.approx(12 * 0.1) and b.lost_credits == 1
+    assert b.prefill_s[b._slot_of[0]] == pytest.approx(0.51)

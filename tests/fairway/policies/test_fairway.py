@@ -130,6 +130,55 @@ def test_deadline_never_moves_later_on_eviction():
     assert p2.due[0] > due  # recomputed from the now-cold P
 
 
+def _after_eviction(evicted: list[int], still: set[int] | None = None, **kw):
+    """CLASSIC Fairway over a cache that held ``evicted`` and dropped them (one event each, in
+    order), keeping ``still``."""
+    cache: set[int] = set(still or ()) | set(evicted)
+    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, **kw})
+    for h in evicted:
+        cache.discard(h)
+        p.on_blocks_removed([h])
+    return p, clock
+
+
+def test_deadline_counts_the_prefix_evicted_before_arrival_as_cached():
+    # 480 of the prompt's 500 tokens were computed here and evicted before it arrived: its
+    # deadline is that of a 20-token prefill (P = .03 -> floor .25: 0 + 8 * .25), its Fast-lane
+    # work stays the cold 500 tokens'
+    p, _ = _after_eviction(chain("d", 30))
+    p.add(queued(0, 0.0, 500, chain("d", 31)))
+    assert p.cached_tokens(0) == 0 and p.prefill_s[0] == pytest.approx(0.51)
+    assert p.due[0] == pytest.approx(2.0) and p.lost_credits == 1
+    cold, _ = _after_eviction(chain("d", 30), lost_blocks=0)  # no memory: the cold deadline
+    cold.add(queued(0, 0.0, 500, chain("d", 31)))
+    assert cold.due[0] == pytest.approx(8 * 0.51) and cold.lost_credits == 0
+
+
+def test_the_lost_prefix_joins_the_cached_blocks_and_stops_at_the_first_block_never_held():
+    # blocks 0-9 cached, 10-19 evicted, 20 never held, 21-29 evicted: 20 blocks (320 tokens) count
+    d = chain("d", 30)
+    p, _ = _after_eviction(d[10:20] + d[21:], still=set(d[:10]))
+    p.add(queued(0, 1.0, 800, d + chain("e", 20)))
+    assert p.cached_tokens(0) == 160  # due 1 + 8 * .65 without the credit
+    assert p.due[0] == pytest.approx(1.0 + 8 * (0.01 + 0.001 * 480))
+    # a prompt none of whose blocks this replica ever held gets no credit
+    p.add(queued(1, 1.0, 500, chain("x", 31)))
+    assert p.due[1] == pytest.approx(1.0 + 8 * 0.51) and p.lost_credits == 1
+
+
+def test_the_lost_memory_forgets_the_oldest_evictions_past_lost_blocks():
+    d = chain("d", 10)
+    p, _ = _after_eviction(d, lost_blocks=5)  # remembers d[5:10] only
+    assert p.evicted.oldest_first() == d[5:]
+    p.add(queued(0, 0.0, 400, d + chain("e", 15)))  # block 0 forgotten: no credit
+    assert p.due[0] == pytest.approx(8 * 0.41) and p.lost_credits == 0
+    p.on_blocks_removed([d[5]])  # evicted again: the newest
+    assert p.evicted.oldest_first() == d[6:] + [d[5]]
+    # without the sticky deadline there is nothing to pull in, and nothing is remembered
+    q, _ = _after_eviction(d, sticky_due=False)
+    assert q.evicted is None
+
+
 def test_hit_changes_reorder_the_fast_lane():
     cache: set[int] = set()
     p, clock = policy_with_cache("fairway", cache)
@@ -153,6 +202,8 @@ def test_config_bounds():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="fast_ahead"):
             FairwayConfig(fast_ahead=bad)
+    with pytest.raises(ValueError, match="lost_blocks"):
+        FairwayConfig(lost_blocks=-1)
 
 
 def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):

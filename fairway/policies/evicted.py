@@ -1,0 +1,53 @@
+"""``EvictedBlocks``: the block hashes a replica's prefix cache dropped most recently.
+
+Why: a follow-up turn whose context the cache evicted between its turns arrives with a prefill
+many times its own new tokens'. Fairway's deadline counts that lost prefix as cached
+(``FairwayConfig.lost_blocks``), and needs to know which of a new prompt's blocks this replica
+computed and lost; the cache itself has forgotten them. A bounded memory, oldest forgotten first,
+as ARC's ghost lists remember what the cache evicted; one per replica, shared by the per-tenant and
+per-class queues of a group (``QueueGroup``).
+
+Complexity: ``add`` O(1) per hash (an ordered map; a hash evicted again moves to the newest);
+membership O(1); memory O(capacity).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class EvictedBlocks:
+    """At most ``capacity`` (> 0) recently evicted block hashes, oldest forgotten first."""
+
+    __slots__ = ("capacity", "_hashes")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, hashes: Iterable[int]) -> None:
+        """The cache dropped ``hashes``: remember them as the newest. O(hashes)."""
+        known = self._hashes
+        for h in hashes:
+            if h in known:
+                known.move_to_end(h)
+            else:
+                known[h] = None
+        for _ in range(len(known) - self.capacity):
+            known.popitem(last=False)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._hashes
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def oldest_first(self) -> list[int]:
+        """The remembered hashes, oldest first (for tests and reports). O(capacity)."""
+        return list(self._hashes)
+
+
+__all__ = ["EvictedBlocks"]
