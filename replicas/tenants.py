@@ -74,6 +74,7 @@ class TenantQueues(QueueGroup):
                 q.attach_cache(self._contains)
             if self._memory is not None:
                 q.attach_memory(self._memory)
+            self._share_evicted()  # it reads the evictions seen before its first request too
             self.vtime[tenant] = self.vnow
         return q
 

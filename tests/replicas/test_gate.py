@@ -851,3 +851,25 @@ async def test_the_default_guard_at_the_gate_counts_the_admitted_prompts_once_a_
     engine.release("b")
     await asyncio.gather(*tasks)
     assert view.n_held == 0
+
+
+def test_a_tenant_queue_made_after_evictions_reads_the_replica_memory_of_them():
+    """The replica's evictions before a tenant's first request count for that request's deadline:
+    its new Fairway queue shares the memory the first queue recorded (theta 12, P floor .1)."""
+    from replicas.tenants import TenantQueues
+    from tests.factories import chain, queued
+
+    clock = ManualClock()
+
+    def pol():
+        return make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
+
+    cache = set(chain("d", 30))
+    tq = TenantQueues(pol(), pol)
+    tq.attach_cache(cache.__contains__)
+    cache.clear()
+    tq.on_blocks_removed(chain("d", 30))
+    tq.add(queued(1, 0.0, 500, chain("d", 31)), "x")
+    x = tq.queues["x"]
+    assert x.evicted is tq.queues[""].evicted and x.lost_credits == 1
+    assert x.due[x._slot_of[1]] == pytest.approx(12 * 0.1)
