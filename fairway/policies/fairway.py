@@ -19,8 +19,8 @@
   Fair pick's P goes first while the Fast lane stays within one Fair quantum of the Fair lane's
   pass, so a long Fair pick does not take a whole engine step ahead of cached requests
   (``FairwayConfig``).
-- ``lost_blocks`` (65,536): the deadline counts as cached the prefix this replica computed and
-  evicted before the request arrived (a bounded memory of recently evicted block hashes), as
+- ``lost_blocks`` (an option, off: 0): the deadline counts as cached the prefix this replica
+  computed and evicted before the request arrived (a bounded memory of recently evicted block hashes), as
   ``sticky_due`` does for what is evicted while it waits: losing a conversation's context between
   its turns is the queue's doing, not the request's, so a follow-up turn is due as if its context
   were still there (``FairwayConfig``).
@@ -113,14 +113,17 @@ class FairwayConfig:
         tokens. The lanes' shares are the stride's; only the order within a quantum changes.
         0: the Fair pick first on its turn (the rule before 2026-12-05).
     lost_blocks: with ``sticky_due``, how many recently evicted block hashes the queue remembers
-        (>= 0; oldest forgotten first), so that a request's deadline counts the prefix this
-        replica computed and evicted before the request arrived as cached: arrival + theta *
-        max(P with that prefix cached, floor). Why: in a memory-bound agentic load a session's
-        context is evicted between its turns while other requests run, and its next turn then
-        arrives with a prefill many times its own new tokens' and a deadline as late; the
-        expensive, late-due turns made the tail (docs/design.md, Lost context). The default is
-        about one GPU pool of an 8B model on an H200 (55,291 blocks): remember as much as the
-        cache holds, as ARC's ghost lists do. 0: no memory (the rule before 2026-12-06).
+        (>= 0; oldest forgotten first; 0, the default, remembers none), so that a request's
+        deadline counts the prefix this replica computed and evicted before the request arrived
+        as cached: arrival + theta * max(P with that prefix cached, floor). Why: in a
+        memory-bound agentic load a session's context is evicted between its turns while other
+        requests run, and its next turn then arrives with a prefill many times its own new
+        tokens' and a deadline as late; the expensive, late-due turns made the tail
+        (docs/design.md, Lost context). The measured
+        setting is 65,536, about one GPU pool of an 8B model on an H200 (55,291 blocks): remember
+        as much as the cache holds, as ARC's ghost lists do. Off by default: it meets the queue
+        target on the agentic spike on one replica, but on 8 replicas where memory binds it moved
+        Fairway's own tails the wrong way by up to 5% (docs/benchmarks.md 2.3).
     """
 
     theta: float = 12.0
@@ -136,7 +139,7 @@ class FairwayConfig:
     guard_loss: float = 0.1
     guard_aging: float = 0.0
     fast_ahead: float = 0.1
-    lost_blocks: int = 65536
+    lost_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.lost_blocks < 0:

@@ -131,10 +131,10 @@ def test_deadline_never_moves_later_on_eviction():
 
 
 def _after_eviction(evicted: list[int], still: set[int] | None = None, **kw):
-    """CLASSIC Fairway over a cache that held ``evicted`` and dropped them (one event each, in
-    order), keeping ``still``."""
+    """CLASSIC Fairway remembering evictions (``lost_blocks``, off by default) over a cache that
+    held ``evicted`` and dropped them (one event each, in order), keeping ``still``."""
     cache: set[int] = set(still or ()) | set(evicted)
-    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, **kw})
+    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536, **kw})
     for h in evicted:
         cache.discard(h)
         p.on_blocks_removed([h])
