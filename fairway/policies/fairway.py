@@ -122,8 +122,8 @@ class FairwayConfig:
         (docs/design.md, Lost context). The measured
         setting is 65,536, about one GPU pool of an 8B model on an H200 (55,291 blocks): remember
         as much as the cache holds, as ARC's ghost lists do. Off by default: it meets the queue
-        target on the agentic spike on one replica, but on 8 replicas where memory binds it moved
-        Fairway's own tails the wrong way by up to 5% (docs/benchmarks.md 2.3).
+        target on the agentic spike on one replica, but costs the Fairway router 1-5% of its mean
+        on 8 replicas over the Mooncake trace (docs/benchmarks.md 2.3).
     """
 
     theta: float = 12.0
