@@ -20,10 +20,10 @@
   pass, so a long Fair pick does not take a whole engine step ahead of cached requests
   (``FairwayConfig``).
 - ``lost_blocks`` (an option, off: 0): the deadline counts as cached the prefix this replica
-  computed and evicted before the request arrived (a bounded memory of recently evicted block hashes), as
-  ``sticky_due`` does for what is evicted while it waits: losing a conversation's context between
-  its turns is the queue's doing, not the request's, so a follow-up turn is due as if its context
-  were still there (``FairwayConfig``).
+  computed and evicted before the request arrived (a bounded memory of recently evicted block
+  hashes), as ``sticky_due`` does for what is evicted while it waits: losing a conversation's
+  context between its turns is the queue's doing, not the request's, so a follow-up turn is due
+  as if its context were still there (``FairwayConfig``).
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
 - ``memory_guard`` (on by default; reads the host's memory view, ``fairway/memory_view.py``,
@@ -119,11 +119,11 @@ class FairwayConfig:
         memory-bound agentic load a session's context is evicted between its turns while other
         requests run, and its next turn then arrives with a prefill many times its own new
         tokens' and a deadline as late; the expensive, late-due turns made the tail
-        (docs/design.md, Lost context). The measured
-        setting is 65,536, about one GPU pool of an 8B model on an H200 (55,291 blocks): remember
-        as much as the cache holds, as ARC's ghost lists do. Off by default: it meets the queue
-        target on the agentic spike on one replica, but costs the Fairway router 1-5% of its mean
-        on 8 replicas over the Mooncake trace (docs/benchmarks.md 2.3).
+        (docs/design.md, Lost context). The measured setting is 65,536, about one GPU pool of an
+        8B model on an H200 (55,291 blocks): remember as much as the cache holds, as ARC's ghost
+        lists do. Off by default: it meets the queue target on the agentic spike on one replica,
+        but costs the Fairway router 1-5% of its mean on 8 replicas over the Mooncake trace
+        (docs/benchmarks.md 2.3).
     """
 
     theta: float = 12.0
@@ -142,8 +142,8 @@ class FairwayConfig:
     lost_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if self.lost_blocks < 0:
-            raise ValueError("lost_blocks must be >= 0")
+        if isinstance(self.lost_blocks, bool) or not isinstance(self.lost_blocks, int) or self.lost_blocks < 0:
+            raise ValueError("lost_blocks must be an integer >= 0 (a count of block hashes)")
         if not 0.0 <= self.fast_ahead < 1.0:
             raise ValueError("fast_ahead must be in [0, 1)")
         if not self.theta > 0:

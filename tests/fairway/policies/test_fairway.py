@@ -202,8 +202,9 @@ def test_config_bounds():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="fast_ahead"):
             FairwayConfig(fast_ahead=bad)
-    with pytest.raises(ValueError, match="lost_blocks"):
-        FairwayConfig(lost_blocks=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="lost_blocks"):
+            FairwayConfig(lost_blocks=bad)
 
 
 def _guarded(spare: list[int], cached: set[int], held: frozenset[int] = frozenset(), **options):
