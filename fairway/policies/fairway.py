@@ -47,7 +47,7 @@ prompt's blocks past its hit once (the evicted prefix); an eviction event is O(1
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,7 +213,6 @@ class Fairway(QueuePolicy):
         # them (a group's queues share one, recorded by one of them: share_evicted)
         self.evicted = EvictedBlocks(base.lost_blocks) if base.lost_blocks and base.sticky_due else None
         self._records_evictions = True
-        self._contains: Callable[[int], bool] | None = None
         self.lost_credits = 0  # requests whose deadline counted an evicted prefix as cached
 
     # -- columns ---------------------------------------------------------------------------
@@ -230,10 +229,6 @@ class Fairway(QueuePolicy):
     def _due_for(self, slot: int, p: float) -> float:
         """The deadline of ``slot`` with prefill estimate ``p``: arrival + theta * max(P, floor)."""
         return float(self.arrival[slot]) + self.config.theta * max(p, self.config.p_floor_s)
-
-    def attach_cache(self, contains: Callable[[int], bool]) -> None:
-        super().attach_cache(contains)
-        self._contains = contains
 
     def share_evicted(self, evicted: EvictedBlocks) -> None:
         """Read another queue's memory of evicted blocks from now on (it records them; this one
@@ -261,12 +256,15 @@ class Fairway(QueuePolicy):
         """Pull ``slot``'s deadline in to what it would be had this replica kept the prefix it
         computed and evicted: the prompt's blocks past its hit while each is cached or
         remembered as evicted (``lost_blocks``). O(blocks past the hit that count)."""
-        lost, contains = self.evicted, self._contains
+        tracker = self._tracker
+        if tracker is None:  # no cache view: nothing was ever cached here to lose
+            return
+        lost, contains = self.evicted, tracker.contains
         hashes = self._cacheable(req)
         hit = int(self.cached[slot]) // self.block_size
         k = hit
         for h in hashes[hit:]:
-            if h in lost or (contains is not None and contains(h)):
+            if h in lost or contains(h):
                 k += 1
             else:
                 break

@@ -72,6 +72,11 @@ class HitTracker:
             on_cut = partial(each_step, on_change)
         self._on_cut = on_cut
 
+    @property
+    def contains(self) -> Callable[[int], bool]:
+        """The cache view's membership test the tracker walks prompts with."""
+        return self._contains
+
     def __len__(self) -> int:
         return len(self._hit)
 
