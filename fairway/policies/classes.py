@@ -221,6 +221,7 @@ class ClassQueues(QueueGroup, QueuePolicy):
         self.queues: dict[str, QueuePolicy] = {
             c.name: make_policy(inner, clock=clock, cost=cost, block_size=block_size, **(inner_options or {}))
             for c in specs}
+        self._share_evicted()  # one replica, one memory of lost context (lost_blocks)
         first = next(iter(self.queues.values()))
         self.has_lanes = first.has_lanes  # type: ignore[misc]
         self.retention = first.retention  # type: ignore[misc]

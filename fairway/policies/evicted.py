@@ -1,4 +1,5 @@
-"""``EvictedBlocks``: the block hashes a replica's prefix cache dropped most recently.
+"""``EvictedBlocks``: the block hashes a replica's prefix cache dropped most recently (or, with
+``lost_scope="turns"``, the last block of each prompt the replica admitted).
 
 Why: a follow-up turn whose context the cache evicted between its turns arrives with a prefill
 many times its own new tokens'. Fairway's deadline counts that lost prefix as cached

@@ -124,6 +124,15 @@ class FairwayConfig:
         lists do. Off by default: it meets the queue target on the agentic spike on one replica,
         but costs the Fairway router 1-5% of its mean on 8 replicas over the Mooncake trace
         (docs/benchmarks.md 2.3).
+    lost_scope: what ``lost_blocks`` remembers. "evicted" (the default): every block hash the
+        cache dropped, so any remembered prefix counts, a shared one included. "turns": the last
+        block of each prompt this replica admitted, so only a prompt that continues one this
+        replica served counts, up to the deepest such block: a conversation's own context, not
+        a prefix it shares with other conversations. Why: on the Mooncake trace the evicted
+        prefixes that come back are mostly shared ones. "turns" keeps the one-replica gain and
+        leaves the Fairway router's 8-replica runs within 1-3% (better on the held-out
+        conversation trace), but under the measured step costs it costs the closed agentic loop
+        at 4 sessions/s, so it is not the default either (docs/design.md, Lost context).
     """
 
     theta: float = 12.0
@@ -140,8 +149,11 @@ class FairwayConfig:
     guard_aging: float = 0.0
     fast_ahead: float = 0.1
     lost_blocks: int = 0
+    lost_scope: str = "evicted"
 
     def __post_init__(self) -> None:
+        if self.lost_scope not in ("evicted", "turns"):
+            raise ValueError(f"unknown lost_scope {self.lost_scope!r}")
         if isinstance(self.lost_blocks, bool) or not isinstance(self.lost_blocks, int) or self.lost_blocks < 0:
             raise ValueError("lost_blocks must be an integer >= 0 (a count of block hashes)")
         if not 0.0 <= self.fast_ahead < 1.0:
@@ -213,6 +225,7 @@ class Fairway(QueuePolicy):
         # them (a group's queues share one, recorded by one of them: share_evicted)
         self.evicted = EvictedBlocks(base.lost_blocks) if base.lost_blocks and base.sticky_due else None
         self._records_evictions = True
+        self._lost_evicted = base.lost_scope == "evicted"  # else: prompt ends (lost_scope="turns")
         self.lost_credits = 0  # requests whose deadline counted an evicted prefix as cached
 
     # -- columns ---------------------------------------------------------------------------
@@ -231,16 +244,17 @@ class Fairway(QueuePolicy):
         return float(self.arrival[slot]) + self.config.theta * max(p, self.config.p_floor_s)
 
     def share_evicted(self, evicted: EvictedBlocks) -> None:
-        """Read another queue's memory of evicted blocks from now on (it records them; this one
-        no longer does): the per-tenant or per-class queues of one replica share one. A queue
-        configured without the memory keeps none."""
+        """Use another queue's memory of lost context from now on: the per-tenant or per-class
+        queues of one replica share one. That queue alone records the evicted blocks; each
+        records the ends of the prompts it admits (``lost_scope="turns"``). A queue configured
+        without the memory keeps none."""
         if self.evicted is not None:
             self.evicted, self._records_evictions = evicted, False
 
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
         """The cache dropped ``hashes``: remember them (``lost_blocks``), then the hit tracking's
         update. O(1) per block for the memory."""
-        if self.evicted is not None and self._records_evictions:
+        if self.evicted is not None and self._records_evictions and self._lost_evicted:
             hashes = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
             self.evicted.add(hashes)
         super().on_blocks_removed(hashes)
@@ -254,20 +268,28 @@ class Fairway(QueuePolicy):
 
     def _credit_lost(self, slot: int, req: QueuedRequest) -> None:
         """Pull ``slot``'s deadline in to what it would be had this replica kept the prefix it
-        computed and evicted: the prompt's blocks past its hit while each is cached or
-        remembered as evicted (``lost_blocks``). O(blocks past the hit that count)."""
+        computed and evicted (``lost_blocks``): the prompt's blocks past its hit while each is
+        cached or remembered as evicted, or with ``lost_scope="turns"`` up to the deepest block
+        that ended a prompt admitted here. O(blocks past the hit)."""
         tracker = self._tracker
         if tracker is None:  # no cache view: nothing was ever cached here to lose
             return
-        lost, contains = self.evicted, tracker.contains
+        lost = self.evicted
         hashes = self._cacheable(req)
         hit = int(self.cached[slot]) // self.block_size
         k = hit
-        for h in hashes[hit:]:
-            if h in lost or contains(h):
-                k += 1
-            else:
-                break
+        if self._lost_evicted:
+            contains = tracker.contains
+            for h in hashes[hit:]:
+                if h in lost or contains(h):
+                    k += 1
+                else:
+                    break
+        else:
+            for i in range(len(hashes) - 1, hit - 1, -1):
+                if hashes[i] in lost:  # type: ignore[operator]
+                    k = i + 1
+                    break
         if k == hit:
             return
         c = k * self.block_size
@@ -493,6 +515,11 @@ class Fairway(QueuePolicy):
         self._chosen = (-1, FAST, False)
         self.aheads += self._ahead_pick == slot
         self._ahead_pick = -1
+        if self.evicted is not None and not self._lost_evicted:  # lost_scope="turns": its prompt's end
+            req = self._items[adm.rid]
+            n = min(len(req.block_hashes), max(0, (req.prompt_tokens - 1) // self.block_size))
+            if n:
+                self.evicted.add((req.block_hashes[n - 1],))
         lane = adm.lane
         self.passes[lane] += adm.est_prefill_s / self.shares[lane]
         if self.config.memory_guard:  # guard_loss's decayed shares (about the last 100 admissions)

@@ -4,8 +4,8 @@ queue or sums over them: the engine's cache events and memory view, the lanes, t
 the memory guard's yields and acts, and the queued work.
 
 Why one piece: the groupings differ in how they pick the next group, not in this fan-out. The
-inner queues that remember the blocks the cache evicted (Fairway's ``lost_blocks``) share one such
-memory (``_share_evicted``).
+inner queues that remember lost context (Fairway's ``lost_blocks``: the blocks the cache evicted,
+or the ends of the prompts admitted) share one such memory (``_share_evicted``).
 Complexity: O(G) per call for G groups (cache events: O(G * hashes)).
 """
 
@@ -37,10 +37,11 @@ class QueueGroup:
     _evicted_shared = 1  # inner queues reading one memory of evicted blocks (one queue: its own)
 
     def _share_evicted(self) -> None:
-        """Let every inner queue that keeps a memory of evicted blocks (Fairway's ``lost_blocks``)
-        read the first such queue's, which alone records them: one replica's cache, one memory,
-        however many tenants or classes. Queues are only ever added, so this runs once per
-        queue added. O(G)."""
+        """Let every inner queue that keeps a memory of lost context (Fairway's ``lost_blocks``)
+        use the first such queue's: one replica's cache, one memory, however many tenants or
+        classes. Evicted blocks are recorded by that queue alone (every queue sees every cache
+        event); the ends of admitted prompts by the queue that admits them. Queues are only ever
+        added, so this runs once per queue added. O(G)."""
         shared = None
         for q in self.queues.values():
             mine = getattr(q, "evicted", None)

@@ -63,6 +63,8 @@ def test_policy_specs_resolve_the_same_in_yaml_as_on_the_command_line():
     assert (a.router.policy, a.router.policy_options) == ("fairway", {"theta": 8})
     assert a.replica_args().policy_options == {"theta": 4}
     assert a.router_kwargs()["policy_options"]["theta"] == 8
+    turns = ClusterArgs(replica={"policy": "fairway[lost_blocks=65536;lost_scope=turns]"})
+    assert turns.replica_args().policy_options == {"lost_blocks": 65536, "lost_scope": "turns"}
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -71,6 +73,7 @@ def test_policy_specs_resolve_the_same_in_yaml_as_on_the_command_line():
     ({"replica": {"policy": "nope"}}, "unknown policy 'nope'"),
     ({"router": {"policy": "fairway", "policy_options": {"wait_modle": "fcfs"}}}, "wait_modle"),
     ({"router": {"policy": "pow3"}}, "unknown router 'pow3'"),
+    ({"replica": {"policy": "fairway[lost_blocks=65536;lost_scope=shared]"}}, "lost_scope"),
 ])
 def test_bad_policy_options_fail_when_the_config_is_parsed(args, needle):
     with pytest.raises(ValidationError, match=needle):

@@ -24,6 +24,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         (["--workload", "nope", "--policy", "fcfs"], "unknown workload 'nope'"),
         (["--workload", "trace:missing.jsonl", "--policy", "fcfs"], "missing.jsonl"),
         (["--workload", "rag", "--policy", "fairway[theta=-1]"], "theta"),
+        (["--workload", "rag", "--policy", "fairway[lost_blocks=8;lost_scope=shared]"], "lost_scope"),
         (["--workload", "rag", "--policy", "fcfs", "--rate", "-2"], "rate"),
     ],
 )

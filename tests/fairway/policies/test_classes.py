@@ -210,11 +210,24 @@ def test_the_classes_fairway_queues_share_one_memory_of_evicted_blocks():
     p, _ = policy_with_cache("classes", cache, classes="a,b", inner="fairway",
                              inner_options={"lost_blocks": 65536})
     a, b = p.queues["a"], p.queues["b"]
-    assert a.evicted is not b.evicted  # each its own until the first eviction
+    assert a.evicted is b.evicted  # one replica, one memory, from the start
     cache.clear()
-    p.on_blocks_removed(chain("d", 30))
-    assert a.evicted is b.evicted and a.evicted.oldest_first() == chain("d", 30)
+    p.on_blocks_removed(chain("d", 30))  # recorded once
+    assert a.evicted.oldest_first() == chain("d", 30)
     # class b's queue credits the prefix evicted before its request arrived (theta 12, P floor .1)
     p.add(req(0, 0.0, 500, "b", chain("d", 31)))
     assert b.due[b._slot_of[0]] == pytest.approx(12 * 0.1) and b.lost_credits == 1
     assert b.prefill_s[b._slot_of[0]] == pytest.approx(0.51)
+
+
+def test_the_classes_fairway_queues_share_one_memory_of_the_prompts_admitted():
+    # lost_scope="turns": a follow-up turn in class b continues a prompt admitted in class a
+    cache: set[int] = set()
+    p, _ = policy_with_cache("classes", cache, classes="a,b", inner="fairway",
+                             inner_options={"lost_blocks": 65536, "lost_scope": "turns"})
+    a, b = p.queues["a"], p.queues["b"]
+    p.add(req(0, 0.0, 481, "a", chain("d", 30)))
+    p.admit(p.select().rid)
+    assert b.evicted.oldest_first() == [chain("d", 30)[-1]]
+    p.add(req(1, 0.0, 500, "b", chain("d", 31)))  # 480 tokens of it ran in class a
+    assert b.due[b._slot_of[1]] == pytest.approx(12 * 0.1) and b.lost_credits == 1 and a.lost_credits == 0

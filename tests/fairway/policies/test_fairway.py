@@ -179,6 +179,31 @@ def test_the_lost_memory_forgets_the_oldest_evictions_past_lost_blocks():
     assert q.evicted is None
 
 
+def test_the_turns_scope_credits_only_a_prompt_that_continues_one_admitted_here():
+    # lost_scope="turns" remembers the last block of each admitted prompt, not evicted blocks:
+    # a follow-up turn whose earlier turn ran here (and whose context was then evicted) counts
+    # that context as cached, up to the earlier prompt's end; a prompt that only shares a prefix
+    # with what ran here (its shared blocks evicted too) gets no credit
+    cache: set[int] = set()
+    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536, "lost_scope": "turns"})
+    sys_prompt, turn1 = chain("s", 10), chain("t", 20)
+    p.add(queued(0, 0.0, 481, sys_prompt + turn1))  # 30 cacheable blocks: the last is its end
+    p.admit(p.select().rid)
+    cache.update(sys_prompt + turn1)
+    p.on_blocks_stored(sys_prompt + turn1)
+    cache.clear()
+    p.on_blocks_removed(sys_prompt + turn1)  # context evicted between turns
+    assert p.evicted.oldest_first() == [turn1[-1]]  # the eviction itself is not remembered
+    clock.set(1.0)
+    p.add(queued(1, 1.0, 800, sys_prompt + turn1 + chain("u", 20)))  # the follow-up turn
+    due = p.due[p._slot_of[1]]  # a 320-token prefill's: 1 + 8 * .33, not the cold 1 + 8 * .81
+    assert p.cached_tokens(1) == 0 and due == pytest.approx(1.0 + 8 * (0.01 + 0.001 * 320))
+    p.add(queued(2, 1.0, 500, sys_prompt + chain("v", 21)))  # shares the system prompt only
+    assert p.due[p._slot_of[2]] == pytest.approx(1.0 + 8 * 0.51) and p.lost_credits == 1
+    with pytest.raises(ValueError, match="lost_scope"):
+        FairwayConfig(lost_scope="shared")
+
+
 def test_hit_changes_reorder_the_fast_lane():
     cache: set[int] = set()
     p, clock = policy_with_cache("fairway", cache)
