@@ -318,9 +318,13 @@ class QueuePolicy(ABC):
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _n_cacheable(self, req: QueuedRequest) -> int:
+        """How many of the prompt's blocks a cache can hold: the full blocks before its last token."""
+        return min(len(req.block_hashes), max(0, (req.prompt_tokens - 1) // self.block_size))
+
     def _cacheable(self, req: QueuedRequest) -> Sequence[int]:
-        n = max(0, (req.prompt_tokens - 1) // self.block_size)
         hs = req.block_hashes
+        n = self._n_cacheable(req)
         return hs if len(hs) <= n else hs[:n]
 
     def _at_risk(self, slot: int) -> int:

@@ -221,12 +221,13 @@ class Fairway(QueuePolicy):
         self._ahead_pick = -1  # the last select()'s pick when it went ahead of the Fair pick
         self._alt_for, self._alt = -1, None  # this select()'s Fast alternative, for the Fair pick _alt_for
         self.aheads = 0  # admissions that went ahead of the Fair lane's pick (fast_ahead)
-        # recently evicted block hashes (lost_blocks, with sticky_due), and whether this queue records
-        # them (a group's queues share one, recorded by one of them: share_evicted)
+        # lost context (lost_blocks, with sticky_due): recently evicted block hashes, or with
+        # lost_scope="turns" the ends of admitted prompts; and whether this queue records evictions
+        # (a group's queues share one memory, evictions recorded by one of them: share_evicted)
         self.evicted = EvictedBlocks(base.lost_blocks) if base.lost_blocks and base.sticky_due else None
         self._records_evictions = True
         self._lost_evicted = base.lost_scope == "evicted"  # else: prompt ends (lost_scope="turns")
-        self.lost_credits = 0  # requests whose deadline counted an evicted prefix as cached
+        self.lost_credits = 0  # requests whose deadline counted a lost prefix as cached
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -517,7 +518,7 @@ class Fairway(QueuePolicy):
         self._ahead_pick = -1
         if self.evicted is not None and not self._lost_evicted:  # lost_scope="turns": its prompt's end
             req = self._items[adm.rid]
-            n = min(len(req.block_hashes), max(0, (req.prompt_tokens - 1) // self.block_size))
+            n = self._n_cacheable(req)
             if n:
                 self.evicted.add((req.block_hashes[n - 1],))
         lane = adm.lane
