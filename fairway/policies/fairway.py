@@ -131,8 +131,8 @@ class FairwayConfig:
         a prefix it shares with other conversations. Why: on the Mooncake trace the evicted
         prefixes that come back are mostly shared ones. "turns" keeps the one-replica gain and
         leaves the Fairway router's 8-replica runs within 1-3% (better on the held-out
-        conversation trace), but under the measured step costs it costs the closed agentic loop
-        at 4 sessions/s, so it is not the default either (docs/design.md, Lost context).
+        conversation trace); an option until the router tables are rerun with it (docs/design.md,
+        Lost context).
     """
 
     theta: float = 12.0
