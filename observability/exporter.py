@@ -85,6 +85,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("promotions", "counter", "fairway_lane_promotions_total", "Requests promoted to the fair lane."),
     MetricSpec("guard_yields", "counter", "fairway_memory_guard_yields_total",
                "Fair-lane picks Fairway's memory guard gave to the fast lane."),
+    MetricSpec("lost_credits", "counter", "fairway_lost_context_credits_total",
+               "Arrivals whose deadline counted context the replica computed and lost as cached (lost_blocks)."),
     MetricSpec("queue_depth", "gauge", "fairway_queue_depth", "Requests waiting in the replica gate, per lane."),
     MetricSpec(
         "queued_prefill", "gauge", "fairway_queued_prefill_seconds",

@@ -98,6 +98,7 @@ _COUNTERS = (
     "requests",  # (lane, status, replica)
     "promotions",  # (replica,)
     "guard_yields",  # (replica,): Fairway's memory guard, Fair-lane picks that yielded to the Fast lane
+    "lost_credits",  # (replica,): Fairway's lost_blocks, arrivals whose deadline counted lost context as cached
     "estimated_cached_tokens",  # (replica,)
     "actual_cached_tokens",  # (replica,)
     "prompt_tokens",  # (replica,)
@@ -142,6 +143,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "requests": ("lane", "status", "replica"),
     "promotions": ("replica",),
     "guard_yields": ("replica",),
+    "lost_credits": ("replica",),
     "estimated_cached_tokens": ("replica",),
     "actual_cached_tokens": ("replica",),
     "prompt_tokens": ("replica",),
@@ -280,6 +282,11 @@ class FairwayStats:
         """Fair-lane picks that Fairway's memory guard gave to the Fast lane's (they would have
         evicted more waiting context than they keep)."""
         self._inc("guard_yields", (self._replica(replica),), n)
+
+    def inc_lost_credits(self, n: int = 1, replica: str = "") -> None:
+        """Arrivals whose deadline Fairway's ``lost_blocks`` pulled in: it counted context this
+        replica computed and lost before they arrived as cached."""
+        self._inc("lost_credits", (self._replica(replica),), n)
 
     def set_queue_depth(self, lane: str, n: int, replica: str = "") -> None:
         """Requests waiting in ``lane`` now."""

@@ -150,6 +150,7 @@ class AdmissionGate:
         self._seq = 0
         self._promotions_seen = 0
         self._yields_seen = 0
+        self._credits_seen = 0
         self.recent_cached: OrderedDict[str, int] = OrderedDict()
         self._pending_prefill = 0  # uncached prompt tokens admitted and without a first token yet
         self._pending_tier: dict[int, int] = {}  # with tier_of: those tokens by tier
@@ -533,7 +534,8 @@ class AdmissionGate:
             self.stats.inc_reject(reason, replica=self.replica)
 
     def _count_policy_events(self) -> None:
-        """The policy's promotions and memory-guard yields since the last call, to their counters."""
+        """The policy's promotions, memory-guard yields and lost-context credits since the last
+        call, to their counters."""
         total = getattr(self.policy, "promotions", 0)
         if total > self._promotions_seen and self.stats is not None:
             self.stats.inc_promotions(total - self._promotions_seen, replica=self.replica)
@@ -542,6 +544,10 @@ class AdmissionGate:
         if yields > self._yields_seen and self.stats is not None:
             self.stats.inc_guard_yields(yields - self._yields_seen, replica=self.replica)
         self._yields_seen = yields
+        credits = getattr(self.policy, "lost_credits", 0)
+        if credits > self._credits_seen and self.stats is not None:
+            self.stats.inc_lost_credits(credits - self._credits_seen, replica=self.replica)
+        self._credits_seen = credits
 
     def _publish(self) -> None:
         if self.stats is None:

@@ -79,6 +79,10 @@ class QueueGroup:
         return sum(getattr(q, "yields", 0) for q in self.queues.values())
 
     @property
+    def lost_credits(self) -> int:
+        return sum(getattr(q, "lost_credits", 0) for q in self.queues.values())
+
+    @property
     def guard_acts(self) -> int:
         return sum(getattr(q, "guard_acts", 0) for q in self.queues.values())
 

@@ -873,3 +873,37 @@ def test_a_tenant_queue_made_after_evictions_reads_the_replica_memory_of_them():
     x = tq.queues["x"]
     assert x.evicted is tq.queues[""].evicted and x.lost_credits == 1
     assert x.due[x._slot_of[1]] == pytest.approx(12 * 0.1)
+
+
+async def test_a_follow_up_turn_whose_context_ran_here_is_counted_as_a_lost_context_credit():
+    """``fairway[lost_blocks;lost_scope=turns]`` at the gate: turn 1 runs, its context is no
+    longer cached when turn 2 arrives, and turn 2's deadline counts it as cached (theta 12, P
+    floor .1); ``fairway_lost_context_credits_total`` counts it. A prompt sharing none of turn 1's
+    end counts nothing."""
+    from observability.stats import FairwayStats
+
+    clock = ManualClock()
+    engine = ScriptedEngine(set())
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16,
+                      lost_blocks=1024, lost_scope="turns")
+    gate = AdmissionGate(engine, pol, clock, GateConfig(max_queue_wait_s=None), replica="r0")
+    gate.stats = FairwayStats(level="replica", component="r0", policy="fairway")
+    out: list = []
+    first = asyncio.create_task(consume(gate, call("t1", 481, chain("d", 30)), out))
+    await settle()
+    engine.release("t1")
+    await first
+    engine.fits = False  # the next arrivals wait, so their deadlines can be read
+    later = [asyncio.create_task(consume(gate, call("t2", 500, chain("d", 31)), out)),
+             asyncio.create_task(consume(gate, call("x", 500, chain("x", 31)), out))]
+    await settle()
+    policy = gate.policy.queues[""]
+    due = {rid: policy.due[policy._slot_of[rid]] for rid in policy._slot_of}
+    assert sorted(due.values()) == pytest.approx([12 * 0.1, 12 * 0.51])  # t2 credited, x cold
+    engine.fits = True
+    gate.pump()
+    await settle()
+    for rid in ("t2", "x"):
+        engine.release(rid)
+    await asyncio.gather(*later)
+    assert gate.stats.counter("lost_credits") == 1  # counted at the admissions
