@@ -1,5 +1,6 @@
-"""``EvictedBlocks``: the block hashes a replica's prefix cache dropped most recently (or, with
-``lost_scope="turns"``, the last block of each prompt the replica admitted).
+"""``EvictedBlocks``: a replica's memory of the context it computed: the last block of each prompt
+it admitted (``lost_scope="turns"``), or the block hashes its prefix cache dropped most recently
+(``lost_scope="evicted"``).
 
 Why: a follow-up turn whose context the cache evicted between its turns arrives with a prefill
 many times its own new tokens'. Fairway's deadline counts that lost prefix as cached

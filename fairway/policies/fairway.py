@@ -121,18 +121,18 @@ class FairwayConfig:
         tokens' and a deadline as late; the expensive, late-due turns made the tail
         (docs/design.md, Lost context). The measured setting is 65,536, about one GPU pool of an
         8B model on an H200 (55,291 blocks): remember as much as the cache holds, as ARC's ghost
-        lists do. Off by default: it meets the queue target on the agentic spike on one replica,
-        but costs the Fairway router 1-5% of its mean on 8 replicas over the Mooncake trace
-        (docs/benchmarks.md 2.3).
-    lost_scope: what ``lost_blocks`` remembers. "evicted" (the default): every block hash the
-        cache dropped, so any remembered prefix counts, a shared one included. "turns": the last
-        block of each prompt this replica admitted, so only a prompt that continues one this
-        replica served counts, up to the deepest such block: a conversation's own context, not
-        a prefix it shares with other conversations. Why: on the Mooncake trace the evicted
-        prefixes that come back are mostly shared ones. "turns" keeps the one-replica gain and
-        leaves the Fairway router's 8-replica runs within 1-3% (better on the held-out
-        conversation trace); an option until the router tables are rerun with it (docs/design.md,
-        Lost context).
+        lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on the
+        agentic spike on one replica and leaves the router's 8-replica runs within 1-3%, but the
+        published router tables are not yet rerun with it (docs/benchmarks.md 2.3).
+    lost_scope: what ``lost_blocks`` remembers. "turns" (the default): the last block of each
+        prompt this replica admitted, so only a prompt that continues one this replica served
+        counts, up to the deepest such block: a conversation's own context, not a prefix it
+        shares with other conversations. "evicted": every block hash the cache dropped, so any
+        remembered prefix counts, a shared one included (the first form, 2026-12-06). Why
+        "turns": on the Mooncake trace the evicted prefixes that come back are mostly shared
+        ones; "turns" keeps the one-replica gain and leaves the Fairway router's 8-replica runs
+        within 1-3% (better on the held-out conversation trace), where "evicted" cost them 1-5%
+        (docs/design.md, Lost context).
     """
 
     theta: float = 12.0
@@ -149,7 +149,7 @@ class FairwayConfig:
     guard_aging: float = 0.0
     fast_ahead: float = 0.1
     lost_blocks: int = 0
-    lost_scope: str = "evicted"
+    lost_scope: str = "turns"
 
     def __post_init__(self) -> None:
         if self.lost_scope not in ("evicted", "turns"):

@@ -862,7 +862,8 @@ def test_a_tenant_queue_made_after_evictions_reads_the_replica_memory_of_them():
     clock = ManualClock()
 
     def pol():
-        return make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, lost_blocks=65536)
+        return make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, lost_blocks=65536,
+                           lost_scope="evicted")
 
     cache = set(chain("d", 30))
     tq = TenantQueues(pol(), pol)

@@ -208,7 +208,7 @@ def test_a_requests_wait_bound_is_its_classes_or_the_default_without_classes():
 def test_the_classes_fairway_queues_share_one_memory_of_evicted_blocks():
     cache = set(chain("d", 30))
     p, _ = policy_with_cache("classes", cache, classes="a,b", inner="fairway",
-                             inner_options={"lost_blocks": 65536})
+                             inner_options={"lost_blocks": 65536, "lost_scope": "evicted"})
     a, b = p.queues["a"], p.queues["b"]
     assert a.evicted is b.evicted  # one replica, one memory, from the start
     cache.clear()

@@ -131,10 +131,10 @@ def test_deadline_never_moves_later_on_eviction():
 
 
 def _after_eviction(evicted: list[int], still: set[int] | None = None, **kw):
-    """CLASSIC Fairway remembering evictions (``lost_blocks``, off by default) over a cache that
+    """CLASSIC Fairway remembering evictions (``lost_blocks``, ``lost_scope="evicted"``) over a cache that
     held ``evicted`` and dropped them (one event each, in order), keeping ``still``."""
     cache: set[int] = set(still or ()) | set(evicted)
-    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536, **kw})
+    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536, "lost_scope": "evicted", **kw})
     for h in evicted:
         cache.discard(h)
         p.on_blocks_removed([h])
@@ -185,7 +185,8 @@ def test_the_turns_scope_credits_only_a_prompt_that_continues_one_admitted_here(
     # that context as cached, up to the earlier prompt's end; a prompt that only shares a prefix
     # with what ran here (its shared blocks evicted too) gets no credit
     cache: set[int] = set()
-    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536, "lost_scope": "turns"})
+    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536})  # turns: the default scope
+    assert p.config.lost_scope == "turns"
     sys_prompt, turn1 = chain("s", 10), chain("t", 20)
     p.add(queued(0, 0.0, 481, sys_prompt + turn1))  # 30 cacheable blocks: the last is its end
     p.admit(p.select().rid)
