@@ -19,11 +19,12 @@
   Fair pick's P goes first while the Fast lane stays within one Fair quantum of the Fair lane's
   pass, so a long Fair pick does not take a whole engine step ahead of cached requests
   (``FairwayConfig``).
-- ``lost_blocks`` (an option, off: 0): the deadline counts as cached the prefix this replica
-  computed and evicted before the request arrived (a bounded memory of recently evicted block
-  hashes), as ``sticky_due`` does for what is evicted while it waits: losing a conversation's
-  context between its turns is the queue's doing, not the request's, so a follow-up turn is due
-  as if its context were still there (``FairwayConfig``).
+- ``lost_blocks`` (an option, off: 0): the deadline counts as cached the context this replica
+  computed for the request and lost before it arrived (a bounded memory of the last block of
+  each admitted prompt, ``lost_scope="turns"``, or of recently evicted block hashes, "evicted"),
+  as ``sticky_due`` does for what is evicted while it waits: losing a conversation's context
+  between its turns is the queue's doing, not the request's, so a follow-up turn is due as if
+  its context were still there (``FairwayConfig``).
 - P and lanes are re-evaluated at decision time from hit lengths that the base class keeps
   current from cache events (no queue rescans of prompts).
 - ``memory_guard`` (on by default; reads the host's memory view, ``fairway/memory_view.py``,
@@ -112,16 +113,17 @@ class FairwayConfig:
         budget and the light requests behind it wait a step; ahead of it they cost it a few
         tokens. The lanes' shares are the stride's; only the order within a quantum changes.
         0: the Fair pick first on its turn (the rule before 2026-12-05).
-    lost_blocks: with ``sticky_due``, how many recently evicted block hashes the queue remembers
-        (>= 0; oldest forgotten first; 0, the default, remembers none), so that a request's
-        deadline counts the prefix this replica computed and evicted before the request arrived
-        as cached: arrival + theta * max(P with that prefix cached, floor). Why: in a
+    lost_blocks: with ``sticky_due``, how many block hashes the queue remembers of the context
+        this replica computed (``lost_scope``; >= 0; oldest forgotten first; 0, the default,
+        remembers none), so that a request's deadline counts the context this replica computed
+        for it and lost before it arrived as cached: arrival + theta * max(P with that prefix
+        cached, floor). Why: in a
         memory-bound agentic load a session's context is evicted between its turns while other
         requests run, and its next turn then arrives with a prefill many times its own new
         tokens' and a deadline as late; the expensive, late-due turns made the tail
-        (docs/design.md, Lost context). The measured setting is 65,536, about one GPU pool of an
-        8B model on an H200 (55,291 blocks): remember as much as the cache holds, as ARC's ghost
-        lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on the
+        (docs/design.md, Lost context). The measured setting is 65,536: with ``lost_scope="turns"``
+        that many admitted prompts; with "evicted", about one GPU pool of an 8B model on an H200
+        (55,291 blocks), as much as the cache holds, as ARC's ghost lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on the
         agentic spike on one replica and leaves the router's 8-replica runs within 1-3%, but the
         published router tables are not yet rerun with it (docs/benchmarks.md 2.3).
     lost_scope: what ``lost_blocks`` remembers. "turns" (the default): the last block of each
