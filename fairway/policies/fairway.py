@@ -117,15 +117,15 @@ class FairwayConfig:
         this replica computed (``lost_scope``; >= 0; oldest forgotten first; 0, the default,
         remembers none), so that a request's deadline counts the context this replica computed
         for it and lost before it arrived as cached: arrival + theta * max(P with that prefix
-        cached, floor). Why: in a
-        memory-bound agentic load a session's context is evicted between its turns while other
-        requests run, and its next turn then arrives with a prefill many times its own new
-        tokens' and a deadline as late; the expensive, late-due turns made the tail
-        (docs/design.md, Lost context). The measured setting is 65,536: with ``lost_scope="turns"``
-        that many admitted prompts; with "evicted", about one GPU pool of an 8B model on an H200
-        (55,291 blocks), as much as the cache holds, as ARC's ghost lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on the
-        agentic spike on one replica and leaves the router's 8-replica runs within 1-3%, but the
-        published router tables are not yet rerun with it (docs/benchmarks.md 2.3).
+        cached, floor). Why: in a memory-bound agentic load a session's context is evicted
+        between its turns while other requests run, and its next turn then arrives with a
+        prefill many times its own new tokens' and a deadline as late; the expensive, late-due
+        turns made the tail (docs/design.md, Lost context). The measured setting is 65,536:
+        with ``lost_scope="turns"`` that many admitted prompts; with "evicted", about one GPU
+        pool of an 8B model on an H200 (55,291 blocks), as much as the cache holds, as ARC's
+        ghost lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on
+        the agentic spike on one replica and leaves the router's 8-replica runs within 1-3%, but
+        the published router tables are not yet rerun with it (docs/benchmarks.md 2.3).
     lost_scope: what ``lost_blocks`` remembers. "turns" (the default): the last block of each
         prompt this replica admitted, so only a prompt that continues one this replica served
         counts, up to the deepest such block: a conversation's own context, not a prefix it
