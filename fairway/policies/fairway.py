@@ -124,8 +124,9 @@ class FairwayConfig:
         with ``lost_scope="turns"`` that many admitted prompts; with "evicted", about one GPU
         pool of an 8B model on an H200 (55,291 blocks), as much as the cache holds, as ARC's
         ghost lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on
-        the agentic spike on one replica and leaves the router's 8-replica runs within 1-3%, but
-        the published router tables are not yet rerun with it (docs/benchmarks.md 2.3).
+        the agentic spike on one replica and leaves the router's 8-replica runs within 1-3% but
+        for one point (5%), and the published router tables are not yet rerun with it
+        (docs/benchmarks.md 2.3).
     lost_scope: what ``lost_blocks`` remembers. "turns" (the default): the last block of each
         prompt this replica admitted, so only a prompt that continues one this replica served
         counts, up to the deepest such block: a conversation's own context, not a prefix it
@@ -133,7 +134,8 @@ class FairwayConfig:
         remembered prefix counts, a shared one included (the first form, 2026-12-06). Why
         "turns": on the Mooncake trace the evicted prefixes that come back are mostly shared
         ones; "turns" keeps the one-replica gain and leaves the Fairway router's 8-replica runs
-        within 1-3% (better on the held-out conversation trace), where "evicted" cost them 1-5%
+        the same or within 1-3% at all but one point (better on the held-out conversation
+        trace), where "evicted" cost them 1-5%
         (docs/design.md, Lost context).
     """
 
