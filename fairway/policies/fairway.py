@@ -229,8 +229,8 @@ class Fairway(QueuePolicy):
         # lost_scope="turns" the ends of admitted prompts; and whether this queue records evictions
         # (a group's queues share one memory, evictions recorded by one of them: share_evicted)
         self.evicted = EvictedBlocks(base.lost_blocks) if base.lost_blocks and base.sticky_due else None
-        self._records_evictions = True
         self._lost_evicted = base.lost_scope == "evicted"  # else: prompt ends (lost_scope="turns")
+        self._records_evictions = self._lost_evicted  # until another queue's memory is shared
         self.lost_credits = 0  # requests whose deadline counted a lost prefix as cached
 
     # -- columns ---------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class Fairway(QueuePolicy):
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
         """The cache dropped ``hashes``: remember them (``lost_blocks``), then the hit tracking's
         update. O(1) per block for the memory."""
-        if self.evicted is not None and self._records_evictions and self._lost_evicted:
+        if self.evicted is not None and self._records_evictions:
             hashes = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
             self.evicted.add(hashes)
         super().on_blocks_removed(hashes)

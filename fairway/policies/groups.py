@@ -28,20 +28,17 @@ class QueueGroup:
             q.on_blocks_stored(hs)
 
     def on_blocks_removed(self, hashes: Iterable[int]) -> None:
-        if len(self.queues) != self._evicted_shared:
-            self._share_evicted()
         hs = hashes if len(self.queues) == 1 else list(hashes)
         for q in self.queues.values():
             q.on_blocks_removed(hs)
-
-    _evicted_shared = 1  # inner queues reading one memory of evicted blocks (one queue: its own)
 
     def _share_evicted(self) -> None:
         """Let every inner queue that keeps a memory of lost context (Fairway's ``lost_blocks``)
         use the first such queue's: one replica's cache, one memory, however many tenants or
         classes. Evicted blocks are recorded by that queue alone (every queue sees every cache
-        event); the ends of admitted prompts by the queue that admits them. Queues are only ever
-        added, so this runs once per queue added. O(G)."""
+        event); the ends of admitted prompts by the queue that admits them. Each grouping calls it
+        whenever it adds queues (``ClassQueues`` once, at construction; ``TenantQueues`` as each
+        tenant's queue is made), so a memory is shared before its first use. O(G)."""
         shared = None
         for q in self.queues.values():
             mine = getattr(q, "evicted", None)
@@ -51,7 +48,6 @@ class QueueGroup:
                 shared = mine
             elif mine is not shared:
                 q.share_evicted(shared)  # type: ignore[attr-defined]
-        self._evicted_shared = len(self.queues)
 
     def wants_memory_view(self) -> bool:
         return any(q.wants_memory_view() for q in self.queues.values())
