@@ -9,7 +9,7 @@ computed and lost; the cache itself has forgotten them. A bounded memory, oldest
 as ARC's ghost lists remember what the cache evicted; one per replica, shared by the per-tenant and
 per-class queues of a group (``QueueGroup``).
 
-Complexity: ``add`` O(1) per hash (an ordered map; a hash evicted again moves to the newest);
+Complexity: ``add`` O(1) per hash (an ordered map; a hash added again moves to the newest);
 membership O(1); memory O(capacity).
 """
 
