@@ -315,9 +315,12 @@ def test_client_disconnects_abort_the_requests_in_the_engines(url):
     KV block free), and the next request is served."""
     wait_empty(url, 15, "replicas idle before the test")
     socks = [open_stream(url, prompt_ids(60 + i, 300), 5000) for i in range(10)]
-    assert replica_gauges(url)["fairway_engine_running"] == 10
-    for s in socks:
-        s.close()
+    try:  # the gauge is the gates' periodic report: the tenth admission shows on their next tick
+        poll(lambda: replica_gauges(url)["fairway_engine_running"] == 10, 5, "10 streams running",
+             describe=lambda: replica_gauges(url))
+    finally:  # a failure here must not leave 5,000-token streams running into the next test
+        for s in socks:
+            s.close()
     wait_empty(url, 10, "engines empty after the clients left")
     status, body, _ = complete(url, prompt_ids(7, 300), max_tokens=3)
     assert status == 200 and body["usage"]["completion_tokens"] == 3
