@@ -19,7 +19,7 @@
   Fair pick's P goes first while the Fast lane stays within one Fair quantum of the Fair lane's
   pass, so a long Fair pick does not take a whole engine step ahead of cached requests
   (``FairwayConfig``).
-- ``lost_blocks`` (an option, off: 0): the deadline counts as cached the context this replica
+- ``lost_blocks`` (65,536; 0 turns it off): the deadline counts as cached the context this replica
   computed for the request and lost before it arrived (a bounded memory of the last block of
   each admitted prompt, ``lost_scope="turns"``, or of recently evicted block hashes, "evicted"),
   as ``sticky_due`` does for what is evicted while it waits: losing a conversation's context
@@ -114,18 +114,18 @@ class FairwayConfig:
         tokens. The lanes' shares are the stride's; only the order within a quantum changes.
         0: the Fair pick first on its turn (the rule before 2026-12-05).
     lost_blocks: with ``sticky_due``, how many block hashes the queue remembers of the context
-        this replica computed (``lost_scope``; >= 0; oldest forgotten first; 0, the default,
-        remembers none), so that a request's deadline counts the context this replica computed
+        this replica computed (``lost_scope``; >= 0; oldest forgotten first; 0 remembers none),
+        so that a request's deadline counts the context this replica computed
         for it and lost before it arrived as cached: arrival + theta * max(P with that prefix
         cached, floor). Why: in a memory-bound agentic load a session's context is evicted
         between its turns while other requests run, and its next turn then arrives with a
         prefill many times its own new tokens' and a deadline as late; the expensive, late-due
-        turns made the tail (docs/design.md, Lost context). The measured setting is 65,536:
-        with ``lost_scope="turns"`` that many admitted prompts; with "evicted", about one GPU
-        pool of an 8B model on an H200 (55,291 blocks), as much as the cache holds, as ARC's
-        ghost lists do. Off by default: with ``lost_scope="turns"`` it meets the queue target on
-        the agentic spike on one replica and leaves the router's 8-replica runs within 1-3% but
-        for one point (5%), and the published router tables are not yet rerun with it
+        turns made the tail (docs/design.md, Lost context). The default, 65,536: with
+        ``lost_scope="turns"`` that many admitted prompts (hours of a replica's admissions);
+        with "evicted", about one GPU pool of an 8B model on an H200 (55,291 blocks), as much as
+        the cache holds, as ARC's ghost lists do. On by default since 2026-12-07: with "turns"
+        it meets the queue target on the agentic spike on one replica, and leaves the Fairway
+        router's 8-replica runs the same to the bit wherever no replica's memory binds
         (docs/benchmarks.md 2.3).
     lost_scope: what ``lost_blocks`` remembers. "turns" (the default): the last block of each
         prompt this replica admitted, so only a prompt that continues one this replica served
@@ -152,7 +152,7 @@ class FairwayConfig:
     guard_loss: float = 0.1
     guard_aging: float = 0.0
     fast_ahead: float = 0.1
-    lost_blocks: int = 0
+    lost_blocks: int = 65536
     lost_scope: str = "turns"
 
     def __post_init__(self) -> None:

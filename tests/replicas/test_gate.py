@@ -877,7 +877,7 @@ def test_a_tenant_queue_made_after_evictions_reads_the_replica_memory_of_them():
 
 
 async def test_a_follow_up_turn_whose_context_ran_here_is_counted_as_a_lost_context_credit():
-    """``fairway[lost_blocks;lost_scope=turns]`` at the gate: turn 1 runs, its context is no
+    """Fairway's defaults (``lost_blocks``, ``lost_scope=turns``) at the gate: turn 1 runs, its context is no
     longer cached when turn 2 arrives, and turn 2's deadline counts it as cached (theta 12, P
     floor .1); ``fairway_lost_context_credits_total`` counts it. A prompt sharing none of turn 1's
     end counts nothing."""
@@ -885,8 +885,7 @@ async def test_a_follow_up_turn_whose_context_ran_here_is_counted_as_a_lost_cont
 
     clock = ManualClock()
     engine = ScriptedEngine(set())
-    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16,
-                      lost_blocks=1024, lost_scope="turns")
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)  # the shipped defaults
     gate = AdmissionGate(engine, pol, clock, GateConfig(max_queue_wait_s=None), replica="r0")
     gate.stats = FairwayStats(level="replica", component="r0", policy="fairway")
     out: list = []

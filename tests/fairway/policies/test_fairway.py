@@ -185,8 +185,8 @@ def test_the_turns_scope_credits_only_a_prompt_that_continues_one_admitted_here(
     # that context as cached, up to the earlier prompt's end; a prompt that only shares a prefix
     # with what ran here (its shared blocks evicted too) gets no credit
     cache: set[int] = set()
-    p, clock = policy_with_cache("fairway", cache, **{**CLASSIC, "lost_blocks": 65536})  # turns: the default scope
-    assert p.config.lost_scope == "turns"
+    p, clock = policy_with_cache("fairway", cache, **CLASSIC)  # the defaults: 65,536 prompt ends
+    assert (p.config.lost_blocks, p.config.lost_scope) == (65536, "turns")
     sys_prompt, turn1 = chain("s", 10), chain("t", 20)
     p.add(queued(0, 0.0, 481, sys_prompt + turn1))  # 30 cacheable blocks: the last is its end
     p.admit(p.select().rid)
