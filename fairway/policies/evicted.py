@@ -16,7 +16,7 @@ membership O(1); memory O(capacity).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class EvictedBlocks:
@@ -40,6 +40,17 @@ class EvictedBlocks:
                 known[h] = None
         for _ in range(len(known) - self.capacity):
             known.popitem(last=False)
+
+    def deepest(self, hashes: Sequence[int], start: int) -> int:
+        """One past the deepest of ``hashes[start:]`` remembered, or ``start`` where none is. O(len)
+        and, where none is (most arrivals), one pass in C: the disjointness test."""
+        known = self._hashes
+        if known.keys().isdisjoint(hashes[start:]):
+            return start
+        for i in range(len(hashes) - 1, start - 1, -1):
+            if hashes[i] in known:
+                return i + 1
+        return start  # not reached: the test above found one
 
     def __contains__(self, h: object) -> bool:
         return h in self._hashes

@@ -291,10 +291,7 @@ class Fairway(QueuePolicy):
                 else:
                     break
         else:
-            for i in range(len(hashes) - 1, hit - 1, -1):
-                if hashes[i] in lost:  # type: ignore[operator]
-                    k = i + 1
-                    break
+            k = lost.deepest(hashes, hit)  # type: ignore[union-attr]
         if k == hit:
             return
         c = k * self.block_size
