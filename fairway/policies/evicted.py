@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 
 
 class EvictedBlocks:
-    """At most ``capacity`` (> 0) recently evicted block hashes, oldest forgotten first."""
+    """At most ``capacity`` (> 0) block hashes (admitted prompts' ends, or evicted blocks), oldest
+    forgotten first."""
 
     __slots__ = ("capacity", "_hashes")
 
@@ -31,7 +32,8 @@ class EvictedBlocks:
         self._hashes: OrderedDict[int, None] = OrderedDict()
 
     def add(self, hashes: Iterable[int]) -> None:
-        """The cache dropped ``hashes``: remember them as the newest. O(hashes)."""
+        """Remember ``hashes`` as the newest (a prompt's end at its admission, or the blocks the cache
+        dropped). O(hashes)."""
         known = self._hashes
         for h in hashes:
             if h in known:

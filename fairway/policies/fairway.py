@@ -121,7 +121,7 @@ class FairwayConfig:
         between its turns while other requests run, and its next turn then arrives with a
         prefill many times its own new tokens' and a deadline as late; the expensive, late-due
         turns made the tail (docs/design.md, Lost context). The default, 65,536: with
-        ``lost_scope="turns"`` that many admitted prompts (hours of a replica's admissions);
+        ``lost_scope="turns"`` that many admitted prompts (1.8 hours at 10 requests a second);
         with "evicted", about one GPU pool of an 8B model on an H200 (55,291 blocks), as much as
         the cache holds, as ARC's ghost lists do. On by default since 2026-12-07: with "turns"
         it meets the queue target on the agentic spike on one replica, and leaves the Fairway
