@@ -49,10 +49,7 @@ class EvictedBlocks:
         known = self._hashes
         if known.keys().isdisjoint(hashes[start:]):
             return start
-        for i in range(len(hashes) - 1, start - 1, -1):
-            if hashes[i] in known:
-                return i + 1
-        return start  # not reached: the test above found one
+        return next(i + 1 for i in range(len(hashes) - 1, start - 1, -1) if hashes[i] in known)
 
     def __contains__(self, h: object) -> bool:
         return h in self._hashes
