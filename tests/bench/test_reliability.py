@@ -1,9 +1,12 @@
 """The soak's hostile tally: which wrong answers an ingress-replica kill explains
-(``bench.reliability.excuse_ingress_kills``), on hand-made misses with exact results."""
+(``bench.reliability.excuse_ingress_kills``), on hand-made misses with exact results; and the
+soak's verdict (``soak_failures``) on a hand-made report, one fault at a time."""
 
 from __future__ import annotations
 
-from bench.reliability import excuse_ingress_kills
+import pytest
+
+from bench.reliability import SOAK_EVENTS, excuse_ingress_kills, soak_failures
 from cluster.launch import HAPROXY_BUFSIZE
 
 BIG = int(HAPROXY_BUFSIZE) + 1
@@ -36,3 +39,47 @@ def test_without_an_ingress_kill_every_miss_stays_wrong():
     rep = excuse_ingress_kills({"sent": 1, "by_status": {}, "wrong": 1, "wrong_examples": [],
                                 "misses": [miss("big", BIG, 1.0, 2.0)]}, [])
     assert (rep["wrong"], rep["at_ingress_kill"]) == (1, 0)
+
+
+def soak_report() -> dict:
+    """A one-minute soak at 4 req/s that passed (the figures of a real run, docs/reliability.md)."""
+    return {"duration_s": 60.0, "rate": 4.0, "engines_idle_after_s": 1.5,
+            "accounting": {"sent": 278, "completed": 252, "lost": 0, "cut": 13},
+            "hostile": {"sent": 290, "wrong": 0, "at_ingress_kill": 1, "wrong_examples": []},
+            "events": [{"at_s": 15.0, "event": "kill replica", "actor": "FairwayReplica#a"},
+                       {"at_s": 27.0, "event": "kill ingress", "actor": "FairwayIngress#b"},
+                       {"at_s": 39.0, "event": "stall replica", "replica": "FairwayReplica#c"},
+                       {"at_s": 54.0, "event": "stall lifted"}]}
+
+
+def test_a_clean_soak_passes():
+    assert soak_failures(soak_report()) == []
+
+
+@pytest.mark.parametrize(("path", "value", "named"), [
+    (("accounting", "lost"), 1, "lost 1 requests"),
+    (("accounting", "cut"), 17, "cut 17 streams"),
+    (("accounting", "completed"), 166, "completed 166 of 278"),
+    (("hostile", "sent"), 99, "sent only 99"),
+    (("hostile", "wrong"), 2, "2 hostile requests answered wrongly"),
+    (("hostile", "at_ingress_kill"), 2, "2 hostile requests lost at the ingress kill"),
+    (("engines_idle_after_s",), None, "did not end empty"),
+])
+def test_each_failed_check_is_named_alone(path, value, named):
+    rep = soak_report()
+    node = rep
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    failures = soak_failures(rep)
+    assert len(failures) == 1 and named in failures[0], failures
+
+
+def test_a_missing_or_misordered_fault_event_fails():
+    rep = soak_report()
+    rep["events"] = rep["events"][1:]  # the replica kill missing: "stall lifted" is third, with no actor
+    assert soak_failures(rep) == [f"events {SOAK_EVENTS[1:]}, not {SOAK_EVENTS}",
+                                  "a fault event names no actor or replica"]
+    rep = soak_report()
+    del rep["events"][0]["actor"]
+    assert soak_failures(rep) == ["a fault event names no actor or replica"]
