@@ -40,7 +40,9 @@ rm -f out/vllm_setup.rc
   bash scripts/test_vllm.sh --part engine > out/test_vllm_engine.log 2>&1
   rc_engine=$?
   nice -n 10 python -m pytest --ignore=tests/e2e > out/test_rest.log 2>&1
-  rc_rest=$(no_tests $? "--ignore=tests/e2e")
+  rc_rest=$?
+  echo "[second stream] python -m pytest --ignore=tests/e2e exited with $rc_rest" >> out/test_rest.log
+  rc_rest=$(no_tests "$rc_rest" "--ignore=tests/e2e")
   [ "$rc_engine" -eq 0 ] || exit "$rc_engine"
   exit "$rc_rest"
 ) &
