@@ -181,7 +181,15 @@ async def test_a_classed_call_is_booked_under_its_class_with_the_clusters_classe
     json.dumps(kwargs)
     clock = ManualClock(T0)
     r = object.__new__(FairwayRequestRouter)
-    r.initialize_state(**{**kwargs, "metrics": False}, clock=clock, wall=clock.now)
+    from router.view_hub import ViewHub
+
+    hub = ViewHub()
+
+    async def exchange(source, events, after, snapshot=False):  # the shared view's hub in-process, not a Ray actor
+        return hub.exchange(source, list(events), after, snapshot, now=0.0)
+
+    r.initialize_state(**{**kwargs, "metrics": False}, clock=clock, wall=clock.now, exchange=exchange)
+    r._sync_task = False  # no exchange at all (as shared_pair), and no Ray: this test is about classes
     reps = [replica("replica-0"), replica("replica-1")]
     for rid, klass in (("a", "interactive"), ("b", "")):
         c = call(rid, 64)
