@@ -14,7 +14,11 @@ For each class it prints the count, the blocks it recomputed, and its TTFT media
 decisions were *over-promised* (the router's index matched more of the prompt on the pick than
 that engine held: the view's error that costs most, work the router did not price) with the
 blocks promised beyond the engine's. Then come the TTFT quantiles from p30 to p99, the mean, the
-share under 100 ms and the hit ratio, each a median over seeds.
+share under 100 ms and the hit ratio, each a median over seeds. Last, for traces whose requests
+arrive in bursts (several at one instant), how the router placed each burst: the *cheap* requests
+(under ``CHEAP_TOKENS`` uncached) that share their replica with a *heavy* one (at least
+``HEAVY_TOKENS`` uncached) of the same burst, whose first token then waits for a step that carries
+the heavy prompt's chunk, and the TTFT medians of each group.
 
 Why: the yardstick's p50 says who is ahead, not whether a gap is a knife edge between the cached
 and the uncached mode or a shift of the whole distribution, nor which decisions make it
@@ -45,6 +49,8 @@ QUANTILES = (30, 40, 45, 50, 55, 60, 70, 90, 99)
 #: "Fast" first tokens, for the share printed (seconds)
 FAST_S = 0.1
 CLASSES = ("cold", "holder", "away")
+#: A request with fewer uncached prompt tokens is cheap; one with at least HEAVY_TOKENS is heavy
+CHEAP_TOKENS, HEAVY_TOKENS = 1024, 4096
 
 
 def classify(truth: Sequence[int], pick: int, near: float = NEAR) -> str:
@@ -66,6 +72,30 @@ class Anatomy:
     hit: float = 0.0
     over_promised: int = 0  # decisions whose index match on the pick exceeded the engine's
     over_blocks: int = 0  # the blocks matched beyond the engine's, summed over those
+    # per request: (arrival, pick, uncached tokens, TTFT), for the bursts' table
+    placed: list[tuple[float, int, int, float]] = field(default_factory=list)
+
+    def bursts(self) -> dict[str, float] | None:
+        """The bursts' table's figures (module docstring), None when no two requests arrive at
+        one instant. O(n log n)."""
+        if len({arrival for arrival, *_ in self.placed}) == len(self.placed):
+            return None
+        groups: dict[tuple[float, int], list[tuple[int, float]]] = {}
+        for arrival, pick, uncached, ttft in self.placed:
+            groups.setdefault((arrival, pick), []).append((uncached, ttft))
+        cheap_with, cheap_alone, heavy = [], [], []
+        for g in groups.values():
+            has_heavy = any(u >= HEAVY_TOKENS for u, _ in g)
+            for u, t in g:
+                if u < CHEAP_TOKENS:
+                    (cheap_with if has_heavy else cheap_alone).append(t)
+                elif u >= HEAVY_TOKENS:
+                    heavy.append(t)
+        cheap = cheap_with + cheap_alone
+        med = lambda ts: float(np.median(ts)) if ts else float("nan")  # noqa: E731
+        return {"cheap": len(cheap), "with_heavy": len(cheap_with) / len(cheap) if cheap else 0.0,
+                "p50_with": med(cheap_with), "p50_alone": med(cheap_alone), "p50_cheap": med(cheap),
+                "heavy": len(heavy), "p50_heavy": med(heavy)}
 
     def quantiles(self) -> dict[str, float]:
         t = np.asarray(self.ttft)
@@ -83,7 +113,7 @@ def anatomy(run: Run) -> Anatomy:
     if not instances:
         raise ValueError("route anatomy needs a routed cluster (replicas > 1)")
     engines = sim.replicas
-    picks: dict[int, tuple[str, int, int]] = {}  # request id -> (class, blocks recomputed, over-promised)
+    picks: dict[int, tuple[str, int, int, int]] = {}  # request id -> (class, blocks recomputed, over-promised, pick)
 
     def wrap(host: Any) -> None:
         inner = host.decide
@@ -91,7 +121,8 @@ def anatomy(run: Run) -> Anatomy:
         def decide(rid: int, prompt_tokens: int, hashes: Sequence[int], *args: Any, **kwargs: Any) -> Any:
             d = inner(rid, prompt_tokens, hashes, *args, **kwargs)
             truth = [len(e.pool.longest_hit(hashes)) for e in engines]
-            picks[rid] = (classify(truth, d.pick), max(truth) - truth[d.pick], max(0, d.matched_blocks - truth[d.pick]))
+            picks[rid] = (classify(truth, d.pick), max(truth) - truth[d.pick], max(0, d.matched_blocks - truth[d.pick]),
+                          d.pick)
             return d
 
         host.decide = decide  # this run's instances only
@@ -105,12 +136,13 @@ def anatomy(run: Run) -> Anatomy:
         a.ttft.append(r.ttft_s)
         prompt += r.spec.prompt_tokens
         cached += max(0, r.cached_tokens)
-        cls, lost, over = picks[r.rid]  # every request is routed once: a missing one is a bug here
+        cls, lost, over, _ = picks[r.rid]  # every request is routed once: a missing one is a bug here
         a.over_promised += over > 0
         a.over_blocks += over
         a.counts[cls] += 1
         a.recomputed_blocks[cls] += lost
         a.ttft_by_class[cls].append(r.ttft_s)
+        a.placed.append((r.spec.arrival_s, picks[r.rid][3], r.spec.prompt_tokens - max(0, r.cached_tokens), r.ttft_s))
     a.hit = cached / prompt if prompt else 0.0
     return a
 
@@ -143,6 +175,17 @@ def render(point: str, results: dict[str, list[Anatomy]]) -> str:
         vals = [med[r][k] for r in med]
         ratios = [f"{vals[0] / v:.2f}" if v else "-" for v in vals[1:]]
         lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in vals) + " | " + " | ".join(ratios) + " |")
+    bursts = {router: [b for a in runs if (b := a.bursts()) is not None] for router, runs in results.items()}
+    if all(bursts.values()):
+        lines += ["", f"Bursts (requests arriving at one instant; medians over seeds): the cheap requests (under "
+                      f"{CHEAP_TOKENS:,} uncached tokens) placed with a heavy one of their burst (at least "
+                      f"{HEAVY_TOKENS:,}), and TTFT medians (s)", "",
+                  "| router | cheap n | share with a heavy one | p50 with one | p50 without | p50 of the cheap "
+                  "| heavy n | p50 of the heavy |", "| --- |" + " ---: |" * 7]
+        for router, bs in bursts.items():
+            m = {k: statistics.median(b[k] for b in bs) for k in bs[0]}
+            lines.append(f"| {router} | {m['cheap']:.0f} | {m['with_heavy']:.2f} | {m['p50_with']:.3f} | "
+                         f"{m['p50_alone']:.3f} | {m['p50_cheap']:.3f} | {m['heavy']:.0f} | {m['p50_heavy']:.3f} |")
     return "\n".join(lines)
 
 
