@@ -22,9 +22,10 @@ if [ "$#" -gt 0 ] || [ "${FAIRWAY_VLLM_TESTS:-1}" = "0" ]; then
   set -e
   exit "$rc"
 fi
-# The full suite in two streams, so that its 15-minute budget holds on 2 cores. The cluster tests
-# mostly wait (on a cluster's start and stop, on timeouts they provoke), and use about a quarter of
-# the CPU; the rest is CPU-bound. Ray clusters never overlap: they all run in the first stream.
+# The full suite in two streams, so that its 15-minute budget holds on 2 cores (one stream after
+# the other took 16-17 min): the cluster tests mostly wait (on a cluster's start and stop, on the
+# timeouts they provoke), the rest is CPU-bound. Ray clusters never overlap: they all run in the
+# first stream, and no test of the second starts or joins one (tests/conftest.py).
 #   1. (foreground) the modules under tests/e2e, each with its own sim cluster; then the real-vLLM
 #      cluster test, once the vLLM setup is done.
 #   2. (background, lower priority) the vLLM setup (about 3 min on a fresh machine, mostly
