@@ -92,10 +92,9 @@ class Anatomy:
                 elif u >= HEAVY_TOKENS:
                     heavy.append(t)
         cheap = cheap_with + cheap_alone
-        med = lambda ts: float(np.median(ts)) if ts else float("nan")  # noqa: E731
         return {"cheap": len(cheap), "with_heavy": len(cheap_with) / len(cheap) if cheap else 0.0,
-                "p50_with": med(cheap_with), "p50_alone": med(cheap_alone), "p50_cheap": med(cheap),
-                "heavy": len(heavy), "p50_heavy": med(heavy)}
+                "p50_with": _median(cheap_with), "p50_alone": _median(cheap_alone), "p50_cheap": _median(cheap),
+                "heavy": len(heavy), "p50_heavy": _median(heavy)}
 
     def quantiles(self) -> dict[str, float]:
         t = np.asarray(self.ttft)
@@ -104,6 +103,11 @@ class Anatomy:
         out["fast_share"] = float((t < FAST_S).mean())
         out["hit"] = self.hit
         return out
+
+
+def _median(ts: Sequence[float]) -> float:
+    """The median, NaN for none (a table cell with no request)."""
+    return float(np.median(ts)) if ts else float("nan")
 
 
 def anatomy(run: Run) -> Anatomy:

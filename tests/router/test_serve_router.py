@@ -181,15 +181,9 @@ async def test_a_classed_call_is_booked_under_its_class_with_the_clusters_classe
     json.dumps(kwargs)
     clock = ManualClock(T0)
     r = object.__new__(FairwayRequestRouter)
-    from router.view_hub import ViewHub
-
-    hub = ViewHub()
-
-    async def exchange(source, events, after, snapshot=False):  # the shared view's hub in-process, not a Ray actor
-        return hub.exchange(source, list(events), after, snapshot, now=0.0)
-
-    r.initialize_state(**{**kwargs, "metrics": False}, clock=clock, wall=clock.now, exchange=exchange)
-    r._sync_task = False  # no exchange at all (as shared_pair), and no Ray: this test is about classes
+    r.initialize_state(**{**kwargs, "metrics": False}, clock=clock, wall=clock.now)
+    # no exchange with the shared view's hub, a Ray actor (as shared_pair): this test is about classes
+    r._sync_task = False
     reps = [replica("replica-0"), replica("replica-1")]
     for rid, klass in (("a", "interactive"), ("b", "")):
         c = call(rid, 64)
