@@ -140,13 +140,13 @@ def anatomy(run: Run) -> Anatomy:
         a.ttft.append(r.ttft_s)
         prompt += r.spec.prompt_tokens
         cached += max(0, r.cached_tokens)
-        cls, lost, over, _ = picks[r.rid]  # every request is routed once: a missing one is a bug here
+        cls, lost, over, pick = picks[r.rid]  # every request is routed once: a missing one is a bug here
         a.over_promised += over > 0
         a.over_blocks += over
         a.counts[cls] += 1
         a.recomputed_blocks[cls] += lost
         a.ttft_by_class[cls].append(r.ttft_s)
-        a.placed.append((r.spec.arrival_s, picks[r.rid][3], r.spec.prompt_tokens - max(0, r.cached_tokens), r.ttft_s))
+        a.placed.append((r.spec.arrival_s, pick, r.spec.prompt_tokens - max(0, r.cached_tokens), r.ttft_s))
     a.hit = cached / prompt if prompt else 0.0
     return a
 

@@ -92,9 +92,15 @@ class ViewHub:
 
 
 def get_hub(app_name: str, capacity: int = 200_000) -> Any:
-    """The application's hub actor, created if it does not exist yet."""
+    """The application's hub actor, created if it does not exist yet. Only from a process of the
+    application's Ray cluster (a Serve replica): elsewhere Ray would initialize itself on the
+    actor call and start, or join, whatever cluster it finds, so this raises instead and the
+    caller routes on its own view."""
     import ray
 
+    if not ray.is_initialized():
+        raise RuntimeError("the shared view's hub lives in the application's Ray cluster, and this process "
+                           "is not connected to one")
     return ray.remote(ViewHub).options(
         name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1).remote(capacity)

@@ -182,8 +182,6 @@ async def test_a_classed_call_is_booked_under_its_class_with_the_clusters_classe
     clock = ManualClock(T0)
     r = object.__new__(FairwayRequestRouter)
     r.initialize_state(**{**kwargs, "metrics": False}, clock=clock, wall=clock.now)
-    # no exchange with the shared view's hub, a Ray actor (as shared_pair): this test is about classes
-    r._sync_task = False
     reps = [replica("replica-0"), replica("replica-1")]
     for rid, klass in (("a", "interactive"), ("b", "")):
         c = call(rid, 64)
@@ -191,6 +189,7 @@ async def test_a_classed_call_is_booked_under_its_class_with_the_clusters_classe
         pick = (await r.choose_replicas(reps, pending(c)))[0][0]
         r.on_request_routed(pending(c), pick.replica_id, None)
     assert r.bookings.get("iid-a").klass == "interactive" and r.bookings.get("iid-b").klass == ""
+    assert r.view_degraded  # outside a Ray cluster the shared view's hub is refused, not started
     queued = {k for q in r.load.snapshot().class_queues for k in q}
     assert queued == {"interactive", "batch"}  # "": the default class, the last configured
 

@@ -180,3 +180,16 @@ def test_the_replica_wires_the_sim_engines_tier_events_to_its_publisher(monkeypa
     assert delta == [KvDelta("r0", [ha[0]] + hb, evicted)]
     assert full == [KvFull("r0", [ha[0]] + hb)]  # the whole set without a host-only part, as before
     assert seen == ha + evicted + hb
+
+
+def test_the_hub_is_not_created_from_a_process_outside_a_ray_cluster():
+    """Ray would initialize itself on the actor call and start or join whatever cluster it finds
+    (a test run beside the cluster tests joined theirs): ``get_hub`` refuses, and Ray stays down."""
+    import pytest
+    import ray
+
+    from router.view_hub import get_hub
+
+    with pytest.raises(RuntimeError, match="not connected to one"):
+        get_hub("app")
+    assert not ray.is_initialized()
