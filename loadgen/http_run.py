@@ -56,7 +56,8 @@ HTTP_ONLY_KEYS = frozenset(
 #: Keys of ``sim run`` that only a simulator knows: null over HTTP.
 SIM_ONLY_KEYS = (
     "policy_options", "router", "routers", "profile", "kv_blocks", "preempted_requests", "preemptions",
-    "evictions", "promotions", "guard_acts", "busy_fraction", "slots", "sim_end_s", "sim_wall_s", "ceiling_hit_ratio",
+    "evictions", "promotions", "guard_acts", "first_step_holds", "busy_fraction", "slots", "sim_end_s", "sim_wall_s",
+    "ceiling_hit_ratio",
     "hit_bound_capacity", "hit_bound_infinite", "ttft_floor_s", "routing_reasons", "router_ttft_model", "router_view",
     "sync_delay_s",
 )

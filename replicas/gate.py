@@ -65,6 +65,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from fairway.clock import Clock
+from fairway.first_step import first_step_hold_pays
 from fairway.memory_view import KVMemoryView
 from fairway.policies.base import Admission, QueuedRequest, QueuePolicy
 from fairway.protocol import (
@@ -157,6 +158,9 @@ class AdmissionGate:
         self._tier: dict[int, int] = {}  # with tier_of: admitted rid without a first token -> its tier
         self._admitted: dict[int, str] = {}  # in the engine (admitted, not finished): rid -> request id
         self._prefilling: dict[int, float] = {}  # of those, without a first token: rid -> admission wall time
+        self._first_step: dict[int, tuple[int, int]] = {}  # and their (uncached, cached) prompt tokens
+        self._cost = policy.cost  # prices the first-step hold (``fairway.first_step``)
+        self.first_step_holds = 0  # pumps that held their pick out of the step in the engine
         self.admitted = 0
         self.finished = 0
         self.rejected = 0
@@ -314,6 +318,9 @@ class AdmissionGate:
                     owing.add(tenant)  # it fits, but only in the room kept for the quieter tenants
                     continue
                 break  # head-of-line: wait for memory, let nobody overtake
+            if self._first_step and self._hold_first_step(q, pending):
+                self.first_step_holds += 1
+                break  # until the step in the engine ends: nothing overtakes it meanwhile
             adm = self.policy.admit(q.rid)
             self.drain.took(self.clock.now(), adm.est_prefill_s)
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
@@ -322,12 +329,34 @@ class AdmissionGate:
                 self._pending_tier[tier] = self._pending_tier.get(tier, 0) + adm.prompt_tokens - adm.cached_tokens
             self._admitted[q.rid] = self._request_ids.pop(q.rid, "")
             self._prefilling[q.rid] = time.time()
+            self._first_step[q.rid] = (adm.prompt_tokens - adm.cached_tokens, adm.cached_tokens)
             fut = self._waiting.pop(q.rid)
             if not fut.done():
                 fut.set_result(adm)
             n += 1
         self.drain.observe(self.clock.now(), bool(self._waiting))
         return n
+
+    def _hold_first_step(self, q: QueuedRequest, pending: int) -> bool:
+        """Whether the pick ``q`` stays out of the engine until the admitted prefills get their
+        first token (``fairway.first_step``, as the engine model prices it): its prefill would not
+        end in the step that ends theirs, and its chunk would lengthen that step by more than
+        holding it costs. The step is the admitted prefills (each ends in it: rule 2 keeps them
+        within one step's budget) and the decodes of the rest of the engine's requests, their
+        context unknown here. O(admitted without a first token)."""
+        budget = self._budget()
+        if pending >= budget or not self.policy.may_hold_first_step(q.rid):
+            return False
+        cached = self.policy.cached_tokens(q.rid)
+        if pending + q.prompt_tokens - cached <= budget:
+            return False
+        p_tok = p_ctx = p_sq = 0
+        for n, c in self._first_step.values():
+            p_tok += n
+            p_ctx += n * c
+            p_sq += n * n
+        return first_step_hold_pays(self._cost, len(self._first_step), len(self._waiting) - 1, p_tok, p_ctx, p_sq,
+                                    len(self._admitted) - len(self._first_step), 0, budget - pending, cached)
 
     def _drop(self, rid: int) -> None:
         """Waiting ``rid`` leaves the queue unadmitted (its consumer left). O(1) plus the
@@ -452,6 +481,7 @@ class AdmissionGate:
         it leaves the pending prefill tokens and the prefilling list the stats report."""
         self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
         self._prefilling.pop(adm.rid, None)
+        self._first_step.pop(adm.rid, None)
         tier = self._tier.pop(adm.rid, None)
         if tier is not None:
             self._pending_tier[tier] -= adm.prompt_tokens - adm.cached_tokens

@@ -140,6 +140,14 @@ class TenantQueues(QueueGroup):
         """The waiting request ``rid``, whatever its tenant. O(1)."""
         return self.queues[self._tenant[rid]].get(rid)
 
+    def cached_tokens(self, rid: int) -> int:
+        """The tracked cached tokens of waiting ``rid``, in its tenant's queue. O(1)."""
+        return self.queues[self._tenant[rid]].cached_tokens(rid)
+
+    def may_hold_first_step(self, rid: int) -> bool:
+        """Whether its tenant's queue lets the gate hold ``rid`` back a step. O(1)."""
+        return self.queues[self._tenant[rid]].may_hold_first_step(rid)
+
     def tenant_of(self, rid: int) -> str:
         """The tenant of a waiting request."""
         return self._tenant[rid]

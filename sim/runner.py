@@ -229,6 +229,8 @@ def run(cfg: RunConfig, keep_samples: bool = False) -> dict[str, Any]:
         "promotions": sum(getattr(p, "promotions", 0) for p in policies),
         # decisions Fairway's memory guard changed (0: the run is the one without the guard)
         "guard_acts": sum(getattr(p, "guard_acts", 0) for p in policies),
+        # steps a pick sat out for others' first tokens (fairway[first_step_hold=true])
+        "first_step_holds": sum(e.first_step_holds for e in sim.replicas),
         "busy_fraction": [b / res.end_s if res.end_s else 0.0 for b in res.busy_s],
         # whether the engines' sequence slots ever bound: a run whose peak is under max_num_seqs
         # is the same at any larger slot count

@@ -42,6 +42,7 @@ from fairway.admission import AdmissionConfig, Candidate, HeldQueue, SessionAdmi
 from fairway.clock import Clock
 from fairway.cost_model import CostModel, link_bandwidth, reload_s_per_token
 from fairway.engine.block_pool import QUEUE, RETENTIONS, SESSION, BlockPool
+from fairway.first_step import first_step_hold_pays
 from fairway.memory_view import KVMemoryView
 from fairway.policies.base import QueuedRequest, QueuePolicy
 from fairway.request import RequestSpec
@@ -218,6 +219,7 @@ class EngineModel:
         self.host_hit_tokens = 0  # by host-tier reloads,
         self.miss_tokens = 0  # and computed
         self.holds = 0  # requests the admission gate held back
+        self.first_step_holds = 0  # steps a pick was held out of (``fairway.first_step``)
         self.hold_releases_due = 0  # of which released by the starvation bound
         self.reload_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed (recomputes after eviction included)
@@ -704,8 +706,33 @@ class EngineModel:
                     continue
             if pool.free_after_touch(hit) < new_blocks:
                 break  # memory-bound admission: the head waits for room
+            if batch and self._hold_first_step(r, len(hit) + host_n, batch, budget):
+                self.first_step_holds += 1
+                break  # one step later; nothing overtakes it meanwhile
             budget = self._admit(r, q, hit, host_n, new_blocks, now, batch, budget)
         return budget
+
+    def _hold_first_step(self, r: EngineRequest, hit_blocks: int, batch: list[tuple[EngineRequest, int]],
+                         budget: int) -> bool:
+        """Whether the policy's pick ``r`` waits one step because its chunk would only lengthen a
+        step that brings first tokens (``fairway.first_step``). O(batch), and only for a pick
+        whose prefill does not end in this step."""
+        c = hit_blocks * self.config.block_size
+        if r.target - c <= budget or not self.policy.may_hold_first_step(r.rid):
+            return False
+        first = p_tok = p_ctx = p_sq = d_seqs = d_ctx = 0
+        for x, n in batch:
+            if n == 1 and x.generated > 0 and x.num_computed + 1 == x.spec.prompt_tokens + x.generated:
+                d_seqs += 1
+                d_ctx += x.num_computed
+                continue
+            p_tok += n
+            p_ctx += n * x.num_computed
+            p_sq += n * n
+            if x.generated == 0 and x.num_computed + n >= x.spec.prompt_tokens:
+                first += 1
+        return first_step_hold_pays(self.cost, first, len(self.policy) - 1, p_tok, p_ctx, p_sq,
+                                    d_seqs, d_ctx, budget, c)
 
     def _strict_prefill(self) -> bool:
         """Whether the strictest tier has prefill to run: a request of it waits, or one running

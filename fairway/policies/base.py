@@ -293,6 +293,12 @@ class QueuePolicy(ABC):
         ignores classes (no tier is kept room for). O(1) here."""
         return False
 
+    def may_hold_first_step(self, rid: int) -> bool:
+        """Whether the host may hold waiting ``rid`` back one step for the requests whose first
+        token that step brings (``FairwayConfig.first_step_hold``; the host prices the hold). No
+        by default. O(1)."""
+        return False
+
     def preempt_victim(self, running: Sequence[int]) -> int:
         """Index into ``running`` (admission order) of the request to preempt: the newest, as
         vLLM does for FCFS."""

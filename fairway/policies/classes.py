@@ -289,6 +289,9 @@ class ClassQueues(QueueGroup, QueuePolicy):
     def cached_tokens(self, rid: int) -> int:
         return self.queues[self._class_of[rid]].cached_tokens(rid)
 
+    def may_hold_first_step(self, rid: int) -> bool:
+        return self.queues[self._class_of[rid]].may_hold_first_step(rid)
+
     def __len__(self) -> int:
         return len(self._class_of)
 

@@ -907,3 +907,37 @@ async def test_a_follow_up_turn_whose_context_ran_here_is_counted_as_a_lost_cont
         engine.release(rid)
     await asyncio.gather(*later)
     assert gate.stats.counter("lost_credits") == 1  # counted at the admissions
+
+
+@pytest.mark.parametrize("hold", [False, True])
+async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_in_the_engine(hold):
+    """fairway[first_step_hold]: three short prompts are in the engine, within one step's budget
+    (1,000 tokens); a 3,000-token prompt's chunk would fill their step (0.31 s -> 1.01 s each,
+    LinearCost), so it waits until their first tokens are out; off, it goes in at once."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    engine.max_model_len = 8192
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, first_step_hold=hold)
+    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
+    await settle()
+    tasks.append(asyncio.create_task(consume(gate, call("h", 3000, chain("h", 188)), out)))
+    await settle()
+    if not hold:
+        assert engine.started == ["a", "b", "c", "h"] and gate.first_step_holds == 0
+    else:
+        assert engine.started == ["a", "b", "c"] and gate.first_step_holds == 1
+        for rid in "ab":
+            engine.release(rid)
+            await settle()
+            assert engine.started == ["a", "b", "c"]  # c's first token is still to come
+        engine.release("c")
+        await settle()
+        assert engine.started == ["a", "b", "c", "h"]
+        # the pumps that held it: at its arrival, and at a's and b's first tokens and ends
+        assert gate.first_step_holds == 5
+    for rid in "abch":
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert {rid for rid, ch in out if ch.finished} == set("abch")

@@ -1,0 +1,57 @@
+"""The first-step hold: whether to keep a long prompt out of a step that brings first tokens.
+
+Why: an engine with a per-step token budget (vLLM's chunked prefill) fills a step with a chunk of
+any prompt it admits. When the step already carries ``m`` requests whose prefill ends in it (they
+get their first token at its end), a chunk of a prompt that cannot finish in the step only makes
+the step longer: each of the ``m`` waits ``t1 - t0`` more (the step with the chunk against the
+step without it). Holding the prompt back one step costs it about one step, ``t0``; and the
+shorter step leaves budget unused, so the same work takes one more step's fixed cost in all,
+``L = t(chunk alone) + t0 - t1``, which delays every request still waiting behind it. The hold
+pays, in the sum of first-token times, when
+
+    m * (t1 - t0) > t0 + waiting * L.
+
+Under a deep backlog ``waiting * L`` dominates and the engine keeps its steps full (throughput
+first); in a burst on a lightly queued replica a few cheap requests are spared a full-budget step.
+The hosts (the engine model, the replica gate) count ``m`` and ``waiting``; the queue policy says
+who may be held at all (``QueuePolicy.may_hold_first_step``: with Fairway, a request that is not
+promoted and has waited less than its own prefill time, so holds at most double its wait measured
+against its cost).
+
+Complexity: O(1), four step-time evaluations; called only for a pick that would not finish its
+prefill in the step, and only while the step brings a first token.
+"""
+
+from __future__ import annotations
+
+from fairway.cost_model import CostModel
+
+
+def first_step_hold_pays(
+    cost: CostModel,
+    first_tokens: int,
+    waiting: int,
+    prefill_tokens: int,
+    prefill_ctx_tokens: int,
+    prefill_sq_tokens: int,
+    decode_seqs: int,
+    decode_ctx_tokens: int,
+    chunk_tokens: int,
+    chunk_ctx_tokens: int,
+) -> bool:
+    """Whether holding a prompt's ``chunk_tokens`` chunk (at ``chunk_ctx_tokens`` of context
+    already computed) out of the step lowers the sum of first-token times (module docstring).
+
+    The step so far is given by ``CostModel.step_time``'s aggregates; ``first_tokens`` of its
+    requests get their first token at its end; ``waiting`` requests wait behind the held one.
+    """
+    if first_tokens <= 0 or chunk_tokens <= 0:
+        return False
+    n, c = chunk_tokens, chunk_ctx_tokens
+    t0 = cost.step_time(prefill_tokens, prefill_ctx_tokens, prefill_sq_tokens, decode_seqs, decode_ctx_tokens)
+    t1 = cost.step_time(prefill_tokens + n, prefill_ctx_tokens + n * c, prefill_sq_tokens + n * n,
+                        decode_seqs, decode_ctx_tokens)
+    lost = cost.step_time(n, n * c, n * n, 0, 0) + t0 - t1
+    if lost < 0.0:
+        lost = 0.0
+    return first_tokens * (t1 - t0) > t0 + waiting * lost
