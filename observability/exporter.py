@@ -87,6 +87,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Fair-lane picks Fairway's memory guard gave to the fast lane."),
     MetricSpec("lost_credits", "counter", "fairway_lost_context_credits_total",
                "Arrivals whose deadline counted context the replica computed and lost as cached (lost_blocks)."),
+    MetricSpec("first_step_holds", "counter", "fairway_first_step_holds_total",
+               "Requests the gate kept out of the engine while its step ends others' prefills (first_step_hold)."),
     MetricSpec("queue_depth", "gauge", "fairway_queue_depth", "Requests waiting in the replica gate, per lane."),
     MetricSpec(
         "queued_prefill", "gauge", "fairway_queued_prefill_seconds",

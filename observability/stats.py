@@ -99,6 +99,7 @@ _COUNTERS = (
     "promotions",  # (replica,)
     "guard_yields",  # (replica,): Fairway's memory guard, Fair-lane picks that yielded to the Fast lane
     "lost_credits",  # (replica,): Fairway's lost_blocks, arrivals whose deadline counted lost context as cached
+    "first_step_holds",  # (replica,): Fairway's first_step_hold, requests the gate held for others' first tokens
     "estimated_cached_tokens",  # (replica,)
     "actual_cached_tokens",  # (replica,)
     "prompt_tokens",  # (replica,)
@@ -144,6 +145,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "promotions": ("replica",),
     "guard_yields": ("replica",),
     "lost_credits": ("replica",),
+    "first_step_holds": ("replica",),
     "estimated_cached_tokens": ("replica",),
     "actual_cached_tokens": ("replica",),
     "prompt_tokens": ("replica",),
@@ -287,6 +289,11 @@ class FairwayStats:
         """Arrivals whose deadline Fairway's ``lost_blocks`` pulled in: it counted context this
         replica computed and lost before they arrived as cached."""
         self._inc("lost_credits", (self._replica(replica),), n)
+
+    def inc_first_step_holds(self, n: int = 1, replica: str = "") -> None:
+        """Requests the gate held out of the engine while the step in it ends others' prefills
+        (Fairway's ``first_step_hold``)."""
+        self._inc("first_step_holds", (self._replica(replica),), n)
 
     def set_queue_depth(self, lane: str, n: int, replica: str = "") -> None:
         """Requests waiting in ``lane`` now."""

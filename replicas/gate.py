@@ -160,7 +160,8 @@ class AdmissionGate:
         self._prefilling: dict[int, float] = {}  # of those, without a first token: rid -> admission wall time
         self._first_step: dict[int, tuple[int, int]] = {}  # and their (uncached, cached) prompt tokens
         self._cost = policy.cost  # prices the first-step hold (``fairway.first_step``)
-        self.first_step_holds = 0  # pumps that held their pick out of the step in the engine
+        self._held_first_step: set[int] = set()  # waiting rids the hold has kept out so far
+        self.first_step_holds = 0  # requests held out of the step in the engine (each once)
         self.admitted = 0
         self.finished = 0
         self.rejected = 0
@@ -319,8 +320,13 @@ class AdmissionGate:
                     continue
                 break  # head-of-line: wait for memory, let nobody overtake
             if self._first_step and self._hold_first_step(q, pending):
-                self.first_step_holds += 1
+                if q.rid not in self._held_first_step:
+                    self._held_first_step.add(q.rid)
+                    self.first_step_holds += 1
+                    if self.stats is not None:
+                        self.stats.inc_first_step_holds(replica=self.replica)
                 break  # until the step in the engine ends: nothing overtakes it meanwhile
+            self._held_first_step.discard(q.rid)
             adm = self.policy.admit(q.rid)
             self.drain.took(self.clock.now(), adm.est_prefill_s)
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
@@ -363,6 +369,7 @@ class AdmissionGate:
         policy's removal."""
         del self._waiting[rid]
         self._request_ids.pop(rid, None)
+        self._held_first_step.discard(rid)
         self.policy.remove(rid)
 
     def _overdue(self) -> QueuedRequest | None:
