@@ -18,7 +18,9 @@ who may be held at all (``QueuePolicy.may_hold_first_step``: with Fairway, a req
 promoted and has waited less than its own prefill time, so holds at most double its wait measured
 against its cost).
 
-Complexity: O(1), four step-time evaluations; called only for a pick that would not finish its
+On by default (``FairwayConfig.first_step_hold``).
+
+Complexity: O(1), three step-time evaluations; called only for a pick that would not finish its
 prefill in the step, and only while the step brings a first token.
 """
 

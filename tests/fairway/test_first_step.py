@@ -69,10 +69,14 @@ def test_a_request_is_held_only_while_it_has_waited_less_than_its_own_prefill_ti
     assert pol.may_hold_first_step(1)
     clock.advance(0.02)  # waited 3.02 s > P: not held again, long before the Fair lane's 12 x P
     assert not pol.may_hold_first_step(1)
-    off = make_policy("fairway", clock=clock, cost=COST)
+    off = make_policy("fairway", clock=clock, cost=COST, first_step_hold=False)
     off.attach_cache(set().__contains__)
     off.add(queued(2, clock.now(), 3000, chain("heavy", 188)))
-    assert not off.may_hold_first_step(2)  # off by default
+    assert not off.may_hold_first_step(2)
+    on = make_policy("fairway", clock=clock, cost=COST)
+    on.attach_cache(set().__contains__)
+    on.add(queued(3, clock.now(), 3000, chain("heavy", 188)))
+    assert on.may_hold_first_step(3)  # on by default
 
 
 def test_the_option_takes_true_or_false_only():
