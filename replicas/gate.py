@@ -319,7 +319,7 @@ class AdmissionGate:
                     owing.add(tenant)  # it fits, but only in the room kept for the quieter tenants
                     continue
                 break  # head-of-line: wait for memory, let nobody overtake
-            if self._first_step and self._hold_first_step(q, pending):
+            if overdue is None and self._first_step and self._hold_first_step(q, pending):
                 if q.rid not in self._held_first_step:
                     self._held_first_step.add(q.rid)
                     self.first_step_holds += 1
@@ -349,7 +349,8 @@ class AdmissionGate:
         end in the step that ends theirs, and its chunk would lengthen that step by more than
         holding it costs. The step is the admitted prefills (each ends in it: rule 2 keeps them
         within one step's budget) and the decodes of the rest of the engine's requests, their
-        context unknown here. O(admitted without a first token)."""
+        context unknown here. A pick past the age bound (``oldest_first_after_s``) is never held.
+        O(admitted without a first token)."""
         budget = self._budget()
         if pending >= budget or not self.policy.may_hold_first_step(q.rid):
             return False

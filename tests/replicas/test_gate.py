@@ -940,3 +940,28 @@ async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_
         engine.release(rid)
     await asyncio.gather(*tasks)
     assert {rid for rid, ch in out if ch.finished} == set("abch")
+
+
+async def test_a_long_prompt_past_the_age_bound_is_not_held_for_first_tokens():
+    """As above, with ``oldest_first_after_s`` 0.5 s: held at its arrival; once it has waited
+    past the bound it goes in at the next pump (a's first token), though b's and c's are to come."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    engine.max_model_len = 8192
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
+    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000, oldest_first_after_s=0.5),
+                         replica="r0")
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
+    await settle()
+    tasks.append(asyncio.create_task(consume(gate, call("h", 3000, chain("h", 188)), out)))
+    await settle()
+    assert engine.started == ["a", "b", "c"] and gate.first_step_holds == 1
+    clock.advance(0.6)
+    engine.release("a")
+    await settle()
+    assert engine.started == ["a", "b", "c", "h"]
+    for rid in "bch":
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert {rid for rid, ch in out if ch.finished} == set("abch")
