@@ -362,7 +362,7 @@ class Fairway(QueuePolicy):
         if not self.config.first_step_hold:
             return False
         slot = self._slot_of[rid]
-        return not self.promoted[slot] and self.clock.now() - self.arrival[slot] < self.prefill_s[slot]
+        return bool(not self.promoted[slot] and self.clock.now() - self.arrival[slot] < self.prefill_s[slot])
 
     # -- decisions -------------------------------------------------------------------------
 

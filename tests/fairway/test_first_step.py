@@ -10,6 +10,7 @@ from fairway.clock import ManualClock
 from fairway.engine.model import EngineConfig, EngineModel
 from fairway.first_step import first_step_hold_pays
 from fairway.policies import make_policy
+from fairway.policies.base import QueuedRequest
 from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, queued, spec
 
@@ -77,6 +78,17 @@ def test_a_request_is_held_only_while_it_has_waited_less_than_its_own_prefill_ti
     on.attach_cache(set().__contains__)
     on.add(queued(3, clock.now(), 3000, chain("heavy", 188)))
     assert on.may_hold_first_step(3)  # on by default
+
+
+@pytest.mark.parametrize(("options", "held"), [({}, True), ({"first_step_hold": False}, False)])
+def test_the_class_policy_asks_its_inner_fairway_queue(options, held):
+    clock = ManualClock()
+    pol = make_policy("classes", clock=clock, cost=COST, classes="interactive:tier=0,batch:tier=1",
+                      inner="fairway", inner_options=options)
+    pol.attach_cache(set().__contains__)
+    pol.add(QueuedRequest(rid=1, arrival_s=0.0, prompt_tokens=3000, block_hashes=chain("heavy", 188),
+                          priority_class="batch"))
+    assert pol.may_hold_first_step(1) is held
 
 
 def test_the_option_takes_true_or_false_only():
