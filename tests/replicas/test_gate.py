@@ -914,11 +914,14 @@ async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_
     """fairway[first_step_hold]: three short prompts are in the engine, within one step's budget
     (1,000 tokens); a 3,000-token prompt's chunk would fill their step (0.31 s -> 1.01 s each,
     LinearCost), so it waits until their first tokens are out; off, it goes in at once."""
+    from observability.stats import FairwayStats
+
     clock = ManualClock()
     engine = ScriptedEngine()
     engine.max_model_len = 8192
     pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, first_step_hold=hold)
     gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    gate.stats = FairwayStats(level="replica", component="r0", policy="fairway")
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
     await settle()
@@ -936,6 +939,7 @@ async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_
         await settle()
         assert engine.started == ["a", "b", "c", "h"]
         assert gate.first_step_holds == 1  # one request held, over five pumps
+    assert gate.stats.counter("first_step_holds") == gate.first_step_holds  # fairway_first_step_holds_total
     for rid in "abch":
         engine.release(rid)
     await asyncio.gather(*tasks)
