@@ -152,6 +152,25 @@ def _prefill_left(r: EngineRequest) -> bool:
     return r.target - r.num_computed > (1 if r.generated else 0)
 
 
+def _step_shape(batch: list[tuple[EngineRequest, int]]) -> tuple[int, int, int, int, int, int]:
+    """A step's aggregates for ``CostModel.step_time``: (prefill tokens, sum n*c, sum n^2 over the
+    prefill chunks, decoding requests, their context tokens), and how many of the chunks end their
+    request's prompt (a first token at the step's end). O(batch), once per step."""
+    p_tok = p_ctx = p_sq = d_seqs = d_ctx = first = 0
+    for r, n in batch:
+        c = r.num_computed
+        if n == 1 and r.generated > 0 and c + 1 == r.spec.prompt_tokens + r.generated:
+            d_seqs += 1
+            d_ctx += c
+            continue
+        p_tok += n
+        p_ctx += n * c
+        p_sq += n * n
+        if r.generated == 0 and c + n >= r.spec.prompt_tokens:
+            first += 1
+    return p_tok, p_ctx, p_sq, d_seqs, d_ctx, first
+
+
 class EngineListener:
     """An observer of an ``EngineModel``'s lifecycle (``EngineModel.listener``): the simulator's
     cluster router host and the ``sim`` engine subclass it and override what they need; every
@@ -385,15 +404,7 @@ class EngineModel:
             self._batch = []
             loading = [r.ready_s for r in self.running if r.ready_s > now]
             return min(loading) - now if loading else None  # idle until a reload lands
-        p_tok = p_ctx = p_sq = d_seqs = d_ctx = 0
-        for r, n in batch:
-            if n == 1 and r.generated > 0 and r.num_computed + 1 == r.spec.prompt_tokens + r.generated:
-                d_seqs += 1
-                d_ctx += r.num_computed
-            else:
-                p_tok += n
-                p_ctx += n * r.num_computed
-                p_sq += n * n
+        p_tok, p_ctx, p_sq, d_seqs, d_ctx, _ = _step_shape(batch)
         dt = self.cost.step_time(p_tok, p_ctx, p_sq, d_seqs, d_ctx)
         self._batch = batch
         self.policy.on_step(p_tok)
@@ -720,17 +731,7 @@ class EngineModel:
         c = hit_blocks * self.config.block_size
         if r.target - c <= budget or not self.policy.may_hold_first_step(r.rid):
             return False
-        first = p_tok = p_ctx = p_sq = d_seqs = d_ctx = 0
-        for x, n in batch:
-            if n == 1 and x.generated > 0 and x.num_computed + 1 == x.spec.prompt_tokens + x.generated:
-                d_seqs += 1
-                d_ctx += x.num_computed
-                continue
-            p_tok += n
-            p_ctx += n * x.num_computed
-            p_sq += n * n
-            if x.generated == 0 and x.num_computed + n >= x.spec.prompt_tokens:
-                first += 1
+        p_tok, p_ctx, p_sq, d_seqs, d_ctx, first = _step_shape(batch)
         return first_step_hold_pays(self.cost, first, len(self.policy) - 1, p_tok, p_ctx, p_sq,
                                     d_seqs, d_ctx, budget, c)
 
