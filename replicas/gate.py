@@ -157,8 +157,8 @@ class AdmissionGate:
         self._pending_tier: dict[int, int] = {}  # with tier_of: those tokens by tier
         self._tier: dict[int, int] = {}  # with tier_of: admitted rid without a first token -> its tier
         self._admitted: dict[int, str] = {}  # in the engine (admitted, not finished): rid -> request id
-        self._prefilling: dict[int, float] = {}  # of those, without a first token: rid -> admission wall time
-        self._first_step: dict[int, tuple[int, int]] = {}  # and their (uncached, cached) prompt tokens
+        # of those, without a first token: rid -> (admission wall time, uncached, cached prompt tokens)
+        self._prefilling: dict[int, tuple[float, int, int]] = {}
         self._cost = policy.cost  # prices the first-step hold (``fairway.first_step``)
         self._held_first_step: set[int] = set()  # waiting rids the hold has kept out so far
         self.first_step_holds = 0  # requests held out of the step in the engine (each once)
@@ -319,7 +319,7 @@ class AdmissionGate:
                     owing.add(tenant)  # it fits, but only in the room kept for the quieter tenants
                     continue
                 break  # head-of-line: wait for memory, let nobody overtake
-            if overdue is None and self._first_step and self._hold_first_step(q, pending):
+            if overdue is None and self._prefilling and self._hold_first_step(q, pending):
                 if q.rid not in self._held_first_step:
                     self._held_first_step.add(q.rid)
                     self.first_step_holds += 1
@@ -334,8 +334,7 @@ class AdmissionGate:
                 self._tier[q.rid] = tier
                 self._pending_tier[tier] = self._pending_tier.get(tier, 0) + adm.prompt_tokens - adm.cached_tokens
             self._admitted[q.rid] = self._request_ids.pop(q.rid, "")
-            self._prefilling[q.rid] = time.time()
-            self._first_step[q.rid] = (adm.prompt_tokens - adm.cached_tokens, adm.cached_tokens)
+            self._prefilling[q.rid] = (time.time(), adm.prompt_tokens - adm.cached_tokens, adm.cached_tokens)
             fut = self._waiting.pop(q.rid)
             if not fut.done():
                 fut.set_result(adm)
@@ -358,12 +357,13 @@ class AdmissionGate:
         if pending + q.prompt_tokens - cached <= budget:
             return False
         p_tok = p_ctx = p_sq = 0
-        for n, c in self._first_step.values():
+        for _, n, c in self._prefilling.values():
             p_tok += n
             p_ctx += n * c
             p_sq += n * n
-        return first_step_hold_pays(self._cost, len(self._first_step), len(self._waiting) - 1, p_tok, p_ctx, p_sq,
-                                    len(self._admitted) - len(self._first_step), 0, budget - pending, cached)
+        m = len(self._prefilling)
+        return first_step_hold_pays(self._cost, m, len(self._waiting) - 1, p_tok, p_ctx, p_sq,
+                                    len(self._admitted) - m, 0, budget - pending, cached)
 
     def _drop(self, rid: int) -> None:
         """Waiting ``rid`` leaves the queue unadmitted (its consumer left). O(1) plus the
@@ -489,7 +489,6 @@ class AdmissionGate:
         it leaves the pending prefill tokens and the prefilling list the stats report."""
         self._pending_prefill -= adm.prompt_tokens - adm.cached_tokens
         self._prefilling.pop(adm.rid, None)
-        self._first_step.pop(adm.rid, None)
         tier = self._tier.pop(adm.rid, None)
         if tier is not None:
             self._pending_tier[tier] -= adm.prompt_tokens - adm.cached_tokens
@@ -614,7 +613,7 @@ class AdmissionGate:
             max_num_seqs=self.engine.max_num_seqs,
             recent_cached=dict(self.recent_cached),
             waiting_ids=list(self._request_ids.values()),
-            prefilling={self._admitted[rid]: t for rid, t in self._prefilling.items()},
+            prefilling={self._admitted[rid]: t for rid, (t, _, _) in self._prefilling.items()},
             admitted_ids=list(self._admitted.values()),
             stalled=self.stalled,
             full=self._at_wait_bound(self.drain.wait_s(queued)),
