@@ -160,7 +160,9 @@ class AdmissionGate:
         # of those, without a first token: rid -> (admission wall time, uncached, cached prompt tokens)
         self._prefilling: dict[int, tuple[float, int, int]] = {}
         self._cost = policy.cost  # prices the first-step hold (``fairway.first_step``)
-        self._held_first_step: set[int] = set()  # waiting rids the hold has kept out so far
+        # waiting rids the first-step hold has kept out so far -> the admitted prefills whose
+        # first tokens it first waited for
+        self._held_first_step: dict[int, frozenset[int]] = {}
         self.first_step_holds = 0  # requests held out of the step in the engine (each once)
         self.admitted = 0
         self.finished = 0
@@ -321,12 +323,12 @@ class AdmissionGate:
                 break  # head-of-line: wait for memory, let nobody overtake
             if overdue is None and self._prefilling and self._hold_first_step(q, pending):
                 if q.rid not in self._held_first_step:
-                    self._held_first_step.add(q.rid)
+                    self._held_first_step[q.rid] = frozenset(self._prefilling)
                     self.first_step_holds += 1
                     if self.stats is not None:
                         self.stats.inc_first_step_holds(replica=self.replica)
                 break  # until the step in the engine ends: nothing overtakes it meanwhile
-            self._held_first_step.discard(q.rid)
+            self._held_first_step.pop(q.rid, None)
             adm = self.policy.admit(q.rid)
             self.drain.took(self.clock.now(), adm.est_prefill_s)
             self._pending_prefill += adm.prompt_tokens - adm.cached_tokens
@@ -344,17 +346,21 @@ class AdmissionGate:
 
     def _hold_first_step(self, q: QueuedRequest, pending: int) -> bool:
         """Whether the pick ``q`` stays out of the engine until the admitted prefills get their
-        first token (``fairway.first_step``, as the engine model prices it): its prefill would not
-        end in the step that ends theirs, and its chunk would lengthen that step by more than
-        holding it costs. The step is the admitted prefills (each ends in it: rule 2 keeps them
-        within one step's budget) and the decodes of the rest of the engine's requests, their
-        context unknown here. A pick past the age bound (``oldest_first_after_s``) is never held.
-        O(admitted without a first token)."""
+        first token (``fairway.first_step``, as the engine model prices it): its chunk (the rest
+        of the step's budget, or its whole prompt where that ends in the step) would lengthen the
+        step that ends theirs by more than holding it costs. The step is the admitted prefills
+        (each ends in it: rule 2 keeps them within one step's budget) and the decodes of the rest
+        of the engine's requests, their context unknown here. A prompt that would end in the
+        step is held for one step's first tokens at most: not again once others were admitted
+        after it was first held. A pick past the age bound (``oldest_first_after_s``) is never
+        held. O(admitted without a first token)."""
         budget = self._budget()
         if pending >= budget or not self.policy.may_hold_first_step(q.rid):
             return False
         cached = self.policy.cached_tokens(q.rid)
-        if pending + q.prompt_tokens - cached <= budget:
+        ends = pending + q.prompt_tokens - cached <= budget
+        held_for = self._held_first_step.get(q.rid)
+        if ends and held_for is not None and not held_for.issuperset(self._prefilling):
             return False
         p_tok = p_ctx = p_sq = 0
         for _, n, c in self._prefilling.values():
@@ -363,14 +369,15 @@ class AdmissionGate:
             p_sq += n * n
         m = len(self._prefilling)
         return first_step_hold_pays(self._cost, m, len(self._waiting) - 1, p_tok, p_ctx, p_sq,
-                                    len(self._admitted) - m, 0, budget - pending, cached)
+                                    len(self._admitted) - m, 0,
+                                    budget - pending if not ends else q.prompt_tokens - cached, cached)
 
     def _drop(self, rid: int) -> None:
         """Waiting ``rid`` leaves the queue unadmitted (its consumer left). O(1) plus the
         policy's removal."""
         del self._waiting[rid]
         self._request_ids.pop(rid, None)
-        self._held_first_step.discard(rid)
+        self._held_first_step.pop(rid, None)
         self.policy.remove(rid)
 
     def _overdue(self) -> QueuedRequest | None:

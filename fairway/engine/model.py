@@ -130,6 +130,7 @@ class EngineRequest:
     wait_token: int = 0  # admission gate: this wait's entry in the engine's deadline heap
     queued: QueuedRequest | None = None  # the policy's record of this wait
     exempt: bool = False  # admission gate: held to its bound once already in this wait
+    step_held: bool = False  # first-step hold: kept out of a step its prefill would have ended in
     ready_s: float = 0.0  # running, but not schedulable before this (host-tier reload in flight)
 
     @property
@@ -725,15 +726,20 @@ class EngineModel:
 
     def _hold_first_step(self, r: EngineRequest, hit_blocks: int, batch: list[tuple[EngineRequest, int]],
                          budget: int) -> bool:
-        """Whether the policy's pick ``r`` waits one step because its chunk would only lengthen a
-        step that brings first tokens (``fairway.first_step``). O(batch), and only for a pick
-        whose prefill does not end in this step."""
+        """Whether the policy's pick ``r`` waits one step because its chunk (the rest of the
+        budget, or its whole prompt where that ends in the step) would lengthen a step that
+        brings first tokens by more than the hold costs (``fairway.first_step``). A prompt that
+        would end in the step is held once at most: the price counts one step's wait. O(batch)."""
         c = hit_blocks * self.config.block_size
-        if r.target - c <= budget or not self.policy.may_hold_first_step(r.rid):
+        ends = r.target - c <= budget
+        if (ends and r.step_held) or not self.policy.may_hold_first_step(r.rid):
             return False
         p_tok, p_ctx, p_sq, d_seqs, d_ctx, first = _step_shape(batch)
-        return first_step_hold_pays(self.cost, first, len(self.policy) - 1, p_tok, p_ctx, p_sq,
-                                    d_seqs, d_ctx, budget, c)
+        held = first_step_hold_pays(self.cost, first, len(self.policy) - 1, p_tok, p_ctx, p_sq,
+                                    d_seqs, d_ctx, budget if not ends else r.target - c, c)
+        if held and ends:
+            r.step_held = True
+        return held
 
     def _strict_prefill(self) -> bool:
         """Whether the strictest tier has prefill to run: a request of it waits, or one running

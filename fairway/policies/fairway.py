@@ -138,14 +138,15 @@ class FairwayConfig:
         trace), where "evicted" cost them 1-5%
         (docs/design.md, Lost context).
     first_step_hold: the host may hold a request back one step (``may_hold_first_step``) while it
-        is not promoted: an engine with a per-step token budget puts a chunk of a prompt it
-        cannot finish in the step into the same step as the requests whose first token that
-        step brings, and each of those then waits for the chunk. The host holds the prompt when
-        that delay outweighs the hold's cost (its own step, and the capacity the shorter step
-        leaves unused for everyone waiting; docs/design.md, First-step hold). How long: only
-        while it has waited less than its own prefill time P, and never once promoted. On by
-        default since 2026-12-07: it halves the median on bursty traffic where long prompts land
-        among short ones, and moves the other workloads' figures by a few percent, mostly down.
+        is not promoted: an engine with a per-step token budget puts a chunk of every prompt it
+        admits into the same step as the requests whose first token that step brings, and each
+        of those then waits for the chunk. The host holds the prompt when that delay outweighs
+        the hold's cost (its own step, and the capacity the shorter step leaves unused for
+        everyone waiting; docs/design.md, First-step hold). How long: only while it has waited
+        less than its own prefill time P, never once promoted, and once at most where its
+        prefill would end in the step. On by default since 2026-12-07: it cuts the median by
+        half or more on bursty traffic where longer prompts land among short ones, and moves
+        the other workloads' figures by a few percent, mostly down.
     """
 
     theta: float = 12.0

@@ -35,14 +35,14 @@ def test_the_hold_pays_while_the_delay_to_first_tokens_outweighs_its_cost():
     assert not first_step_hold_pays(COST, 1, 0, 300, 0, 0, 0, 0, 20, 0)
 
 
-def _burst(first_step_hold: bool) -> tuple[dict[int, float], EngineModel]:
+def _burst(first_step_hold: bool, long_tokens: int = 3000) -> tuple[dict[int, float], EngineModel]:
     clock = ManualClock()
     pol = make_policy("fairway", clock=clock, cost=COST, first_step_hold=first_step_hold)
     cfg = EngineConfig(kv_blocks=1000, max_num_batched_tokens=1000, max_num_seqs=64)
     eng = EngineModel(cfg, COST, pol, clock)
-    # one burst: three short prompts and a long one, none cached
+    # one burst: three short prompts and a longer one, none cached
     specs = [spec(i, 0.0, 100, 2, chain(f"c{i}", 7)) for i in range(3)]
-    specs.append(spec(3, 0.0, 3000, 2, chain("heavy", 188)))
+    specs.append(spec(3, 0.0, long_tokens, 2, chain("heavy", -(-long_tokens // 16))))
     res = Simulation(ListWorkload(specs), [eng], clock).run()
     return {r.rid: r.first_token_s for r in res.finished}, eng
 
@@ -58,6 +58,39 @@ def test_the_engine_holds_a_long_prompt_out_of_the_step_that_ends_three_short_on
     # the long prompt starts a step later and ends one step's overhead (0.01 s) later: its
     # chunks fill the steps that follow as before, plus the short step it stayed out of
     assert held[3] == pytest.approx(shipped[3] + 0.01)
+
+
+def test_a_prompt_that_would_end_in_the_step_is_held_when_it_lengthens_the_step_most():
+    # 600 tokens fit the budget with the three short prompts: without the hold all four get
+    # their first token at the end of one 0.91 s step
+    shipped, _ = _burst(first_step_hold=False, long_tokens=600)
+    assert [shipped[i] for i in range(4)] == pytest.approx([0.91] * 4)
+    # 3 x 0.6 s saved against 0.31 s: the short prompts' step ends at 0.31 s, and the 600-token
+    # prompt's own step follows it (0.01 + 0.6 s, and 0.005 s for the short prompts' decodes)
+    held, eng = _burst(first_step_hold=True, long_tokens=600)
+    assert eng.first_step_holds == 1
+    assert [held[i] for i in range(4)] == pytest.approx([0.31, 0.31, 0.31, 0.925])
+    # a pick as cheap as the step's own prefills is not held: 3 x 0.1 s < 0.31 s
+    same, eng = _burst(first_step_hold=True, long_tokens=100)
+    assert eng.first_step_holds == 0
+    assert [same[i] for i in range(4)] == pytest.approx([0.41] * 4)
+
+
+def test_a_prompt_that_would_end_in_the_step_is_held_once_at_most():
+    clock = ManualClock()
+    pol = make_policy("fairway", clock=clock, cost=COST)
+    cfg = EngineConfig(kv_blocks=1000, max_num_batched_tokens=1000, max_num_seqs=64)
+    eng = EngineModel(cfg, COST, pol, clock)
+    specs = [spec(i, 0.0, 100, 2, chain(f"c{i}", 7)) for i in range(3)]
+    specs.append(spec(3, 0.0, 600, 2, chain("heavy", 38)))
+    # three more short prompts arrive during the first step: the 600-token prompt would pay to be
+    # held again, but goes into the second step with them (0.01 + 0.9 s, + 0.005 s of decodes)
+    specs += [spec(i, 0.3, 100, 2, chain(f"c{i}", 7)) for i in range(4, 7)]
+    res = Simulation(ListWorkload(specs), [eng], clock).run()
+    first = {r.rid: r.first_token_s for r in res.finished}
+    assert eng.first_step_holds == 1
+    assert [first[i] for i in (0, 1, 2)] == pytest.approx([0.31] * 3)
+    assert [first[i] for i in (3, 4, 5, 6)] == pytest.approx([0.31 + 0.915] * 4)
 
 
 def test_a_request_is_held_only_while_it_has_waited_less_than_its_own_prefill_time():

@@ -909,11 +909,12 @@ async def test_a_follow_up_turn_whose_context_ran_here_is_counted_as_a_lost_cont
     assert gate.stats.counter("lost_credits") == 1  # counted at the admissions
 
 
-@pytest.mark.parametrize("hold", [False, True])
-async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_in_the_engine(hold):
+@pytest.mark.parametrize(("hold", "tokens"), [(False, 3000), (True, 3000), (True, 600), (False, 600)])
+async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_in_the_engine(hold, tokens):
     """fairway[first_step_hold]: three short prompts are in the engine, within one step's budget
     (1,000 tokens); a 3,000-token prompt's chunk would fill their step (0.31 s -> 1.01 s each,
-    LinearCost), so it waits until their first tokens are out; off, it goes in at once."""
+    LinearCost), and a 600-token prompt would end in it but lengthen it to 0.91 s, so either
+    waits until their first tokens are out; off, it goes in at once."""
     from observability.stats import FairwayStats
 
     clock = ManualClock()
@@ -925,7 +926,7 @@ async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
     await settle()
-    tasks.append(asyncio.create_task(consume(gate, call("h", 3000, chain("h", 188)), out)))
+    tasks.append(asyncio.create_task(consume(gate, call("h", tokens, chain("h", tokens // 16)), out)))
     await settle()
     if not hold:
         assert engine.started == ["a", "b", "c", "h"] and gate.first_step_holds == 0
@@ -944,6 +945,50 @@ async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_
         engine.release(rid)
     await asyncio.gather(*tasks)
     assert {rid for rid, ch in out if ch.finished} == set("abch")
+
+
+async def test_a_prompt_that_would_end_in_the_step_is_held_for_one_step_at_most():
+    """A 600-token prompt is held for the first tokens of a, b and c; a short prompt d arrives
+    and goes first (the Fast lane): the 600-token prompt would pay to wait for d's first token
+    too, but it has waited once already, so it goes in with d."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    engine.max_model_len = 8192
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
+    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
+    await settle()
+    tasks.append(asyncio.create_task(consume(gate, call("h", 600, chain("h", 37)), out)))
+    await settle()
+    engine.release("a")
+    await settle()
+    assert engine.started == ["a", "b", "c"] and gate.first_step_holds == 1  # still b's and c's step
+    tasks.append(asyncio.create_task(consume(gate, call("d", 100, chain("d", 7)), out)))
+    await settle()
+    assert engine.started == ["a", "b", "c", "d", "h"] and gate.first_step_holds == 1
+    for rid in "bcdh":
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert {rid for rid, ch in out if ch.finished} == set("abcdh")
+
+
+async def test_a_prompt_as_cheap_as_the_step_in_the_engine_is_not_held():
+    """As above with a fourth 100-token prompt: its chunk adds 0.1 s to three first tokens,
+    less than the 0.31 s step it would wait, so it goes in at once."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    engine.max_model_len = 8192
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
+    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abcd"]
+    await settle()
+    assert engine.started == ["a", "b", "c", "d"] and gate.first_step_holds == 0
+    for rid in "abcd":
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert {rid for rid, ch in out if ch.finished} == set("abcd")
 
 
 async def test_a_long_prompt_past_the_age_bound_is_not_held_for_first_tokens():
