@@ -17,8 +17,8 @@ a longer prompt: by a chunk of one that cannot finish in the step, or by the who
 would (the step is then ordered shortest first, one step apart). A pick about as cheap as the
 step's own prefills is not held: its chunk adds less than ``t0 / m``. A prompt that would end in
 the step is held once at most, since the price counts one step's wait; held again behind each new
-cheap arrival, its wait would compound unpriced. The hosts (the engine model,
-the replica gate) count ``m`` and ``waiting``; the queue policy says who may be held at all
+cheap arrival, its wait would compound unpriced. The hosts (the engine model, the replica gate)
+count ``m`` and ``waiting``; the queue policy says who may be held at all
 (``QueuePolicy.may_hold_first_step``: with Fairway, a request that is not promoted and has waited
 less than its own prefill time, so holds at most double its wait measured against its cost).
 
