@@ -909,6 +909,16 @@ async def test_a_follow_up_turn_whose_context_ran_here_is_counted_as_a_lost_cont
     assert gate.stats.counter("lost_credits") == 1  # counted at the admissions
 
 
+def _first_step_gate(first_step_hold: bool = True, **config) -> tuple[AdmissionGate, ScriptedEngine, ManualClock]:
+    """A Fairway gate with a 1,000-token prefill budget over a scripted engine, LinearCost."""
+    clock = ManualClock()
+    engine = ScriptedEngine()
+    engine.max_model_len = 8192
+    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, first_step_hold=first_step_hold)
+    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000, **config), replica="r0")
+    return gate, engine, clock
+
+
 @pytest.mark.parametrize(("hold", "tokens"), [(False, 3000), (True, 3000), (True, 600), (False, 600)])
 async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_in_the_engine(hold, tokens):
     """fairway[first_step_hold]: three short prompts are in the engine, within one step's budget
@@ -917,11 +927,7 @@ async def test_a_long_prompt_waits_at_the_gate_for_the_first_tokens_of_the_step_
     waits until their first tokens are out; off, it goes in at once."""
     from observability.stats import FairwayStats
 
-    clock = ManualClock()
-    engine = ScriptedEngine()
-    engine.max_model_len = 8192
-    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16, first_step_hold=hold)
-    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    gate, engine, _ = _first_step_gate(first_step_hold=hold)
     gate.stats = FairwayStats(level="replica", component="r0", policy="fairway")
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
@@ -951,11 +957,7 @@ async def test_a_prompt_that_would_end_in_the_step_is_held_for_one_step_at_most(
     """A 600-token prompt is held for the first tokens of a, b and c; a short prompt d arrives
     and goes first (the Fast lane): the 600-token prompt would pay to wait for d's first token
     too, but it has waited once already, so it goes in with d."""
-    clock = ManualClock()
-    engine = ScriptedEngine()
-    engine.max_model_len = 8192
-    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
-    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    gate, engine, _ = _first_step_gate()
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
     await settle()
@@ -976,11 +978,7 @@ async def test_a_prompt_that_would_end_in_the_step_is_held_for_one_step_at_most(
 async def test_a_prompt_as_cheap_as_the_step_in_the_engine_is_not_held():
     """As above with a fourth 100-token prompt: its chunk adds 0.1 s to three first tokens,
     less than the 0.31 s step it would wait, so it goes in at once."""
-    clock = ManualClock()
-    engine = ScriptedEngine()
-    engine.max_model_len = 8192
-    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
-    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000), replica="r0")
+    gate, engine, _ = _first_step_gate()
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abcd"]
     await settle()
@@ -994,12 +992,7 @@ async def test_a_prompt_as_cheap_as_the_step_in_the_engine_is_not_held():
 async def test_a_long_prompt_past_the_age_bound_is_not_held_for_first_tokens():
     """As above, with ``oldest_first_after_s`` 0.5 s: held at its arrival; once it has waited
     past the bound it goes in at the next pump (a's first token), though b's and c's are to come."""
-    clock = ManualClock()
-    engine = ScriptedEngine()
-    engine.max_model_len = 8192
-    pol = make_policy("fairway", clock=clock, cost=LinearCost(), block_size=16)
-    gate = AdmissionGate(engine, pol, clock, GateConfig(prefill_budget_tokens=1000, oldest_first_after_s=0.5),
-                         replica="r0")
+    gate, engine, clock = _first_step_gate(oldest_first_after_s=0.5)
     out: list = []
     tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
     await settle()
