@@ -361,7 +361,7 @@ class AdmissionGate:
         ends = pending + q.prompt_tokens - cached <= budget
         held_for = self._held_first_step.get(q.rid)
         if ends and held_for is not None and not held_for.issuperset(self._prefilling):
-            return False
+            return False  # it was held for other first tokens before
         p_tok = p_ctx = p_sq = 0
         for _, n, c in self._prefilling.values():
             p_tok += n
@@ -370,7 +370,7 @@ class AdmissionGate:
         m = len(self._prefilling)
         return first_step_hold_pays(self._cost, m, len(self._waiting) - 1, p_tok, p_ctx, p_sq,
                                     len(self._admitted) - m, 0,
-                                    budget - pending if not ends else q.prompt_tokens - cached, cached)
+                                    min(budget - pending, q.prompt_tokens - cached), cached)
 
     def _drop(self, rid: int) -> None:
         """Waiting ``rid`` leaves the queue unadmitted (its consumer left). O(1) plus the

@@ -736,7 +736,7 @@ class EngineModel:
             return False
         p_tok, p_ctx, p_sq, d_seqs, d_ctx, first = _step_shape(batch)
         held = first_step_hold_pays(self.cost, first, len(self.policy) - 1, p_tok, p_ctx, p_sq,
-                                    d_seqs, d_ctx, budget if not ends else r.target - c, c)
+                                    d_seqs, d_ctx, min(budget, r.target - c), c)
         if held and ends:
             r.step_held = True
         return held
