@@ -103,7 +103,7 @@ def main() -> None:
             name, opts = parse_spec(spec)
             base = {"duration_s": args.duration, "seed": args.seed, "profile": args.profile, **fields}
             cfg = RunConfig(policy=name, policy_options=opts, **base)
-            jobs.append((label, spec, cfg.model_dump_json()))
+            jobs.append((label, spec, cfg.key()))
     cache: dict[str, dict[str, Any]] = {}
     if args.cache and os.path.exists(args.cache):
         with open(args.cache) as f:

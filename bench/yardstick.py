@@ -155,7 +155,7 @@ class Run:
     @property
     def key(self) -> str:
         """A file name for the run's cached summary: readable, and unique per configuration."""
-        cfg = self.config().model_dump_json()
+        cfg = self.config().key()
         digest = hashlib.sha1(cfg.encode()).hexdigest()[:10]
         slug = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{self.point.label}-{self.router}-{self.view}-s{self.seed}")
         return f"{slug}-{digest}"

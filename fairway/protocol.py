@@ -246,7 +246,8 @@ class Engine(ABC):
 
     Required: the four sizes and the abstract methods. Optional members have their defaults here,
     and an engine overrides those it has: ``healthy`` (True), ``preemptions`` (0), ``on_step``
-    (None; an engine that can calls it after every step), ``time_scale`` (1.0), ``timing()`` (None), ``set_fault()``
+    (None; an engine that can calls it after every step), ``time_scale`` (1.0),
+    ``long_prefill_token_threshold`` (0), ``timing()`` (None), ``set_fault()``
     (applies none), and for engines with a host KV tier (``sim`` with ``host_kv_blocks``; ``vllm``
     with ``kv_events`` and CPU offloading) ``set_tier_listener(on_tier)`` (``on_tier`` gets
     ``(host_only, hash)`` transitions, after the stored / removed events of the same step) and
@@ -271,6 +272,10 @@ class Engine(ABC):
     #: speed`` for the sim engine slowed by its ``speed`` option; the gate's stall bound is in the
     #: hardware's seconds and scales by it, so a slowed engine's long steps are not taken for a stall
     time_scale: float = 1.0
+    #: the most prompt tokens one request computes in a step (vLLM's
+    #: ``long_prefill_token_threshold``); 0: no cap beyond the step's budget. The gate's
+    #: first-step hold prices a pick's chunk with it
+    long_prefill_token_threshold: int = 0
 
     @abstractmethod
     async def start(self) -> None: ...

@@ -349,28 +349,36 @@ class AdmissionGate:
         first token (``fairway.first_step``, as the engine model prices it): its chunk (the rest
         of the step's budget, or its whole prompt where that ends in the step) would lengthen the
         step that ends theirs by more than holding it costs. The step is the admitted prefills
-        (each ends in it: rule 2 keeps them within one step's budget) and the decodes of the rest
-        of the engine's requests, their context unknown here. A prompt that would end in the
-        step is held for one step's first tokens at most: not again once others were admitted
-        after it was first held. A pick past the age bound (``oldest_first_after_s``) is never
-        held. O(admitted without a first token)."""
+        (each ends in it: rule 2 keeps them within one step's budget, unless the engine caps a
+        request's chunk, ``long_prefill_token_threshold``: then one longer than the cap runs a
+        chunk of it and ends later) and the decodes of the rest of the engine's requests, their
+        context unknown here. A prompt that would end in the step is held for one step's first
+        tokens at most: not again once others were admitted after it was first held. A pick past
+        the age bound (``oldest_first_after_s``) is never held. O(admitted without a first token)."""
         budget = self._budget()
         if pending >= budget or not self.policy.may_hold_first_step(q.rid):
             return False
+        cap = self.engine.long_prefill_token_threshold  # the engine's chunk per request; 0: none
+        room = budget - pending
+        if 0 < cap < room:
+            room = cap
         cached = self.policy.cached_tokens(q.rid)
-        ends = pending + q.prompt_tokens - cached <= budget
+        ends = q.prompt_tokens - cached <= room
         held_for = self._held_first_step.get(q.rid)
         if ends and held_for is not None and not held_for.issuperset(self._prefilling):
             return False  # it was held for other first tokens before
-        p_tok = p_ctx = p_sq = 0
+        p_tok = p_ctx = p_sq = m = 0
         for _, n, c in self._prefilling.values():
+            if 0 < cap < n:
+                n = cap  # a chunk of it: no first token in this step
+            else:
+                m += 1
             p_tok += n
             p_ctx += n * c
             p_sq += n * n
-        m = len(self._prefilling)
         return first_step_hold_pays(self._cost, m, len(self._waiting) - 1, p_tok, p_ctx, p_sq,
-                                    len(self._admitted) - m, 0,
-                                    min(budget - pending, q.prompt_tokens - cached), cached)
+                                    len(self._admitted) - len(self._prefilling), 0,
+                                    min(room, q.prompt_tokens - cached), cached)
 
     def _drop(self, rid: int) -> None:
         """Waiting ``rid`` leaves the queue unadmitted (its consumer left). O(1) plus the

@@ -42,6 +42,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                    help="engine sequence slots per replica (vLLM's default on an H200)")
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="the most prompt tokens one request computes in a step, as vLLM's option (0: no cap)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission", default="off",
                    help="engine admission gate: off, or session[cold_fraction=..;hold_factor=..;min_hold_s=..;"
@@ -106,6 +108,7 @@ def config_from(args: argparse.Namespace, policy_spec: str, rate: float, seed: i
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         seed=seed,
         admission=admission,
         admission_options=admission_options,

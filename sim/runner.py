@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -56,6 +56,8 @@ class RunConfig(BaseModel):
     block_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1)
+    long_prefill_token_threshold: int = Field(0, ge=0, description="the most prompt tokens one request computes "
+                                              "in a step (vLLM's option of that name); 0: the step's budget")
     seed: int = 0
     admission: Literal["off", "session"] = Field("off", description="engine admission gate (fairway.admission)")
     admission_options: dict[str, Any] = Field(default_factory=dict)
@@ -79,6 +81,15 @@ class RunConfig(BaseModel):
                                                   "(router.hold.max_wait_s)")
     strict_prefill_first: bool = Field(False, description="with classes: a step in which the strictest tier has "
                                                           "prefill runs no lower tier's prefill (EngineConfig)")
+
+    #: options added after run caches were written (``bench.score``, ``bench.yardstick``), each
+    #: with the default that reproduces the runs from before it: ``key`` leaves them out at it
+    LATE_DEFAULTS: ClassVar[dict[str, Any]] = {"long_prefill_token_threshold": 0}
+
+    def key(self) -> str:
+        """The run's identity for result caches: its JSON, less the options added later while at
+        their default (so a cached run of the same configuration is still found)."""
+        return self.model_dump_json(exclude={k for k, v in self.LATE_DEFAULTS.items() if getattr(self, k) == v})
 
     @model_validator(mode="after")
     def _resolve_index_mode(self) -> RunConfig:
@@ -150,6 +161,7 @@ def build(cfg: RunConfig) -> tuple[Simulation, ManualClock]:
         block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         strict_prefill_first=cfg.strict_prefill_first,
         kv_blocks=cfg.kv_blocks,
         retention=cfg.retention,

@@ -2,7 +2,8 @@
 
 Per step (``start_step``), as vLLM v1's scheduler does:
 1. Running requests first, in admission order: a prefilling request gets its next chunk (up to
-   the remaining token budget), a decoding request 1 token. A request that needs a new KV block
+   the remaining token budget, and to ``long_prefill_token_threshold`` when set), a decoding
+   request 1 token. A request that needs a new KV block
    when none is free preempts the policy's victim (default: the newest running request), which
    releases its blocks and goes back to the waiting queue for recompute. A step that preempted
    admits nothing new.
@@ -74,6 +75,12 @@ class EngineConfig:
         lower tier, and admits none: the strict tier's chunks run in steps of their own size
         instead of sharing a full token budget with batch prefill (docs/history/
         2026-12-03-strict-prefill.md). Decodes go on. Off: vLLM's order (running first).
+    long_prefill_token_threshold: the most prompt tokens one request computes in a step, running
+        or newly admitted, while the engine holds more than one request (vLLM's
+        ``--long-prefill-token-threshold``, vllm/v1/core/sched/scheduler.py); 0 = no cap beyond
+        the step's budget, vLLM's default. A long prompt then spans several shorter steps, so a
+        short one arriving while it prefills waits for one of its chunks, not for its whole
+        prompt. vLLM's adaptive floor on the cap is not modelled.
     """
 
     block_size: int = 16
@@ -85,6 +92,7 @@ class EngineConfig:
     host_link_bytes_per_s: float = 50e9
     admission: AdmissionConfig | None = None
     strict_prefill_first: bool = False
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -96,6 +104,15 @@ class EngineConfig:
         if isinstance(self.host_kv_blocks, bool) or not isinstance(self.host_kv_blocks, int) or self.host_kv_blocks < 0:
             raise ValueError("host_kv_blocks must be an integer >= 0 (0: no host KV tier)")
         link_bandwidth(self.host_link_bytes_per_s)
+        t = self.long_prefill_token_threshold
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: no cap)")
+
+    @property
+    def chunk_cap(self) -> int:
+        """The most tokens one request computes in a step: the threshold, else the budget."""
+        t = self.long_prefill_token_threshold
+        return t if 0 < t < self.max_num_batched_tokens else self.max_num_batched_tokens
 
 
 @dataclass(slots=True)
@@ -240,6 +257,7 @@ class EngineModel:
         self.miss_tokens = 0  # and computed
         self.holds = 0  # requests the admission gate held back
         self.first_step_holds = 0  # steps a pick was held out of (``fairway.first_step``)
+        self._cap = config.max_num_batched_tokens  # this step's chunk cap per request (start_step)
         self.hold_releases_due = 0  # of which released by the starvation bound
         self.reload_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed (recomputes after eviction included)
@@ -353,6 +371,11 @@ class EngineModel:
         bs = cfg.block_size
         pool = self.pool
         budget = cfg.max_num_batched_tokens
+        # vLLM's long-prefill cap, lifted while one request is all there is (nobody to starve)
+        cap = cfg.chunk_cap
+        if cap < budget and len(self.running) + len(self.policy) <= 1:
+            cap = budget
+        self._cap = cap
         batch: list[tuple[EngineRequest, int]] = []
         if self._track and len(self.sessions):
             for ctx in self.sessions.expire(now):
@@ -372,6 +395,8 @@ class EngineModel:
                 continue
             done = r.num_computed
             n = r.spec.prompt_tokens + r.generated - done  # r.target - num_computed, inlined
+            if n > cap:
+                n = cap
             if n > budget:
                 n = budget
             need = -(-(done + n) // bs) - len(r.blocks)
@@ -731,12 +756,13 @@ class EngineModel:
         brings first tokens by more than the hold costs (``fairway.first_step``). A prompt that
         would end in the step is held once at most: the price counts one step's wait. O(batch)."""
         c = hit_blocks * self.config.block_size
-        ends = r.target - c <= budget
+        chunk = min(budget, self._cap)
+        ends = r.target - c <= chunk
         if (ends and r.step_held) or not self.policy.may_hold_first_step(r.rid):
             return False
         p_tok, p_ctx, p_sq, d_seqs, d_ctx, first = _step_shape(batch)
         held = first_step_hold_pays(self.cost, first, len(self.policy) - 1, p_tok, p_ctx, p_sq,
-                                    d_seqs, d_ctx, min(budget, r.target - c), c)
+                                    d_seqs, d_ctx, min(chunk, r.target - c), c)
         if held and ends:
             r.step_held = True
         return held
@@ -827,7 +853,7 @@ class EngineModel:
             self.listener.on_admitted(self.replica, r)
         if r.ready_s > now:
             return budget
-        n = min(r.target - r.num_computed, budget)
+        n = min(r.target - r.num_computed, budget, self._cap)
         batch.append((r, n))
         return budget - n
 

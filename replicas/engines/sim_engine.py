@@ -172,13 +172,16 @@ class SimEngine(Engine, EngineListener):
         host_link_bytes_per_s: float = 50e9,
         tiers: ClassesConfig | None = None,
         eos_mean_tokens: int = 256,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """``eos_mean_tokens``: the mean of a request's natural answer length (module docstring,
         End of sequence); 0: every request runs to ``max_tokens``. ``tiers`` (the replica passes
         its request classes with ``replica.strict_tiers``): the engine serves its waiting queue by
         tier, then first-come-first-served (vLLM's priority scheduling), and a step in which the
         strictest tier has prefill runs no lower tier's prefill (``EngineConfig.strict_prefill_first``;
-        module docstring). None: FCFS, as vLLM's default."""
+        module docstring). None: FCFS, as vLLM's default. ``long_prefill_token_threshold``: the
+        most prompt tokens one request computes in a step, as vLLM's option of that name
+        (``EngineConfig``); 0, its default: the step's budget."""
         if speed <= 0:
             raise ValueError("speed must be > 0")
         if pacing not in ("deadline", "sleep"):
@@ -205,7 +208,9 @@ class SimEngine(Engine, EngineListener):
             raise ValueError("tiers needs at least one request class")
         cfg = EngineConfig(block_size, max_num_batched_tokens, max_num_seqs, kv_blocks,
                            host_kv_blocks=host_kv_blocks, host_link_bytes_per_s=host_link_bytes_per_s,
-                           strict_prefill_first=self.tiers is not None)  # checked there
+                           strict_prefill_first=self.tiers is not None,  # checked there
+                           long_prefill_token_threshold=long_prefill_token_threshold)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         order = (make_policy("priority-fcfs", clock=self.clock, cost=self.cost, block_size=block_size,
                              classes=self.tiers) if self.tiers is not None
                  else make_policy("fcfs", clock=self.clock, cost=self.cost, block_size=block_size))

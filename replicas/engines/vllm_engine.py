@@ -198,6 +198,9 @@ class VllmEngine(Engine):
         self.seed = seed
         self.engine_args = dict(engine_args or {})
         _check_vllm_engine_args(self.engine_args)
+        # vLLM's per-request chunk cap, passed through engine_args: the gate's first-step hold prices
+        # a pick's chunk with it (vLLM lifts it while one request is all it holds)
+        self.long_prefill_token_threshold = int(self.engine_args.get("long_prefill_token_threshold") or 0)
         for name, value in (("model", model), ("tokenizer", tokenizer)):
             if value and not os.path.exists(value) and not could_be_hub_name(value):
                 raise ValueError(f"{name} {value!r} is not a local path (none there) and cannot be a hub model name "

@@ -35,10 +35,12 @@ def test_the_hold_pays_while_the_delay_to_first_tokens_outweighs_its_cost():
     assert not first_step_hold_pays(COST, 1, 0, 300, 0, 0, 0, 0, 20, 0)
 
 
-def _burst(first_step_hold: bool, long_tokens: int = 3000) -> tuple[dict[int, float], EngineModel]:
+def _burst(first_step_hold: bool, long_tokens: int = 3000, long_prefill: int = 0
+           ) -> tuple[dict[int, float], EngineModel]:
     clock = ManualClock()
     pol = make_policy("fairway", clock=clock, cost=COST, first_step_hold=first_step_hold)
-    cfg = EngineConfig(kv_blocks=1000, max_num_batched_tokens=1000, max_num_seqs=64)
+    cfg = EngineConfig(kv_blocks=1000, max_num_batched_tokens=1000, max_num_seqs=64,
+                       long_prefill_token_threshold=long_prefill)
     eng = EngineModel(cfg, COST, pol, clock)
     # one burst: three short prompts and a longer one, none cached
     specs = [spec(i, 0.0, 100, 2, chain(f"c{i}", 7)) for i in range(3)]
@@ -91,6 +93,18 @@ def test_a_prompt_that_would_end_in_the_step_is_held_once_at_most():
     assert eng.first_step_holds == 1
     assert [first[i] for i in (0, 1, 2)] == pytest.approx([0.31] * 3)
     assert [first[i] for i in (3, 4, 5, 6)] == pytest.approx([0.31 + 0.915] * 4)
+
+
+def test_under_a_long_prefill_cap_the_hold_prices_the_capped_chunk():
+    # capped at 100 tokens a step, the long prompt's chunk adds 0.1 s to three first tokens,
+    # less than the 0.31 s step it would wait: it goes in, and the short prompts' step is 0.41 s
+    capped, eng = _burst(first_step_hold=True, long_prefill=100)
+    assert eng.first_step_holds == 0
+    assert [capped[i] for i in range(3)] == pytest.approx([0.41] * 3)
+    # capped at 400, the chunk adds 0.4 s to each: held, as without a cap
+    capped, eng = _burst(first_step_hold=True, long_prefill=400)
+    assert eng.first_step_holds == 1
+    assert [capped[i] for i in range(3)] == pytest.approx([0.31] * 3)
 
 
 def test_a_request_is_held_only_while_it_has_waited_less_than_its_own_prefill_time():

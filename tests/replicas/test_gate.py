@@ -975,6 +975,50 @@ async def test_a_prompt_that_would_end_in_the_step_is_held_for_one_step_at_most(
     assert {rid for rid, ch in out if ch.finished} == set("abcdh")
 
 
+@pytest.mark.parametrize(("cap", "held"), [(100, False), (400, True)])
+async def test_the_hold_prices_the_chunk_the_engine_s_long_prefill_cap_allows(cap, held):
+    """The engine computes at most ``long_prefill_token_threshold`` tokens of a prompt a step
+    (vLLM's option): the 3,000-token prompt's chunk beside a, b and c is that cap. 100 tokens
+    add 0.1 s to three first tokens, less than the 0.31 s step it would wait: it goes in; 400
+    add 0.4 s to each: it waits."""
+    gate, engine, _ = _first_step_gate()
+    engine.long_prefill_token_threshold = cap
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "abc"]
+    await settle()
+    tasks.append(asyncio.create_task(consume(gate, call("h", 3000, chain("h", 188)), out)))
+    await settle()
+    assert engine.started == (["a", "b", "c"] if held else ["a", "b", "c", "h"])
+    assert gate.first_step_holds == int(held)
+    for rid in "abch":
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert {rid for rid, ch in out if ch.finished} == set("abch")
+
+
+async def test_a_prefill_longer_than_the_engine_s_cap_brings_no_first_token_to_the_step():
+    """Cap 220: a (500 tokens) runs a 220-token chunk of its prompt in the step, so the step
+    (0.01 + 0.22 + 0.2 s) ends b's and c's prefills only. The 3,000-token prompt's 220-token
+    chunk would delay those two first tokens by 0.44 s, more than the 0.43 s step it waits: it
+    is held. Were a counted as ending in the step with its whole prompt, the step would be
+    0.71 s and three first tokens' 0.66 s would not pay for it."""
+    gate, engine, _ = _first_step_gate()
+    engine.long_prefill_token_threshold = 220
+    out: list = []
+    tasks = [asyncio.create_task(consume(gate, call("a", 500, chain("a", 31)), out))]
+    await settle()
+    tasks += [asyncio.create_task(consume(gate, call(rid, 100, chain(rid, 7)), out)) for rid in "bc"]
+    await settle()
+    assert engine.started == ["a", "b", "c"] and gate.first_step_holds == 0
+    tasks.append(asyncio.create_task(consume(gate, call("h", 3000, chain("h", 188)), out)))
+    await settle()
+    assert engine.started == ["a", "b", "c"] and gate.first_step_holds == 1
+    for rid in "abch":
+        engine.release(rid)
+    await asyncio.gather(*tasks)
+    assert {rid for rid, ch in out if ch.finished} == set("abch")
+
+
 async def test_a_prompt_as_cheap_as_the_step_in_the_engine_is_not_held():
     """As above with a fourth 100-token prompt: its chunk adds 0.1 s to three first tokens,
     less than the 0.31 s step it would wait, so it goes in at once."""

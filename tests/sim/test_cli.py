@@ -26,6 +26,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         (["--workload", "rag", "--policy", "fairway[theta=-1]"], "theta"),
         (["--workload", "rag", "--policy", "fairway[lost_blocks=8;lost_scope=shared]"], "lost_scope"),
         (["--workload", "rag", "--policy", "fcfs", "--rate", "-2"], "rate"),
+        (["--workload", "rag", "--policy", "fcfs", "--long-prefill-token-threshold", "-5"],
+         "long_prefill_token_threshold"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(args, needle, capsys):
@@ -65,6 +67,18 @@ def test_sweep_writes_table_json_and_plots(tmp_path, capsys):
     assert len(data["results"]) == 4
     assert (tmp_path / "ttft_vs_rate.png").stat().st_size > 1000
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 1000
+
+
+def test_a_runs_cache_key_leaves_out_options_added_later_while_at_their_default():
+    """Cached runs stay found when an option is added: ``RunConfig.key`` omits it at its default."""
+    from sim.runner import RunConfig
+
+    plain = RunConfig(workload="rag", policy="fcfs")
+    capped = RunConfig(workload="rag", policy="fcfs", long_prefill_token_threshold=2048)
+    assert "long_prefill_token_threshold" not in plain.key()
+    assert plain.key() != capped.key() and '"long_prefill_token_threshold":2048' in capped.key()
+    assert RunConfig.model_validate_json(plain.key()) == plain
+    assert RunConfig.model_validate_json(capped.key()) == capped
 
 
 def test_policy_spec_parsing():

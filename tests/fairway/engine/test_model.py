@@ -12,11 +12,12 @@ from sim.simulator import Simulation
 from tests.factories import LinearCost, ListWorkload, chain, spec
 
 
-def engine(kv_blocks=100, policy="fcfs", budget=8192, max_seqs=256, **kw):
+def engine(kv_blocks=100, policy="fcfs", budget=8192, max_seqs=256, long_prefill=0, **kw):
     clock = ManualClock()
     cost = LinearCost()
     pol = make_policy(policy, clock=clock, cost=cost, **kw)
-    cfg = EngineConfig(kv_blocks=kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    cfg = EngineConfig(kv_blocks=kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                       long_prefill_token_threshold=long_prefill)
     return EngineModel(cfg, cost, pol, clock), clock
 
 
@@ -59,6 +60,30 @@ def test_chunked_prefill_under_token_budget():
     (r,) = res.finished
     assert eng.steps == 4  # 64 + 64 + 64 + 8
     assert r.first_token_s == pytest.approx(4 * 0.01 + 0.2)
+
+
+@pytest.mark.parametrize(("threshold", "short_first", "long_first"), [(0, 1.01, 1.01), (300, 0.41, 1.035)])
+def test_the_long_prefill_threshold_caps_each_request_s_chunk(threshold, short_first, long_first):
+    """vLLM's ``long_prefill_token_threshold``: a 900-token prompt and a 100-token one arrive
+    together. Uncapped they share one 1,000-token step (1.01 s). Capped at 300, the long one
+    computes 300 tokens a step: the short one's first token comes with the first step (0.01 +
+    0.4 s), the long one's after two more (0.01 + 0.3 + 0.005 s with the short one's decode, then
+    0.31 s: the last, where it is alone and the cap is lifted, has only 300 tokens left)."""
+    eng, clock = engine(budget=1000, long_prefill=threshold)
+    res = run(eng, clock, [spec(0, 0.0, 900, 2, chain("long", 57)), spec(1, 0.0, 100, 2, chain("s", 7))])
+    first = {r.rid: r.first_token_s for r in res.finished}
+    assert first == pytest.approx({0: long_first, 1: short_first})
+    assert eng.steps == (2 if threshold == 0 else 4)  # each with the decode step that ends them
+
+
+def test_the_long_prefill_threshold_is_lifted_while_one_request_is_all_there_is():
+    """As vLLM does: with nobody to starve, a lone 900-token prompt takes the whole budget in
+    one step (0.91 s), not three capped ones (0.93 s)."""
+    eng, clock = engine(budget=1000, long_prefill=300)
+    (r,) = run(eng, clock, [spec(0, 0.0, 900, 1, chain("long", 57))]).finished
+    assert r.first_token_s == pytest.approx(0.91) and eng.steps == 1
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
 
 
 def test_memory_bounds_admission():

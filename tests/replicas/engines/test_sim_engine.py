@@ -350,3 +350,15 @@ def test_a_slowed_engine_reports_its_time_scale():
     """The gate's stall bound stretches by the engine's ``time_scale``: 1 / speed for the sim engine."""
     assert make_engine("sim", speed=0.25, kv_blocks=64, max_model_len=2048).time_scale == 4.0
     assert make_engine("sim", kv_blocks=64, max_model_len=2048).time_scale == 1.0
+
+
+def test_the_long_prefill_cap_reaches_the_engine_model_and_the_gate_and_bad_values_are_refused():
+    """``long_prefill_token_threshold`` (vLLM's option): the engine model caps a prompt's chunk
+    with it, and the gate's first-step hold reads it from the engine."""
+    engine = make_engine("sim", kv_blocks=64, max_model_len=2048, long_prefill_token_threshold=512)
+    assert engine.long_prefill_token_threshold == 512
+    assert engine.model.config.long_prefill_token_threshold == 512
+    assert make_engine("sim", kv_blocks=64, max_model_len=2048).long_prefill_token_threshold == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+            make_engine("sim", kv_blocks=64, max_model_len=2048, long_prefill_token_threshold=bad)

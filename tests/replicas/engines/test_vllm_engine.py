@@ -372,6 +372,10 @@ def test_engine_args_and_checks_before_start():
     assert cpu["enable_prefix_caching"] is True and cpu["kv_cache_memory_bytes"] == 1 << 29
     assert cpu["max_num_seqs"] == 3 and cpu["tokenizer"] == "t" and "gpu_memory_utilization" not in cpu
     gpu = make_engine("vllm", model="m", gpu_memory_utilization=0.8).build_engine_args(is_cpu=False)
+    # vLLM's long-prefill cap passes through, and the gate's first-step hold reads it here
+    capped = make_engine("vllm", model="m", engine_args={"long_prefill_token_threshold": 512})
+    assert capped.long_prefill_token_threshold == 512 and eng.long_prefill_token_threshold == 0
+    assert capped.build_engine_args(is_cpu=False)["long_prefill_token_threshold"] == 512
     assert gpu["gpu_memory_utilization"] == 0.8 and "kv_cache_memory_bytes" not in gpu
     assert "kv_events_config" not in cpu
     ev = make_engine("vllm", model="m", kv_events=True).build_engine_args(is_cpu=True)["kv_events_config"]
