@@ -3,10 +3,9 @@
 Per step (``start_step``), as vLLM v1's scheduler does:
 1. Running requests first, in admission order: a prefilling request gets its next chunk (up to
    the remaining token budget, and to ``long_prefill_token_threshold`` when set), a decoding
-   request 1 token. A request that needs a new KV block
-   when none is free preempts the policy's victim (default: the newest running request), which
-   releases its blocks and goes back to the waiting queue for recompute. A step that preempted
-   admits nothing new.
+   request 1 token. A request that needs a new KV block when none is free preempts the policy's
+   victim (default: the newest running request), which releases its blocks and goes back to the
+   waiting queue for recompute. A step that preempted admits nothing new.
 2. Then waiting requests, in the policy's order, while budget and ``max_num_seqs`` allow.
    **Memory decides admission**: the head request is admitted only if blocks for its whole
    prompt (beyond its cache hit) fit in the free pool; otherwise admission stops for this step
