@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from fairway.engine.model import prefill_chunk
 from fairway.policies import validated_policy
 from fairway.policies.classes import ClassesConfig, ClassSpec
 from fairway.routing import validated_router
@@ -71,6 +72,8 @@ class ClusterArgs(ServedModel, ServedEngine):
 
     num_replicas: int = Field(2, ge=1)
     ingress_replicas: int = Field(1, ge=1)
+    # the engines' prefill chunk, read from the engine the validator builds (None: not yet)
+    _prefill_chunk: int | None = PrivateAttr(None)
     replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
     router: RouterArgs = Field(default_factory=RouterArgs)
     max_replicas_per_node: int | None = Field(None, ge=1, description="spread replicas over nodes")
@@ -130,7 +133,10 @@ class ClusterArgs(ServedModel, ServedEngine):
         r = self.replica
         r.policy, r.policy_options = validated_policy(r.policy, r.policy_options, block_size=self.block_size,
                                                       profile=self.profile)
-        validated_engine(self.engine, self.replica_args().engine_options())  # as each replica builds it
+        engine = validated_engine(self.engine, self.replica_args().engine_options())  # as each replica builds it
+        # the router prices a long prompt in the engines' own chunks (FairwayRouterConfig.prefill_chunk)
+        self._prefill_chunk = prefill_chunk(engine.max_num_batched_tokens,
+                                            getattr(engine, "long_prefill_token_threshold", 0))
         if self.router.policy != RAY_DEFAULT_ROUTER:  # checked once, with the options it will run with
             t = self.router
             t.policy, t.policy_options = resolve_spec(t.policy, t.policy_options)
@@ -146,7 +152,7 @@ class ClusterArgs(ServedModel, ServedEngine):
         """The router policy's options: the YAML's, plus (for ``fairway``, where the YAML leaves
         them out) the wait model that matches the replicas' queue policy."""
         return router_options_for(self.router.policy, self.router.policy_options, self.replica.policy,
-                                  self.replica.policy_options)
+                                  self.replica.policy_options, self._prefill_chunk)
 
     def ingress_args(self) -> IngressArgs:
         served = self.model_dump(include=set(ServedModel.model_fields))

@@ -342,18 +342,20 @@ class LoadView:
         n, held = len(hashes), prefix_walk(self._abw, (1 << len(self._ab)) - 1, hashes, len(self._ab))
         return [n - k for k in held]
 
-    def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None) -> None:
+    def on_preempted(self, rid: int, cached_tokens: int = 0, prompt_tokens: int | None = None,
+                     prefill_s: float | None = None) -> None:
         """A running ``rid`` went back to its engine's waiting queue (preempted, to be
         recomputed): its prefill work is queued again, re-priced with the new hit.
 
         ``prompt_tokens``: the tokens to recompute (prompt plus generated so far); default the
-        routed prompt. O(1)."""
+        routed prompt. ``prefill_s``: the caller's estimate of that recompute, as ``on_routed``'s
+        (default the cost model's). O(1)."""
         t = self._req[rid]
         if not t.started:
             return
         prompt = t.prompt_tokens if prompt_tokens is None else prompt_tokens
         c = max(0, min(cached_tokens, prompt - 1))
-        t.prefill_s = self.cost.prefill_time(prompt - c, c)
+        t.prefill_s = self.cost.prefill_time(prompt - c, c) if prefill_s is None else float(prefill_s)
         t.uncached_tokens = prompt - c
         t.started = False
         self._run[t.replica] -= 1

@@ -10,7 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fairway.admission import AdmissionConfig
 from fairway.clock import ManualClock
 from fairway.cost_model import DEFAULT_PROFILE, CostModel
-from fairway.engine.model import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig, EngineModel
+from fairway.engine.model import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+    EngineModel,
+    prefill_chunk,
+)
 from fairway.policies import make_policy, policy_class
 from fairway.policies.classes import ClassesConfig
 from fairway.routing import RouterError, router_class
@@ -106,8 +112,10 @@ class RunConfig(BaseModel):
 
 def router_options(cfg: RunConfig) -> dict[str, Any]:
     """The router policy's options: the run's, plus (for ``fairway``, where the run leaves them
-    out) the wait model that matches the replicas' queue policy."""
-    return router_options_for(cfg.router, cfg.router_options, cfg.policy, cfg.policy_options)
+    out) the wait model that matches the replicas' queue policy and their engines' prefill
+    chunk."""
+    return router_options_for(cfg.router, cfg.router_options, cfg.policy, cfg.policy_options,
+                              prefill_chunk(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold))
 
 
 def admission_config(cfg: RunConfig) -> AdmissionConfig | None:

@@ -28,6 +28,14 @@ class LinearCost:
     def prefill_time_array(self, new_tokens, cached_tokens):
         return self.overhead + self.per_token * new_tokens
 
+    def chunked_prefill_time(self, new_tokens: int, cached_tokens: int, chunk_tokens: int,
+                             decode_seqs: int = 0, decode_ctx_tokens: int = 0) -> float:
+        """One overhead (and decode cost) per step of at most ``chunk_tokens`` (``CostModel``'s
+        rule, linear)."""
+        n = max(1, new_tokens)
+        steps = -(-n // chunk_tokens) if chunk_tokens > 0 else 1
+        return steps * (self.overhead + (self.decode if decode_seqs else 0)) + self.per_token * n
+
     def step_time(self, prefill_tokens, prefill_ctx_tokens, prefill_sq_tokens, decode_seqs,
                   decode_ctx_tokens) -> float:
         return self.overhead + self.per_token * prefill_tokens + (self.decode if decode_seqs else 0)

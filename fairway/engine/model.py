@@ -110,8 +110,15 @@ class EngineConfig:
     @property
     def chunk_cap(self) -> int:
         """The most tokens one request computes in a step: the threshold, else the budget."""
-        t = self.long_prefill_token_threshold
-        return t if 0 < t < self.max_num_batched_tokens else self.max_num_batched_tokens
+        return prefill_chunk(self.max_num_batched_tokens, self.long_prefill_token_threshold)
+
+
+def prefill_chunk(max_num_batched_tokens: int, long_prefill_token_threshold: int = 0) -> int:
+    """The most prompt tokens one request computes in a step of an engine with this token budget
+    and per-request cap (0: none): the cap where it is lower, else the budget. The router prices
+    a long prompt in steps of this many tokens (``CostModel.chunked_prefill_time``). O(1)."""
+    t = long_prefill_token_threshold
+    return t if 0 < t < max_num_batched_tokens else max_num_batched_tokens
 
 
 @dataclass(slots=True)

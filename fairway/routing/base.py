@@ -206,6 +206,8 @@ class RouterPolicy(ABC):
         # whether ``rank`` reads a request's class's queue (``ReplicaState.class_view``) and
         # objective (``RouteRequest.objective_s``): the host then gives them with classes
         self.class_view = False
+        # the engine's prefill chunk (``prefill_time``); 0: a prompt is priced as one pass
+        self.prefill_chunk = 0
 
     @abstractmethod
     def rank(self, req: RouteRequest, states: Sequence[ReplicaState]) -> Ranking:
@@ -233,10 +235,19 @@ class RouterPolicy(ABC):
             return 0
         return max(0, self.cached_tokens(req, s) - (s.matched_blocks - s.host_blocks) * self.block_size)
 
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        """The prefill estimate this policy prices with, and its host books into the load view:
+        the cost model's one pass, or, with ``prefill_chunk`` set, the engine's steps of that
+        many tokens each (``CostModel.chunked_prefill_time``). O(new_tokens / prefill_chunk)."""
+        if 0 < self.prefill_chunk < new_tokens:
+            return self.cost.chunked_prefill_time(new_tokens, cached_tokens, self.prefill_chunk)
+        return self.cost.prefill_time(new_tokens, cached_tokens)
+
     def prefill_s(self, req: RouteRequest, s: ReplicaState) -> float:
-        """P_rj: the cost model's prefill time of ``req``'s uncached tokens on ``s``."""
+        """P_rj: the policy's prefill estimate (``prefill_time``) of ``req``'s uncached tokens on
+        ``s``."""
         c = self.cached_tokens(req, s)
-        return self.cost.prefill_time(req.prompt_tokens - c, c)
+        return self.prefill_time(req.prompt_tokens - c, c)
 
     def match_rate(self, req: RouteRequest, s: ReplicaState) -> float:
         """Matched tokens / prompt tokens, in [0, 1]: the match rate Ray and SGLang compare.

@@ -44,6 +44,7 @@ import xxhash
 
 from fairway.clock import Clock
 from fairway.cost_model import CostModel, reload_s_per_token
+from fairway.engine.model import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from fairway.policies.fairway import FairwayConfig
 from fairway.routing.base import Ranking, ReplicaState, RouteRequest, RouterPolicy, by_id, ranks_of
 from fairway.routing.popularity import PrefixShares
@@ -92,6 +93,14 @@ class FairwayRouterConfig:
       fullest replica's, a holder's stale usage alone on an idle cluster doubled its T and
       copied the prefix. True compares them with it (the rule before 2026-12-05; every
       yardstick run is the same with either).
+    - prefill_chunk = 8,192 (the engine's default token budget per step): P_rj and the prefill
+      booked into the load view (hence Q_j and R_j) are a chunked-prefill engine's time for the
+      prompt, one step per chunk of at most this many tokens
+      (``CostModel.chunked_prefill_time``); hosts pass the replicas' own (their budget, or their
+      ``long_prefill_token_threshold`` where lower). 0 prices a prompt as one pass (the rule
+      before 2026-12-07), which underestimates a prompt of many chunks (by 1.3x at 191k tokens)
+      so the router saw a replica free while its long prefill still ran (docs/design.md, Wait
+      model).
     - sticky_match = 0 (off), sticky_slack = 3: with m > 0, a request that some replica caches at
       least m of (a continuation) stays on the best-T such replica unless its T is more than
       sticky_slack times the request's cold prefill above the minimum T, so a conversation's
@@ -140,6 +149,7 @@ class FairwayRouterConfig:
     delay_weight: float = 0.0
     overtake_weight: float = 1.0
     seed_footprint: bool = False
+    prefill_chunk: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     @property
     def kv_floor(self) -> float:
@@ -155,6 +165,8 @@ class FairwayRouterConfig:
             raise ValueError("p_floor_s must be >= 0")
         if not self.extra_work_weight >= 0:
             raise ValueError("extra_work_weight must be >= 0")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be an integer >= 0 (tokens; 0: one pass), got {self.prefill_chunk!r}")
         if not self.delay_weight >= 0:
             raise ValueError("delay_weight must be >= 0")
         if not self.overtake_weight >= 0:
@@ -222,6 +234,7 @@ class FairwayRouter(RouterPolicy):
         # bandwidth is checked there)
         self.reload_s_per_token = reload_s_per_token(cost, cfg.host_link_bytes_per_s)
         self.shares = PrefixShares()
+        self.prefill_chunk = cfg.prefill_chunk
 
     def expected_wait(self, s: ReplicaState, prefill_s: float, cached_tokens: int,
                       queued: tuple[float, tuple[float, ...]] | None = None, now: float | None = None) -> float:
@@ -310,15 +323,19 @@ class FairwayRouter(RouterPolicy):
 
     def expected_ttft(self, req: RouteRequest, s: ReplicaState, cached_tokens: int, prefill_s: float,
                       wait_s: float, fullness: float) -> float:
-        """T_rj without the extra-work term: the wait, the step that computes ``req``'s first
-        token (with ``decode_batch``: its uncached tokens on top of ``cached_tokens``, batched
-        with the decodes of ``s``'s running requests, their context estimated as the outstanding
-        requests' blocks times the running fraction; else P_rj) and the footprint term. O(1)."""
+        """T_rj without the extra-work term: the wait, the steps that compute ``req``'s first
+        token (with ``decode_batch``: its uncached tokens on top of ``cached_tokens``, one step
+        per ``prefill_chunk`` tokens, batched with the decodes of ``s``'s running requests, their
+        context estimated as the outstanding requests' blocks times the running fraction; else
+        P_rj) and the footprint term. O(1), O(n / prefill_chunk) for a prompt of n > 1 chunk."""
         cfg = self.config
         if cfg.decode_batch:
             n = req.prompt_tokens - cached_tokens
             ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
-            step = self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
+            if 0 < self.prefill_chunk < n:  # one step per chunk, the decodes in each
+                step = self.cost.chunked_prefill_time(n, cached_tokens, self.prefill_chunk, s.running, ctx)
+            else:
+                step = self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
         else:
             step = prefill_s
         return wait_s + step + cfg.footprint_weight * prefill_s * fullness
@@ -336,7 +353,7 @@ class FairwayRouter(RouterPolicy):
             cp = price.get(s.matched_blocks)
             if cp is None:
                 c = self.cached_tokens(req, s)
-                cp = price[s.matched_blocks] = (c, self.cost.prefill_time(req.prompt_tokens - c, c))
+                cp = price[s.matched_blocks] = (c, self.prefill_time(req.prompt_tokens - c, c))
             cached[s.replica], prefill[s.replica] = cp
         least = min(prefill.values())
         if cfg.footprint == "index":
@@ -509,13 +526,17 @@ class FairwayRouter(RouterPolicy):
 
 
 def router_options_for(router: str, options: dict, replica_policy: str,
-                       replica_options: dict | None = None) -> dict[str, object]:
+                       replica_options: dict | None = None, prefill_chunk: int | None = None) -> dict[str, object]:
     """A router policy's options as hosts pass them: ``options``, plus, for ``fairway`` and
-    where ``options`` leave them out, the wait model matching the replicas' queue policy."""
+    where ``options`` leave them out, the wait model matching the replicas' queue policy and
+    the replicas' engine ``prefill_chunk`` (``fairway.engine.model.prefill_chunk``; None: the
+    router's default)."""
     out = dict(options)
     if router == "fairway":
         for k, v in queue_model_options(replica_policy, replica_options).items():
             out.setdefault(k, v)
+        if prefill_chunk is not None:
+            out.setdefault("prefill_chunk", int(prefill_chunk))
     return out
 
 

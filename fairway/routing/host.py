@@ -95,8 +95,10 @@ class RoutingHost:
              hashes: Sequence[int] = (), klass: str = "") -> None:
         """The request's prefill joins ``replica``'s queued work (its matched blocks are cached),
         in its class's queue with classes; a policy that reads active blocks gets its prompt
-        ``hashes`` tracked there."""
-        self.load.on_routed(rid, replica, prompt_tokens, matched_blocks * self.block_size,
+        ``hashes`` tracked there. Its prefill is booked at the policy's own estimate
+        (``RouterPolicy.prefill_time``)."""
+        c = max(0, min(matched_blocks * self.block_size, prompt_tokens - 1))
+        self.load.on_routed(rid, replica, prompt_tokens, c, prefill_s=self.policy.prefill_time(prompt_tokens - c, c),
                             klass=self._class_of(klass))
         if self.policy.active_blocks:
             self.load.track_blocks(rid, hashes)
@@ -156,7 +158,7 @@ class RoutingHost:
 
     def on_preempted(self, rid: int, prompt_tokens: int) -> None:
         if rid in self.load:
-            self.load.on_preempted(rid, 0, prompt_tokens)
+            self.load.on_preempted(rid, 0, prompt_tokens, prefill_s=self.policy.prefill_time(max(1, prompt_tokens), 0))
 
     def on_finished(self, rid: int) -> None:
         if rid in self.load:

@@ -42,13 +42,14 @@ def make_engine(kind: str, **kwargs: Any) -> Engine:
         raise EngineError(f"bad options for engine {kind!r}: {e}") from e
 
 
-def validated_engine(kind: str, options: dict[str, Any]) -> None:
+def validated_engine(kind: str, options: dict[str, Any]) -> Engine:
     """Check ``kind`` and its ``options`` by building the engine once, unstarted (cheap: an
-    engine loads its model in ``start()``): ``EngineError`` naming the engine and the option on an
-    unknown kind, an unknown option or a bad value. For config boundaries (``serve run``), so a
-    typo fails there and not in a running replica, as ``validated_policy`` does for policies."""
+    engine loads its model in ``start()``), and return it, for what the config reads of it (its
+    step budget): ``EngineError`` naming the engine and the option on an unknown kind, an unknown
+    option or a bad value. For config boundaries (``serve run``), so a typo fails there and not in
+    a running replica, as ``validated_policy`` does for policies."""
     try:
-        make_engine(kind, **options)
+        return make_engine(kind, **options)
     except ValueError as e:
         if isinstance(e, EngineError):
             raise

@@ -47,14 +47,30 @@ def test_unknown_key_is_rejected():
 
 def test_fairway_router_gets_the_wait_model_of_the_replica_policy():
     # Fairway replicas (the default): the queue wait model with their Fast-lane share
-    assert ClusterArgs().router_policy_options() == {"wait_model": "queue", "fast_share": pytest.approx(0.4)}
+    assert ClusterArgs().router_policy_options() == {"wait_model": "queue", "fast_share": pytest.approx(0.4),
+                                                     "prefill_chunk": 8192}
     args = ClusterArgs(replica={"policy": "fairway", "policy_options": {"fair_share": 0.5}})
     assert args.router_policy_options()["fast_share"] == pytest.approx(0.5)
     # FCFS replicas: W = Q; an operator's explicit choice wins; other routers get theirs as given
-    assert ClusterArgs(replica={"policy": "fcfs"}).router_policy_options() == {"wait_model": "fcfs"}
+    assert ClusterArgs(replica={"policy": "fcfs"}).router_policy_options() == {"wait_model": "fcfs",
+                                                                               "prefill_chunk": 8192}
     mine = ClusterArgs(router={"policy": "fairway", "policy_options": {"wait_model": "fcfs", "theta": 8}})
-    assert mine.router_policy_options() == {"wait_model": "fcfs", "fast_share": pytest.approx(0.4), "theta": 8}
+    assert mine.router_policy_options() == {"wait_model": "fcfs", "fast_share": pytest.approx(0.4), "theta": 8,
+                                            "prefill_chunk": 8192}
     assert ClusterArgs(router={"policy": "pow2"}).router_policy_options() == {}
+
+
+def test_fairway_router_prices_prompts_in_the_engines_chunks():
+    """The router's prefill chunk is read from the engine the config builds: its step budget, or
+    its per-request cap where lower; an operator's own value wins."""
+    def chunk(**kw: object) -> object:
+        return ClusterArgs(**kw).router_policy_options()["prefill_chunk"]
+
+    assert chunk(engine_args={"max_num_batched_tokens": 2048}) == 2048
+    assert chunk(engine_args={"max_num_batched_tokens": 4096, "long_prefill_token_threshold": 512}) == 512
+    assert chunk(router={"policy": "fairway", "policy_options": {"prefill_chunk": 0}}) == 0
+    with pytest.raises(ValidationError, match="prefill_chunk"):
+        ClusterArgs(router={"policy": "fairway", "policy_options": {"prefill_chunk": -1}})
 
 
 def test_policy_specs_resolve_the_same_in_yaml_as_on_the_command_line():

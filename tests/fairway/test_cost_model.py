@@ -164,6 +164,24 @@ def test_prefill_of_zero_new_tokens_costs_one_token() -> None:
         m.prefill_time(-1, 0)
 
 
+def test_chunked_prefill_is_one_step_per_chunk_on_the_context_before_it() -> None:
+    m = CostModel.from_profile()
+    # 20,000 new tokens on 1,000 cached in 8,192-token steps: 8,192 on 1,000, 8,192 on 9,192,
+    # then 3,616 on 17,384, each beside 4 decodes over 2,000 context tokens
+    steps = [m.step_time(k, k * c, k * k, 4, 2000) for k, c in ((8192, 1000), (8192, 9192), (3616, 17384))]
+    assert m.chunked_prefill_time(20000, 1000, 8192, 4, 2000) == sum(steps)
+    assert m.chunked_prefill_time(20000, 1000, 8192) == sum(m.step_time(k, k * c, k * k, 0, 0) for k, c in (
+        (8192, 1000), (8192, 9192), (3616, 17384)))
+    # a prompt that fits one chunk, or no chunking: one pass, exactly
+    for n, chunk in ((8192, 8192), (500, 8192), (20000, 0)):
+        assert m.chunked_prefill_time(n, 300, chunk) == m.prefill_time(n, 300)
+    assert m.chunked_prefill_time(0, 300, 8192) == m.prefill_time(1, 300)
+    # the engine's many steps take longer than one pass of the whole prompt (the router's old price)
+    assert m.chunked_prefill_time(191374, 0, 8192) / m.prefill_time(191374, 0) == pytest.approx(1.30, abs=0.02)
+    with pytest.raises(ValueError):
+        m.chunked_prefill_time(-1, 0, 8192)
+
+
 def test_empty_step_costs_nothing() -> None:
     assert CostModel.from_profile().step_time(0, 0, 0, 0, 0) == 0.0
 

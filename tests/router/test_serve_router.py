@@ -139,8 +139,9 @@ async def test_the_routed_call_carries_the_expected_first_token_time_of_the_repl
     d = call("b", 4096)
     await r.choose_replicas(reps, pending(d))
     r.on_request_routed(pending(d), reps[1].replica_id, None)  # the pick refused it: the next rank's
-    # behind what is left of the running prefill (started 0.5 s ago), then its own step beside one decode
-    left = r.cost.prefill_time(20000, 0) - 0.5
+    # behind what is left of the running prefill (started 0.5 s ago; 3 steps of at most the
+    # engine's 8,192 tokens), then its own step beside one decode
+    left = r.cost.chunked_prefill_time(20000, 0, 8192) - 0.5
     assert d.expected_ttft_s == pytest.approx(left + step, abs=0.002) and left > 0.3
     assert d.routing_reason == r.bookings.get("iid-b").reason
     p, _ = router("pow2")

@@ -107,12 +107,26 @@ def test_runner_gives_the_fairway_router_the_replicas_wait_model():
     from sim.runner import router_options
 
     base = dict(workload="rag", replicas=2, router="fairway")
-    assert router_options(RunConfig(policy="fairway", **base)) == {"wait_model": "queue",
+    assert router_options(RunConfig(policy="fairway", **base)) == {"wait_model": "queue", "prefill_chunk": 8192,
                                                                    "fast_share": pytest.approx(0.4)}
-    assert router_options(RunConfig(policy="fcfs", **base)) == {"wait_model": "fcfs"}
-    mine = RunConfig(policy="fcfs", router_options={"wait_model": "queue", "fast_share": 1.0}, **base)
-    assert router_options(mine) == {"wait_model": "queue", "fast_share": 1.0}
+    assert router_options(RunConfig(policy="fcfs", **base)) == {"wait_model": "fcfs", "prefill_chunk": 8192}
+    mine = RunConfig(policy="fcfs", router_options={"wait_model": "queue", "fast_share": 1.0, "prefill_chunk": 0},
+                     **base)
+    assert router_options(mine) == {"wait_model": "queue", "fast_share": 1.0, "prefill_chunk": 0}
     assert router_options(RunConfig(policy="fairway", workload="rag", replicas=2, router="pow2")) == {}
+
+
+def test_runner_gives_the_fairway_router_the_engines_prefill_chunk():
+    """The router prices a long prompt in the steps the engines run it in: their token budget,
+    or their per-request cap where lower."""
+    from sim.runner import router_options
+
+    base = dict(workload="rag", replicas=2, router="fairway", policy="fcfs")
+    assert router_options(RunConfig(max_num_batched_tokens=4096, **base))["prefill_chunk"] == 4096
+    assert router_options(RunConfig(max_num_batched_tokens=4096, long_prefill_token_threshold=1024,
+                                    **base))["prefill_chunk"] == 1024
+    assert router_options(RunConfig(max_num_batched_tokens=4096, long_prefill_token_threshold=5000,
+                                    **base))["prefill_chunk"] == 4096
 
 
 def two_routers(**view) -> tuple[ClusterRouter, ManualClock]:

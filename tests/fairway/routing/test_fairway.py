@@ -204,6 +204,9 @@ def test_fairway_footprint_floor_keeps_a_sliver_of_memory_from_reading_full():
             router("fairway", footprint_floor=bad)
     with pytest.raises(ValueError, match="footprint='kv' only"):  # never silently ignored
         router("fairway", footprint="index", footprint_floor=0.05)
+    for bad in (-1, 1.5, True):  # tokens, a whole number
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            router("fairway", prefill_chunk=bad)
 
 
 def test_fairway_queue_wait_model_counts_only_the_work_ahead_in_the_fast_lane():

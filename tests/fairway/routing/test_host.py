@@ -92,3 +92,31 @@ def test_bookings_queue_a_request_under_its_class_and_resolve_the_default():
     queues = host.load.snapshot().class_queues
     assert set(queues[0]) == {"batch"} and set(queues[1]) == {"interactive"}
     assert host.load.snapshot().outstanding == (1, 2)
+
+
+def _chunk_host(chunk: int) -> tuple[RoutingHost, ManualClock]:
+    clock = ManualClock()
+    cost = LinearCost()
+    pol = make_router("fairway", clock=clock, cost=cost, block_size=BS,  # type: ignore[arg-type]
+                      rng=np.random.default_rng(0), replicate=False, prefill_chunk=chunk)
+    return RoutingHost(pol, PrefixIndex(2), LoadView(2, clock, cost, block_size=BS), block_size=BS), clock  # type: ignore[arg-type]
+
+
+def test_a_long_prompt_is_booked_and_priced_in_the_engines_chunks():
+    """A 250-token prompt on an engine that computes 100 tokens a step runs in 3 steps: the
+    router books it at 3 x 0.01 + 0.25 = 0.28 s and sees its replica busy until then. Priced as
+    one pass (``prefill_chunk=0``) it is booked at 0.26 s, and at t = 0.27, while its last chunk
+    still runs, its replica looks free."""
+    for chunk, booked, wait_at_027 in ((100, 0.28, 0.01), (0, 0.26, 0.0)):
+        host, clock = _chunk_host(chunk)
+        d = host.decide(1, 250, chain("long", 15))
+        assert d.ranking.scores[d.pick] == pytest.approx(booked)  # idle: T = P
+        host.book(1, d.pick, 250, 0)
+        assert host.load.snapshot().queued_prefill_s[d.pick] == pytest.approx(booked)
+        host.on_started(1)  # at t = 0
+        clock.set(0.27)
+        assert host.decide(2, 100, chain("short", 6)).ranking.waits == pytest.approx(
+            {d.pick: wait_at_027, 1 - d.pick: 0.0})
+    # the first step's own chunk: a prompt that fits one chunk is priced as one pass either way
+    host, _ = _chunk_host(100)
+    assert host.decide(3, 90, chain("fits", 5)).ranking.scores[0] == pytest.approx(0.01 + 0.09)
