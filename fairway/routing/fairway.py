@@ -99,8 +99,8 @@ class FairwayRouterConfig:
       (``CostModel.chunked_prefill_time``); hosts pass the replicas' own (their budget, or their
       ``long_prefill_token_threshold`` where lower). 0 prices a prompt as one pass (the rule
       before 2026-12-07), which underestimates a prompt of many chunks (by 1.3x at 191k tokens)
-      so the router saw a replica free while its long prefill still ran (docs/design.md, Wait
-      model).
+      so the router saw a replica free while its long prefill still ran (docs/design.md, A
+      prompt of many chunks).
     - sticky_match = 0 (off), sticky_slack = 3: with m > 0, a request that some replica caches at
       least m of (a continuation) stays on the best-T such replica unless its T is more than
       sticky_slack times the request's cold prefill above the minimum T, so a conversation's
