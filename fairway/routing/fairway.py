@@ -9,8 +9,9 @@ a non-holder (``replicate``);
 keeps a request on a replica that holds most of its prompt while that costs at most
 ``sticky_slack`` cold prefills of T.
 
-Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix); P_rj =
-cost.prefill_time(L_r - ĉ_rj, ĉ_rj); Q_j the prefill seconds routed to j and not yet started;
+Terms: ĉ_rj the estimated cached tokens (matched blocks, capped at the cacheable prefix); P_rj
+the prefill of L_r - ĉ_rj tokens on ĉ_rj, in the engine's chunks (``prefill_chunk``,
+``RouterPolicy.prefill_time``); Q_j the prefill seconds routed to j and not yet started;
 R_j the prefill still to run of the requests j has started (``running_prefill``); W_rj the wait
 (``expected_wait``: R_j + min(Q_j, A_rj / fast_share) with a hit on j, A_rj the queued work no
 heavier than P_rj, whether or not j has a free sequence slot; R_j + Q_j with
@@ -464,7 +465,7 @@ class FairwayRouter(RouterPolicy):
         holders = sum(1 for c in cached.values() if c == best)
         if share is None or holders == len(cached) or share <= holders / len(cached):
             return None
-        p_warm = self.cost.prefill_time(req.prompt_tokens - best, best)
+        p_warm = self.prefill_time(req.prompt_tokens - best, best)
         # a holder's own prefill is p_warm too, so its footprint term is weight x p_warm x fullness
         full = fullness if self.config.seed_footprint else dict.fromkeys(fullness, 0.0)
         foot = self.config.footprint_weight * p_warm
@@ -489,7 +490,7 @@ class FairwayRouter(RouterPolicy):
         j = next((j for j in order if cached[j] >= need), None)
         if j is None:
             return pick
-        slack = self.config.sticky_slack * self.cost.prefill_time(req.prompt_tokens, 0)
+        slack = self.config.sticky_slack * self.prefill_time(req.prompt_tokens, 0)
         return j if ttft[j] - ttft[pick] <= slack else pick
 
     def _affinity_target(self, req: RouteRequest, ss: Sequence[ReplicaState], cached: dict[int, int],

@@ -444,6 +444,14 @@ def test_fairway_replicates_a_prefix_drawing_more_than_its_holders_share():
         idle.clock.set(t)
         assert choice(ranked(idle, req(1000), [st(0, matched=50), st(1), st(2)])) == 0
         assert last(idle).reason == "affinity"
+    # priced in the engine's chunks (100 tokens a step: the 200 uncached tokens take 2 steps,
+    # 0.22), a copy is priced as the holder is: on an idle cluster still no seed (the first step
+    # priced as P, so the copy's price is P's own)
+    chunked = router("fairway", prefill_chunk=100, decode_batch=False)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        chunked.clock.set(t)
+        assert choice(ranked(chunked, req(1000), [st(0, matched=50), st(1), st(2)])) == 0
+        assert last(chunked).reason == "affinity" and last(chunked).scores[0] == pytest.approx(0.22)
     # other traffic dilutes the share: the prefix in 1 of 4 decisions (0.25 < 1/3) stays put
     d = router("fairway")
     for t in range(13):
