@@ -221,7 +221,7 @@ class HttpLoadRun:
         assert self._http is not None
         key = self.n_issued
         self.ledger.send(key)
-        after_s, after_events = self._hang_up()
+        after_s, after_events = self._hang_up(spec)
         res = await stream_completion(
             self._http, self.cfg.url, body, clock=self.clock, timeout_s=self.cfg.timeout_s,
             retries=self.cfg.retries, hang_up_after_s=after_s, hang_up_after_events=after_events,
@@ -241,9 +241,10 @@ class HttpLoadRun:
             for follow in self.workload.on_complete(spec, finish_s):
                 self._launch(follow)
 
-    def _hang_up(self) -> tuple[float | None, int | None]:
-        """Whether this request's client hangs up on purpose, and when (the module docstring):
-        (seconds, None), (None, token events) or (None, None). O(1)."""
+    def _hang_up(self, spec: RequestSpec) -> tuple[float | None, int | None]:
+        """Whether ``spec``'s client hangs up on purpose, and when (the module docstring):
+        (seconds, None), (None, token events) or (None, None); drawn in issue order, whatever
+        the request. O(1)."""
         f = self.cfg.disconnect_fraction
         if f <= 0.0 or self._hang_rng.random() >= f:
             return None, None

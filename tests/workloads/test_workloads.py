@@ -611,4 +611,6 @@ def test_hashing_is_fast_for_a_large_workload():
     elapsed = time.perf_counter() - start
     assert 4_500 < len(specs) < 5_500
     assert np.mean([s.prompt_tokens for s in specs]) > 9_000
-    assert elapsed < 5.0
+    # a guard against a super-linear build, not a benchmark: about 1 s alone, 6 s measured under
+    # CI's concurrent end-to-end stream on 2 cores; a quadratic build would take minutes
+    assert elapsed < 30.0
