@@ -333,10 +333,8 @@ class FairwayRouter(RouterPolicy):
         if cfg.decode_batch:
             n = req.prompt_tokens - cached_tokens
             ctx = s.active_blocks * self.block_size * s.running // s.outstanding if s.outstanding else 0
-            if 0 < self.prefill_chunk < n:  # one step per chunk, the decodes in each
-                step = self.cost.chunked_prefill_time(n, cached_tokens, self.prefill_chunk, s.running, ctx)
-            else:
-                step = self.cost.step_time(n, n * cached_tokens, n * n, s.running, ctx)
+            # one step per chunk, the decodes in each (one step where the prompt fits a chunk)
+            step = self.cost.chunked_prefill_time(n, cached_tokens, self.prefill_chunk, s.running, ctx)
         else:
             step = prefill_s
         return wait_s + step + cfg.footprint_weight * prefill_s * fullness
