@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.yardstick import Run, default_points, registered
+from bench.yardstick import Run, point_named, registered
 from sim.runner import build
 
 #: Draws per block of the bootstrap (bounds its memory)
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--point", required=True, help="a yardstick point's label, e.g. 'mooncake-toolagent x2'")
     ap.add_argument("--base", default="fairway", help="the baseline router spec")
     ap.add_argument("--candidate", required=True, help="the candidate router spec")
-    ap.add_argument("--view", default="approx", choices=("approx", "events"))
+    ap.add_argument("--view", default="approx", choices=("approx", "lru", "events"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap draws")
     ap.add_argument("--level", type=float, default=0.9, help="the interval's coverage")
@@ -132,12 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = registered([args.base, args.candidate])[1]
     if unknown:
         ap.error(f"not a router spec this build can make: {', '.join(unknown)}")
-    points, missing = default_points()
-    point = next((p for p in points if p.label == args.point), None)
-    if point is None:
-        known = ", ".join(p.label for p in points)
-        ap.error(f"unknown point {args.point!r}; known: {known}" + (f" (traces not found: {', '.join(missing)})"
-                                                                     if missing else ""))
+    try:
+        point = point_named(args.point)
+    except ValueError as e:
+        ap.error(str(e))
     b, c = (ttfts(Run(point, spec, args.view, args.seed)) for spec in (args.base, args.candidate))
     xb, xc = pair(b, c)
     rows = paired_ratios(xb, xc, np.random.default_rng(args.boot_seed), args.boot, args.level, args.above)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.yardstick import Point, Run, default_points
+from bench.yardstick import Run, point_named
 from fairway.spec import split_specs
 from sim.runner import build
 
@@ -200,15 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--view", default="approx", choices=("approx", "lru", "events"))
     args = ap.parse_args(argv)
-    points, _ = default_points()
-    found: list[Point] = [p for p in points if p.label == args.point]
-    if not found:
-        ap.error(f"no point {args.point!r}; known: {', '.join(p.label for p in points)}")
+    try:
+        point = point_named(args.point)
+    except ValueError as e:
+        ap.error(str(e))
     results: dict[str, list[Anatomy]] = {}
     for router in split_specs(args.routers):
         for seed in (int(s) for s in split_specs(args.seeds)):
             print(f"{args.point} {router} seed {seed} ...", file=sys.stderr)
-            results.setdefault(router, []).append(anatomy(Run(found[0], router, args.view, seed)))
+            results.setdefault(router, []).append(anatomy(Run(point, router, args.view, seed)))
     print(render(args.point, results))
     return 0
 

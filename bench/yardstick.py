@@ -116,6 +116,16 @@ def default_points() -> tuple[list[Point], list[str]]:
     return pts, missing
 
 
+def point_named(label: str) -> Point:
+    """The point with this label, or a ValueError naming the known ones and the traces not found."""
+    points, missing = default_points()
+    for p in points:
+        if p.label == label:
+            return p
+    absent = f" (traces not found: {', '.join(missing)})" if missing else ""
+    raise ValueError(f"unknown point {label!r}; known: {', '.join(p.label for p in points)}{absent}")
+
+
 #: The real traces with prefix information (``workloads.traces.KNOWN_TRACES`` names) and their
 #: time scales: the Mooncake ones at the loads the router issues state (x2 busy, x3 and x4
 #: overloaded on 8 replicas); the others, not yet measured here, at their own pace and x2.
