@@ -12,9 +12,11 @@ default, the yardstick's per-point bound).
 
 Why: on a trace of 1,000 requests the p99 is about the 10th-slowest request, so one request
 placed differently moves it by 10% while the mean does not move
-(docs/history/2026-12-08-seeds-and-small-traces.md). A trace replay is deterministic: its seed
-changes neither arrivals nor sizes, so more seeds give no new sample of a deterministic router.
-The requests themselves are the sample, and this is their spread.
+(docs/history/2026-12-08-seeds-and-small-traces.md). On a trace point the replay is
+deterministic: its seed changes neither arrivals nor sizes, so more seeds give no new sample of a
+deterministic router. The requests themselves are the sample, and this is their spread. The
+draws treat the requests as independent, which they are not (they queue behind one another):
+the interval is the figure's spread over these requests, not over other traffic.
 
 Cost: the two simulator runs, then O(boot x requests) for the draws, in blocks of ``BLOCK``
 draws so memory stays O(BLOCK x requests).
