@@ -78,14 +78,19 @@ def pair(base: dict[int, float], candidate: dict[int, float]) -> tuple[np.ndarra
     return np.array([base[i] for i in ids]), np.array([candidate[i] for i in ids])
 
 
+def check_draws(boot: int, level: float) -> None:
+    """The bootstrap's settings, checked before any run (a ValueError names them)."""
+    if boot < 1 or not 0 < level < 1:
+        raise ValueError("boot must be >= 1 and level in (0, 1)")
+
+
 def paired_ratios(base: np.ndarray, candidate: np.ndarray, rng: np.random.Generator, boot: int = 2000,
                   level: float = 0.9, threshold: float = 1.05) -> list[PairedRatio]:
     """Every figure of ``FIGURES``: the ratio and its paired-bootstrap interval (module docstring).
     O(boot x n)."""
     if base.shape != candidate.shape or base.ndim != 1 or base.size == 0:
         raise ValueError("base and candidate must be equal-length, non-empty 1-D arrays of TTFTs")
-    if boot < 1 or not 0 < level < 1:
-        raise ValueError("boot must be >= 1 and level in (0, 1)")
+    check_draws(boot, level)
     n = base.size
     draws: dict[str, list[np.ndarray]] = {f: [] for f in FIGURES}
     for start in range(0, boot, BLOCK):
@@ -129,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--above", type=float, default=1.05, help="report the share of draws above this ratio")
     ap.add_argument("--boot-seed", type=int, default=0, help="the bootstrap's RNG seed")
     args = ap.parse_args(argv)
-    if args.boot < 1 or not 0 < args.level < 1:
-        ap.error("--boot must be >= 1 and --level in (0, 1)")
+    try:
+        check_draws(args.boot, args.level)
+    except ValueError as e:
+        ap.error(str(e))
     unknown = registered([args.base, args.candidate])[1]
     if unknown:
         ap.error(f"not a router spec this build can make: {', '.join(unknown)}")
