@@ -1,7 +1,8 @@
 """Is a candidate router's difference from a baseline larger than the noise of the requests?
 One yardstick point, two router specs, the same requests, a paired bootstrap.
 
-``python -m bench.paired --point "mooncake-toolagent x2" --base fairway --candidate "fairway[extra_work_weight=1]"``
+``python -m bench.paired --point "mooncake-synthetic x2" --base fairway --candidate "fairway[extra_work_weight=1]"``
+(a point on a trace outside the shared folder needs ``FAIRWAY_TRACE_DIR``, as for the yardstick)
 
 Both runs replay the same request stream (the point, view and seed fix it), so each request has
 a TTFT under each router. The ratio of a figure (p50, p99, mean) is the candidate's over the
